@@ -1,0 +1,1 @@
+"""Kiln's MoE expert-offload engine: packed expert store → RAM tier → GPU slots, exact models, OpenAI server."""

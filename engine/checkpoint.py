@@ -1,0 +1,120 @@
+"""Read a Hugging Face MoE checkpoint as published: config.json + (sharded) safetensors.
+
+Knows where each architecture keeps its routed experts, so the store, the models and the
+tests agree on what "expert e of layer l" is. Tensors are read lazily (safetensors mmap).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from functools import cached_property
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from engine.experts import ExpertLayout
+
+# model_type -> (mlp prefix, gate/up/down names, keys of the expert count, key of the expert FFN width).
+# Published configs and transformers 5's save_pretrained name the expert count differently.
+ARCHS = {
+    "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj"), ("num_experts", "num_local_experts"),
+                  "moe_intermediate_size"),
+    "glm4_moe": ("mlp", ("gate_proj", "up_proj", "down_proj"), ("n_routed_experts", "num_local_experts"),
+                 "moe_intermediate_size"),
+    "mixtral": ("block_sparse_moe", ("w1", "w3", "w2"), ("num_local_experts",), "intermediate_size"),
+}
+
+
+class CheckpointError(Exception):
+    """A checkpoint that cannot be read as a supported MoE model; the message names file and reason."""
+
+
+class Checkpoint:
+    def __init__(self, model_dir: str | Path):
+        self.dir = Path(model_dir)
+        cfg_path = self.dir / "config.json"
+        try:
+            self.config: dict = json.loads(cfg_path.read_text())
+        except FileNotFoundError:
+            raise CheckpointError(f"{cfg_path}: missing (not a Hugging Face checkpoint directory)") from None
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"{cfg_path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+        self.arch = self.config.get("model_type", "")
+        if self.arch not in ARCHS:
+            raise CheckpointError(f"{cfg_path}: model_type {self.arch!r} is not supported "
+                                  f"(supported: {', '.join(sorted(ARCHS))})")
+        self._mlp, self._names, n_keys, i_key = ARCHS[self.arch]
+        n_key = next((k for k in n_keys if self.config.get(k)), None)
+        if n_key is None or i_key not in self.config:
+            raise CheckpointError(f"{cfg_path}: {self.arch} config lacks {n_keys[0]} or {i_key}")
+        self.n_experts = int(self.config[n_key])
+        self.hidden = int(self.config["hidden_size"])
+        self.moe_intermediate = int(self.config[i_key])
+        self.num_layers = int(self.config["num_hidden_layers"])
+        self._files = self._index()
+
+    def _index(self) -> dict[str, Path]:
+        idx = self.dir / "model.safetensors.index.json"
+        if idx.exists():
+            weight_map = json.loads(idx.read_text())["weight_map"]
+            return {k: self.dir / v for k, v in weight_map.items()}
+        files = sorted(self.dir.glob("*.safetensors"))
+        if not files:
+            raise CheckpointError(f"{self.dir}: no *.safetensors files")
+        out = {}
+        for f in files:
+            with safe_open(f, "pt") as h:
+                for k in h.keys():
+                    out[k] = f
+        return out
+
+    @cached_property
+    def moe_layers(self) -> list[int]:
+        """Layers with routed experts (GLM's first_k_dense_replace / Qwen's mlp_only_layers are dense)."""
+        first_dense = int(self.config.get("first_k_dense_replace", 0) or 0)
+        mlp_only = set(self.config.get("mlp_only_layers", []) or [])
+        step = int(self.config.get("decoder_sparse_step", 1) or 1)
+        layers = []
+        for l in range(self.num_layers):
+            if l < first_dense or l in mlp_only or (step > 1 and (l + 1) % step != 0):
+                continue
+            layers.append(l)
+        return layers
+
+    @cached_property
+    def dtype(self) -> torch.dtype:
+        name = self.expert_key(self.moe_layers[0], 0, 0)
+        return self.tensor(name).dtype
+
+    def layout(self, dtype: torch.dtype | None = None) -> ExpertLayout:
+        return ExpertLayout(self.hidden, self.moe_intermediate, dtype or self.dtype)
+
+    def names(self) -> list[str]:
+        return list(self._files)
+
+    def expert_key(self, layer: int, expert: int, which: int) -> str:
+        """which: 0 gate, 1 up, 2 down."""
+        return f"model.layers.{layer}.{self._mlp}.experts.{expert}.{self._names[which]}.weight"
+
+    def is_routed_expert(self, name: str) -> bool:
+        return f".{self._mlp}.experts." in name
+
+    def non_expert_names(self) -> list[str]:
+        return [k for k in self._files if not self.is_routed_expert(k)]
+
+    def tensor(self, name: str) -> torch.Tensor:
+        try:
+            path = self._files[name]
+        except KeyError:
+            raise CheckpointError(f"{self.dir}: tensor {name} missing") from None
+        with safe_open(path, "pt") as h:
+            return h.get_tensor(name)
+
+    def expert(self, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(gate [I,H], up [I,H], down [H,I]) of one routed expert, as stored in the checkpoint."""
+        return tuple(self.tensor(self.expert_key(layer, expert, w)) for w in range(3))  # type: ignore[return-value]
+
+    def config_hash(self) -> str:
+        """sha256 of config.json as canonical JSON: ties a store to the checkpoint it came from."""
+        return hashlib.sha256(json.dumps(self.config, sort_keys=True).encode()).hexdigest()

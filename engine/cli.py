@@ -1,0 +1,90 @@
+"""`engine`: the offload engine's CLI. Commands load lazily (torch is slow to import)."""
+from __future__ import annotations
+
+import importlib
+import sys
+
+import click
+
+# command name -> (module, attribute)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "pack-store": ("engine.store.cli", "pack_store"),
+    "verify-store": ("engine.store.cli", "verify_store"),
+    "serve": ("engine.server.cli", "serve"),
+    "generate": ("engine.generate_cli", "generate"),
+    "convert": ("engine.convert", "convert"),
+    "synth": ("engine.synth", "synth"),
+    "simulate-cache": ("engine.tiers.simulate", "simulate_cache"),
+}
+
+SHORT_HELP = {
+    "pack-store": "Pack a checkpoint's routed experts into an O_DIRECT store, verified.",
+    "verify-store": "Re-read every store record with O_DIRECT and check its sha256.",
+    "serve": "Serve a model over an OpenAI-compatible HTTP API.",
+    "generate": "Generate from a prompt on the command line (greedy or sampled).",
+    "convert": "Convert a dense GGUF model into a sparse-upcycled Mixtral checkpoint.",
+    "synth": "Synthesize a random checkpoint of a given MoE shape straight into a store.",
+    "simulate-cache": "Compare expert-cache eviction policies on a routing trace.",
+}
+
+
+class EngineError(Exception):
+    """A one-line, user-facing failure; `exit_code` is documented in `engine --help`."""
+
+    def __init__(self, message: str, exit_code: int = 1):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+class LazyGroup(click.Group):
+    def list_commands(self, ctx):
+        return list(COMMANDS)
+
+    def get_command(self, ctx, name):
+        if name not in COMMANDS:
+            return None
+        module, attr = COMMANDS[name]
+        try:
+            return getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError) as e:
+            @click.command(name=name, help=f"(unavailable: {e})")
+            def unavailable():
+                raise EngineError(f"`engine {name}` is unavailable here: {e}", 4)
+            return unavailable
+
+    def format_commands(self, ctx, formatter):
+        with formatter.section("Commands"):
+            formatter.write_dl([(n, SHORT_HELP.get(n, "")) for n in self.list_commands(ctx)])
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]},
+             epilog="Exit codes: 0 ok, 1 failed (e.g. a bad store record), 2 usage, "
+                    "3 bad model/checkpoint, 4 missing dependency, 6 filesystem refused (O_DIRECT, full, read-only), "
+                    "8 integrity (sha256 mismatch), 130 interrupted.")
+def cli():
+    """Kiln's MoE expert-offload engine."""
+
+
+def main(argv=None) -> int:
+    try:
+        rv = cli.main(args=argv, prog_name="engine", standalone_mode=False)
+        return int(rv or 0)
+    except EngineError as e:
+        click.echo(f"engine: {e}", err=True)
+        return e.exit_code
+    except (click.exceptions.Abort, KeyboardInterrupt):
+        click.echo("engine: interrupted", err=True)
+        return 130
+    except click.ClickException as e:
+        e.show()
+        return e.exit_code
+    except click.exceptions.Exit as e:
+        return int(e.exit_code)
+
+
+def entry():
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    entry()

@@ -1,0 +1,30 @@
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")          # tests never reach a hub
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def repo_root() -> Path:
+    return REPO
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """Factory: tiny_checkpoint(arch, **kw) -> Path; cached per (arch, kw) for the session."""
+    from tests.fixtures.tiny_models import make_tiny_checkpoint
+    cache: dict = {}
+
+    def make(arch: str, **kw) -> Path:
+        key = (arch, tuple(sorted(kw.items())))
+        if key not in cache:
+            cache[key] = make_tiny_checkpoint(arch, tmp_path_factory.mktemp(arch), **kw)
+        return cache[key]
+    return make
