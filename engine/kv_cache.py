@@ -1,0 +1,62 @@
+"""A KV cache allocated once: [layers, slots, max_len, kv_heads, head_dim] for keys and for values.
+
+A slot holds one sequence. Slots are handed out lowest-first so the active batch is usually a
+contiguous range, which the attention reads as a view instead of a gather.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    def __init__(self, num_layers: int, slots: int, max_len: int, kv_heads: int, head_dim: int, *,
+                 dtype: torch.dtype, device: str | torch.device = "cpu"):
+        assert slots > 0 and max_len > 0, "the KV cache needs at least one slot and one position"
+        shape = (num_layers, slots, max_len, kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.slots = slots
+        self.max_len = max_len
+        self._free = list(range(slots))
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
+
+    # --- slot allocation (the scheduler's thread only) ---
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    def alloc(self) -> int:
+        self._free.sort()
+        return self._free.pop(0)
+
+    def release(self, slot: int) -> None:
+        assert slot not in self._free, f"slot {slot} released twice"
+        self._free.append(slot)
+
+    # --- per-layer access; `sel`/`idx` come from select(), made once per step, not per layer ---
+    def write_prefill(self, layer: int, slot: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """One sequence's k, v [T, kv_heads, head_dim] at positions start..start+T."""
+        self.k[layer, slot, start:start + k.shape[0]] = k
+        self.v[layer, slot, start:start + v.shape[0]] = v
+
+    def write_decode(self, layer: int, idx: torch.Tensor, positions: torch.Tensor,
+                     k: torch.Tensor, v: torch.Tensor) -> None:
+        """One token per sequence: k, v [B, kv_heads, head_dim] at (slot idx[b], positions[b])."""
+        self.k[layer].index_put_((idx, positions), k)
+        self.v[layer].index_put_((idx, positions), v)
+
+    def read(self, layer: int, sel: slice | torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values [B, length, kv_heads, head_dim] of the selected slots (a view when sel is a slice)."""
+        return self.k[layer, sel, :length], self.v[layer, sel, :length]
+
+
+def select(slots: list[int], device) -> tuple[slice | torch.Tensor, torch.Tensor]:
+    """(sel, idx) for a batch of slots: sel reads them (a slice when they are contiguous, so no gather),
+    idx [B] writes them."""
+    idx = torch.tensor(slots, device=device)
+    first = slots[0]
+    if slots == list(range(first, first + len(slots))):
+        return slice(first, first + len(slots)), idx
+    return idx, idx

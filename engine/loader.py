@@ -1,0 +1,109 @@
+"""Build a ready model from a Hugging Face checkpoint directory: non-expert weights on the device,
+a KV cache allocated once, and an ExpertProvider for the routed experts (all in memory, or the
+tiered store when `store_dir` is given)."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+
+from engine.checkpoint import Checkpoint, CheckpointError
+from engine.config import ModelConfig
+from engine.experts import DTYPES, ExpertProvider, InMemoryExperts
+from engine.kv_cache import KVCache
+from engine.models import model_class
+from engine.models.common import MoEModel
+
+DEFAULT_MAX_CONTEXT = 4096      # the KV cache is preallocated: a 128k default would take tens of GB
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+# Compute dtypes per device kind, and the default for each checkpoint dtype.
+ALLOWED = {"cpu": (torch.float32, torch.bfloat16), "cuda": (torch.bfloat16, torch.float16, torch.float32)}
+_DEFAULT = {"cpu": torch.float32, "cuda": torch.bfloat16}
+
+
+def resolve_dtype(device: str | torch.device, dtype: str | torch.dtype | None, ckpt_dtype: torch.dtype) -> torch.dtype:
+    kind = torch.device(device).type
+    if kind not in ALLOWED:
+        raise ValueError(f"device {device!s} is not supported (cpu or cuda)")
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype {dtype!r} is not supported ({', '.join(DTYPES)})")
+        dtype = DTYPES[dtype]
+    if dtype is None:
+        dtype = ckpt_dtype if ckpt_dtype in ALLOWED[kind][:2] else _DEFAULT[kind]
+    if dtype not in ALLOWED[kind]:
+        names = ", ".join(str(d).removeprefix("torch.") for d in ALLOWED[kind])
+        raise ValueError(f"dtype {str(dtype).removeprefix('torch.')} is not supported on {kind} ({names})")
+    return dtype
+
+
+class CheckpointWeights:
+    """The model's non-expert tensors, read on demand and moved to device/dtype; remembers what was
+    used so the loader can refuse a checkpoint with tensors the model would silently ignore."""
+
+    def __init__(self, ckpt: Checkpoint, num_layers: int, device, dtype: torch.dtype):
+        self.ckpt, self.device, self.dtype = ckpt, device, dtype
+        # Layers past num_hidden_layers are GLM's multi-token-prediction heads (transformers ignores them too).
+        self.names = {n for n in ckpt.non_expert_names()
+                      if not ((m := _LAYER.match(n)) and int(m.group(1)) >= num_layers)}
+        self.used: set[str] = set()
+
+    def get(self, name: str, *, fp32: bool = False) -> torch.Tensor:
+        if name not in self.names:
+            raise CheckpointError(f"{self.ckpt.dir}: tensor {name} missing")
+        self.used.add(name)
+        t = self.ckpt.tensor(name)
+        return t.to(device=self.device, dtype=torch.float32 if fp32 else self.dtype).contiguous()
+
+    def maybe(self, name: str) -> torch.Tensor | None:
+        return self.get(name) if name in self.names else None
+
+    def unused(self) -> list[str]:
+        return sorted(self.names - self.used)
+
+
+def in_memory_experts(ckpt: Checkpoint, device, dtype: torch.dtype) -> InMemoryExperts:
+    """Every routed expert packed as records, one [n_experts, record_elems] tensor per MoE layer."""
+    layout = ckpt.layout(dtype)
+    records = {l: torch.stack([layout.pack(*ckpt.expert(l, e)) for e in range(ckpt.n_experts)]).to(device)
+               for l in ckpt.moe_layers}
+    return InMemoryExperts(layout, records)
+
+
+def load_model(model_dir: str | Path, provider: ExpertProvider | None = None, *, store_dir: str | Path | None = None,
+               device: str | torch.device = "cpu", dtype: str | torch.dtype | None = None,
+               max_context: int | None = None, max_batch: int = 8, gpu_slots: int | None = None,
+               ram_slots: int | None = None, readers: int | None = None, cpu_layout=None) -> MoEModel:
+    """A model ready for prefill/decode_step. Raises CheckpointError (bad checkpoint) or ValueError (bad argument)."""
+    ckpt = Checkpoint(model_dir)
+    cfg = ModelConfig.from_checkpoint(ckpt)
+    dtype = resolve_dtype(device, dtype, ckpt.dtype)
+    if max_context is None:
+        max_context = min(cfg.max_position_embeddings, DEFAULT_MAX_CONTEXT)
+    if not 1 < max_context <= cfg.max_position_embeddings:
+        raise ValueError(f"context {max_context} must be within 2..{cfg.max_position_embeddings} "
+                         f"(the model's max_position_embeddings)")
+    if max_batch < 1:
+        raise ValueError(f"max_batch {max_batch} must be at least 1")
+
+    if provider is None:
+        if store_dir is not None:
+            from engine.tiers import build_provider     # lazy: the tiers need O_DIRECT readers, not the models
+            provider = build_provider(ckpt, store_dir, device=device, dtype=dtype, gpu_slots=gpu_slots,
+                                      ram_slots=ram_slots, readers=readers, cpu_layout=cpu_layout)
+        else:
+            provider = in_memory_experts(ckpt, device, dtype)
+    lay = provider.layout
+    if (lay.hidden, lay.intermediate) != (cfg.hidden, cfg.moe_intermediate):
+        raise CheckpointError(f"{ckpt.dir}: expert provider holds [{lay.intermediate}x{lay.hidden}] experts, "
+                              f"the checkpoint [{cfg.moe_intermediate}x{cfg.hidden}]")
+
+    kv = KVCache(cfg.num_layers, max_batch, max_context, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=device)
+    weights = CheckpointWeights(ckpt, cfg.num_layers, device, dtype)
+    model = model_class(cfg.arch)(cfg, weights, provider, kv, device=device, dtype=dtype)
+    if unused := weights.unused():
+        raise CheckpointError(f"{ckpt.dir}: {len(unused)} tensors are not part of the {cfg.arch} model "
+                              f"(unsupported variant?), e.g. {unused[0]}")
+    return model.eval()

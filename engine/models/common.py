@@ -1,0 +1,259 @@
+"""Layers shared by the engine's MoE models, each matching its transformers counterpart.
+
+Every model is: embedding → N × (RMSNorm → attention → residual, RMSNorm → MLP or MoE → residual)
+→ RMSNorm → lm_head. The architectures differ only in attention details (q/k norm, biases,
+partial rotary — all read from ModelConfig here) and in their MLP/MoE block (one file each).
+
+The forward is split in the manner of nano-vllm/gpt-fast: `prefill` (one sequence, many tokens)
+and `decode_step` (many sequences, one token each) over a KVCache allocated once. Step metadata
+(rotary rows, mask, slot indices) is built once per step, never per layer, and nothing here reads
+a device value back to the host.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.config import ModelConfig
+from engine.experts import ExpertProvider
+from engine.kv_cache import KVCache, select
+
+
+class WeightSource(Protocol):
+    """Non-expert checkpoint tensors, already on the model's device and dtype (see engine.loader)."""
+
+    def get(self, name: str, *, fp32: bool = False) -> torch.Tensor: ...
+
+    def maybe(self, name: str) -> torch.Tensor | None: ...
+
+
+# ---------------------------------------------------------------- norms, rotary, linear
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """As transformers' *RMSNorm: statistics in fp32, the product in the input dtype."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [..., head_dim]; cos/sin [..., rotary_dim]. Partial rotary (GLM) rotates only the leading
+    rotary_dim channels of each head and passes the rest through, as transformers' Glm4Moe does."""
+    rot = cos.shape[-1]
+    if rot == x.shape[-1]:
+        return x * cos + rotate_half(x) * sin
+    xr, xp = x[..., :rot], x[..., rot:]
+    return torch.cat((xr * cos + rotate_half(xr) * sin, xp), dim=-1)
+
+
+def rotary_tables(cfg: ModelConfig, max_len: int, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [max_len, rotary_dim], computed in fp32 on the CPU exactly as transformers' default
+    rope (inv_freq over the rotary dim; cat(freqs, freqs)) and then cast, so positions match bit for bit."""
+    dim = cfg.rotary_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    freqs = torch.arange(max_len, dtype=torch.int64).float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(device=device, dtype=dtype), emb.sin().to(device=device, dtype=dtype)
+
+
+class MLP(nn.Module):
+    """SwiGLU MLP held by the model: dense layers and shared experts."""
+
+    def __init__(self, w: WeightSource, prefix: str):
+        super().__init__()
+        self.gate = w.get(f"{prefix}.gate_proj.weight")
+        self.up = w.get(f"{prefix}.up_proj.weight")
+        self.down = w.get(f"{prefix}.down_proj.weight")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(F.silu(F.linear(x, self.gate)) * F.linear(x, self.up), self.down)
+
+
+# ---------------------------------------------------------------- routing helpers
+
+def softmax_topk(logits: torch.Tensor, top_k: int, renormalize: bool, out_dtype: torch.dtype):
+    """Qwen3-MoE / Mixtral: softmax over all experts in fp32, top-k, optional renormalisation."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return ids, weights.to(out_dtype)
+
+
+def sigmoid_grouped_topk(logits: torch.Tensor, bias: torch.Tensor, *, top_k: int, n_group: int, topk_group: int,
+                         renormalize: bool, scale: float, out_dtype: torch.dtype):
+    """GLM-4.5 (DeepSeek-V3 style): sigmoid scores; the correction bias only steers *selection*;
+    experts are chosen within the topk_group groups whose two best biased scores sum highest; the
+    weights are the unbiased scores, renormalised, times routed_scaling_factor. fp32 throughout, the
+    same op order as transformers' Glm4MoeTopkRouter (so ties break the same way)."""
+    scores = logits.float().sigmoid()
+    choice = scores + bias
+    t, e = choice.shape
+    if n_group > 1:
+        group_scores = choice.view(t, n_group, e // n_group).topk(2, dim=-1)[0].sum(dim=-1)
+        group_idx = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
+        keep = group_mask.unsqueeze(-1).expand(t, n_group, e // n_group).reshape(t, e).bool()
+        choice = choice.masked_fill(~keep, float("-inf"))
+    ids = torch.topk(choice, k=top_k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return ids, (weights * scale).to(out_dtype)
+
+
+# ---------------------------------------------------------------- attention over the KV cache
+
+@dataclass
+class Step:
+    """Where one forward's tokens sit: built once per prefill/decode step, shared by every layer."""
+
+    slots: list[int]
+    sel: slice | torch.Tensor      # reads the batch's slots (a slice when contiguous: a view, no gather)
+    idx: torch.Tensor              # [B] slot of each sequence, for decode writes
+    positions: torch.Tensor        # [B, T] absolute position of each token
+    start: int                     # prefill: first position written
+    kv_len: int                    # keys to attend over (longest sequence in the batch)
+    cos: torch.Tensor              # [B, T, 1, rotary_dim]
+    sin: torch.Tensor
+    mask: torch.Tensor | None      # [B, 1, T, kv_len] bool, or None for a plain causal prefill
+    decode: bool
+
+
+class Attention(nn.Module):
+    """Multi-head attention with GQA, optional q/k RMSNorm per head (Qwen3, GLM use_qk_norm) and
+    q/k/v(/o) biases when the checkpoint has them (GLM attention_bias, Qwen attention_bias)."""
+
+    def __init__(self, cfg: ModelConfig, w: WeightSource, layer: int, kv: KVCache):
+        super().__init__()
+        p = f"model.layers.{layer}.self_attn"
+        self.layer, self.kv, self.cfg = layer, kv, cfg
+        self.wq, self.bq = w.get(f"{p}.q_proj.weight"), w.maybe(f"{p}.q_proj.bias")
+        self.wk, self.bk = w.get(f"{p}.k_proj.weight"), w.maybe(f"{p}.k_proj.bias")
+        self.wv, self.bv = w.get(f"{p}.v_proj.weight"), w.maybe(f"{p}.v_proj.bias")
+        self.wo, self.bo = w.get(f"{p}.o_proj.weight"), w.maybe(f"{p}.o_proj.bias")
+        self.q_norm = w.get(f"{p}.q_norm.weight") if cfg.use_qk_norm else None
+        self.k_norm = w.get(f"{p}.k_norm.weight") if cfg.use_qk_norm else None
+        self.scale = cfg.head_dim ** -0.5
+
+    def forward(self, x: torch.Tensor, s: Step) -> torch.Tensor:
+        cfg = self.cfg
+        b, t, _ = x.shape
+        q = F.linear(x, self.wq, self.bq).view(b, t, cfg.num_heads, cfg.head_dim)
+        k = F.linear(x, self.wk, self.bk).view(b, t, cfg.num_kv_heads, cfg.head_dim)
+        v = F.linear(x, self.wv, self.bv).view(b, t, cfg.num_kv_heads, cfg.head_dim)
+        if self.q_norm is not None:
+            q = rms_norm(q, self.q_norm, cfg.rms_eps)
+            k = rms_norm(k, self.k_norm, cfg.rms_eps)
+        q = apply_rotary(q, s.cos, s.sin)
+        k = apply_rotary(k, s.cos, s.sin)
+        if s.decode:
+            self.kv.write_decode(self.layer, s.idx, s.positions[:, 0], k[:, 0], v[:, 0])
+        else:
+            self.kv.write_prefill(self.layer, s.slots[0], s.start, k[0], v[0])
+        keys, values = self.kv.read(self.layer, s.sel, s.kv_len)
+        o = F.scaled_dot_product_attention(
+            q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=s.mask,
+            is_causal=s.mask is None, scale=self.scale, enable_gqa=cfg.kv_groups > 1)
+        return F.linear(o.transpose(1, 2).reshape(b, t, cfg.num_heads * cfg.head_dim), self.wo, self.bo)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, w: WeightSource, layer: int, kv: KVCache, mlp: nn.Module):
+        super().__init__()
+        p = f"model.layers.{layer}"
+        self.eps = cfg.rms_eps
+        self.input_norm = w.get(f"{p}.input_layernorm.weight")
+        self.post_norm = w.get(f"{p}.post_attention_layernorm.weight")
+        self.attn = Attention(cfg, w, layer, kv)
+        self.mlp = mlp
+
+    def forward(self, x: torch.Tensor, s: Step) -> torch.Tensor:
+        x = x + self.attn(rms_norm(x, self.input_norm, self.eps), s)
+        h = rms_norm(x, self.post_norm, self.eps)
+        return x + self.mlp(h.view(-1, h.shape[-1])).view_as(h)
+
+
+# ---------------------------------------------------------------- the model
+
+class MoEModel(nn.Module):
+    """The shared skeleton; an architecture supplies build_mlp(layer) (dense MLP or its MoE block)."""
+
+    def __init__(self, cfg: ModelConfig, w: WeightSource, provider: ExpertProvider, kv: KVCache, *,
+                 device, dtype: torch.dtype):
+        super().__init__()
+        self.cfg, self.provider, self.kv = cfg, provider, kv
+        self.device, self.dtype = torch.device(device), dtype
+        self.embed = w.get("model.embed_tokens.weight")
+        self.norm = w.get("model.norm.weight")
+        head = w.maybe("lm_head.weight")
+        self.lm_head = head if head is not None else self.embed       # tie_word_embeddings
+        moe = set(cfg.moe_layers)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, w, l, kv, self.build_moe(w, l) if l in moe else self.build_dense(w, l))
+            for l in range(cfg.num_layers))
+        self.cos, self.sin = rotary_tables(cfg, kv.max_len, dtype, self.device)
+
+    # per-architecture blocks
+    def build_moe(self, w: WeightSource, layer: int) -> nn.Module:
+        raise NotImplementedError
+
+    def build_dense(self, w: WeightSource, layer: int) -> nn.Module:
+        return MLP(w, f"model.layers.{layer}.mlp")
+
+    @property
+    def max_len(self) -> int:
+        return self.kv.max_len
+
+    def _run(self, ids: torch.Tensor, s: Step) -> torch.Tensor:
+        x = F.embedding(ids, self.embed)
+        for layer in self.layers:
+            x = layer(x, s)
+        return rms_norm(x, self.norm, self.cfg.rms_eps)
+
+    def _mask(self, positions: torch.Tensor, kv_len: int) -> torch.Tensor:
+        """[B, 1, T, kv_len]: key j is visible to a query at position p iff j <= p (and within the window)."""
+        j = torch.arange(kv_len, device=positions.device)
+        p = positions[:, None, :, None]
+        mask = j <= p
+        if self.cfg.sliding_window:
+            mask &= j > p - self.cfg.sliding_window
+        return mask
+
+    def prefill(self, ids, slot: int, start: int = 0, all_logits: bool = False) -> torch.Tensor:
+        """Run one sequence's tokens `ids` into `slot` at positions start..; logits of the last token [V]
+        (or of every token [T, V])."""
+        ids = torch.as_tensor(ids, dtype=torch.long, device=self.device).view(1, -1)
+        t = ids.shape[1]
+        assert t > 0 and start + t <= self.max_len, f"{start}+{t} tokens exceed the KV cache's {self.max_len}"
+        sel, idx = select([slot], self.device)
+        kv_len = start + t
+        positions = torch.arange(start, kv_len, device=self.device).view(1, t)
+        plain_causal = start == 0 and not (self.cfg.sliding_window and t > self.cfg.sliding_window)
+        s = Step(slots=[slot], sel=sel, idx=idx, positions=positions, start=start, kv_len=kv_len,
+                 cos=self.cos[start:kv_len].view(1, t, 1, -1), sin=self.sin[start:kv_len].view(1, t, 1, -1),
+                 mask=None if plain_causal else self._mask(positions, kv_len), decode=False)
+        h = self._run(ids, s)[0]
+        return F.linear(h if all_logits else h[-1], self.lm_head)
+
+    def decode_step(self, tokens, slots: list[int], positions: list[int]) -> torch.Tensor:
+        """One token per sequence: tokens [B] go to (slots[b], positions[b]); logits [B, V]."""
+        b = len(slots)
+        assert b == len(positions) and max(positions) < self.max_len, "decode position beyond the KV cache"
+        ids = torch.as_tensor(tokens, dtype=torch.long, device=self.device).view(b, 1)
+        pos = torch.tensor(positions, device=self.device).view(b, 1)
+        sel, idx = select(slots, self.device)
+        kv_len = max(positions) + 1
+        s = Step(slots=slots, sel=sel, idx=idx, positions=pos, start=0, kv_len=kv_len,
+                 cos=self.cos[pos].view(b, 1, 1, -1), sin=self.sin[pos].view(b, 1, 1, -1),
+                 mask=self._mask(pos, kv_len), decode=True)
+        return F.linear(self._run(ids, s)[:, 0], self.lm_head)

@@ -1,0 +1,25 @@
+"""Mixtral (transformers' MixtralForCausalLM): every layer sparse (block_sparse_moe), softmax over all
+experts then the top-k renormalised — the same as a softmax over the top-k logits."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.models.common import MoEModel, WeightSource, softmax_topk
+
+
+class MixtralBlock(nn.Module):
+    def __init__(self, model: MoEModel, w: WeightSource, layer: int):
+        super().__init__()
+        self.layer, self.provider, self.top_k = layer, model.provider, model.cfg.top_k
+        self.gate = w.get(f"model.layers.{layer}.block_sparse_moe.gate.weight")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids, weights = softmax_topk(F.linear(x, self.gate), self.top_k, True, x.dtype)
+        return self.provider.forward(self.layer, x, ids, weights)
+
+
+class Mixtral(MoEModel):
+    def build_moe(self, w: WeightSource, layer: int) -> nn.Module:
+        return MixtralBlock(self, w, layer)
