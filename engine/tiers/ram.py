@@ -1,0 +1,149 @@
+"""The RAM tier arena: N record-sized slots in one page-aligned anonymous mapping.
+
+Page alignment lets readers preadv (O_DIRECT) straight into a slot. On CUDA machines the arena
+is page-locked with cudaHostRegister in chunks (a single multi-GiB registration is slow and
+some drivers cap it), never with Tensor.pin_memory(), which would copy into the caching host
+allocator and double the footprint.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+from engine.cli import EngineError
+from engine.store.odirect import aligned_buffer
+
+log = logging.getLogger("engine.tiers")
+
+REGISTER_CHUNK = 1 << 30
+GIB = 1 << 30
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    return None if text == "max" else int(text)
+
+
+def _cgroup_mounts() -> dict[str, Path]:
+    """'cgroup2' and 'memory' (v1) -> mount point."""
+    out: dict[str, Path] = {}
+    try:
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                left, _, right = line.partition(" - ")
+                fs, _, opts = right.split()[:3]
+                mnt = Path(left.split()[4])
+                if fs == "cgroup2":
+                    out.setdefault("cgroup2", mnt)
+                elif fs == "cgroup" and "memory" in opts.split(","):
+                    out.setdefault("memory", mnt)
+    except OSError:
+        pass
+    return out
+
+
+def cgroup_memory() -> tuple[int, int, str] | None:
+    """(limit, current usage, source) of this process's memory cgroup, or None when uncapped."""
+    mounts = _cgroup_mounts()
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        hid, ctrls, path = line.split(":", 2)
+        rel = path.lstrip("/")
+        if hid == "0" and "cgroup2" in mounts:
+            for d in (mounts["cgroup2"] / rel, mounts["cgroup2"]):   # inside a cgroup namespace the path is '/'
+                limit, cur = _read_int(d / "memory.max"), _read_int(d / "memory.current")
+                if limit is not None and cur is not None:
+                    return limit, cur, f"cgroup v2 {d}/memory.max"
+        if "memory" in ctrls.split(",") and "memory" in mounts:
+            for d in (mounts["memory"] / rel, mounts["memory"]):
+                limit, cur = _read_int(d / "memory.limit_in_bytes"), _read_int(d / "memory.usage_in_bytes")
+                if limit is not None and cur is not None and limit < (1 << 60):   # v1 "unlimited" is ~2^63
+                    return limit, cur, f"cgroup v1 {d}/memory.limit_in_bytes"
+    return None
+
+
+def mem_available() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def ram_budget(margin_fraction: float = 0.15, min_margin: int = 2 * GIB, avail_fraction: float = 0.5) -> tuple[int, str]:
+    """Bytes the RAM tier may take, and why: the cgroup cap minus usage minus a margin (the KV
+    cache, activations and the page cache of non-expert weights live there too), else a fraction
+    of MemAvailable."""
+    cg = cgroup_memory()
+    if cg:
+        limit, cur, src = cg
+        margin = max(min_margin, int(limit * margin_fraction))
+        return max(0, limit - cur - margin), f"{src}: {limit / GIB:.1f} GiB cap - {cur / GIB:.1f} GiB used - {margin / GIB:.1f} GiB margin"
+    avail = mem_available()
+    return int(avail * avail_fraction), f"no memory cgroup cap: {avail_fraction:.0%} of MemAvailable {avail / GIB:.1f} GiB"
+
+
+class RamArena:
+    """`slots` slots of `record_bytes`, each a 4 KiB-aligned buffer usable for O_DIRECT reads."""
+
+    def __init__(self, slots: int, record_bytes: int, *, pin_cuda: bool = False):
+        assert slots >= 1 and record_bytes % 4096 == 0
+        self.slots, self.record_bytes = slots, record_bytes
+        try:
+            self._mm = aligned_buffer(slots * record_bytes)
+        except (OSError, ValueError) as e:
+            raise EngineError(f"RAM tier: cannot map {slots} x {record_bytes} bytes ({e})", 6) from None
+        self.bytes = torch.frombuffer(self._mm, dtype=torch.uint8)
+        self._view = memoryview(self._mm)
+        self._registered: list[int] = []
+        if pin_cuda:
+            self._register()
+
+    def _register(self) -> None:
+        cudart = torch.cuda.cudart()
+        base, total = self.bytes.data_ptr(), self.slots * self.record_bytes
+        for off in range(0, total, REGISTER_CHUNK):
+            n = min(REGISTER_CHUNK, total - off)
+            rc = cudart.cudaHostRegister(base + off, n, 0)
+            if int(rc) != 0:
+                self.close()
+                raise EngineError(f"RAM tier: cudaHostRegister of {n} bytes at +{off} failed (error {int(rc)}; "
+                                  f"is `ulimit -l` / LimitMEMLOCK too low?)", 6)
+            self._registered.append(base + off)
+        log.info("RAM tier: %d slots (%.2f GiB) page-locked with cudaHostRegister in %d chunks",
+                 self.slots, total / GIB, len(self._registered))
+
+    @property
+    def pinned(self) -> bool:
+        return bool(self._registered)
+
+    def buffer(self, slot: int) -> memoryview:
+        """Writable, 4 KiB-aligned view of one slot, for preadv."""
+        return self._view[slot * self.record_bytes:(slot + 1) * self.record_bytes]
+
+    def tensor(self, slot: int, dtype: torch.dtype) -> torch.Tensor:
+        """The slot as a flat tensor of `dtype` (no copy)."""
+        return self.bytes[slot * self.record_bytes:(slot + 1) * self.record_bytes].view(dtype)
+
+    def close(self) -> None:
+        if self._registered:
+            cudart = torch.cuda.cudart()
+            for p in self._registered:
+                cudart.cudaHostUnregister(p)
+            self._registered.clear()
+
+
+def default_ram_slots(record_bytes: int, records: int) -> int:
+    budget, why = ram_budget()
+    slots = max(1, min(records, budget // record_bytes))
+    log.info("RAM tier: %d of %d expert records (%.2f GiB); %s", slots, records, slots * record_bytes / GIB, why)
+    return slots
