@@ -1,0 +1,107 @@
+"""`engine serve`: listen at once, load the model in the background, serve the OpenAI API."""
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import socket
+from pathlib import Path
+
+import click
+
+from engine.cli import EngineError
+
+EXIT_MODEL = 3                          # model directory missing / not a checkpoint
+EXIT_IO = 6                             # the store's filesystem refuses O_DIRECT
+EXIT_ADDRESS = 7                        # port in use / address not available
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """The listening socket, bound here so a port in use is one line, not a uvicorn traceback."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        why = "is in use" if e.errno == errno.EADDRINUSE else f"cannot be bound ({e.strerror})"
+        raise EngineError(f"{host}:{port} {why}", EXIT_ADDRESS) from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def fingerprint_of(model_dir: Path) -> str:
+    """What identifies the weights served: the checkpoint's config (system_fingerprint derives from it)."""
+    return hashlib.sha256((model_dir / "config.json").read_bytes()).hexdigest()
+
+
+@click.command(epilog="Exit codes: 3 the model directory is missing or not a checkpoint, 6 the store's "
+                      "filesystem refuses O_DIRECT, 7 the address is in use or cannot be bound. "
+                      "/health answers 503 while the model loads, 500 with the reason if loading failed.")
+@click.option("--model", "model_dir", required=True, type=click.Path(path_type=Path),
+              help="Hugging Face checkpoint directory (config.json, safetensors, tokenizer, chat template).")
+@click.option("--store", "store_dir", type=click.Path(path_type=Path), default=None,
+              help="Packed expert store (engine pack-store); without it the experts are read from the checkpoint.")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (loopback unless told).")
+@click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535))
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None,
+              help="Compute dtype (default: the engine's choice for the device).")
+@click.option("--served-name", default=None, help="Model name in the API (default: the model directory's name).")
+@click.option("--ctx", "max_context", type=click.IntRange(min=16), default=None,
+              help="Context window in tokens (default: the model's).")
+@click.option("--max-batch", type=click.IntRange(min=1), default=8, show_default=True,
+              help="Streams decoded together; more requests wait their turn.")
+@click.option("--gpu-slots", type=click.IntRange(min=0), default=None, help="Expert slots on the GPU (default: from free VRAM).")
+@click.option("--ram-slots", type=click.IntRange(min=0), default=None,
+              help="Experts held in RAM (default: from the cgroup's memory limit).")
+@click.option("--readers", type=click.IntRange(min=1), default=None, help="O_DIRECT store reader threads.")
+@click.option("--cpu-layout", default=None, help="CPUs for the reader threads, e.g. 26-39.")
+@click.option("--api-key", envvar="KILN_API_KEY", default=None,
+              help="Require `Authorization: Bearer KEY` (env KILN_API_KEY); /health and /metrics stay open.")
+@click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]),
+              default="info", show_default=True)
+def serve(model_dir, store_dir, host, port, device, dtype, served_name, max_context, max_batch, gpu_slots,
+          ram_slots, readers, cpu_layout, api_key, log_level):
+    """Serve a model over an OpenAI-compatible HTTP API.
+
+    Listens at once and loads the model in the background. Endpoints: /v1/models,
+    /v1/chat/completions, /v1/completions, /tokenize, /health, /metrics.
+    """
+    if not model_dir.is_dir():
+        raise EngineError(f"{model_dir}: no such model directory", EXIT_MODEL)
+    try:
+        fp = fingerprint_of(model_dir)
+        json.loads((model_dir / "config.json").read_text())
+    except FileNotFoundError:
+        raise EngineError(f"{model_dir}: no config.json (not a Hugging Face checkpoint)", EXIT_MODEL) from None
+    except (OSError, ValueError) as e:
+        raise EngineError(f"{model_dir / 'config.json'}: unreadable ({e})", EXIT_MODEL) from None
+    if store_dir is not None:
+        from engine.store import odirect
+        odirect.probe(store_dir)        # EngineError (exit 6) with the reason when refused
+
+    sock = bind(host, port)
+
+    import uvicorn
+
+    from engine.server.app import create_app
+
+    def load():
+        from engine.llm import LLM
+        return LLM.load(model_dir, store_dir, device=device, dtype=dtype, max_context=max_context,
+                        max_batch=max_batch, gpu_slots=gpu_slots, ram_slots=ram_slots, readers=readers,
+                        cpu_layout=cpu_layout)
+
+    app = create_app(loader=load, served_name=served_name or model_dir.resolve().name, api_key=api_key,
+                     fingerprint=fp)
+    bound = sock.getsockname()
+    click.echo(f"engine: listening on http://{host}:{bound[1]} (model {model_dir} loading; /health says when ready)",
+               err=True)
+    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5))
+    try:
+        server.run(sockets=[sock])
+    finally:
+        sock.close()

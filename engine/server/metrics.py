@@ -1,0 +1,68 @@
+"""Prometheus metrics on a private registry (one per app, so tests and several apps never collide).
+
+Engine totals (expert serves per tier, store bytes, token counts) are read from `LLM.counters()`
+at scrape time, so they count every token the engine ran, cancelled streams included; the
+server itself measures latencies and how many requests run or wait.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+
+
+class _EngineCollector:
+    """Exports the engine's own counters; nothing until the model is loaded."""
+
+    def __init__(self, counters: Callable[[], dict | None]):
+        self.counters = counters
+
+    def collect(self):
+        c = self.counters()
+        if c is None:
+            return
+        served = CounterMetricFamily("kiln_expert_served", "Routed expert computations, by the tier that served the weights",
+                                     labels=["tier"])
+        for tier in ("gpu", "ram", "store"):
+            served.add_metric([tier], float((c.get("served") or {}).get(tier, 0)))
+        yield served
+        for key, name, doc in (
+                ("store_read_bytes", "kiln_store_read_bytes", "Bytes read from the expert store"),
+                ("prompt_tokens_total", "kiln_prompt_tokens", "Prompt tokens prefilled"),
+                ("generation_tokens_total", "kiln_generation_tokens", "Tokens generated")):
+            yield CounterMetricFamily(name, doc, value=float(c.get(key, 0)))
+
+
+class Metrics:
+    def __init__(self, counters: Callable[[], dict | None]):
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry.register(_EngineCollector(counters))
+        self.request_seconds = Histogram("kiln_request_seconds", "Time from request to last byte, by endpoint",
+                                         ["endpoint"], buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.ttft_seconds = Histogram("kiln_time_to_first_token_seconds", "Time from request to first generated token",
+                                      ["endpoint"], buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.running = Gauge("kiln_requests_running", "Generations producing tokens", registry=self.registry)
+        self.queued = Gauge("kiln_requests_queued", "Generations admitted, waiting for their first token",
+                            registry=self.registry)
+        self.load_state = _LoadState()
+        self.registry.register(self.load_state)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _LoadState:
+    """kiln_model_ready (0/1) and kiln_model_load_seconds, set by the loader thread."""
+
+    def __init__(self):
+        self.ready = 0
+        self.seconds = 0.0
+
+    def collect(self):
+        yield GaugeMetricFamily("kiln_model_ready", "1 once the model is loaded and serving", value=self.ready)
+        yield GaugeMetricFamily("kiln_model_load_seconds", "Seconds the model took to load", value=self.seconds)
