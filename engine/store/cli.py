@@ -14,17 +14,29 @@ from engine.experts import DTYPES
 
 @contextmanager
 def _progress(total: int | None, phases: list[str], quiet: bool):
-    """A rich progress bar per phase on stderr; yields advance(phase, n_bytes)."""
+    """Rich progress bars on stderr, one per phase, shown from the first byte on (so a reason
+    given before any I/O stays one line); yields advance(phase, n_bytes)."""
     if quiet:
         yield None
         return
     from rich.console import Console
     from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
                                TransferSpeedColumn)
-    with Progress(TextColumn("{task.description:<7}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                  TimeRemainingColumn(), console=Console(stderr=True), transient=False) as bar:
-        tasks = {p: bar.add_task(p, total=total) for p in phases}
-        yield lambda phase, n: bar.advance(tasks[phase], n)
+    bar = Progress(TextColumn("{task.description:<7}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                   TimeRemainingColumn(), console=Console(stderr=True), transient=False)
+    tasks: dict = {}
+
+    def advance(phase: str, n: int) -> None:
+        if not tasks:
+            bar.start()
+        if phase not in tasks:
+            tasks[phase] = bar.add_task(phase, total=total)
+        bar.advance(tasks[phase], n)
+    try:
+        yield advance
+    finally:
+        if tasks:
+            bar.stop()
 
 
 @contextmanager

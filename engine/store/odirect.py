@@ -79,6 +79,7 @@ def probe(directory: str | os.PathLike) -> None:
     try:
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o600)
     except OSError as e:
+        tmp.unlink(missing_ok=True)      # Linux creates the file before it rejects O_DIRECT
         if e.errno == errno.EINVAL:
             raise refused(directory, e) from None
         if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
