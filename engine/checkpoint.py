@@ -84,8 +84,20 @@ class Checkpoint:
 
     @cached_property
     def dtype(self) -> torch.dtype:
+        """The experts' dtype; a checkpoint whose experts live only in a store (engine synth) has
+        none, so its config's dtype (or the first tensor's) stands in."""
         name = self.expert_key(self.moe_layers[0], 0, 0)
-        return self.tensor(name).dtype
+        if name in self._files:
+            return self.tensor(name).dtype
+        declared = self.config.get("dtype") or self.config.get("torch_dtype")
+        if isinstance(declared, str) and isinstance(getattr(torch, declared, None), torch.dtype):
+            return getattr(torch, declared)
+        return self.tensor(next(iter(self._files))).dtype
+
+    @property
+    def has_experts(self) -> bool:
+        """False for a store-backed checkpoint (its routed experts were synthesized straight into a store)."""
+        return self.expert_key(self.moe_layers[0], 0, 0) in self._files
 
     def layout(self, dtype: torch.dtype | None = None) -> ExpertLayout:
         return ExpertLayout(self.hidden, self.moe_intermediate, dtype or self.dtype)
