@@ -121,29 +121,34 @@ def _write_records(ck: Checkpoint, layout, plan, data: Path, total: int, progres
             if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):   # no fallocate: plain writes still work
                 raise EngineError(f"{data}: cannot preallocate ({e.strerror})", EXIT_IO) from None
         free_bufs: queue.Queue = queue.Queue()
-        for _ in range(2):
+        for _ in range(3):
             free_bufs.put(aligned_buffer(per_chunk * rb))
         full: queue.Queue = queue.Queue()
         failed: list[BaseException] = []
+        digests: list[str] = [""] * len(plan)
 
         def writer():
+            # Hashing here (hashlib drops the GIL) overlaps it with packing the next chunk.
             while True:
                 item = full.get()
                 if item is None:
                     return
-                buf, offset, n = item
+                buf, first, count = item
                 try:
                     if not failed:
-                        pwrite_full(fd, memoryview(buf)[:n], offset)
+                        view = memoryview(buf)
+                        for i in range(count):
+                            digests[first + i] = hashlib.sha256(view[i * rb:(i + 1) * rb]).hexdigest()
+                        pwrite_full(fd, view[:count * rb], plan[first][2])
+                        view.release()
                         if progress:
-                            progress("write", n)
+                            progress("write", count * rb)
                 except BaseException as e:
                     failed.append(e)
                 free_bufs.put(buf)
 
         w = threading.Thread(target=writer, name="store-writer", daemon=True)
         w.start()
-        digests: list[str] = []
         try:
             for start in range(0, len(plan), per_chunk):
                 part = plan[start:start + per_chunk]
@@ -151,14 +156,10 @@ def _write_records(ck: Checkpoint, layout, plan, data: Path, total: int, progres
                 if failed:
                     break
                 flat = torch.frombuffer(buf, dtype=torch.uint8)
-                view = memoryview(buf)
                 for i, (l, e, _) in enumerate(part):
-                    rec = layout.pack(*ck.expert(l, e)).view(torch.uint8)
-                    flat[i * rb:(i + 1) * rb].copy_(rec)
-                    digests.append(hashlib.sha256(view[i * rb:(i + 1) * rb]).hexdigest())
-                view.release()
+                    pack_into(layout, flat[i * rb:(i + 1) * rb], *ck.expert(l, e))
                 del flat
-                full.put((buf, part[0][2], len(part) * rb))
+                full.put((buf, start, len(part)))
         finally:
             full.put(None)
             w.join()
@@ -171,6 +172,17 @@ def _write_records(ck: Checkpoint, layout, plan, data: Path, total: int, progres
         return digests
     finally:
         os.close(fd)
+
+
+def pack_into(layout, dst: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> None:
+    """ExpertLayout.pack written straight into `dst` (record_bytes of uint8, reused, so the padding
+    is zeroed explicitly): no per-record allocation. The sample compare checks it against pack()."""
+    rec = dst.view(layout.dtype)
+    g, u, d = layout.views(rec)
+    g.copy_(gate)
+    u.copy_(up)
+    d.copy_(down)
+    rec[3 * layout.matrix_elems:].zero_()
 
 
 def _compare_sample(ck: Checkpoint, layout, plan, data: Path, n: int) -> int:

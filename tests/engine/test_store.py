@@ -75,7 +75,13 @@ def test_pack_converts_dtype(ckpt, tmp_path, capsys):
     assert rc == 0, err
     assert json.loads(out)["records"] == 24
     m = mf.load(s)
-    assert m.dtype == "bfloat16" and m.record_bytes == Checkpoint(ckpt).layout(torch.bfloat16).record_bytes
+    ck = Checkpoint(ckpt)
+    layout = ck.layout(torch.bfloat16)
+    assert m.dtype == "bfloat16" and m.record_bytes == layout.record_bytes
+    data = (s / "experts.bin").read_bytes()
+    for r in m.records:
+        want = layout.pack(*ck.expert(r.layer, r.expert)).view(torch.uint8).numpy().tobytes()
+        assert data[r.offset:r.offset + m.record_bytes] == want, (r.layer, r.expert)
 
 
 def test_verify_ok(store, capsys):
