@@ -1,0 +1,166 @@
+# Kiln's compiler: recipe (parsed JSON) → plan. Builtins only, so it evaluates offline,
+# from `nix-instantiate --eval --strict --json` (tool/nixeval.py), from the flake's `lib`,
+# and from the NixOS module, which therefore cannot disagree with `tool materialise`.
+#
+#   compile { recipe; options ? { }; } → {
+#     id; runtime; options (resolved); paths = { state; weights; store; evidence; files; };
+#     steps.<fetch|prepare|verify|serve|check> = null | { argv; commands; env; mounts; limits; unit; description; };
+#     units.<name> = unit text;  unitSections.<name> = { Unit; Service; Install; };  unitWhy.<name>;
+#     files.<absolute host path> = { content; mode; };  tmpfiles = [ rule ];
+#   }
+# `argv` is a step's first command and `commands` all of them (a native oneshot may run
+# several, one ExecStart= each). The recipe is assumed valid (tool validate checks it first).
+let
+  util = import ./util.nix;
+  units = import ./units.nix { inherit util; };
+  hardening = import ./hardening.nix { inherit util; };
+  optionsLib = import ./options.nix { inherit util; };
+  docker = import ./docker.nix { inherit util hardening units; };
+  native = import ./native.nix { inherit util hardening units; };
+  toolSteps = import ./toolsteps.nix { inherit util hardening units; };
+  recipes = import ./recipes.nix { inherit util; };
+
+  inherit (util) optional optionals;
+
+  stepOrder = [ "fetch" "prepare" "verify" "serve" "check" ];
+
+  unitName = id: stepName:
+    if stepName == "serve" then "kiln-${id}.service" else "kiln-${id}-${stepName}.service";
+
+  # fetch, prepare and verify leave something on disk: they stay "active" once done so
+  # the next step's Requires= is satisfied without running them again.
+  remainsAfterExit = stepName: builtins.elem stepName [ "fetch" "prepare" "verify" ];
+
+  restartSec = 30;
+
+  # [Unit]: the chain fetch → prepare → verify → serve → check, and the docker daemon for containers.
+  unitSection = ctx: stepName: previous:
+    let
+      usesDocker = ctx.runtime == "container" && !(builtins.elem stepName [ "fetch" "check" ]);
+      deps = optional (previous != null) (unitName ctx.id previous) ++ optional usesDocker "docker.service";
+      online = optional (stepName == "fetch") "network-online.target";
+      timeout = ctx.readyTimeout;
+    in
+    {
+      Description = units.escapePercent "Kiln ${ctx.id}: ${stepName} (${ctx.recipe.title})";
+      Requires = if deps == [ ] then null else deps;
+      Wants = if online == [ ] then null else online;
+      After = if deps ++ online == [ ] then null else deps ++ online;
+    } // (if stepName == "serve" then {
+      # systemd 252 has no RestartSteps=: the backoff is RestartSec= plus this start limit.
+      StartLimitIntervalSec = 3 * (timeout + restartSec);
+      StartLimitBurst = 3;
+    } else { });
+
+  # [Service] keys every step shares, added to what the runtime built.
+  serviceSection = ctx: stepName: step:
+    let
+      o = ctx.o;
+      isServe = stepName == "serve";
+      probe = toolSteps.readiness ctx;
+    in
+    step.service
+    // (if o.userUnits then { } else { User = o.user; Group = o.group; })
+    // (if remainsAfterExit stepName then { RemainAfterExit = true; } else { })
+    // {
+      # Loads take up to an hour; a oneshot's own work has no natural limit.
+      TimeoutStartSec = if isServe then ctx.readyTimeout else "infinity";
+    }
+    // (if isServe then {
+      # Ready means a real completion answered, not an open port.
+      ExecStartPost = probe.execLine;
+      Environment = util.orDefault (step.service.Environment or null) [ ] ++ probe.environment;
+      ReadWritePaths = util.orDefault (step.service.ReadWritePaths or null) [ ] ++ [ ctx.paths.evidence ];
+      Restart = "on-failure";
+      RestartSec = restartSec;
+      TimeoutStopSec = 90;
+    } else { });
+
+  installSection = ctx: stepName:
+    if stepName == "serve"
+    then { WantedBy = [ (if ctx.o.userUnits then "default.target" else "multi-user.target") ]; }
+    else { };
+
+  # tmpfiles.d rules for the directories the units expect to exist (ReadWritePaths= must exist).
+  tmpfilesRules = ctx:
+    let
+      owner = if ctx.o.userUnits then "- -" else "${ctx.o.user} ${ctx.o.group}";
+      dir = path: mode: "d ${path} ${mode} ${owner} -";
+    in
+    [ (dir ctx.o.stateDir "0750") (dir ctx.o.modelsDir "0750") (dir ctx.paths.evidence "0750") ]
+    ++ optionals (ctx.paths.store != null) [ (dir ctx.o.storeDir "0750") (dir ctx.paths.store "0750") ]
+    ++ optionals (ctx.recipe.files or { } != { }) [ "d ${ctx.o.filesDir} 0755 ${if ctx.o.userUnits then "- -" else "root root"} -" ];
+in
+rec {
+  inherit (units) toUnitText escapeArg commandLine;
+  inherit (recipes) recipesIn;
+  inherit stepOrder unitName;
+  defaultOptions = optionsLib.defaults;
+
+  compile = { recipe, options ? { } }:
+    let
+      o0 = optionsLib.resolve recipe options;
+      o = optionsLib.check recipe o0;
+      paths = optionsLib.paths recipe o;
+      runtime = recipe.runtime.kind;
+      host = o.bindAddress;
+      ctx = {
+        inherit recipe o paths runtime;
+        id = recipe.id;
+        readyTimeout = recipe.steps.serve.ready_timeout_s or (recipe.checks.load_timeout_s or 3600);
+        # Placeholders a recipe's args may use (native recipes name Kiln's paths this way).
+        substitute = builtins.replaceStrings
+          [ "@weights@" "@store@" "@host@" "@port@" ]
+          [ paths.weights (if paths.store == null then "" else paths.store) host (toString o.port) ];
+      };
+      rt = if runtime == "container" then docker else native;
+      workload = stepName:
+        let s = recipe.steps.${stepName} or null; in
+        if s == null then null else rt.step ctx stepName s;
+
+      built = {
+        fetch = toolSteps.fetch ctx;
+        prepare = workload "prepare";
+        verify = workload "verify";
+        serve = workload "serve";
+        check = toolSteps.check ctx;
+      };
+      chain = builtins.filter (n: built.${n} != null) stepOrder;
+      previousOf = builtins.listToAttrs (builtins.genList
+        (i: { name = builtins.elemAt chain i; value = if i == 0 then null else builtins.elemAt chain (i - 1); })
+        (builtins.length chain));
+
+      unitOf = stepName: {
+        sections = {
+          Unit = util.compact (unitSection ctx stepName previousOf.${stepName});
+          Service = util.compact (serviceSection ctx stepName built.${stepName});
+          Install = installSection ctx stepName;
+        };
+        why = { Service = built.${stepName}.why // (if stepName == "serve" then {
+          ReadWritePaths = "what this step writes, and the evidence directory the readiness probe (ExecStartPost) records into";
+        } else { }); };
+      };
+      unitsByName = builtins.listToAttrs (map (n: { name = unitName ctx.id n; value = unitOf n; }) chain);
+
+      publicStep = stepName: s:
+        if s == null then null
+        else { inherit (s) argv commands env mounts limits description; unit = unitName ctx.id stepName; };
+    in
+    {
+      id = recipe.id;
+      inherit runtime paths;
+      options = o;
+      steps = builtins.mapAttrs publicStep built;
+      units = builtins.mapAttrs (_: units.toUnitText) unitsByName;
+      unitSections = builtins.mapAttrs (_: u: u.sections) unitsByName;
+      unitWhy = builtins.mapAttrs (_: u: u.why) unitsByName;
+      files = builtins.listToAttrs (util.mapAttrsToList
+        (name: f: { name = paths.files.${name}; value = { inherit (f) content; mode = f.mode or "0444"; }; })
+        (recipe.files or { }));
+      tmpfiles = tmpfilesRules ctx;
+    };
+
+  # Every recipe under a directory compiled with the same options: { <id> = plan; }.
+  plansIn = dir: opts: builtins.mapAttrs (_: recipe: compile { inherit recipe; options = opts; }) (recipesIn dir);
+
+}

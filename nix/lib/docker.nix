@@ -1,0 +1,121 @@
+# The container runtime: a recipe step → the full `docker run` argv and its systemd service.
+# The argv reproduces the seed commands option for option (same image, same args after it);
+# Kiln changes only what it must: host sides of mounts are its state directories, --user is
+# the service user's uid:gid, the published port binds bindAddress, and the container is named
+# so the unit can stop it. Limits are docker flags: the container is not in the unit's cgroup.
+{ util, hardening, units }:
+let
+  inherit (util) optional optionals mapAttrsToList;
+  inherit (units) commandLine;
+in
+rec {
+  containerName = ctx: stepName:
+    if stepName == "serve" then "kiln-${ctx.id}" else "kiln-${ctx.id}-${stepName}";
+
+  # Recipe mount sources name Kiln's own directories.
+  hostPath = ctx: source:
+    if source == "weights" then ctx.paths.weights
+    else if source == "store" then ctx.paths.store
+    else if util.hasPrefix "file:" source then ctx.paths.files.${util.removePrefix "file:" source}
+    else throw "kiln: ${ctx.id}: unknown mount source '${source}' (weights, store or file:<name>)";
+
+  mounts = ctx: step: map
+    (m: {
+      inherit (m) source target;
+      host = hostPath ctx m.source;
+      readOnly = m.read_only or false;
+    })
+    (step.mounts or [ ]);
+
+  volumeArgs = ms: builtins.concatMap
+    (m: [ "-v" "${m.host}:${m.target}${if m.readOnly then ":ro" else ""}" ]) ms;
+
+  envArgs = env: keys: builtins.concatMap (k: [ "-e" "${k}=${env.${k}}" ]) keys;
+
+  # The first published port is the serve port, so the `port` option moves it.
+  portArgs = ctx: step:
+    let ports = step.ports or [ ]; in
+    builtins.concatLists (builtins.genList
+      (i:
+        let p = builtins.elemAt ports i;
+            hostPort = if i == 0 then ctx.o.port else p.host;
+        in [ "-p" "${ctx.o.bindAddress}:${toString hostPort}:${toString p.container}" ])
+      (builtins.length ports));
+
+  limits = ctx: step:
+    let c = ctx.recipe.runtime.container; in
+    {
+      enforcedBy = "docker";
+      memoryBytes = ctx.o.memoryBytes;
+      memorySwapBytes = ctx.o.memorySwapBytes;
+      memlock = (c.ulimits or { }).memlock or null;
+      ulimits = c.ulimits or { };
+      shmSize = c.shm_size or null;
+      cpus = ctx.o.cpus;
+      gpus = step.gpus or null;
+    };
+
+  limitArgs = l:
+    optionals (l.memoryBytes != null) [ "--memory" (toString l.memoryBytes) ]
+    ++ optionals (l.memorySwapBytes != null) [ "--memory-swap" (toString l.memorySwapBytes) ]
+    ++ builtins.concatLists (mapAttrsToList (k: v: [ "--ulimit" "${k}=${v}" ]) l.ulimits)
+    ++ optionals (l.shmSize != null) [ "--shm-size" l.shmSize ]
+    ++ optionals (l.cpus != null) [ "--cpuset-cpus" l.cpus ];
+
+  argv = ctx: stepName: step:
+    let
+      c = ctx.recipe.runtime.container;
+      o = ctx.o;
+      stepEnv = step.env or { };
+      env = (ctx.recipe.env or { }) // stepEnv // o.extraEnv;
+      # The step's own env (HOME=/tmp) comes first, as in the seeds; then the recipe's.
+      restKeys = builtins.filter (k: !(stepEnv ? ${k})) (builtins.attrNames env);
+      l = limits ctx step;
+    in
+    [ o.dockerBin "run" "--rm" "--name" (containerName ctx stepName) ]
+    ++ optionals ((step.user or null) == "service") [ "--user" "${toString o.uid}:${toString o.gid}" ]
+    ++ envArgs env (builtins.attrNames stepEnv)
+    # Narrowing only: no setuid escalation inside; no network for steps that only read and write disks.
+    ++ [ "--security-opt" "no-new-privileges" ]
+    ++ optionals (stepName != "serve") [ "--network" "none" ]
+    ++ optionals ((step.gpus or null) != null) [ "--gpus" step.gpus ]
+    ++ portArgs ctx step
+    ++ optionals ((c.ipc or null) != null) [ "--ipc" c.ipc ]
+    ++ limitArgs l
+    ++ envArgs env restKeys
+    ++ optionals ((c.entrypoint or null) != null) [ "--entrypoint" c.entrypoint ]
+    ++ volumeArgs (mounts ctx step)
+    ++ [ c.image ]
+    ++ map ctx.substitute (step.args or [ ]);
+
+  step = ctx: stepName: recipeStep:
+    let
+      o = ctx.o;
+      name = containerName ctx stepName;
+      docker = args: [ o.dockerBin ] ++ args;
+      isServe = stepName == "serve";
+      command = argv ctx stepName recipeStep;
+      sandbox = hardening.sandbox { network = isServe; userUnits = o.userUnits; };
+    in
+    {
+      argv = command;
+      commands = [ command ];
+      env = (ctx.recipe.env or { }) // (recipeStep.env or { }) // o.extraEnv;
+      mounts = mounts ctx recipeStep;
+      limits = limits ctx recipeStep;
+      description = recipeStep.description or null;
+      service = sandbox.service // {
+        Type = if isServe then "exec" else "oneshot";
+        # A container left over from a crash would make `docker run --name` refuse to start.
+        ExecStartPre = "-" + commandLine (docker [ "rm" "--force" name ]);
+        ExecStart = commandLine command;
+        ExecStop = "-" + commandLine (docker [ "stop" "--time" "60" name ]);
+      } // (if o.userUnits then { } else { SupplementaryGroups = "docker"; });
+      why = sandbox.why // (if o.userUnits then { } else {
+        SupplementaryGroups = "the docker client needs the daemon's socket; the workload's own user is docker's --user";
+      }) // {
+        ExecStart = "the limits are docker flags (--memory, --memory-swap, --ulimit, --shm-size): the container is not in this unit's cgroup";
+      };
+      containerName = name;
+    };
+}

@@ -1,0 +1,88 @@
+# Resolve the compiler's options: every one has a default, and the NixOS module and
+# `tool plan` flags override any of them. The resolved set is part of the plan, so a
+# reader sees exactly what the units were made from.
+{ util }:
+let
+  inherit (util) get;
+
+  # The memory cap a recipe declares, whichever runtime it uses.
+  recipeMemory = recipe:
+    let rt = recipe.runtime; in
+    if rt.kind == "container" then rt.container.memory_bytes or null
+    else rt.native.memory_max_bytes or null;
+
+  # Docker's --memory-swap is memory + swap; a recipe without it means "no swap" (= memory).
+  recipeMemorySwap = recipe: memory:
+    let rt = recipe.runtime; in
+    if rt.kind == "container" then rt.container.memory_swap_bytes or memory
+    else rt.native.memory_swap_bytes or memory;
+in
+rec {
+  # The defaults, documented in one place (the module's option defaults mirror these).
+  defaults = {
+    stateDir = "/var/lib/kiln";
+    user = "kiln";
+    group = "kiln";
+    # Fixed ids: docker's --user needs numbers known at evaluation time, and the NixOS
+    # module creates the kiln user with exactly these.
+    uid = 960;
+    gid = 960;
+    bindAddress = "127.0.0.1";
+    toolBin = "tool";
+    engineBin = "engine";
+    dockerBin = "/usr/bin/docker";
+    cpus = null;
+    extraEnv = { };
+    # true: units for a per-user systemd instance (`tool materialise --user`).
+    userUnits = false;
+  };
+
+  resolve = recipe: options:
+    let
+      o = name: get options name defaults.${name};
+      stateDir = o "stateDir";
+      memoryBytes = get options "memoryBytes" (recipeMemory recipe);
+    in
+    {
+      inherit stateDir memoryBytes;
+      modelsDir = get options "modelsDir" "${stateDir}/models";
+      storeDir = get options "storeDir" "${stateDir}/stores";
+      filesDir = get options "filesDir" "${stateDir}/files/${recipe.id}";
+      user = o "user";
+      group = o "group";
+      uid = o "uid";
+      gid = o "gid";
+      bindAddress = o "bindAddress";
+      port = get options "port" recipe.serve.port;
+      toolBin = o "toolBin";
+      engineBin = o "engineBin";
+      dockerBin = o "dockerBin";
+      memorySwapBytes = get options "memorySwapBytes"
+        (if memoryBytes == null then null else recipeMemorySwap recipe memoryBytes);
+      cpus = o "cpus";
+      extraEnv = o "extraEnv";
+      userUnits = o "userUnits";
+    };
+
+  # Where things live on the host. Container mounts and native ReadWritePaths both come from here.
+  paths = recipe: o: {
+    state = o.stateDir;
+    weights = "${o.modelsDir}/${recipe.weights.dirname}";
+    store = if recipe ? store then "${o.storeDir}/${recipe.store.dirname}" else null;
+    evidence = "${o.stateDir}/evidence";
+    files = builtins.mapAttrs (name: _: "${o.filesDir}/${name}") (recipe.files or { });
+  };
+
+  # Refuse options that would make a unit lie about its limits (messages name the recipe and the limit).
+  check = recipe: o:
+    let
+      fail = msg: throw "kiln: ${recipe.id}: ${msg}";
+    in
+    if o.memoryBytes != null && o.memorySwapBytes != null && o.memorySwapBytes < o.memoryBytes
+    then fail "memorySwapBytes (${toString o.memorySwapBytes}) is below memoryBytes (${toString o.memoryBytes}); it counts memory + swap, so it must be at least the memory cap"
+    else if !(builtins.isInt o.port) || o.port < 1 || o.port > 65535
+    then fail "port ${toString o.port} is not a TCP port (1-65535)"
+    else if !(builtins.isInt o.uid) || !(builtins.isInt o.gid)
+    then fail "uid and gid must be numbers (docker's --user needs them), got ${builtins.toJSON o.uid}:${builtins.toJSON o.gid}"
+    else o;
+}

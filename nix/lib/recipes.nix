@@ -1,0 +1,20 @@
+# Read every recipe file under a directory: { <id> = recipe; }. Used by the flake
+# (lib.plans, packages, apps) and the NixOS module to find a recipe by its id.
+{ util }:
+let
+  isRecipeFile = name: util.hasSuffix ".json" name && name != "schema.json";
+
+  filesUnder = dir:
+    let entries = builtins.readDir dir; in
+    builtins.concatLists (util.mapAttrsToList
+      (name: kind:
+        if kind == "directory" then filesUnder (dir + "/${name}")
+        else if kind == "regular" && isRecipeFile name then [ (dir + "/${name}") ]
+        else [ ])
+      entries);
+in
+{
+  recipesIn = dir: builtins.listToAttrs (map
+    (file: let recipe = builtins.fromJSON (builtins.readFile file); in { name = recipe.id; value = recipe; })
+    (filesUnder dir));
+}

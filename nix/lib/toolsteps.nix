@@ -1,0 +1,61 @@
+# Kiln's own steps, the same for every runtime: `tool fetch <id>` before everything and
+# `tool check <id>` after the server is up, plus the readiness probe the serve unit runs.
+# The tool learns Kiln's directories from KILN_* variables, so its flags stay its own.
+{ util, hardening, units }:
+let
+  inherit (units) commandLine environmentLine;
+
+  # A server bound to every address is still probed on loopback.
+  probeHost = bind:
+    if bind == "0.0.0.0" || bind == "" then "127.0.0.1"
+    else if bind == "::" then "[::1]"
+    else if util.hasInfix ":" bind then "[${bind}]"
+    else bind;
+
+  toolEnv = ctx: {
+    HOME = "/tmp";
+    KILN_STATE_DIR = ctx.o.stateDir;
+    KILN_MODELS_DIR = ctx.o.modelsDir;
+    KILN_STORE_DIR = ctx.o.storeDir;
+    KILN_EVIDENCE_DIR = ctx.paths.evidence;
+  };
+
+  oneshot = ctx: { argv, writes, mounts }:
+    let
+      env = toolEnv ctx;
+      sandbox = hardening.sandbox { network = true; inherit writes; userUnits = ctx.o.userUnits; };
+    in
+    {
+      inherit argv env mounts;
+      commands = [ argv ];
+      limits = { enforcedBy = "systemd"; };
+      service = sandbox.service // {
+        Type = "oneshot";
+        ExecStart = commandLine argv;
+        Environment = util.mapAttrsToList environmentLine env;
+      };
+      inherit (sandbox) why;
+    };
+in
+rec {
+  endpoint = ctx: "http://${probeHost ctx.o.bindAddress}:${toString ctx.o.port}/v1";
+
+  fetch = ctx: oneshot ctx {
+    argv = [ ctx.o.toolBin "fetch" ctx.id ];
+    # The whole models directory: downloads are staged beside the target and published by rename.
+    writes = [ ctx.o.modelsDir ];
+    mounts = [{ source = "models"; host = ctx.o.modelsDir; target = ctx.o.modelsDir; readOnly = false; }];
+  } // { description = "download the weights at the pinned revision and verify every file"; };
+
+  check = ctx: oneshot ctx {
+    argv = [ ctx.o.toolBin "check" ctx.id "--endpoint" (endpoint ctx) ];
+    writes = [ ctx.paths.evidence ];
+    mounts = [{ source = "evidence"; host = ctx.paths.evidence; target = ctx.paths.evidence; readOnly = false; }];
+  } // { description = "the acceptance gates against the running server; evidence JSON"; };
+
+  # The serve unit's ExecStartPost: the load gate (/v1/models, then a real 1-token completion).
+  readiness = ctx: {
+    execLine = commandLine [ ctx.o.toolBin "check" ctx.id "--gates" "load" "--endpoint" (endpoint ctx) ];
+    environment = [ (environmentLine "KILN_EVIDENCE_DIR" ctx.paths.evidence) ];
+  };
+}
