@@ -1,0 +1,165 @@
+"""`engine synth`: a random Qwen3-MoE checkpoint of a given shape, its routed experts written
+straight into a packed store (no expert tensors in safetensors: at 30B scale that would double
+the disk a benchmark needs). The store is built like pack-store's: staging dir, O_DIRECT writes,
+re-read and hashed, manifest, then published by rename. Weights are N(0, std) from a seed, so a
+run is reproducible; routing over random weights is close to uniform (the hardest case for a cache).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime, timezone
+from pathlib import Path
+
+import click
+import torch
+
+from engine.cli import EngineError
+from engine.experts import ExpertLayout
+from engine.store import manifest as mf
+from engine.store.odirect import aligned_buffer, open_direct, probe, pwrite_full
+from engine.store.pack import _fsync_dir, _publish, _write_manifest
+from engine.store.verify import hash_records
+
+# Qwen3-30B-A3B's shape (the issue's benchmark model); every field overridable.
+QWEN3_30B_A3B = dict(hidden_size=2048, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+                     num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=151936,
+                     num_hidden_layers=48, intermediate_size=6144, rms_norm_eps=1e-6, max_position_embeddings=40960)
+
+
+def synth_config(**over) -> dict:
+    cfg = {**QWEN3_30B_A3B, **{k: v for k, v in over.items() if v is not None}}
+    return {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "attention_bias": False,
+            "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True, "tie_word_embeddings": False,
+            "rope_theta": 1000000.0, "hidden_act": "silu", "dtype": "bfloat16", "bos_token_id": None,
+            "eos_token_id": None, "sliding_window": None, "use_sliding_window": False, **cfg}
+
+
+def non_expert_tensors(cfg: dict, gen: torch.Generator, std: float, device) -> dict[str, torch.Tensor]:
+    h, v, n = cfg["hidden_size"], cfg["vocab_size"], cfg["num_hidden_layers"]
+    q, kv, e = cfg["num_attention_heads"] * cfg["head_dim"], cfg["num_key_value_heads"] * cfg["head_dim"], cfg["num_experts"]
+
+    def rnd(*shape):
+        return (torch.randn(shape, generator=gen, device=device, dtype=torch.float32) * std).to(torch.bfloat16).cpu()
+
+    def ones(k):
+        return torch.ones(k, dtype=torch.bfloat16)
+    t = {"model.embed_tokens.weight": rnd(v, h), "lm_head.weight": rnd(v, h), "model.norm.weight": ones(h)}
+    for l in range(n):
+        p = f"model.layers.{l}"
+        t.update({f"{p}.input_layernorm.weight": ones(h), f"{p}.post_attention_layernorm.weight": ones(h),
+                  f"{p}.self_attn.q_proj.weight": rnd(q, h), f"{p}.self_attn.k_proj.weight": rnd(kv, h),
+                  f"{p}.self_attn.v_proj.weight": rnd(kv, h), f"{p}.self_attn.o_proj.weight": rnd(h, q),
+                  f"{p}.self_attn.q_norm.weight": ones(cfg["head_dim"]), f"{p}.self_attn.k_norm.weight": ones(cfg["head_dim"]),
+                  f"{p}.mlp.gate.weight": rnd(e, h)})
+    return t
+
+
+def synth_store(cfg: dict, store_dir: Path, config_hash: str, gen: torch.Generator, std: float, device,
+                progress=None) -> tuple[int, float]:
+    """Write every layer's random expert records; returns (bytes, GB/s of the write)."""
+    layout = ExpertLayout(cfg["hidden_size"], cfg["moe_intermediate_size"], torch.bfloat16)
+    layers, e = list(range(cfg["num_hidden_layers"])), cfg["num_experts"]
+    plan = mf.plan_offsets(layers, e, layout.record_bytes)
+    total = len(plan) * layout.record_bytes
+    store_dir = Path(os.path.abspath(store_dir))
+    store_dir.parent.mkdir(parents=True, exist_ok=True)
+    probe(store_dir.parent)
+    staging = Path(tempfile.mkdtemp(dir=store_dir.parent, prefix=f".{store_dir.name}.staging-{os.getpid()}-"))
+    layer_bytes = e * layout.record_bytes
+    buf = aligned_buffer(layer_bytes)
+    host = torch.frombuffer(buf, dtype=torch.bfloat16)[:e * layout.record_elems].view(e, layout.record_elems)
+    digests: list[str] = []
+    pool = ThreadPoolExecutor(min(16, os.cpu_count() or 1))
+    try:
+        os.chmod(staging, 0o755)
+        data = staging / mf.DATA
+        fd = open_direct(data, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        t0 = time.perf_counter()
+        try:
+            os.posix_fallocate(fd, 0, total)
+            for i, _ in enumerate(layers):
+                recs = torch.randn((e, layout.record_elems), generator=gen, device=device, dtype=torch.float32)
+                recs = (recs * std).to(torch.bfloat16)
+                recs[:, 3 * layout.matrix_elems:] = 0          # the record's padding, as pack-store writes it
+                host.copy_(recs.cpu())
+                mv = memoryview(buf)
+                digests += list(pool.map(lambda j: hashlib.sha256(mv[j * layout.record_bytes:(j + 1) * layout.record_bytes]).hexdigest(), range(e)))
+                pwrite_full(fd, mv[:layer_bytes], i * layer_bytes)
+                if progress:
+                    progress(layer_bytes)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        gbps = total / (time.perf_counter() - t0) / 1e9
+        reread = hash_records(data, [o for _, _, o in plan], layout.record_bytes)
+        bad = [plan[i] for i, (a, b) in enumerate(zip(digests, reread)) if a != b]
+        if bad:
+            raise EngineError(f"{data}: layer {bad[0][0]} expert {bad[0][1]} reads back differently than written", 8)
+        m = mf.Manifest(config_hash=config_hash, arch="qwen3_moe", moe_layers=layers, experts_per_layer=e,
+                        hidden=layout.hidden, intermediate=layout.intermediate, dtype="bfloat16",
+                        record_bytes=layout.record_bytes, total_bytes=total,
+                        records=[mf.Record(l, x, o, d) for (l, x, o), d in zip(plan, digests)],
+                        created=datetime.now(timezone.utc).isoformat(timespec="seconds"))
+        _write_manifest(staging / mf.MANIFEST, m)
+        _fsync_dir(staging)
+        _publish(staging, store_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    finally:
+        pool.shutdown()
+        del host                         # the mmap is freed with its last view
+    return total, gbps
+
+
+def synthesize(out: Path, store: Path, *, seed: int = 0, std: float = 0.02, device: str | None = None,
+               **shape) -> dict:
+    """Checkpoint (config + non-expert safetensors) in `out`, experts in the store `store`."""
+    from safetensors.torch import save_file
+    from engine.checkpoint import Checkpoint
+
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    cfg = synth_config(**shape)
+    out = Path(os.path.abspath(out))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.staging-"))
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    try:
+        (staging / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+        save_file(non_expert_tensors(cfg, gen, std, dev), str(staging / "model.safetensors"), metadata={"format": "pt"})
+        for p in (staging, *staging.iterdir()):          # mkdtemp/save_file make them private; services read them
+            os.chmod(p, 0o755 if p.is_dir() else 0o644)
+        if out.exists():
+            shutil.rmtree(out)
+        os.rename(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    total, gbps = synth_store(cfg, Path(store), Checkpoint(out).config_hash(), gen, std, dev)
+    return {"model": str(out), "store": str(store), "layers": cfg["num_hidden_layers"], "store_bytes": total,
+            "store_write_gbps": round(gbps, 3)}
+
+
+@click.command("synth")
+@click.option("--out", "out", required=True, type=click.Path(file_okay=False), help="Checkpoint directory to write.")
+@click.option("--store", "store", required=True, type=click.Path(file_okay=False), help="Store directory to write.")
+@click.option("--layers", type=int, default=None, help="Decoder layers (default 48).")
+@click.option("--hidden", type=int, default=None, help="Hidden size (default 2048).")
+@click.option("--experts", type=int, default=None, help="Routed experts per layer (default 128).")
+@click.option("--top-k", "top_k", type=int, default=None, help="Experts per token (default 8).")
+@click.option("--moe-intermediate", type=int, default=None, help="Expert FFN width (default 768).")
+@click.option("--vocab", type=int, default=None, help="Vocabulary size (default 151936).")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--device", default=None, help="Where to draw the random weights (default: cuda if present).")
+def synth(out, store, layers, hidden, experts, top_k, moe_intermediate, vocab, seed, device):
+    """Synthesize a random checkpoint of the Qwen3-30B-A3B shape (or another), experts straight into a store."""
+    res = synthesize(Path(out), Path(store), seed=seed, device=device, num_hidden_layers=layers, hidden_size=hidden,
+                     num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=moe_intermediate,
+                     vocab_size=vocab)
+    click.echo(json.dumps(res))
