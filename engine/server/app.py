@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP API over an LLM (engine.llm's interface), as a FastAPI app.
 
-    create_app(llm)                 serve an engine already loaded
+    create_app(llm)                 serve an engine already loaded (the caller closes it)
     create_app(loader=callable)     listen at once; `loader()` builds the engine in a thread;
                                     /health answers 503 until it returns, 500 if it raised
 
@@ -14,6 +14,7 @@ import asyncio
 import hashlib
 import hmac
 import json
+import re
 import threading
 import time
 import uuid
@@ -32,6 +33,7 @@ from engine.server.metrics import CONTENT_TYPE, Metrics
 from engine.server.parsers import OutputParser, assemble, string_params_of
 from engine.server.schemas import ChatRequest, CompletionRequest, TokenizeRequest
 
+_UNION_TAG = re.compile(r"\[|^(str|int|float|bool|dict|list|none)$")
 OPEN_PATHS = ("/health", "/metrics")    # answered without the API key (probes, scrapers)
 
 
@@ -97,8 +99,9 @@ class Engine:
         return self.llm
 
     def close(self):
+        """Close what this app loaded; an llm handed in belongs to the caller."""
         self.closed = True
-        if self.llm is not None:
+        if self.loader is not None and self.llm is not None:
             self.llm.close()
 
 
@@ -136,7 +139,8 @@ def create_app(llm=None, *, loader: Callable[[], Any] | None = None, served_name
     @app.exception_handler(RequestValidationError)
     async def _invalid(request, e: RequestValidationError):
         err = e.errors()[0]
-        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        # drop "body" and pydantic's union-branch tags ("str", "list[int]", "function-after[…]")
+        loc = [str(x) for x in err.get("loc", ()) if x != "body" and not _UNION_TAG.search(str(x))]
         if err.get("type") == "json_invalid":
             return error_response(400, f"the body is not valid JSON: {err.get('ctx', {}).get('error', err['msg'])}")
         param = ".".join(loc) or None
@@ -168,6 +172,13 @@ def create_app(llm=None, *, loader: Callable[[], Any] | None = None, served_name
         return SamplingParams(max_tokens=min(want, room), temperature=req.temperature, top_p=req.top_p,
                               seed=req.seed, stop_token_ids=() if req.ignore_eos else stop_ids,
                               ignore_eos=req.ignore_eos)
+
+    def start(llm, ids, params):
+        """LLM.stream checks its input eagerly (length, ids, params): its refusal is the client's 400."""
+        try:
+            return llm.stream(ids, params)
+        except ValueError as e:
+            raise ApiError(400, str(e), param="prompt") from None
 
     def usage(n_prompt: int, n_completion: int) -> dict:
         return {"prompt_tokens": n_prompt, "completion_tokens": n_completion,
@@ -225,8 +236,8 @@ def create_app(llm=None, *, loader: Callable[[], Any] | None = None, served_name
                               tools=bool(tools) and req.tool_choice != "none",
                               string_params=string_params_of(tools))
         outcome = Outcome(started=t0)
-        text = generate_text(llm, ids, params, stops=req.stop, hidden=engine.hidden, metrics=metrics,
-                             endpoint="chat", outcome=outcome)
+        text = generate_text(start(llm, ids, params), llm.tokenizer, stops=req.stop, hidden=engine.hidden,
+                             metrics=metrics, endpoint="chat", outcome=outcome)
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": served_name,
                 "system_fingerprint": system_fingerprint()}
 
@@ -287,48 +298,36 @@ def create_app(llm=None, *, loader: Callable[[], Any] | None = None, served_name
         llm = engine.require()
         check_model(req.model)
         prompts = []
-        vocab = len(llm.tokenizer)
-        for i, p in enumerate(req.prompts()):
-            if isinstance(p, str):
-                ids = chat.encode(llm.tokenizer, p, add_special_tokens=True)
-            else:
-                bad = next((t for t in p if not 0 <= t < vocab), None)
-                if bad is not None:
-                    raise ApiError(400, f"prompt token id {bad} is outside the vocabulary (0..{vocab - 1})",
-                                   param="prompt")
-                ids = p
+        for p in req.prompts():
+            ids = chat.encode(llm.tokenizer, p, add_special_tokens=True) if isinstance(p, str) else p
             if not ids:
                 raise ApiError(400, "the prompt is empty", param="prompt")
             check_length(llm, len(ids))
             prompts.append(ids)
         if req.stream and len(prompts) > 1:
             raise ApiError(400, "streaming takes one prompt", param="prompt")
-        eos = tuple(sorted(llm.eos_token_ids))
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": served_name,
                 "system_fingerprint": system_fingerprint()}
-
-        def run(ids):
+        runs = []                       # every prompt checked by the engine before any starts
+        for ids in prompts:
             outcome = Outcome(started=t0)
-            return outcome, generate_text(llm, ids, sampling(llm, req, len(ids), eos), stops=req.stop,
-                                          hidden=engine.hidden, metrics=metrics, endpoint="completions",
-                                          outcome=outcome)
+            runs.append((outcome, generate_text(start(llm, ids, sampling(llm, req, len(ids), ())), llm.tokenizer,
+                                                stops=req.stop, hidden=engine.hidden, metrics=metrics,
+                                                endpoint="completions", outcome=outcome)))
 
         if not req.stream:
-            async def one(ids):
-                outcome, text = run(ids)
+            async def collect(text):
                 async with aclosing(text):
-                    out = "".join([c async for c in text])
-                return out, outcome
-            results = await asyncio.gather(*(one(ids) for ids in prompts))
+                    return "".join([c async for c in text])
+            texts = await asyncio.gather(*(collect(text) for _, text in runs))
             metrics.request_seconds.labels("completions").observe(time.perf_counter() - t0)
-            n_prompt = sum(len(p) for p in prompts)
             return {**head, "object": "text_completion",
                     "choices": [{"index": i, "text": out, "logprobs": None, "finish_reason": o.finish_reason}
-                                for i, (out, o) in enumerate(results)],
-                    "usage": usage(n_prompt, sum(o.completion_tokens for _, o in results))}
+                                for i, (out, (o, _)) in enumerate(zip(texts, runs))],
+                    "usage": usage(sum(map(len, prompts)), sum(o.completion_tokens for o, _ in runs))}
 
         ids = prompts[0]
-        outcome, text = run(ids)
+        outcome, text = runs[0]
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
         def chunk(piece: str, finish: str | None = None) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from engine.server.detok import Detokenizer
@@ -20,18 +21,15 @@ _END = object()
 
 
 class TokenPump:
-    def __init__(self, llm, prompt_ids: list[int], params):
+    def __init__(self, tokens: Iterator):
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue = asyncio.Queue()
         self.cancelled = threading.Event()
-        self.thread = threading.Thread(target=self._run, args=(llm, prompt_ids, params), daemon=True,
-                                       name="kiln-generation")
+        self.thread = threading.Thread(target=self._run, args=(tokens,), daemon=True, name="kiln-generation")
         self.thread.start()
 
-    def _run(self, llm, prompt_ids, params):
-        gen = None
+    def _run(self, gen):
         try:
-            gen = llm.stream(prompt_ids, params)
             for tok in gen:
                 self._put(tok)
                 if tok.finish or self.cancelled.is_set():
@@ -39,8 +37,7 @@ class TokenPump:
         except BaseException as e:      # handed to the request, which answers with it
             self._put(e)
         finally:
-            if gen is not None:
-                gen.close()
+            gen.close()             # in the thread that ran it; frees the engine's slot if cut short
             self._put(_END)
 
     def _put(self, item):
@@ -70,12 +67,13 @@ class Outcome:
     started: float = field(default_factory=time.perf_counter)
 
 
-async def generate_text(llm, prompt_ids: list[int], params, *, stops, hidden, metrics: Metrics,
-                        endpoint: str, outcome: Outcome):
-    """Yield the answer's text in chunks; `outcome` holds the counts and finish reason when it ends."""
-    detok = Detokenizer(llm.tokenizer, hidden)
+async def generate_text(tokens: Iterator, tokenizer, *, stops, hidden, metrics: Metrics, endpoint: str,
+                        outcome: Outcome):
+    """Yield the answer's text in chunks from `tokens` (an LLM.stream not yet started);
+    `outcome` holds the counts and finish reason when it ends."""
+    detok = Detokenizer(tokenizer, hidden)
     stop = StopMatcher(stops)
-    pump = TokenPump(llm, prompt_ids, params)
+    pump = TokenPump(tokens)
     metrics.queued.inc()
     state = "queued"
     try:

@@ -41,6 +41,13 @@ class Message(BaseModel):
     tool_calls: list[ToolCallIn] | None = None
     tool_call_id: str | None = None
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_only(cls, v):
+        if isinstance(v, list) and not all(isinstance(p, dict) and p.get("type") == "text" for p in v):
+            raise ValueError("only text content parts ({'type': 'text', 'text': …}) are supported")
+        return v
+
     @model_validator(mode="after")
     def _content_present(self):
         if self.content is None and not (self.role == "assistant" and self.tool_calls):
