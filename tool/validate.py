@@ -1,0 +1,416 @@
+"""Validate recipes: recipes/schema.json plus the rules a schema cannot say.
+
+Every problem is reported at once, each located as `file::$.json.path: message`
+(check-jsonschema's manner), sorted by file and position in the file. The rules are
+small named functions, one per rule, that read whatever parts of a recipe are well
+formed and skip the rest (the schema reports those), so they never crash on bad input.
+Where a rule and the schema find the same spot (an image without a digest fails both
+the schema's pattern and `image_pinned_by_digest`), the rule's message, which says why,
+is the one reported.
+
+`tool.recipes.load` calls `validate_recipe` on every load, so the compiled validator is
+cached for the process.
+"""
+from __future__ import annotations
+
+import ast
+import difflib
+import functools
+import json
+import os
+import posixpath
+import re
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Iterator
+
+from jsonschema import Draft202012Validator
+from jsonschema.exceptions import ValidationError, best_match
+
+from tool import REPO_ROOT
+from tool.errors import RecipeError
+from tool.recipes import Recipe, parse, recipe_files, recipes_dirs
+
+SCHEMA_PATH = REPO_ROOT / "recipes" / "schema.json"
+
+Where = tuple  # a location in the document: keys and list indices from the root
+
+
+@dataclass(frozen=True)
+class Problem:
+    file: str
+    where: Where
+    message: str
+
+    @property
+    def path(self) -> str:
+        return json_path(self.where)
+
+    def __str__(self) -> str:
+        return f"{self.file}::{self.path}: {self.message}"
+
+    def sort_key(self):
+        # document order would need the parser's positions; key order with numeric
+        # indices (so [10] comes after [9]) is stable and reads the same
+        return (self.file, tuple((isinstance(p, str), p) for p in self.where), self.message)
+
+    def as_dict(self) -> dict:
+        return {"file": self.file, "path": self.path, "message": self.message}
+
+
+_IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def json_path(where: Iterable) -> str:
+    """('steps', 'serve', 'ports', 0, 'host') -> $.steps.serve.ports[0].host; odd keys bracketed."""
+    out = "$"
+    for part in where:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif _IDENT.match(part):
+            out += f".{part}"
+        else:
+            out += "[" + json.dumps(part, ensure_ascii=False).replace('"', "'") + "]"
+    return out
+
+
+def _show(value, limit: int = 60) -> str:
+    """A value as it is written in JSON, cut short: messages stay one readable line."""
+    text = json.dumps(value, ensure_ascii=False)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def display_path(path: Path) -> str:
+    """Paths under the working directory print relative to it (as the user typed them)."""
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
+
+
+# ---------------------------------------------------------------- the schema
+
+@functools.cache
+def schema() -> dict:
+    return json.loads(SCHEMA_PATH.read_text())
+
+
+@functools.cache
+def _validator() -> Draft202012Validator:
+    # format_checker makes "format": "date" an assertion (2026-02-30 is refused)
+    return Draft202012Validator(schema(), format_checker=Draft202012Validator.FORMAT_CHECKER)
+
+
+_JSON_TYPE = {bool: "boolean", int: "integer", float: "number", str: "string",
+              list: "array", dict: "object", type(None): "null"}
+
+
+def _explain(error: ValidationError) -> Iterator[tuple[Where, str]]:
+    """One jsonschema error → located messages that name the field and the limit."""
+    # a schema object may carry its own message (ajv-errors' "errorMessage", string form)
+    own = error.schema.get("errorMessage") if isinstance(error.schema, dict) else None
+    if own:
+        yield tuple(error.absolute_path), own
+        return
+    best = best_match([error])  # descends anyOf/oneOf to the sub-error that matters
+    if best is not error:
+        yield from _explain(best)
+        return
+    where, v, value, inst = tuple(error.absolute_path), error.validator, error.validator_value, error.instance
+    if v == "additionalProperties":
+        known = list(error.schema.get("properties", {}))
+        patterns = list(error.schema.get("patternProperties", {}))
+        for key in inst:
+            if key in known or any(re.search(p, key) for p in patterns):
+                continue
+            close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+            hint = f"; did you mean {_show(close[0])}?" if close else f" (allowed: {', '.join(known)})"
+            yield where + (key,), f"unknown field {_show(key)}{hint}"
+    elif v == "required":
+        m = re.match(r"^(.*) is a required property$", error.message)  # jsonschema names it only here
+        name = _show(ast.literal_eval(m.group(1))) if m else error.message
+        yield where, f"missing required field {name}"
+    elif v == "type":
+        want = " or ".join(value) if isinstance(value, list) else value
+        yield where, f"expected {want}, got {_JSON_TYPE.get(type(inst), type(inst).__name__)} {_show(inst)}"
+    elif v == "enum":
+        yield where, f"{_show(inst)} is not one of {', '.join(_show(x) for x in value)}"
+    elif v == "const":
+        yield where, f"must be {_show(value)}, not {_show(inst)}"
+    elif v == "pattern":
+        yield where, f"{_show(inst)} does not match {value}"
+    elif v == "format":
+        yield where, f"{_show(inst)} is not a valid {value}"
+    elif v in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
+        rel = {"minimum": "below the minimum", "maximum": "above the maximum",
+               "exclusiveMinimum": "not above", "exclusiveMaximum": "not below"}[v]
+        yield where, f"{_show(inst)} is {rel} {value}"
+    elif v in ("minItems", "maxItems"):
+        rel = "at least" if v == "minItems" else "at most"
+        yield where, f"has {len(inst)} item{'s' if len(inst) != 1 else ''}; {rel} {value} allowed"
+    elif v in ("minLength", "maxLength"):
+        rel = "at least" if v == "minLength" else "at most"
+        yield where, f"{_show(inst)} has {len(inst)} characters; {rel} {value} allowed"
+    elif v == "uniqueItems":
+        yield where, "has repeated items; each may appear once"
+    else:  # dependentRequired, multipleOf, propertyNames…: jsonschema's message is short and exact
+        yield where, error.message if len(error.message) <= 200 else error.message[:199] + "…"
+
+
+def schema_problems(data) -> Iterator[tuple[Where, str]]:
+    for error in _validator().iter_errors(data):
+        yield from _explain(error)
+
+
+# ---------------------------------------------------------------- the rules beyond the schema
+
+def _get(data, *keys):
+    """data[k1][k2]… or None where a level is missing or not an object."""
+    for key in keys:
+        if not isinstance(data, dict):
+            return None
+        data = data.get(key)
+    return data
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _steps(data) -> Iterator[tuple[str, dict]]:
+    steps = _get(data, "steps")
+    if isinstance(steps, dict):
+        for name, step in steps.items():
+            if isinstance(step, dict):
+                yield name, step
+
+
+def _mounts(step: dict) -> Iterator[tuple[int, dict]]:
+    mounts = step.get("mounts")
+    if isinstance(mounts, list):
+        for i, m in enumerate(mounts):
+            if isinstance(m, dict):
+                yield i, m
+
+
+_DIGEST_PINNED = re.compile(r"^[^@\s]+@sha256:[0-9a-f]{64}$")
+
+
+def image_pinned_by_digest(recipe: Recipe) -> Iterator[tuple[Where, str]]:
+    """A tag can be moved to other bytes; only a digest names the image that was tested."""
+    image = _get(recipe.data, "runtime", "container", "image")
+    if not isinstance(image, str) or _DIGEST_PINNED.match(image):
+        return
+    where = ("runtime", "container", "image")
+    if "@" not in image:
+        yield where, f"image {_show(image)} is not pinned by digest: a tag can move; append @sha256:<64 hex digits>"
+    else:
+        yield where, f"image {_show(image)} has no valid digest: it must end in @sha256:<64 lower-case hex digits>"
+
+
+_HEX40 = re.compile(r"^[0-9a-f]{40}$")
+
+
+def revision_is_a_commit(recipe: Recipe) -> Iterator[tuple[Where, str]]:
+    """A branch or tag name can move; the weights are pinned by the full commit id."""
+    weights = _get(recipe.data, "weights")
+    rev = _get(weights, "revision")
+    if _get(weights, "source") != "huggingface" or not isinstance(rev, str) or _HEX40.match(rev):
+        return
+    if re.fullmatch(r"[0-9a-fA-F]+", rev) and len(rev) < 40:
+        why = f"a short commit id ({len(rev)} hex digits); write all 40"
+    else:
+        why = "pin the 40-hex commit id (a branch or tag name can move)"
+    yield ("weights", "revision"), f"revision {_show(rev)} is not a commit: {why}"
+
+
+def swap_not_below_memory(recipe: Recipe) -> Iterator[tuple[Where, str]]:
+    """docker refuses --memory-swap below --memory; equal turns swap off (the seeds' choice)."""
+    c = _get(recipe.data, "runtime", "container")
+    mem, swap = _get(c, "memory_bytes"), _get(c, "memory_swap_bytes")
+    if _is_int(mem) and _is_int(swap) and swap < mem:
+        yield (("runtime", "container", "memory_swap_bytes"),
+               f"memory_swap_bytes {swap} is below memory_bytes {mem}: it must be at least that "
+               "(equal turns swap off)")
+
+
+def _under(path: str, root: str) -> bool:
+    path, root = posixpath.normpath(path), posixpath.normpath(root)
+    return path == root or path.startswith(root.rstrip("/") + "/")
+
+
+def writes_only_on_writable_mounts(recipe: Recipe) -> Iterator[tuple[Where, str]]:
+    """A step may write only below a writable mount and below no read-only one: inputs
+    (weights, files) stay untouched, whatever the mount order makes the paths overlap."""
+    native = _get(recipe.data, "runtime", "kind") == "native"
+    for name, step in _steps(recipe.data):
+        writes = step.get("writes")
+        if not isinstance(writes, list):
+            continue
+        mounts = [(m["target"], m["read_only"], _show(m.get("source")))
+                  for _, m in _mounts(step)
+                  if isinstance(m.get("target"), str) and isinstance(m.get("read_only"), bool)]
+        if native:  # native steps see the store and weights by placeholder, not by mount
+            mounts += [("@store@", name != "prepare", "the store"), ("@weights@", True, "the weights")]
+        for i, path in enumerate(writes):
+            if not isinstance(path, str):
+                continue
+            read_only = [(t, s) for t, ro, s in mounts if ro and _under(path, t)]
+            if read_only:
+                target, source = read_only[0]
+                yield (("steps", name, "writes", i),
+                       f"step {name} writes {_show(path)}, which lies under read-only mount {_show(target)} ({source})")
+            elif not any(not ro and _under(path, t) for t, ro, _ in mounts):
+                yield (("steps", name, "writes", i),
+                       f"step {name} writes {_show(path)}, which lies under no writable mount (read_only: false)")
+
+
+def mounted_files_exist(recipe: Recipe) -> Iterator[tuple[Where, str]]:
+    """`file:<name>` mounts a file the recipe carries; the name must be one of `files`."""
+    files = _get(recipe.data, "files")
+    names = list(files) if isinstance(files, dict) else []
+    for name, step in _steps(recipe.data):
+        for i, m in _mounts(step):
+            source = m.get("source")
+            if isinstance(source, str) and source.startswith("file:") and source[5:] not in names:
+                known = f" (files: {', '.join(names)})" if names else " (the recipe has no files)"
+                yield (("steps", name, "mounts", i, "source"),
+                       f"mounts file {_show(source[5:])}, which is not in files{known}")
+
+
+def _store_placeholders(step: dict) -> Iterator[Where]:
+    for key in ("writes", "args"):
+        words = step.get(key)
+        if isinstance(words, list):
+            yield from ((key, i) for i, w in enumerate(words) if isinstance(w, str) and "@store@" in w)
+    commands = step.get("commands")
+    if isinstance(commands, list):
+        for i, cmd in enumerate(commands):
+            if isinstance(cmd, list):
+                yield from (("commands", i, j) for j, w in enumerate(cmd) if isinstance(w, str) and "@store@" in w)
+
+
+def store_defined_when_used(recipe: Recipe) -> Iterator[tuple[Where, str]]:
+    """A step that mounts the store (or names @store@) needs the store's facts: its
+    directory, size and filesystem needs come from `store`."""
+    if "store" in recipe.data:
+        return
+    for name, step in _steps(recipe.data):
+        for i, m in _mounts(step):
+            if m.get("source") == "store":
+                yield (("steps", name, "mounts", i, "source"),
+                       f"step {name} mounts the store, but the recipe has no store")
+        first = next(_store_placeholders(step), None)
+        if first is not None:
+            yield ("steps", name) + first, f"step {name} uses @store@, but the recipe has no store"
+
+
+_MODEL_PART = re.compile(r"^[a-z0-9][a-z0-9.-]*$")
+
+
+def _place_in_tree(path: Path) -> Path | None:
+    """The path relative to the recipes tree that holds it, or None for a loose file."""
+    resolved = path.resolve()
+    for d in recipes_dirs():
+        try:
+            return resolved.relative_to(d.resolve())
+        except (ValueError, OSError):
+            continue
+    return None
+
+
+def file_name_matches_recipe(recipe: Recipe) -> Iterator[tuple[Where, str]]:
+    """In a recipes tree, a recipe's place says what it is: <vendor>/<card>/<model>.<engine>.<ctx>k[.<n>x].json,
+    ctx = serve.context/1024, n = hardware.gpu_count when > 1. A loose file (a draft, a
+    test's copy) is checked for everything but its place."""
+    rel = _place_in_tree(recipe.path)
+    if rel is None:
+        return
+    d = recipe.data
+    vendor, card = _get(d, "hardware", "vendor"), _get(d, "hardware", "card")
+    engine, context, gpus = _get(d, "model", "engine"), _get(d, "serve", "context"), _get(d, "hardware", "gpu_count")
+    if not (all(isinstance(x, str) and x for x in (vendor, card, engine))
+            and _is_int(context) and context > 0 and _is_int(gpus)):
+        return  # the schema reports the missing or mistyped field
+    suffix = f".{engine}.{round(context / 1024)}k" + (f".{gpus}x" if gpus > 1 else "") + ".json"
+    parts = rel.parts
+    fits = (len(parts) == 3 and parts[0] == vendor and parts[1] == card and parts[2].endswith(suffix)
+            and _MODEL_PART.match(parts[2][: -len(suffix)]) is not None)
+    if not fits:
+        yield (), (f"file is at {rel.as_posix()} in its recipes tree, but the recipe says "
+                   f"{vendor}/{card}/<model>{suffix} (hardware.vendor/hardware.card/"
+                   "<model>.<model.engine>.<serve.context/1024>k[.<hardware.gpu_count>x].json)")
+
+
+RULES = (
+    image_pinned_by_digest,
+    revision_is_a_commit,
+    swap_not_below_memory,
+    writes_only_on_writable_mounts,
+    mounted_files_exist,
+    store_defined_when_used,
+    file_name_matches_recipe,
+)
+
+
+def ids_unique(recipes: list[Recipe]) -> Iterator[Problem]:
+    """Ids are names on the command line and in unit names: two recipes cannot share one."""
+    by_id: dict[str, list[Recipe]] = defaultdict(list)
+    for r in recipes:
+        if isinstance(r.data.get("id"), str):
+            by_id[r.data["id"]].append(r)
+    for rid, group in by_id.items():
+        for r in group if len(group) > 1 else ():
+            others = ", ".join(display_path(o.path) for o in group if o is not r)
+            yield Problem(display_path(r.path), ("id",), f"id {_show(rid)} is also used by {others}")
+
+
+# ---------------------------------------------------------------- entry points
+
+def check_recipe(recipe: Recipe) -> list[Problem]:
+    """Schema and per-recipe rules for one parsed recipe."""
+    file = display_path(recipe.path)
+    ruled = [(where, msg) for rule in RULES for where, msg in rule(recipe)]
+    claimed = {where for where, _ in ruled}
+    schemed = [(w, m) for w, m in schema_problems(recipe.data) if w not in claimed]
+    return sorted((Problem(file, w, m) for w, m in schemed + ruled), key=Problem.sort_key)
+
+
+def expand(paths: Iterable[str | os.PathLike]) -> list[Path]:
+    """Files as given, directories searched recursively for *.json; each file once."""
+    out, seen = [], set()
+    for p in map(Path, paths):
+        for f in recipe_files([p]) if p.is_dir() else [p]:
+            key = f.resolve()
+            if key not in seen:
+                seen.add(key)
+                out.append(f)
+    return out
+
+
+def check_paths(paths: Iterable[str | os.PathLike] | None = None) -> tuple[list[Path], list[Problem]]:
+    """Validate files together (None: every recipe under tool.recipes.recipes_dirs())."""
+    files = expand(paths) if paths else recipe_files()
+    problems: list[Problem] = []
+    parsed: list[Recipe] = []
+    for f in files:
+        try:
+            recipe = parse(f)
+        except RecipeError as e:  # unreadable or malformed: one located error, no traceback
+            problems.append(Problem(display_path(f), (), e.message.removeprefix(f"{f}: ")))
+            continue
+        parsed.append(recipe)
+        problems += check_recipe(recipe)
+    problems += ids_unique(parsed)
+    return files, sorted(problems, key=Problem.sort_key)
+
+
+def validate_recipe(recipe: Recipe) -> list[str]:
+    """Every problem of one recipe, as `file::$.path: message` lines; [] when valid."""
+    return [str(p) for p in check_recipe(recipe)]
+
+
+def validate_paths(paths: Iterable[str | os.PathLike] | None = None) -> list[str]:
+    """Every problem of the recipes at paths (files or directories), ids checked across them."""
+    return [str(p) for p in check_paths(paths)[1]]
