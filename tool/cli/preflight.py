@@ -1,0 +1,58 @@
+"""`tool preflight RECIPE`: every requirement of the recipe checked on this host; exit 0 only on go."""
+from __future__ import annotations
+
+import json
+
+import click
+
+from tool.errors import Exit
+
+
+def load_recipe(ref: str):
+    """The validated recipe (tool.validate), or only parsed where the validator is not installed."""
+    from tool import recipes
+
+    try:
+        return recipes.load(ref)
+    except ImportError:
+        return recipes.load(ref, validate=False)
+
+
+def console():
+    """The terminal's width on a terminal; unwrapped lines when piped, so each check stays one line."""
+    import sys
+
+    from rich.console import Console
+
+    return Console(highlight=False, width=None if sys.stdout.isatty() else 400)
+
+
+@click.command("preflight")
+@click.argument("recipe")
+@click.option("--json", "as_json", is_flag=True, help="Print {recipe, verdict, checks} as JSON on stdout.")
+@click.option("--models-dir", type=click.Path(file_okay=False), envvar="KILN_MODELS_DIR",
+              help="Where weights go (default /var/lib/kiln/models; $KILN_MODELS_DIR).")
+@click.option("--store-dir", type=click.Path(file_okay=False), envvar="KILN_STORE_DIR",
+              help="Where prepared stores go (default /var/lib/kiln/stores; $KILN_STORE_DIR).")
+@click.option("--host-root", type=click.Path(exists=True, file_okay=False), hidden=True,
+              help="Read /proc and /sys from this tree instead of / (tests).")
+@click.pass_context
+def preflight(ctx, recipe, as_json, models_dir, store_dir, host_root):
+    """Check, before any download, whether this host can run RECIPE (an id or a file).
+
+    Each check says pass, warn or fail with a one-line reason. Exit 0 when nothing fails (go),
+    1 when something does (no-go).
+    """
+    from tool import preflight as pf
+    from tool.preflight.checks import verdict
+
+    r = load_recipe(recipe)
+    results = pf.run(r, pf.host_from_env(models_dir, store_dir, host_root))
+    v = verdict(results)
+    if as_json:
+        click.echo(json.dumps({"recipe": r.id, "verdict": v, "checks": [c.as_dict() for c in results]}, indent=2))
+    else:
+        from tool.preflight.report import render
+
+        render(r.id, results, console())
+    ctx.exit(int(Exit.OK if v == "go" else Exit.FAILED))
