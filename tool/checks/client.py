@@ -1,0 +1,296 @@
+"""One OpenAI-compatible HTTP client for the gates: JSON calls, SSE streams, request records.
+
+Every failure (refused connection, timeout, HTTP error, non-JSON body, malformed SSE, a stream
+cut short) comes out as ClientError with a one-line reason, so a gate can fail with that reason
+and the run can go on. Each exchange is summarised into `records` for the evidence file.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+# Enough of a long prompt's text to recognise it in the evidence without storing 100k tokens.
+_PREVIEW_CHARS = 160
+
+
+class ClientError(Exception):
+    """A request that did not give a usable answer; str(e) is the one-line reason."""
+
+
+def server_root(base_url: str) -> str:
+    """The OpenAI base URL (…/v1) → the server root, where /tokenize and /health live."""
+    base = base_url.rstrip("/")
+    return base[: -len("/v1")] if base.endswith("/v1") else base
+
+
+def summarise_body(body: dict) -> dict:
+    """A request body for the evidence: every field, but long message texts shortened and hashed."""
+    import hashlib
+    out = {k: v for k, v in body.items() if k not in ("messages", "prompt")}
+    if "messages" in body:
+        msgs = []
+        for m in body["messages"]:
+            m = dict(m)
+            text = m.get("content")
+            if isinstance(text, str) and len(text) > 2 * _PREVIEW_CHARS:
+                m["content"] = f"{text[:_PREVIEW_CHARS]} … {text[-_PREVIEW_CHARS:]}"
+                m["content_chars"] = len(text)
+                m["content_sha256"] = hashlib.sha256(text.encode()).hexdigest()
+            msgs.append(m)
+        out["messages"] = msgs
+    if "prompt" in body:
+        out["prompt"] = body["prompt"]
+    return out
+
+
+@dataclass
+class Answer:
+    """One assistant turn, from a plain or a streamed response."""
+    content: str = ""
+    reasoning: str = ""
+    reasoning_field: str | None = None      # which field carried it: reasoning_content or reasoning
+    tool_calls: list = field(default_factory=list)
+    finish_reason: str | None = None
+    usage: dict | None = None
+    system_fingerprint: str | None = None
+    model: str | None = None
+    # streaming only
+    ttft_s: float | None = None              # request sent → first text (content or reasoning)
+    t_first: float | None = None             # perf_counter of the first and last text chunk
+    t_last: float | None = None
+    chunks: int = 0
+    cut_at_deadline: bool = False
+
+    def summary(self) -> dict:
+        out = {"content": self.content, "finish_reason": self.finish_reason}
+        if self.reasoning:
+            out["reasoning_chars"] = len(self.reasoning)
+            out["reasoning_field"] = self.reasoning_field
+            out["reasoning"] = self.reasoning
+        if self.tool_calls:
+            out["tool_calls"] = self.tool_calls
+        for k in ("usage", "system_fingerprint", "model", "ttft_s", "chunks"):
+            v = getattr(self, k)
+            if v:
+                out[k] = v
+        if self.cut_at_deadline:
+            out["cut_at_deadline"] = True
+        return out
+
+
+def _message_answer(choice: dict, answer: Answer) -> None:
+    msg = choice.get("message") or {}
+    answer.content = msg.get("content") or ""
+    for key in ("reasoning_content", "reasoning"):
+        if msg.get(key):
+            answer.reasoning, answer.reasoning_field = msg[key], key
+            break
+    answer.tool_calls = msg.get("tool_calls") or []
+    answer.finish_reason = choice.get("finish_reason")
+
+
+class Client:
+    def __init__(self, base_url: str, *, api_key: str | None = None, timeout_s: float = 600.0,
+                 connect_timeout_s: float = 10.0):
+        self.base = base_url.rstrip("/")
+        self.root = server_root(self.base)
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._http = httpx.Client(headers=headers, timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s))
+        self.records: list[dict] = []        # every exchange; gates take theirs by index
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def url(self, path: str) -> str:
+        """'/models' → under the OpenAI base; '//tokenize' (leading '//') → under the server root."""
+        return self.root + path[1:] if path.startswith("//") else self.base + path
+
+    # -- plain JSON --------------------------------------------------------------------------
+    def request_json(self, method: str, path: str, body: dict | None = None, *, record: bool = True,
+                     timeout_s: float | None = None) -> dict:
+        url = self.url(path)
+        rec = {"method": method, "url": url}
+        if body is not None:
+            rec["request"] = summarise_body(body)
+        t0 = time.perf_counter()
+        try:
+            kw = {"timeout": timeout_s} if timeout_s is not None else {}
+            r = self._http.request(method, url, json=body, **kw)
+            rec["status"] = r.status_code
+            if r.status_code >= 400:
+                raise ClientError(f"{method} {url}: HTTP {r.status_code}{_error_detail(r)}")
+            try:
+                data = r.json()
+            except ValueError:
+                raise ClientError(f"{method} {url}: the body is not JSON "
+                                  f"({r.headers.get('content-type', 'no content-type')}: {_snippet(r.text)})") from None
+            if not isinstance(data, dict):
+                raise ClientError(f"{method} {url}: expected a JSON object, got {type(data).__name__}")
+            return data
+        except ClientError as e:
+            rec["error"] = str(e)
+            raise
+        except httpx.HTTPError as e:
+            rec["error"] = _transport_reason(method, url, e)
+            raise ClientError(rec["error"]) from None
+        finally:
+            rec["elapsed_s"] = round(time.perf_counter() - t0, 4)
+            if record:
+                self.records.append(rec)
+
+    def chat(self, body: dict, *, timeout_s: float | None = None) -> Answer:
+        """A non-streamed chat completion → its first choice."""
+        data = self.request_json("POST", "/chat/completions", body, timeout_s=timeout_s)
+        try:
+            answer = _parse_completion(data, "POST " + self.url("/chat/completions"))
+        except ClientError as e:
+            self.records[-1]["error"] = str(e)
+            raise
+        self.records[-1]["answer"] = answer.summary()
+        return answer
+
+    # -- streaming ---------------------------------------------------------------------------
+    def stream_chat(self, body: dict, *, window_s: float | None = None, on_text=None) -> Answer:
+        """A streamed chat completion. Stops reading `window_s` after the first text when given
+        (answer.cut_at_deadline). on_text(answer) is called after each text chunk (progress)."""
+        url = self.url("/chat/completions")
+        body = {**body, "stream": True}
+        rec = {"method": "POST", "url": url, "request": summarise_body(body)}
+        answer = Answer()
+        calls: dict[int, dict] = {}
+        done = False
+        t0 = time.perf_counter()
+        try:
+            with self._http.stream("POST", url, json=body) as r:
+                rec["status"] = r.status_code
+                if r.status_code >= 400:
+                    r.read()
+                    raise ClientError(f"POST {url}: HTTP {r.status_code}{_error_detail(r)}")
+                ctype = r.headers.get("content-type", "")
+                if "text/event-stream" not in ctype:
+                    r.read()
+                    raise ClientError(f"POST {url}: expected an event stream, got {ctype or 'no content-type'}: "
+                                      f"{_snippet(r.text)}")
+                for line in r.iter_lines():
+                    now = time.perf_counter()
+                    if not line.startswith("data:"):
+                        continue             # comments, event:, id:, blank separators
+                    payload = line[5:].strip()
+                    if payload == "[DONE]":
+                        done = True
+                        break
+                    try:
+                        event = json.loads(payload)
+                    except ValueError:
+                        raise ClientError(f"POST {url}: malformed SSE event (not JSON): {_snippet(payload)}") from None
+                    if not isinstance(event, dict):
+                        raise ClientError(f"POST {url}: malformed SSE event (not an object): {_snippet(payload)}")
+                    if "error" in event:
+                        raise ClientError(f"POST {url}: the server sent an error mid-stream: {_snippet(json.dumps(event['error']))}")
+                    if event.get("usage"):
+                        answer.usage = event["usage"]
+                    answer.system_fingerprint = event.get("system_fingerprint") or answer.system_fingerprint
+                    answer.model = event.get("model") or answer.model
+                    for choice in event.get("choices") or []:
+                        got_text = _apply_delta(choice, answer, calls)
+                        if got_text:
+                            answer.chunks += 1
+                            if answer.t_first is None:
+                                answer.t_first, answer.ttft_s = now, round(now - t0, 4)
+                            answer.t_last = now
+                            if on_text:
+                                on_text(answer)
+                    if window_s is not None and answer.t_first is not None and now - answer.t_first >= window_s \
+                            and answer.finish_reason is None:
+                        answer.cut_at_deadline = True
+                        break
+            if not done and not answer.cut_at_deadline and answer.finish_reason is None:
+                raise ClientError(f"POST {url}: the stream ended before a finish_reason or [DONE]")
+        except ClientError as e:
+            rec["error"] = str(e)
+            raise
+        except httpx.HTTPError as e:
+            rec["error"] = _transport_reason("POST", url, e, streaming=True)
+            raise ClientError(rec["error"]) from None
+        finally:
+            answer.tool_calls = [calls[i] for i in sorted(calls)]
+            rec["elapsed_s"] = round(time.perf_counter() - t0, 4)
+            rec["answer"] = answer.summary()
+            self.records.append(rec)
+        return answer
+
+
+def _apply_delta(choice: dict, answer: Answer, calls: dict[int, dict]) -> bool:
+    """Fold one streamed choice into the answer; True when it carried text."""
+    if not isinstance(choice, dict):
+        return False
+    delta = choice.get("delta") or {}
+    got = False
+    if delta.get("content"):
+        answer.content += delta["content"]
+        got = True
+    for key in ("reasoning_content", "reasoning"):
+        if delta.get(key):
+            answer.reasoning += delta[key]
+            answer.reasoning_field = answer.reasoning_field or key
+            got = True
+            break
+    for tc in delta.get("tool_calls") or []:
+        slot = calls.setdefault(tc.get("index", len(calls)), {"id": None, "type": "function",
+                                                              "function": {"name": "", "arguments": ""}})
+        slot["id"] = tc.get("id") or slot["id"]
+        fn = tc.get("function") or {}
+        slot["function"]["name"] += fn.get("name") or ""
+        slot["function"]["arguments"] += fn.get("arguments") or ""
+        got = True
+    if choice.get("finish_reason"):
+        answer.finish_reason = choice["finish_reason"]
+    return got
+
+
+def _parse_completion(data: dict, where: str) -> Answer:
+    choices = data.get("choices")
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+        raise ClientError(f"{where}: the response has no choices: {_snippet(json.dumps(data))}")
+    answer = Answer(usage=data.get("usage"), system_fingerprint=data.get("system_fingerprint"),
+                    model=data.get("model"))
+    _message_answer(choices[0], answer)
+    return answer
+
+
+def _snippet(text: str, n: int = 120) -> str:
+    text = " ".join(str(text).split())
+    return text if len(text) <= n else text[:n] + "…"
+
+
+def _error_detail(r: httpx.Response) -> str:
+    try:
+        r.read()
+        data = r.json()
+        err = data.get("error", data) if isinstance(data, dict) else data
+        msg = err.get("message") if isinstance(err, dict) else err
+        return f": {_snippet(msg if isinstance(msg, str) else json.dumps(msg))}"
+    except Exception:  # the detail is a courtesy; the status code is the reason
+        try:
+            return f": {_snippet(r.text)}" if r.text.strip() else ""
+        except Exception:
+            return ""
+
+
+def _transport_reason(method: str, url: str, e: httpx.HTTPError, streaming: bool = False) -> str:
+    if isinstance(e, httpx.ConnectError):
+        return f"cannot reach {url}: {_snippet(str(e)) or 'connection refused'}"
+    if isinstance(e, httpx.TimeoutException):
+        return f"{method} {url}: timed out ({type(e).__name__})"
+    if isinstance(e, (httpx.RemoteProtocolError, httpx.ReadError)) and streaming:
+        return f"POST {url}: the server closed the connection mid-stream ({_snippet(str(e))})"
+    return f"{method} {url}: {type(e).__name__}: {_snippet(str(e)) or 'transport error'}"

@@ -1,0 +1,97 @@
+"""What every gate gets (GateContext) and gives back (a result dict), plus liveness of a managed server.
+
+A gate is `run(ctx) -> dict` with at least {"passed": bool, "reason": str}; any other keys are
+its figures. Gates raise nothing on purpose: ClientError becomes the reason; the runner catches
+anything else so one broken gate never stops the others.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+from tool.checks.client import Client
+
+# is_alive() → True while the managed server (unit, container, child process) runs; anything else
+# means it died, and a str is the reason (exit code, OOM kill, last log lines).
+IsAlive = Callable[[], "bool | str"]
+
+DEFAULT_LIMITS = {
+    "load_timeout_s": None,        # None → the recipe's checks.load_timeout_s, else 3600
+    "poll_interval_s": 2.0,
+    "request_timeout_s": 600.0,
+    "answer_max_tokens": 2048,     # chat / reasoning / tools: room for a reasoning model to think
+    "context_fill": None,          # None → the recipe's checks.context_fill, else 0.85
+    "context_band": 0.01,
+    "context_max_iterations": 8,
+    "speed_window_s": 30.0,
+    "speed_max_tokens": 1024,
+    "prefill_tokens": None,        # None → min(8192, context / 2)
+    "seed": None,                  # the context needle's code and depth; None → random
+}
+
+
+class Reporter(Protocol):
+    def gate_started(self, name: str) -> None: ...
+    def progress(self, text: str, completed: float | None = None, total: float | None = None) -> None: ...
+    def gate_finished(self, name: str, result: dict) -> None: ...
+
+
+class NullReporter:
+    def gate_started(self, name): pass
+    def progress(self, text, completed=None, total=None): pass
+    def gate_finished(self, name, result): pass
+
+
+@dataclass
+class GateContext:
+    recipe: object                          # tool.recipes.Recipe
+    client: Client
+    limits: dict
+    reporter: Reporter = field(default_factory=NullReporter)
+    is_alive: IsAlive | None = None
+    rng: random.Random = field(default_factory=random.Random)
+    shared: dict = field(default_factory=dict)   # found once, used by several gates (token counter, models)
+
+    @property
+    def served_name(self) -> str:
+        return self.recipe["serve"]["served_name"]
+
+    @property
+    def context_window(self) -> int:
+        return int(self.recipe["serve"]["context"])
+
+    @property
+    def checks(self) -> dict:
+        return self.recipe.get("checks") or {}
+
+    def answer_tokens(self) -> int:
+        """Room for an answer: the limit, but never more than a quarter of the window (servers
+        reject prompt + max_tokens beyond it)."""
+        return max(16, min(self.limits["answer_max_tokens"], self.context_window // 4))
+
+    def death(self) -> str | None:
+        """None while the managed server lives (or is not managed); else why it died."""
+        if self.is_alive is None:
+            return None
+        try:
+            alive = self.is_alive()
+        except Exception as e:   # a broken callback must not hide the server's state as a crash
+            return f"liveness check failed: {e}"
+        if alive is True:
+            return None
+        return alive if isinstance(alive, str) and alive else "the server process is no longer running"
+
+    def token_counter(self):
+        if "tokens" not in self.shared:
+            from tool.checks import tokens
+            self.shared["tokens"] = tokens.detect(self.client, self.served_name)
+        return self.shared["tokens"]
+
+
+def fail(reason: str, **figures) -> dict:
+    return {"passed": False, "reason": reason, **figures}
+
+
+def ok(reason: str, **figures) -> dict:
+    return {"passed": True, "reason": reason, **figures}

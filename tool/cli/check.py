@@ -1,0 +1,126 @@
+"""`tool check RECIPE --endpoint URL`: the six acceptance gates against any OpenAI-compatible server.
+
+Data on stdout (the results table, or the evidence JSON with --json -); progress on stderr.
+Exit 0 iff every gate the recipe expects passed, else 1 (Exit.FAILED).
+"""
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+from rich import box
+from rich.console import Console
+from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from tool.errors import Exit
+
+
+def _load_recipe(ref: str):
+    from tool import recipes
+    try:
+        return recipes.load(ref)
+    except ModuleNotFoundError as e:      # tool.validate not installed yet: parse only
+        if e.name != "tool.validate":
+            raise
+        return recipes.load(ref, validate=False)
+
+
+class RichReporter:
+    """Live progress on stderr for the long gates (load wait, context fill, speed), one line per gate."""
+
+    def __init__(self, console: Console):
+        self.console = console
+        self._live: Progress | None = None
+        self._task = None
+
+    def gate_started(self, name):
+        self._live = Progress(SpinnerColumn(), TextColumn(f"[bold]{name}[/] {{task.description}}"),
+                              BarColumn(), TimeElapsedColumn(), console=self.console, transient=True)
+        self._task = self._live.add_task("", total=None)
+        self._live.start()
+
+    def progress(self, text, completed=None, total=None):
+        if self._live is not None:
+            self._live.update(self._task, description=text, completed=completed or 0, total=total)
+
+    def gate_finished(self, name, result):
+        if self._live is not None:
+            self._live.stop()
+        self._live = self._task = None
+        mark = "[green]✓[/]" if result["passed"] else ("[yellow]-[/]" if result.get("skipped") else "[red]✗[/]")
+        self.console.print(f"{mark} {name}: {result['reason']}", highlight=False, soft_wrap=True)
+
+
+def figure(name: str, r: dict) -> str:
+    """The one figure per gate the table shows."""
+    def num(v, fmt):
+        return format(v, fmt) if isinstance(v, (int, float)) else "–"
+    if name == "load":
+        return f"ready {num(r.get('ready_s'), '.1f')} s" if r.get("passed") else f"waited {num(r.get('waited_s'), '.1f')} s"
+    if name == "chat":
+        return f"finish {r.get('finish_reason') or '–'}"
+    if name == "reasoning":
+        return f"{num(r.get('reasoning_chars'), 'd')} chars thinking"
+    if name == "tools":
+        return f"finish {r.get('finish_reason') or r.get('first_finish_reason') or '–'}"
+    if name == "context":
+        frac = r.get("fill_fraction")
+        return f"{frac:.1%} of {r.get('window', 0):,}" if isinstance(frac, float) else "–"
+    if name == "speed":
+        return (f"decode {num(r.get('decode_tps'), '.1f')} · prefill {num(r.get('prefill_tps'), ',.0f')} tok/s"
+                f" · TTFT {num(r.get('ttft_s'), '.2f')} s")
+    return ""
+
+
+def results_table(evidence: dict) -> Table:
+    t = Table(box=box.SIMPLE_HEAD, title=f"{evidence['recipe']['id']} @ {evidence['server']['endpoint']}")
+    for col in ("gate", "result", "reason", "figure"):
+        t.add_column(col, overflow="fold")
+    for name, r in evidence["gates"].items():
+        result = "pass" if r["passed"] else ("skip" if r.get("skipped") else "FAIL")
+        if not r.get("expected"):
+            result += " (report only)"
+        t.add_row(name, result, r["reason"], figure(name, r))
+    return t
+
+
+@click.command("check")
+@click.argument("recipe")
+@click.option("--endpoint", required=True, metavar="URL", help="The server's OpenAI base URL, e.g. http://127.0.0.1:8000/v1.")
+@click.option("--gates", metavar="G1,G2", help="Run only these gates (load,chat,reasoning,tools,context,speed).")
+@click.option("--json", "json_path", metavar="PATH", help="Also write the evidence JSON here ('-': print it instead of the table).")
+@click.option("--record", is_flag=True, help="Append a proof line to the recipe file.")
+@click.option("--evidence-dir", default="evidence", show_default=True, type=click.Path(file_okay=False),
+              help="Where the evidence file goes.")
+@click.option("--load-timeout", type=float, metavar="S", help="Override the recipe's load limit, seconds.")
+@click.option("--speed-window", type=float, metavar="S", help="Decode timing window, seconds (default 30).")
+@click.option("--seed", type=int, help="Seed for the context needle's code and depth (default: random).")
+@click.option("--api-key", envvar="KILN_API_KEY", help="Bearer token for the server [env KILN_API_KEY].")
+def check(recipe, endpoint, gates, json_path, record, evidence_dir, load_timeout, speed_window, seed, api_key):
+    """Run the acceptance gates of RECIPE (an id or a file) against the server at --endpoint."""
+    from tool.checks.runner import run_checks
+
+    r = _load_recipe(recipe)
+    only = [g.strip() for g in gates.split(",") if g.strip()] if gates else None
+    err = Console(stderr=True, highlight=False)
+    evidence = run_checks(r, endpoint, gates=only, evidence_dir=evidence_dir,
+                          json_path=None if json_path == "-" else json_path, record=record,
+                          reporter=RichReporter(err), api_key=api_key, load_timeout_s=load_timeout,
+                          speed_window_s=speed_window, seed=seed)
+    if json_path == "-":
+        files = evidence.pop("evidence_files"), evidence.pop("evidence_sha256")
+        click.echo(json.dumps(evidence, indent=2, ensure_ascii=False))
+        err.print(f"evidence: {files[0][0]}")
+    else:
+        out = Console(highlight=False, width=None if sys.stdout.isatty() else 120)
+        out.print(results_table(evidence))
+        expected = evidence["expected_gates"]
+        passed = [g for g in expected if evidence["gates"][g]["passed"]]
+        out.print(f"verdict: {evidence['verdict']} ({len(passed)}/{len(expected)} expected gates passed)"
+                  f"; evidence: {evidence['evidence_files'][0]}", soft_wrap=True)
+        if record:
+            out.print(f"recorded a proof line in {r.path}", soft_wrap=True)
+    if evidence["verdict"] != "pass":
+        click.get_current_context().exit(int(Exit.FAILED))
