@@ -99,11 +99,13 @@ def bench(gb, base, readers, out):
     layers = max(1, round(gb * 1e9 / (experts * RECORD)))
     nbytes = layers * experts * RECORD
     con = Console(stderr=True)
+    load0 = os.getloadavg()[0]        # the CPUs are shared: a busy machine lowers every hashing figure
     work = Path(tempfile.mkdtemp(dir=base, prefix="kiln-store-bench-"))
     try:
         con.print(f"synthetic checkpoint: {layers} layers x {experts} experts x {RECORD} B = {nbytes / 1e9:.2f} GB "
                   f"in {work} ({fstype(work)})")
         synth_checkpoint(work / "ckpt", layers, experts)
+        os.sync()                     # its writeback must not compete with the timed I/O below
         rows = {}
         t = plain_write(work / "plain.bin", nbytes)
         rows["plain O_DIRECT sequential write (1 thread, 32 MiB)"] = nbytes / t / 1e9
@@ -120,7 +122,7 @@ def bench(gb, base, readers, out):
         shutil.rmtree(work, ignore_errors=True)
 
     table = Table(title=f"store I/O, {nbytes / 1e9:.2f} GB, {fstype(base)} on {platform.node()}, "
-                        f"{os.cpu_count()} CPUs, {readers or default_readers()} verify readers")
+                        f"{os.cpu_count()} CPUs (load {load0:.1f}), {readers or default_readers()} verify readers")
     table.add_column("what")
     table.add_column("GB/s", justify="right")
     for k, v in rows.items():
@@ -129,6 +131,7 @@ def bench(gb, base, readers, out):
     result = {"date": date.today().isoformat(), "bytes": nbytes, "record_bytes": RECORD, "records": layers * experts,
               "fstype": fstype(base), "cpus": os.cpu_count(), "kernel": platform.release(),
               "readers": readers or default_readers(), "gbps": rows,
+              "loadavg_1m_before_after": [load0, os.getloadavg()[0]],
               "notes": "checkpoint read from the page cache during pack (just written); store and plain I/O are O_DIRECT"}
     path = Path(out or Path(__file__).parent / "results" / f"{date.today().isoformat()}-cpu-store.json")
     path.parent.mkdir(parents=True, exist_ok=True)
