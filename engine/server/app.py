@@ -24,6 +24,7 @@ from typing import Any, Callable
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.server import chat
@@ -208,19 +209,21 @@ def create_app(llm=None, *, loader: Callable[[], Any] | None = None, served_name
         llm = engine.require()
         check_model(req.model)
         if req.messages is not None:
-            text = render_chat(llm, req.messages, req.tools, req.chat_template_kwargs, req.add_generation_prompt)
-            ids = chat.encode(llm.tokenizer, text, add_special_tokens=False)
+            _, ids = await run_in_threadpool(chat_prompt, llm, req.messages, req.tools, req.chat_template_kwargs,
+                                             req.add_generation_prompt)
         else:
-            ids = chat.encode(llm.tokenizer, req.prompt, add_special_tokens=req.add_special_tokens)
+            ids = await run_in_threadpool(chat.encode, llm.tokenizer, req.prompt, req.add_special_tokens)
         return {"count": len(ids), "tokens": ids, "max_model_len": llm.max_context}
 
-    def render_chat(llm, messages, tools, template_kwargs, add_generation_prompt=True) -> str:
+    def chat_prompt(llm, messages, tools, template_kwargs, add_generation_prompt=True) -> tuple[str, list[int]]:
+        """(prompt text, ids). Runs in a worker thread: a long prompt takes a while to render and tokenize."""
         try:
-            return chat.render(llm.tokenizer, [m.model_dump(exclude_none=False) for m in messages],
+            text = chat.render(llm.tokenizer, [m.model_dump(exclude_none=False) for m in messages],
                                [t.model_dump(exclude_none=True) for t in tools] if tools else None,
                                template_kwargs, add_generation_prompt)
         except chat.ChatTemplateError as e:
             raise ApiError(400, str(e), param="messages") from None
+        return text, chat.encode(llm.tokenizer, text, add_special_tokens=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatRequest):
@@ -228,8 +231,7 @@ def create_app(llm=None, *, loader: Callable[[], Any] | None = None, served_name
         llm = engine.require()
         check_model(req.model)
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-        prompt = render_chat(llm, req.messages, req.tools, req.chat_template_kwargs)
-        ids = chat.encode(llm.tokenizer, prompt, add_special_tokens=False)
+        prompt, ids = await run_in_threadpool(chat_prompt, llm, req.messages, req.tools, req.chat_template_kwargs)
         check_length(llm, len(ids))
         params = sampling(llm, req, len(ids), engine.end_of_turn)
         parser = OutputParser(think_opened=chat.think_opened(prompt),
@@ -299,7 +301,7 @@ def create_app(llm=None, *, loader: Callable[[], Any] | None = None, served_name
         check_model(req.model)
         prompts = []
         for p in req.prompts():
-            ids = chat.encode(llm.tokenizer, p, add_special_tokens=True) if isinstance(p, str) else p
+            ids = await run_in_threadpool(chat.encode, llm.tokenizer, p, True) if isinstance(p, str) else p
             if not ids:
                 raise ApiError(400, "the prompt is empty", param="prompt")
             check_length(llm, len(ids))

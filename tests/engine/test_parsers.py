@@ -134,6 +134,14 @@ def test_malformed_tool_call_stays_content(body):
     assert m.content == text
 
 
+def test_streamed_tool_call_delta_has_openais_shape():
+    from engine.server.app import delta_of
+    (p,) = [p for p in pieces_whole(HERMES, tools=True) if p.kind == "tool_call"]
+    d = delta_of(p, 1)
+    assert d == {"tool_calls": [{"index": 1, "id": p.call.id, "type": "function",
+                                 "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 2}'}}]}
+
+
 def test_tools_off_leaves_tool_call_text_as_content():
     m = assemble(pieces_whole('<tool_call>{"name": "f", "arguments": {}}</tool_call>', tools=False))
     assert m.tool_calls == [] and m.content == '<tool_call>{"name": "f", "arguments": {}}</tool_call>'
