@@ -1,0 +1,138 @@
+# nix/lib cases in the style of nixpkgs' lib/tests: { <name> = { expr; expected; }; }.
+# Run by tests/test_nix_lib.py through `nix-instantiate --eval --strict`, which reports
+# each failing case by name; also a flake check.
+let
+  kiln = import ./.;
+  units = import ./units.nix { util = import ./util.nix; };
+  recipes = kiln.recipesIn ../../recipes;
+  flash = recipes."glm-5.3-flash";
+  big = recipes."glm-5.3";
+  smol = recipes."smollm2-135m";
+  plan = recipe: options: kiln.compile { inherit recipe options; };
+  has = x: list: builtins.elem x list;
+  # The two words after `flag` in an argv ("-p" "127.0.0.1:8000:30000" → the value).
+  valueOf = flag: argv:
+    let idx = builtins.filter (i: builtins.elemAt argv i == flag) (builtins.genList (i: i) (builtins.length argv));
+    in if idx == [ ] then null else builtins.elemAt argv (builtins.head idx + 1);
+  throws = e: !(builtins.tryEval (builtins.deepSeq e e)).success;
+  # A native GPU recipe: the smollm2 recipe moved to CUDA, for the device rules.
+  gpuNative = smol // { id = "gpu-native"; runtime = smol.runtime // { native = smol.runtime.native // { device = "cuda"; }; }; };
+  serveOf = p: p.unitSections."kiln-${p.id}.service".Service;
+in
+{
+  testEscapePlainWord = { expr = units.escapeArg "--max-batch-size"; expected = "--max-batch-size"; };
+  testEscapeJson = { expr = units.escapeArg ''{"a":"b"}''; expected = ''"{\"a\":\"b\"}"''; };
+  testEscapeDollarAndPercent = { expr = units.escapeArg "$D/50%"; expected = ''"$$D/50%%"''; };
+  testEscapeSpace = { expr = units.escapeArg "a b"; expected = ''"a b"''; };
+
+  testUnitTextOrderAndWhy = {
+    expr = units.toUnitText {
+      sections = { Unit.Description = "d"; Service = { NoNewPrivileges = true; ExecStart = [ "a" "b" ]; Type = "oneshot"; Gone = null; }; Install = { }; };
+      why.Service.NoNewPrivileges = "reason";
+    };
+    expected = "[Unit]\nDescription=d\n\n[Service]\nType=oneshot\nExecStart=a\nExecStart=b\n# why: reason\nNoNewPrivileges=yes\n";
+  };
+
+  testDefaultsDeriveFromStateDir = {
+    expr = let p = plan flash { stateDir = "/srv/k"; }; in [ p.options.modelsDir p.options.storeDir p.options.filesDir p.paths.weights ];
+    expected = [ "/srv/k/models" "/srv/k/stores" "/srv/k/files/glm-5.3-flash" "/srv/k/models/GLM-5.3-Flash-exl3-332ab457" ];
+  };
+  testNullOptionMeansDefault = {
+    expr = (plan flash { port = null; bindAddress = null; }).options.port;
+    expected = 8000;
+  };
+
+  testPublishedPortBindsLoopback = { expr = valueOf "-p" (plan flash { }).steps.serve.argv; expected = "127.0.0.1:8000:30000"; };
+  testPortAndBindOverride = {
+    expr = valueOf "-p" (plan flash { port = 9100; bindAddress = "0.0.0.0"; }).steps.serve.argv;
+    expected = "0.0.0.0:9100:30000";
+  };
+  testCheckProbesLoopbackWhenBoundToAll = {
+    expr = (plan flash { bindAddress = "0.0.0.0"; port = 9100; }).steps.check.argv;
+    expected = [ "tool" "check" "glm-5.3-flash" "--endpoint" "http://127.0.0.1:9100/v1" ];
+  };
+  testDockerUserIsServiceIds = { expr = valueOf "--user" (plan flash { uid = 1001; gid = 1002; }).steps.prepare.argv; expected = "1001:1002"; };
+  testServeHasNoUserLikeTheSeed = { expr = has "--user" (plan flash { }).steps.serve.argv; expected = false; };
+  testStoreReadOnlyWhileServing = {
+    expr = valueOf "-v" (plan flash { }).steps.serve.argv;
+    expected = "/var/lib/kiln/stores/glm-5.3-flash.exllamav3-nvme.128k-prepared-599016b56e69:/nvx:ro";
+  };
+  testPrepareWritesStore = {
+    expr = valueOf "-v" (plan flash { }).steps.prepare.argv;
+    expected = "/var/lib/kiln/stores/glm-5.3-flash.exllamav3-nvme.128k-prepared-599016b56e69:/nvx";
+  };
+  testMemoryOverrideIsDockerFlag = {
+    expr = let a = (plan flash { memoryBytes = 1000; memorySwapBytes = 2000; }).steps.serve.argv; in [ (valueOf "--memory" a) (valueOf "--memory-swap" a) ];
+    expected = [ "1000" "2000" ];
+  };
+  testSwapBelowMemoryRefused = { expr = throws (plan flash { memoryBytes = 2000; memorySwapBytes = 1000; }).options; expected = true; };
+  testBadPortRefused = { expr = throws (plan flash { port = 70000; }).options; expected = true; };
+  testCpusIsCpuset = { expr = valueOf "--cpuset-cpus" (plan flash { cpus = "2-39"; }).steps.serve.argv; expected = "2-39"; };
+  testNothingWidensPrivileges = {
+    expr = builtins.any (a: has a [ "--privileged" "--cap-add" "--device" "--pid" "--userns" ])
+      (builtins.concatMap (p: builtins.concatMap (s: if s == null then [ ] else s.argv) (builtins.attrValues p.steps)) [ (plan flash { }) (plan big { }) ]);
+    expected = false;
+  };
+  testExtraEnvReplacesNotDuplicates = {
+    expr = builtins.length (builtins.filter (a: builtins.substring 0 11 a == "GLM53_MODE=") (plan flash { extraEnv.GLM53_MODE = "nvme-exact"; }).steps.serve.argv);
+    expected = 1;
+  };
+  testExtraEnvValue = { expr = has "GLM53_MODE=nvme-exact" (plan flash { extraEnv.GLM53_MODE = "nvme-exact"; }).steps.serve.argv; expected = true; };
+
+  testAbsentStepsAreNull = { expr = with (plan big { }).steps; [ prepare verify ]; expected = [ null null ]; };
+  testChainSkipsAbsentSteps = { expr = (plan big { }).unitSections."kiln-glm-5.3.service".Unit.Requires; expected = [ "kiln-glm-5.3-fetch.service" "docker.service" ]; };
+  testChainFull = {
+    expr = map (n: (plan flash { }).unitSections.${n}.Unit.After or null) [ "kiln-glm-5.3-flash-prepare.service" "kiln-glm-5.3-flash-check.service" ];
+    expected = [ [ "kiln-glm-5.3-flash-fetch.service" "docker.service" ] [ "kiln-glm-5.3-flash.service" ] ];
+  };
+  testServeReadiness = {
+    expr = let s = serveOf (plan flash { }); in [ s.TimeoutStartSec s.Restart s.ExecStartPost ];
+    expected = [ 3600 "on-failure" "tool check glm-5.3-flash --gates load --endpoint http://127.0.0.1:8000/v1" ];
+  };
+  testOneshotsRemain = {
+    expr = with (plan flash { }).unitSections."kiln-glm-5.3-flash-verify.service".Service; [ Type RemainAfterExit ];
+    expected = [ "oneshot" true ];
+  };
+  testEntrypointFileMode = {
+    expr = (plan big { }).files."/var/lib/kiln/files/glm-5.3/glm-5.3.vllm.320k.4x.yml".mode;
+    expected = "0555";
+  };
+
+  testNativePlaceholders = {
+    expr = (plan smol { port = 8123; stateDir = "/s"; }).steps.serve.argv;
+    expected = [ "engine" "serve" "--model" "/s/stores/smollm2-135m.kiln.8k-prepared/model" "--store" "/s/stores/smollm2-135m.kiln.8k-prepared/experts"
+      "--device" "cpu" "--host" "127.0.0.1" "--port" "8123" "--served-name" "smollm2-135m" "--ctx" "8192" "--ram-slots" "160" ];
+  };
+  testNativeCommandsAreExecStartLines = {
+    expr = builtins.length (plan smol { }).unitSections."kiln-smollm2-135m-prepare.service".Service.ExecStart;
+    expected = 2;
+  };
+  testNativeLimitsAreSystemd = {
+    expr = let s = serveOf (plan smol { }); in [ s.MemoryMax s.MemorySwapMax s.LimitMEMLOCK (s.AllowedCPUs or null) ];
+    expected = [ 6442450944 0 "infinity" null ];
+  };
+  testNativeCpus = { expr = with serveOf (plan smol { cpus = "0-1"; }); [ AllowedCPUs CPUAffinity ]; expected = [ "0-1" "0-1" ]; };
+  testNativePrepareWritesOnlyStore = {
+    expr = (plan smol { }).unitSections."kiln-smollm2-135m-prepare.service".Service.ReadWritePaths;
+    expected = [ "/var/lib/kiln/stores/smollm2-135m.kiln.8k-prepared" ];
+  };
+  testNativeCpuHasNoDevices = { expr = let s = serveOf (plan smol { }); in [ s.PrivateDevices (s.DeviceAllow or null) ]; expected = [ true null ]; };
+  testNativeGpuDevicesOnly = {
+    expr = with serveOf (plan gpuNative { }); [ PrivateDevices DevicePolicy (builtins.length DeviceAllow) ];
+    expected = [ false "closed" 4 ];
+  };
+  testGpuRelaxationSaysWhy = { expr = (plan gpuNative { }).unitWhy."kiln-gpu-native.service".Service ? PrivateDevices; expected = true; };
+
+  testUserUnits = {
+    expr = let p = plan smol { userUnits = true; }; s = serveOf p; in
+      [ (s ? User) (s ? CapabilityBoundingSet) p.unitSections."kiln-smollm2-135m.service".Install.WantedBy ];
+    expected = [ false false [ "default.target" ] ];
+  };
+  testSystemUnitsRunAsServiceUser = { expr = with serveOf (plan smol { user = "llm"; }); [ User Group ]; expected = [ "llm" "kiln" ]; };
+
+  testRecipesFound = { expr = builtins.attrNames recipes; expected = [ "glm-5.3" "glm-5.3-flash" "smollm2-135m" ]; };
+  testUnitNames = {
+    expr = builtins.attrNames (plan flash { }).units;
+    expected = [ "kiln-glm-5.3-flash-check.service" "kiln-glm-5.3-flash-fetch.service" "kiln-glm-5.3-flash-prepare.service" "kiln-glm-5.3-flash-verify.service" "kiln-glm-5.3-flash.service" ];
+  };
+}
