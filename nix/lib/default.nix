@@ -36,7 +36,8 @@ let
   # [Unit]: the chain fetch → prepare → verify → serve → check, and the docker daemon for containers.
   unitSection = ctx: stepName: previous:
     let
-      usesDocker = ctx.runtime == "container" && !(builtins.elem stepName [ "fetch" "check" ]);
+      # A per-user manager cannot order against the system's docker.service.
+      usesDocker = ctx.runtime == "container" && !(builtins.elem stepName [ "fetch" "check" ]) && !ctx.o.userUnits;
       deps = optional (previous != null) (unitName ctx.id previous) ++ optional usesDocker "docker.service";
       online = optional (stepName == "fetch") "network-online.target";
       timeout = ctx.readyTimeout;

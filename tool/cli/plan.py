@@ -18,6 +18,9 @@ def plan_options(f):
         (("--bind", "bindAddress"), dict(help="Address the server binds on the host (default 127.0.0.1).")),
         (("--uid", "uid"), dict(type=click.IntRange(0), help="Service user's uid (default: the kiln user's, else yours).")),
         (("--gid", "gid"), dict(type=click.IntRange(0), help="Service user's gid (default: the kiln user's, else yours).")),
+        (("--tool-bin", "toolBin"), dict(help="The `tool` program units run (default: tool).")),
+        (("--engine-bin", "engineBin"), dict(help="The `engine` program native units run (default: engine).")),
+        (("--docker-bin", "dockerBin"), dict(help="The docker client container units run (default /usr/bin/docker).")),
     ]):
         f = click.option(*decl, default=None, **kw)(f)
     return f

@@ -1,0 +1,138 @@
+"""`tool materialise`: every unit of every recipe passes real `systemd-analyze verify` (system
+and --user), files land byte for byte with their mode, and writing is all or nothing.
+
+systemd-analyze verify reports a missing executable, so ExecStart= must name real programs:
+the venv's own `tool` and `engine`, and a docker client where one is installed.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tool import materialise as mat
+from tool import plan as plans
+from tool.cli import main
+from tool.errors import NotWritable
+from tool.recipes import index
+
+REPO = Path(__file__).resolve().parent.parent
+RECIPE_IDS = sorted(index())
+BIN = Path(sys.executable).parent
+DOCKER = shutil.which("docker") or "/usr/bin/docker"
+
+pytestmark = [
+    pytest.mark.skipif(shutil.which("nix-instantiate") is None, reason="Nix is not installed"),
+    pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed"),
+]
+
+
+def real_bins(tmp_path: Path) -> list[str]:
+    """Options pointing ExecStart= at executables that exist here."""
+    docker = DOCKER
+    if not os.access(docker, os.X_OK):            # no docker client: a stand-in, so verify sees a program
+        docker = str(tmp_path / "docker")
+        Path(docker).write_text("#!/bin/sh\nexit 0\n")
+        os.chmod(docker, 0o755)
+    return [f"--tool-bin={BIN / 'tool'}", f"--engine-bin={BIN / 'engine'}", f"--docker-bin={docker}"]
+
+
+def materialise_cli(capsys, *argv) -> tuple[int, str, str]:
+    code = main(["materialise", *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def verify(unit_dir: Path, user: bool, tmp_path: Path) -> str:
+    units = sorted(str(p) for p in unit_dir.glob("*.service"))
+    assert units
+    env = dict(os.environ)
+    cmd = ["systemd-analyze"]
+    if user:
+        runtime = tmp_path / "xdg-runtime"                # the user manager needs a runtime dir
+        runtime.mkdir(mode=0o700, exist_ok=True)
+        env["XDG_RUNTIME_DIR"] = str(runtime)
+        cmd.append("--user")
+    proc = subprocess.run(cmd + ["verify", "--man=no", *units], capture_output=True, text=True, env=env)
+    # verify exits 0 on unknown keys too (it only warns), so any output at all is a failure.
+    return f"rc={proc.returncode} {proc.stdout}{proc.stderr}".strip()
+
+
+@pytest.mark.parametrize("recipe_id", RECIPE_IDS)
+@pytest.mark.parametrize("user", [False, True], ids=["system", "user"])
+def test_every_unit_passes_systemd_analyze_verify(recipe_id, user, tmp_path, capsys):
+    root = tmp_path / "root"
+    flags = ["--user"] if user else []
+    code, out, err = materialise_cli(capsys, recipe_id, "--root", str(root), "--state-dir", str(tmp_path / "state"),
+                                     *flags, *real_bins(tmp_path))
+    assert (code, err) == (0, "")
+    unit_dir = root / (".config/systemd/user" if user else "etc/systemd/system")
+    written = out.splitlines()
+    assert sorted(str(p) for p in unit_dir.glob("*.service")) == sorted(w for w in written if w.endswith(".service"))
+    assert verify(unit_dir, user, tmp_path) == "rc=0"
+
+
+def test_verify_catches_a_bad_unit(tmp_path):
+    """Guards the test above: a key systemd 252 does not know is reported."""
+    (tmp_path / "kiln-bad.service").write_text(f"[Service]\nExecStart={BIN / 'tool'}\nRestartSteps=3\n")
+    assert "RestartSteps" in verify(tmp_path, False, tmp_path)
+
+
+def test_files_land_byte_for_byte_with_their_mode(tmp_path, capsys):
+    code, out, _ = materialise_cli(capsys, "glm-5.3", "--root", str(tmp_path))
+    assert code == 0
+    script = tmp_path / "var/lib/kiln/files/glm-5.3/glm-5.3.vllm.320k.4x.yml"
+    recipe = plans.load_recipe("glm-5.3")
+    assert script.read_bytes() == recipe["files"]["glm-5.3.vllm.320k.4x.yml"]["content"].encode()
+    assert stat.S_IMODE(script.stat().st_mode) == 0o555
+    assert str(script) in out.splitlines()
+    tmpfiles = (tmp_path / "etc/tmpfiles.d/kiln-glm-5.3.conf").read_text()
+    assert "d /var/lib/kiln/files/glm-5.3 0755 root root -" in tmpfiles
+    assert not list(tmp_path.rglob(".*.tmp")) and not list(tmp_path.rglob(".*.bak"))
+
+
+def test_a_failed_rename_leaves_the_root_as_it_was(tmp_path, monkeypatch):
+    plan = plans.compile_plan(plans.load_recipe("glm-5.3-flash"), {"uid": 960, "gid": 960})
+    unit_dir = tmp_path / "etc/systemd/system"
+    unit_dir.mkdir(parents=True)
+    earlier = unit_dir / "kiln-glm-5.3-flash-fetch.service"     # renamed second: must come back
+    earlier.write_text("earlier version\n")
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+
+    real_replace = os.replace
+    calls = {"n": 0}
+
+    def failing_third_rename(src, dst):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise OSError(28, "No space left on device", str(dst))
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(mat.os, "replace", failing_third_rename)
+    with pytest.raises(NotWritable) as e:
+        mat.materialise(plan, tmp_path)
+    assert "No space left on device" in e.value.message and "nothing was changed" in e.value.message
+    after = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    assert after == before                      # nothing new, earlier file restored, no temps or backups
+
+
+def test_unwritable_root_is_one_line_exit_5(tmp_path, capsys):
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("x")
+    code, out, err = materialise_cli(capsys, "glm-5.3", "--root", str(not_a_dir / "sub"))
+    assert code == 5 and out == ""
+    assert err.count("\n") == 1 and err.startswith(f"tool: {not_a_dir / 'sub'}: cannot create")
+
+
+def test_rematerialise_replaces_units_in_place(tmp_path, capsys):
+    assert materialise_cli(capsys, "smollm2-135m", "--root", str(tmp_path), "--port", "8100")[0] == 0
+    assert materialise_cli(capsys, "smollm2-135m", "--root", str(tmp_path), "--port", "8200")[0] == 0
+    serve = (tmp_path / "etc/systemd/system/kiln-smollm2-135m.service").read_text()
+    assert "--port 8200" in serve and "--port 8100" not in serve
+    assert not list(tmp_path.rglob(".*.tmp"))
