@@ -116,7 +116,9 @@ def check_memlock_native(recipe: dict, root: HostRoot) -> CheckResult:
     hard_text = "unlimited" if hard is None else f"{hard // 1024} KiB"
     if hard is None:
         return passed("mem.memlock", f"LimitMEMLOCK={want} can be honoured: the RLIMIT_MEMLOCK hard limit here is unlimited")
-    reason = can_raise_memlock() if root.is_real else "not probed in a constructed host tree"
+    if not root.is_real:
+        return warned("mem.memlock", f"LimitMEMLOCK={want}: the RLIMIT_MEMLOCK hard limit is {hard_text}; raising it is probed only on the real host")
+    reason = can_raise_memlock()
     if reason is None:
         return passed("mem.memlock", f"LimitMEMLOCK={want} can be honoured: RLIMIT_MEMLOCK (hard {hard_text}) could be raised to unlimited")
     # Pinned host memory only matters when a GPU registers it; a CPU engine runs without it.
