@@ -49,15 +49,16 @@ def check_cgroup(recipe: dict, root: HostRoot) -> CheckResult:
         controllers = (root.read("/sys/fs/cgroup/cgroup.controllers") or "").split()
         if "memory" in controllers:
             return passed("mem.cgroup", f"cgroup v2 with the memory controller: {cap_text} will be enforced")
-        return failed("mem.cgroup", f"cgroup v2 without the memory controller (cgroup.controllers: {' '.join(controllers) or 'empty'}): {cap_text} cannot be enforced")
+        return warned("mem.cgroup", f"cgroup v2 without the memory controller (cgroup.controllers: {' '.join(controllers) or 'empty'}): {cap_text} will not be enforced")
     v1_memory = any(m.fstype == "cgroup" and "memory" in m.options for m in root.mounts())
     if not cap:
         return passed("mem.cgroup", f"{'cgroup v1 (hybrid)' if v1_memory else 'no cgroup v2'}; {cap_text}")
+    # Without cgroup v2 the service still runs; what changes is who enforces the cap, if anyone.
     if v1_memory and container:
         return warned("mem.cgroup", f"cgroup v1 (hybrid), not v2: docker enforces {cap_text} through the v1 memory controller; the recipe was measured under cgroup v2")
     if v1_memory:
-        return failed("mem.cgroup", f"cgroup v1 (hybrid), not v2: {cap_text} needs the unified hierarchy at /sys/fs/cgroup")
-    return failed("mem.cgroup", f"no cgroup memory controller mounted: {cap_text} cannot be enforced")
+        return warned("mem.cgroup", f"cgroup v1 (hybrid), not v2: {cap_text} needs the unified hierarchy at /sys/fs/cgroup, so it will not be enforced")
+    return warned("mem.cgroup", f"no cgroup memory controller mounted: {cap_text} will not be enforced")
 
 
 def check_swap(recipe: dict, root: HostRoot, info: dict) -> CheckResult:
@@ -95,8 +96,8 @@ def can_raise_memlock() -> str | None:
             resource.setrlimit(resource.RLIMIT_MEMLOCK, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
             os.write(w, b"")
             os._exit(0)
-        except OSError as e:
-            os.write(w, (e.strerror or str(e)).encode()[:200])
+        except (OSError, ValueError) as e:   # ValueError: "not allowed to raise maximum limit"
+            os.write(w, (getattr(e, "strerror", None) or str(e)).encode()[:200])
             os._exit(1)
         except BaseException:
             os._exit(2)
