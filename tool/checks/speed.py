@@ -19,7 +19,8 @@ def decode(ctx: GateContext, figures: dict) -> float | None:
     """Returns decode tok/s, or None with figures["decode_error"] set."""
     window = ctx.limits["speed_window_s"]
     body = {"model": ctx.served_name, "messages": [{"role": "user", "content": PROMPT}], "temperature": 0.8,
-            "max_tokens": ctx.limits["speed_max_tokens"], "stream_options": {"include_usage": True}}
+            "max_tokens": min(ctx.limits["speed_max_tokens"], ctx.context_window // 4),
+            "stream_options": {"include_usage": True}}
 
     def on_text(a):
         if a.t_first is not None:
