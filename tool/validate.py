@@ -158,9 +158,17 @@ def _explain(error: ValidationError) -> Iterator[tuple[Where, str]]:
         yield where, error.message if len(error.message) <= 200 else error.message[:199] + "…"
 
 
-def schema_problems(data) -> Iterator[tuple[Where, str]]:
-    for error in _validator().iter_errors(data):
-        yield from _explain(error)
+def _forbidden(error: ValidationError) -> bool:
+    """`"not": {}`: the field may not be here at all (e.g. runtime.native of a container recipe)."""
+    return error.validator == "not" and error.validator_value == {}
+
+
+def schema_problems(data) -> list[tuple[Where, str]]:
+    errors = list(_validator().iter_errors(data))
+    # what is inside a field that may not be there at all is not worth a line of its own
+    gone = [tuple(e.absolute_path) for e in errors if _forbidden(e)]
+    return [(where, msg) for e in errors for where, msg in _explain(e)
+            if _forbidden(e) or not any(where[: len(g)] == g for g in gone)]
 
 
 # ---------------------------------------------------------------- the rules beyond the schema
@@ -240,6 +248,12 @@ def _under(path: str, root: str) -> bool:
     return path == root or path.startswith(root.rstrip("/") + "/")
 
 
+def _mount_label(source) -> str:
+    if isinstance(source, str) and source.startswith("file:"):
+        return f"file {_show(source[5:])}"
+    return f"the {source}" if source in ("store", "weights") else _show(source)
+
+
 def writes_only_on_writable_mounts(recipe: Recipe) -> Iterator[tuple[Where, str]]:
     """A step may write only below a writable mount and below no read-only one: inputs
     (weights, files) stay untouched, whatever the mount order makes the paths overlap."""
@@ -248,7 +262,7 @@ def writes_only_on_writable_mounts(recipe: Recipe) -> Iterator[tuple[Where, str]
         writes = step.get("writes")
         if not isinstance(writes, list):
             continue
-        mounts = [(m["target"], m["read_only"], _show(m.get("source")))
+        mounts = [(m["target"], m["read_only"], _mount_label(m.get("source")))
                   for _, m in _mounts(step)
                   if isinstance(m.get("target"), str) and isinstance(m.get("read_only"), bool)]
         if native:  # native steps see the store and weights by placeholder, not by mount
@@ -338,9 +352,8 @@ def file_name_matches_recipe(recipe: Recipe) -> Iterator[tuple[Where, str]]:
     fits = (len(parts) == 3 and parts[0] == vendor and parts[1] == card and parts[2].endswith(suffix)
             and _MODEL_PART.match(parts[2][: -len(suffix)]) is not None)
     if not fits:
-        yield (), (f"file is at {rel.as_posix()} in its recipes tree, but the recipe says "
-                   f"{vendor}/{card}/<model>{suffix} (hardware.vendor/hardware.card/"
-                   "<model>.<model.engine>.<serve.context/1024>k[.<hardware.gpu_count>x].json)")
+        yield (), (f"placed at {rel.as_posix()}, but its fields say {vendor}/{card}/<model>{suffix} "
+                   "(vendor/card/<model>.<engine>.<context/1024>k[.<gpu_count>x].json)")
 
 
 RULES = (
