@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from engine.llm import SamplingParams
 from engine.server import chat
 from engine.server.detok import hidden_token_ids
 from engine.server.generation import Outcome, generate_text
@@ -161,13 +162,12 @@ def create_app(llm=None, *, loader: Callable[[], Any] | None = None, served_name
             raise ApiError(400, f"model {name!r} is not served here (this server serves {served_name!r})",
                            param="model", code="model_not_found")
 
-    def check_length(llm, n: int):
+    def check_length(llm, n: int, param: str):
         if n >= llm.max_context:
             raise ApiError(400, f"prompt is {n} tokens; the context is {llm.max_context} "
-                                "(no room to generate)", param="messages", code="context_length_exceeded")
+                                "(no room to generate)", param=param, code="context_length_exceeded")
 
     def sampling(llm, req, n_prompt: int, stop_ids: tuple[int, ...]):
-        from engine.llm import SamplingParams
         room = llm.max_context - n_prompt
         want = getattr(req, "max_completion_tokens", None) or req.max_tokens or room
         return SamplingParams(max_tokens=min(want, room), temperature=req.temperature, top_p=req.top_p,
@@ -232,7 +232,7 @@ def create_app(llm=None, *, loader: Callable[[], Any] | None = None, served_name
         check_model(req.model)
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         prompt, ids = await run_in_threadpool(chat_prompt, llm, req.messages, req.tools, req.chat_template_kwargs)
-        check_length(llm, len(ids))
+        check_length(llm, len(ids), "messages")
         params = sampling(llm, req, len(ids), engine.end_of_turn)
         parser = OutputParser(think_opened=chat.think_opened(prompt),
                               tools=bool(tools) and req.tool_choice != "none",
@@ -304,7 +304,7 @@ def create_app(llm=None, *, loader: Callable[[], Any] | None = None, served_name
             ids = await run_in_threadpool(chat.encode, llm.tokenizer, p, True) if isinstance(p, str) else p
             if not ids:
                 raise ApiError(400, "the prompt is empty", param="prompt")
-            check_length(llm, len(ids))
+            check_length(llm, len(ids), "prompt")
             prompts.append(ids)
         if req.stream and len(prompts) > 1:
             raise ApiError(400, "streaming takes one prompt", param="prompt")

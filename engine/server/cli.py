@@ -51,7 +51,8 @@ def fingerprint_of(model_dir: Path) -> str:
               help="Compute dtype (default: the engine's choice for the device).")
 @click.option("--served-name", default=None, help="Model name in the API (default: the model directory's name).")
 @click.option("--ctx", "max_context", type=click.IntRange(min=16), default=None,
-              help="Context window in tokens (default: the model's).")
+              help="Context window in tokens; the KV cache is preallocated for it (default: the engine's, "
+                   "capped by the model's).")
 @click.option("--max-batch", type=click.IntRange(min=1), default=8, show_default=True,
               help="Streams decoded together; more requests wait their turn.")
 @click.option("--gpu-slots", type=click.IntRange(min=0), default=None, help="Expert slots on the GPU (default: from free VRAM).")

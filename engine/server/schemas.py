@@ -99,7 +99,14 @@ class ChatRequest(_Sampling):
     tool_choice: Union[Literal["none", "auto"], None] = None
     max_completion_tokens: int | None = Field(default=None, ge=1)
     chat_template_kwargs: dict[str, Any] | None = None
-    logprobs: Literal[False, None] = None
+    logprobs: Any = None
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, v):
+        if v:
+            raise ValueError("logprobs is not supported by this server")
+        return v
 
     @field_validator("tool_choice", mode="before")
     @classmethod
@@ -111,9 +118,16 @@ class ChatRequest(_Sampling):
 
 class CompletionRequest(_Sampling):
     prompt: Union[str, list[int], list[str], list[list[int]]]
-    echo: Literal[False, None] = None
-    logprobs: Literal[None] = None
-    suffix: Literal[None] = None
+    echo: Any = None
+    logprobs: Any = None
+    suffix: Any = None
+
+    @field_validator("echo", "logprobs", "suffix")
+    @classmethod
+    def _unsupported(cls, v, info):
+        if v:
+            raise ValueError(f"{info.field_name} is not supported by this server")
+        return v
 
     @field_validator("prompt")
     @classmethod
