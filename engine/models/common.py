@@ -35,6 +35,8 @@ class WeightSource(Protocol):
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """As transformers' *RMSNorm: statistics in fp32, the product in the input dtype."""
+    if x.dtype == torch.float32:          # the fused kernel computes the same thing, in fewer ops
+        return F.rms_norm(x, weight.shape, weight, eps)
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(x.dtype)
@@ -66,16 +68,17 @@ def rotary_tables(cfg: ModelConfig, max_len: int, dtype: torch.dtype, device) ->
 
 
 class MLP(nn.Module):
-    """SwiGLU MLP held by the model: dense layers and shared experts."""
+    """SwiGLU MLP held by the model: dense layers and shared experts. gate and up are one matrix so a
+    decode step reads them in one matmul."""
 
     def __init__(self, w: WeightSource, prefix: str):
         super().__init__()
-        self.gate = w.get(f"{prefix}.gate_proj.weight")
-        self.up = w.get(f"{prefix}.up_proj.weight")
+        self.gate_up = torch.cat([w.get(f"{prefix}.gate_proj.weight"), w.get(f"{prefix}.up_proj.weight")])
         self.down = w.get(f"{prefix}.down_proj.weight")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(F.silu(F.linear(x, self.gate)) * F.linear(x, self.up), self.down)
+        gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, self.down)
 
 
 # ---------------------------------------------------------------- routing helpers
@@ -137,10 +140,17 @@ class Attention(nn.Module):
         super().__init__()
         p = f"model.layers.{layer}.self_attn"
         self.layer, self.kv, self.cfg = layer, kv, cfg
-        self.wq, self.bq = w.get(f"{p}.q_proj.weight"), w.maybe(f"{p}.q_proj.bias")
-        self.wk, self.bk = w.get(f"{p}.k_proj.weight"), w.maybe(f"{p}.k_proj.bias")
-        self.wv, self.bv = w.get(f"{p}.v_proj.weight"), w.maybe(f"{p}.v_proj.bias")
+        # q, k, v as one matrix: one matmul per layer instead of three.
+        self.wqkv = torch.cat([w.get(f"{p}.{n}_proj.weight") for n in "qkv"])
+        biases = [w.maybe(f"{p}.{n}_proj.bias") for n in "qkv"]
+        if any(b is not None for b in biases):
+            sizes = (cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim)
+            biases = [b if b is not None else self.wqkv.new_zeros(n) for b, n in zip(biases, sizes)]
+            self.bqkv = torch.cat(biases)
+        else:
+            self.bqkv = None
         self.wo, self.bo = w.get(f"{p}.o_proj.weight"), w.maybe(f"{p}.o_proj.bias")
+        self.split = (cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim)
         self.q_norm = w.get(f"{p}.q_norm.weight") if cfg.use_qk_norm else None
         self.k_norm = w.get(f"{p}.k_norm.weight") if cfg.use_qk_norm else None
         self.scale = cfg.head_dim ** -0.5
@@ -148,9 +158,10 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, s: Step) -> torch.Tensor:
         cfg = self.cfg
         b, t, _ = x.shape
-        q = F.linear(x, self.wq, self.bq).view(b, t, cfg.num_heads, cfg.head_dim)
-        k = F.linear(x, self.wk, self.bk).view(b, t, cfg.num_kv_heads, cfg.head_dim)
-        v = F.linear(x, self.wv, self.bv).view(b, t, cfg.num_kv_heads, cfg.head_dim)
+        q, k, v = F.linear(x, self.wqkv, self.bqkv).split(self.split, dim=-1)
+        q = q.view(b, t, cfg.num_heads, cfg.head_dim)
+        k = k.view(b, t, cfg.num_kv_heads, cfg.head_dim)
+        v = v.view(b, t, cfg.num_kv_heads, cfg.head_dim)
         if self.q_norm is not None:
             q = rms_norm(q, self.q_norm, cfg.rms_eps)
             k = rms_norm(k, self.k_norm, cfg.rms_eps)
