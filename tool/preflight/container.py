@@ -163,7 +163,7 @@ def probe_ulimit(client, image: str, want: str) -> tuple[bool | None, str]:
     except docker.errors.APIError as e:
         msg = str(e.explanation or e)
         if "rlimit" in msg:  # runc: "... error setting rlimit type 8: operation not permitted: unknown"
-            return False, msg[msg.find("error setting rlimit"):].removesuffix(": unknown")
+            return False, msg[msg.rfind("error setting rlimit"):].removesuffix(": unknown")
         if "no such file" in msg or "not found" in msg:
             return True, "accepted"
         return None, msg[:200]
