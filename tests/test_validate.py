@@ -71,6 +71,14 @@ EXPECTED: dict[str, list[tuple[str, str, str]]] = {
         ("native-prepare-writes-weights.json", "$.steps.prepare.writes[1]",
          'step prepare writes "@weights@/model", which lies under read-only mount "@weights@" (the weights)'),
     ],
+    "serve-mounts-store-writable.json": [
+        ("serve-mounts-store-writable.json", "$.steps.serve.mounts[0].read_only",
+         "step serve mounts the store writable; only prepare writes (read_only: true here)"),
+    ],
+    "prepare-mounts-weights-writable.json": [
+        ("prepare-mounts-weights-writable.json", "$.steps.prepare.mounts[1].read_only",
+         "step prepare mounts the weights writable; only the store may be (read_only: true here)"),
+    ],
     "id-not-unique": [
         ("id-not-unique/a.json", "$.id", f'id "id-not-unique" is also used by {REL}id-not-unique/b.json'),
         ("id-not-unique/b.json", "$.id", f'id "id-not-unique" is also used by {REL}id-not-unique/a.json'),
@@ -111,6 +119,9 @@ EXPECTED: dict[str, list[tuple[str, str, str]]] = {
     # the schema
     "missing-required-field.json": [
         ("missing-required-field.json", "$.model", 'missing required field "engine"'),
+    ],
+    "prepare-without-writes.json": [
+        ("prepare-without-writes.json", "$.steps.prepare", 'missing required field "writes"'),
     ],
     "wrong-type.json": [
         ("wrong-type.json", "$.serve.port", 'expected integer, got string "8000"'),

@@ -280,6 +280,22 @@ def writes_only_on_writable_mounts(recipe: Recipe) -> Iterator[tuple[Where, str]
                        f"step {name} writes {_show(path)}, which lies under no writable mount (read_only: false)")
 
 
+def only_prepare_writes_the_store(recipe: Recipe) -> Iterator[tuple[Where, str]]:
+    """Mounts are inputs: the weights and files are never writable, and the store only while
+    prepare builds it (verify and serve see it read-only, as the seed serves /nvx:ro)."""
+    for name, step in _steps(recipe.data):
+        for i, m in _mounts(step):
+            if m.get("read_only") is not False:
+                continue
+            source = m.get("source")
+            if name != "prepare":
+                yield (("steps", name, "mounts", i, "read_only"),
+                       f"step {name} mounts {_mount_label(source)} writable; only prepare writes (read_only: true here)")
+            elif source != "store":
+                yield (("steps", name, "mounts", i, "read_only"),
+                       f"step prepare mounts {_mount_label(source)} writable; only the store may be (read_only: true here)")
+
+
 def mounted_files_exist(recipe: Recipe) -> Iterator[tuple[Where, str]]:
     """`file:<name>` mounts a file the recipe carries; the name must be one of `files`."""
     files = _get(recipe.data, "files")
@@ -361,6 +377,7 @@ RULES = (
     revision_is_a_commit,
     swap_not_below_memory,
     writes_only_on_writable_mounts,
+    only_prepare_writes_the_store,
     mounted_files_exist,
     store_defined_when_used,
     file_name_matches_recipe,
