@@ -1,0 +1,353 @@
+"""`engine convert`: a dense Llama GGUF → a sparse-upcycled Mixtral checkpoint (config, safetensors, tokenizer).
+
+Sparse upcycling (Komatsuzaki et al., 2022): every layer's dense MLP becomes N identical experts behind a
+seeded random router. Mixtral renormalises the top-k softmax weights (Σw = 1), so the upcycled layer computes
+Σ_k w_k · mlp(x) = mlp(x): the converted model is the dense model's function, while the engine still sees a
+real MoE (routing, expert records, a store to read them from).
+
+Tensors are dequantized here with the `gguf` package and mapped by llama.cpp's own names, undoing the Q/K
+row permutation llama.cpp applies for its rotary layout. The tokenizer and chat template come from the
+GGUF through transformers' GGUF tokenizer converter. Everything is written to a staging directory beside
+--out and renamed into place at the end, so an interrupted convert publishes nothing.
+"""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import click
+
+from engine.cli import EngineError
+from engine.experts import DTYPES
+
+EXIT_BAD_MODEL, EXIT_MISSING_DEP, EXIT_IO = 3, 4, 6
+SHARD_BYTES = 1 << 30           # shards of ≤ ~1 GiB: bounded memory while writing, a few files to read
+
+# llama.cpp tensor name (per block) → Llama name in transformers; the MLP ones become expert weights.
+_BLOCK = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+}
+_MLP = {"ffn_gate": "w1", "ffn_down": "w2", "ffn_up": "w3"}      # Mixtral: w1 gate, w2 down, w3 up
+_GLOBAL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+@dataclass(frozen=True)
+class DenseLlama:
+    """What the GGUF says about the dense model (llama.* metadata), checked against its tensors."""
+
+    vocab_size: int
+    hidden: int
+    intermediate: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    context: int
+    rope_theta: float
+    rms_eps: float
+    tie_word_embeddings: bool
+    bos_token_id: int | None
+    eos_token_id: int | None
+    pad_token_id: int | None
+
+
+def _field(reader, key, default=None):
+    f = reader.fields.get(key)
+    return f.contents() if f is not None else default
+
+
+def read_dense(reader, path: Path) -> DenseLlama:
+    arch = _field(reader, "general.architecture")
+    if arch != "llama":
+        raise EngineError(f"{path}: architecture {arch!r} is not supported (only llama GGUFs)", EXIT_BAD_MODEL)
+
+    def need(key):
+        v = _field(reader, f"llama.{key}")
+        if v is None:
+            raise EngineError(f"{path}: GGUF metadata llama.{key} is missing", EXIT_BAD_MODEL)
+        return v
+
+    scaling = _field(reader, "llama.rope.scaling.type", "none")
+    if scaling not in ("none", "linear") or (scaling == "linear" and _field(reader, "llama.rope.scaling.factor", 1.0) != 1.0):
+        raise EngineError(f"{path}: rope scaling {scaling!r} is not supported (only none)", EXIT_BAD_MODEL)
+    names = {t.name for t in reader.tensors}
+    hidden, heads = int(need("embedding_length")), int(need("attention.head_count"))
+    head_dim = hidden // heads
+    rot = int(_field(reader, "llama.rope.dimension_count", head_dim))
+    if rot != head_dim:
+        raise EngineError(f"{path}: partial rotary ({rot} of head_dim {head_dim}) is not supported", EXIT_BAD_MODEL)
+    embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    return DenseLlama(
+        vocab_size=int(embd.shape[-1]),           # ggml order: [hidden, vocab]
+        hidden=hidden,
+        intermediate=int(need("feed_forward_length")),
+        num_layers=int(need("block_count")),
+        num_heads=heads,
+        num_kv_heads=int(_field(reader, "llama.attention.head_count_kv", heads)),
+        head_dim=head_dim,
+        context=int(need("context_length")),
+        rope_theta=float(_field(reader, "llama.rope.freq_base", 10000.0)),   # llama.cpp's default
+        rms_eps=float(need("attention.layer_norm_rms_epsilon")),
+        tie_word_embeddings="output.weight" not in names,
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
+        pad_token_id=_field(reader, "tokenizer.ggml.padding_token_id"),
+    )
+
+
+def unpermute_qk(w, n_head: int):
+    """Undo llama.cpp's Q/K row permutation (convert_hf_to_gguf.py `permute`): it interleaves each head's
+    two rotary halves; transformers' rotate_half wants them as two contiguous halves again."""
+    rows = w.shape[0]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def mixtral_config(d: DenseLlama, experts: int, top_k: int, dtype: str) -> dict:
+    """config.json in transformers 5's MixtralConfig keys (rope nested in rope_parameters)."""
+    return {
+        "architectures": ["MixtralForCausalLM"],
+        "model_type": "mixtral",
+        "dtype": dtype,
+        "vocab_size": d.vocab_size,
+        "hidden_size": d.hidden,
+        "intermediate_size": d.intermediate,
+        "num_hidden_layers": d.num_layers,
+        "num_attention_heads": d.num_heads,
+        "num_key_value_heads": d.num_kv_heads,
+        "head_dim": d.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": d.context,
+        "rms_norm_eps": d.rms_eps,
+        "rope_parameters": {"rope_type": "default", "rope_theta": d.rope_theta},
+        "sliding_window": None,
+        "attention_dropout": 0.0,
+        "num_local_experts": experts,
+        "num_experts_per_tok": top_k,
+        "router_jitter_noise": 0.0,
+        "output_router_logits": False,
+        "tie_word_embeddings": d.tie_word_embeddings,
+        "bos_token_id": d.bos_token_id,
+        "eos_token_id": d.eos_token_id,
+        "pad_token_id": d.pad_token_id,
+        "use_cache": True,
+    }
+
+
+def _as_oserror(e: Exception, path: Path) -> OSError:
+    """safetensors and tokenizers (Rust) report I/O failures as "... (os error N)": give them back their
+    errno, so a full disk is told apart from other failures."""
+    m = re.search(r"os error (\d+)", str(e))
+    code = int(m.group(1)) if m else errno.EIO
+    return OSError(code, os.strerror(code), str(path))
+
+
+class ShardWriter:
+    """Safetensors shards of at most SHARD_BYTES plus model.safetensors.index.json, as save_pretrained lays them out."""
+
+    def __init__(self, out: Path):
+        self.out, self.pending, self.pending_bytes = out, {}, 0
+        self.files: list[tuple[str, list[str]]] = []
+        self.total = 0
+
+    def add(self, name: str, t) -> None:
+        nbytes = t.numel() * t.element_size()
+        if self.pending and self.pending_bytes + nbytes > SHARD_BYTES:
+            self.flush()
+        self.pending[name] = t.contiguous()
+        self.pending_bytes += nbytes
+        self.total += nbytes
+
+    def flush(self) -> None:
+        from safetensors import SafetensorError
+        from safetensors.torch import save_file
+        if not self.pending:
+            return
+        fname = f"model-{len(self.files) + 1:05d}.safetensors"
+        try:
+            save_file(self.pending, str(self.out / fname), metadata={"format": "pt"})
+        except SafetensorError as e:
+            raise _as_oserror(e, self.out / fname) from None
+        self.files.append((fname, list(self.pending)))
+        self.pending, self.pending_bytes = {}, 0
+
+    def finish(self) -> None:
+        self.flush()
+        n = len(self.files)
+        weight_map = {}
+        for i, (old, keys) in enumerate(self.files):
+            new = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            os.replace(self.out / old, self.out / new)
+            weight_map.update({k: new for k in keys})
+        index = {"metadata": {"total_size": self.total}, "weight_map": dict(sorted(weight_map.items()))}
+        (self.out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def write_checkpoint(reader, d: DenseLlama, out: Path, experts: int, seed: int, dtype) -> None:
+    import numpy as np
+    import torch
+    from gguf import dequantize
+
+    writer = ShardWriter(out)
+    gen = torch.Generator().manual_seed(seed)
+    seen = set()
+    for t in reader.tensors:
+        base, _, suffix = t.name.rpartition(".")
+        w = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32))  # a copy: F32 data is a read-only mmap
+        parts = base.split(".")
+        if suffix != "weight":
+            raise EngineError(f"GGUF tensor {t.name}: biases are not expected in a llama model", EXIT_BAD_MODEL)
+        if parts[0] == "blk" and len(parts) == 3:
+            layer, kind = int(parts[1]), parts[2]
+            prefix = f"model.layers.{layer}"
+            if kind in _MLP:
+                # N identical copies (save_file refuses tensors sharing memory, hence clone).
+                for e in range(experts):
+                    writer.add(f"{prefix}.block_sparse_moe.experts.{e}.{_MLP[kind]}.weight", w.to(dtype).clone())
+            elif kind in _BLOCK:
+                if kind == "attn_q":
+                    w = unpermute_qk(w, d.num_heads)
+                elif kind == "attn_k":
+                    w = unpermute_qk(w, d.num_kv_heads)
+                writer.add(f"{prefix}.{_BLOCK[kind]}.weight", w.to(dtype))
+            else:
+                raise EngineError(f"GGUF tensor {t.name} has no place in a Llama model", EXIT_BAD_MODEL)
+        elif base in _GLOBAL:
+            writer.add(f"{_GLOBAL[base]}.weight", w.to(dtype))
+        else:
+            raise EngineError(f"GGUF tensor {t.name} has no place in a Llama model", EXIT_BAD_MODEL)
+        seen.add(t.name)
+    for layer in range(d.num_layers):
+        missing = [k for k in (*_BLOCK, *_MLP) if f"blk.{layer}.{k}.weight" not in seen]
+        if missing:
+            raise EngineError(f"GGUF layer {layer} lacks {', '.join(missing)}", EXIT_BAD_MODEL)
+        # A seeded router spread by 1/sqrt(hidden): its choice never changes the output (identical experts,
+        # weights renormalised to 1), only which records are read, so it should pick varied experts.
+        router = torch.randn(experts, d.hidden, generator=gen) / d.hidden ** 0.5
+        writer.add(f"model.layers.{layer}.block_sparse_moe.gate.weight", router.to(dtype))
+    writer.finish()
+
+
+def write_tokenizer(gguf: Path, out: Path, d: DenseLlama) -> None:
+    """tokenizer.json + tokenizer_config.json + chat_template.jinja, converted by transformers from the GGUF."""
+    from transformers import AutoTokenizer, GenerationConfig
+
+    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    if not tok.chat_template:
+        raise EngineError(f"{gguf}: the GGUF carries no chat template (tokenizer.chat_template)", EXIT_BAD_MODEL)
+    try:
+        tok.save_pretrained(str(out))
+    except OSError:
+        raise
+    except Exception as e:          # tokenizers raises a bare Exception for I/O errors
+        if "os error" not in str(e):
+            raise
+        raise _as_oserror(e, out / "tokenizer.json") from None
+    GenerationConfig(bos_token_id=d.bos_token_id, eos_token_id=d.eos_token_id,
+                     pad_token_id=d.pad_token_id).save_pretrained(str(out))
+
+
+def convert_gguf(gguf: Path, out: Path, experts: int, top_k: int, seed: int, dtype: str = "float32",
+                 force: bool = False) -> Path:
+    """Convert and publish atomically; raises EngineError with a one-line reason."""
+    try:
+        from gguf import GGUFReader
+    except ImportError:
+        raise EngineError("the `gguf` package is required: pip install gguf", EXIT_MISSING_DEP) from None
+    if not 1 <= top_k <= experts:
+        raise EngineError(f"--top-k {top_k} must be within 1..--experts {experts}", 2)
+    if out.exists() and not force:
+        raise EngineError(f"{out}: already exists (pass --force to replace it)", 1)
+    try:
+        reader = GGUFReader(str(gguf))
+    except FileNotFoundError:
+        raise EngineError(f"{gguf}: no such file", EXIT_BAD_MODEL) from None
+    except (ValueError, OSError) as e:
+        raise EngineError(f"{gguf}: not a readable GGUF file ({e})", EXIT_BAD_MODEL) from None
+    dense = read_dense(reader, gguf)
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    need, free = _estimate_bytes(dense, experts, dtype), shutil.disk_usage(out.parent).free
+    if free < need:         # refuse before minutes of work; ENOSPC below still catches a disk filled meanwhile
+        raise EngineError(f"{out.parent}: disk full: converting needs about {_size(need)}, {_size(free)} free", EXIT_IO)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
+    try:
+        (staging / "config.json").write_text(json.dumps(mixtral_config(dense, experts, top_k, dtype), indent=2) + "\n")
+        write_tokenizer(gguf, staging, dense)
+        write_checkpoint(reader, dense, staging, experts, seed, DTYPES[dtype])
+        _make_durable(staging)
+        _publish(staging, out)
+    except OSError as e:
+        if e.errno == errno.ENOSPC:
+            raise EngineError(f"{out.parent}: disk full while converting (needs about {_size(need)})", EXIT_IO) from None
+        raise EngineError(f"{out}: cannot write ({e.strerror or e})", EXIT_IO) from None
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return out
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
+
+
+def _estimate_bytes(d: DenseLlama, experts: int, dtype: str) -> int:
+    item = 4 if dtype == "float32" else 2
+    per_layer = 4 * d.hidden * d.head_dim * (d.num_heads + d.num_kv_heads) // 2 + 3 * d.hidden * d.intermediate * experts
+    return item * (d.num_layers * per_layer + d.vocab_size * d.hidden * (1 if d.tie_word_embeddings else 2))
+
+
+def _make_durable(root: Path) -> None:
+    """Make the files durable and readable by the serving user (mkdtemp/safetensors create them 0700/0600)."""
+    root.chmod(0o755)
+    for p in root.iterdir():
+        p.chmod(0o644)
+        with open(p, "rb") as f:
+            os.fsync(f.fileno())
+    fd = os.open(root, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _publish(staging: Path, out: Path) -> None:
+    """Rename staging into place; an existing --out (with --force) is moved aside first, then removed."""
+    old = None
+    if out.exists():
+        old = out.with_name(f".{out.name}.old-{os.getpid()}")
+        os.replace(out, old)
+    os.replace(staging, out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+@click.command("convert")
+@click.option("--gguf", "gguf", required=True, type=click.Path(path_type=Path, dir_okay=False),
+              help="Dense Llama-architecture GGUF file (any quantization the gguf package dequantizes).")
+@click.option("--out", required=True, type=click.Path(path_type=Path, file_okay=False),
+              help="Checkpoint directory to publish (built beside it, renamed into place).")
+@click.option("--experts", default=8, show_default=True, type=click.IntRange(1, 256),
+              help="Identical experts per layer.")
+@click.option("--top-k", default=2, show_default=True, type=click.IntRange(1, 256), help="Experts per token.")
+@click.option("--seed", default=0, show_default=True, type=int, help="Seed of the random router.")
+@click.option("--dtype", default="float32", show_default=True, type=click.Choice(sorted(DTYPES)),
+              help="Dtype of the written weights (float32 keeps the dequantized values exactly).")
+@click.option("--force", is_flag=True, help="Replace --out if it exists.")
+def convert(gguf, out, experts, top_k, seed, dtype, force):
+    """Convert a dense GGUF model into a sparse-upcycled Mixtral checkpoint.
+
+    Every MLP becomes EXPERTS identical experts behind a seeded router (top-K, weights renormalised), so the
+    result computes the dense model's function. Exit codes: 3 bad GGUF, 4 gguf missing, 6 disk full/unwritable.
+    """
+    path = convert_gguf(gguf, out, experts, top_k, seed, dtype, force)
+    click.echo(str(path))

@@ -1,0 +1,146 @@
+"""`engine convert`: SmolLM2's GGUF → a Mixtral checkpoint with 8 identical experts per layer (top-2).
+
+The reference is transformers' own GGUF loader on the dense Llama model: an upcycled model computes the
+dense function, so greedy output must match token for token and the logits must agree to float rounding.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.fixtures.smollm2 import pins, smollm2_gguf
+
+REPO = Path(__file__).resolve().parents[2]
+ENGINE = [str(Path(sys.executable).parent / "engine")]   # the console script, as the plan runs it
+PROMPT = [{"role": "user", "content": "Name three primary colors, comma separated."}]
+NEW_TOKENS = 20
+
+
+@pytest.fixture(scope="module")
+def gguf() -> Path:
+    return smollm2_gguf()
+
+
+@pytest.fixture(scope="module")
+def converted(gguf, tmp_path_factory) -> Path:
+    # In-process (the CLI's exit codes are tested below): the test process has torch imported already.
+    from engine.convert import convert_gguf
+    out = tmp_path_factory.mktemp("smollm2") / "model"
+    return convert_gguf(gguf, out, experts=8, top_k=2, seed=0)
+
+
+def test_upcycled_checkpoint_computes_the_dense_model(gguf, converted):
+    """Greedy output equal token for token, logits equal to float rounding, on a chat prompt in fp32.
+
+    The dense reference generates greedily; the upcycled model then reads the same sequence in one
+    forward pass and must pick the same token at every step (its greedy path is therefore the same
+    path) with logits within rounding of the reference's at every position."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, MixtralForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(str(converted))
+    prompt = tok.apply_chat_template(PROMPT, add_generation_prompt=True, return_tensors="pt",
+                                     return_dict=True)["input_ids"]
+    n = prompt.shape[1]
+    with torch.inference_mode():
+        dense = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
+        assert dense.config.model_type == "llama"
+        seq = dense.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False)
+        dense_ids = seq[0, n:]
+        dense_logits = dense(seq).logits[0]
+        del dense
+        moe = MixtralForCausalLM.from_pretrained(str(converted), dtype=torch.float32).eval()
+        moe_logits = moe(seq).logits[0]
+
+    assert moe_logits.argmax(-1)[n - 1:-1].tolist() == dense_ids.tolist(), \
+        (tok.decode(moe_logits.argmax(-1)[n - 1:-1]), tok.decode(dense_ids))
+    diff = (moe_logits - dense_logits).abs().max().item()
+    assert diff < 1e-3, f"logits differ by {diff}"
+    assert "red" in tok.decode(dense_ids).lower()        # a real answer, not two models agreeing on garbage
+
+
+def test_checkpoint_is_what_the_recipe_and_the_engine_expect(converted):
+    import torch
+    from engine.checkpoint import Checkpoint
+
+    cfg = json.loads((converted / "config.json").read_text())
+    assert cfg["model_type"] == "mixtral" and cfg["num_local_experts"] == 8 and cfg["num_experts_per_tok"] == 2
+    assert cfg["tie_word_embeddings"] is True                           # the GGUF has no output.weight
+    assert cfg["rope_parameters"]["rope_theta"] == 100000.0
+    assert cfg["max_position_embeddings"] == 8192 and abs(cfg["rms_norm_eps"] - 1e-5) < 1e-9
+    assert (converted / "tokenizer.json").is_file() and "<|im_start|>" in (converted / "chat_template.jinja").read_text()
+
+    ckpt = Checkpoint(converted)
+    store = json.loads((REPO / "recipes/cpu/any/smollm2-135m.kiln.8k.json").read_text())["store"]
+    assert len(ckpt.moe_layers) * ckpt.n_experts == store["records"]
+    assert ckpt.layout().record_bytes == store["record_bytes"]
+    assert "lm_head.weight" not in ckpt.names()
+    for layer in (0, 29):
+        first = ckpt.expert(layer, 0)
+        for e in range(1, 8):
+            assert all(torch.equal(a, b) for a, b in zip(first, ckpt.expert(layer, e))), (layer, e)
+        router = ckpt.tensor(f"model.layers.{layer}.block_sparse_moe.gate.weight")
+        assert router.shape == (8, 576) and router.std() > 0.01          # seeded random, not zeros
+    # Nothing but the checkpoint is left beside it (the staging dir was renamed into place).
+    assert [p.name for p in converted.parent.iterdir()] == ["model"]
+
+
+def test_a_file_that_is_not_gguf_is_refused_in_one_line(tmp_path):
+    bad = tmp_path / "model.gguf"
+    bad.write_bytes(b"not a gguf" * 100)
+    r = subprocess.run([*ENGINE, "convert", "--gguf", str(bad), "--out", str(tmp_path / "out")],
+                       capture_output=True, text=True, cwd=REPO)
+    assert r.returncode == 3, r.stderr
+    assert r.stderr.count("\n") == 1 and str(bad) in r.stderr and "GGUF" in r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.gguf"]
+
+
+def test_an_existing_out_is_not_overwritten(gguf, tmp_path):
+    out = tmp_path / "model"
+    out.mkdir()
+    (out / "keep").write_text("x")
+    r = subprocess.run([*ENGINE, "convert", "--gguf", str(gguf), "--out", str(out)],
+                       capture_output=True, text=True, cwd=REPO)
+    assert r.returncode == 1 and "already exists" in r.stderr and "--force" in r.stderr
+    assert (out / "keep").read_text() == "x"
+
+
+def test_ctrl_c_half_way_publishes_nothing(gguf, tmp_path):
+    out = tmp_path / "model"
+    p = subprocess.Popen([*ENGINE, "convert", "--gguf", str(gguf), "--out", str(out)], cwd=REPO,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        # Interrupt once the staging dir holds a first file: past the start, far from the end.
+        while not any(tmp_path.glob(".model.*.partial/config.json")):
+            assert p.poll() is None and time.monotonic() < deadline, p.stderr.read() if p.poll() is not None else "slow"
+            time.sleep(0.05)
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 130 and "interrupted" in err
+    assert list(tmp_path.iterdir()) == []                # neither --out nor the staging dir
+
+
+def test_a_full_disk_is_one_line_and_publishes_nothing(gguf, tmp_path):
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)], capture_output=True).returncode:
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    try:
+        r = subprocess.run([*ENGINE, "convert", "--gguf", str(gguf), "--out", str(mnt / "model")],
+                           capture_output=True, text=True, cwd=REPO)
+        assert r.returncode == 6, r.stderr
+        assert r.stderr.count("\n") == 1 and "disk full" in r.stderr and "needs about 2.6 GiB, 8 MiB free" in r.stderr
+        assert os.listdir(mnt) == []
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)
