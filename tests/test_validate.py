@@ -408,7 +408,8 @@ def test_cli_json(at_repo):
 
 def test_the_installed_console_script(at_repo):
     """Once through the real entry point: exit code, streams, and no traceback."""
-    tool = Path(sys.executable).parent / "tool"
+    tool = Path(sys.executable).parent / "tool"           # the venv's console script, as `make test` installs it
+    assert tool.exists(), f"{tool}: the project is not installed in this interpreter's environment"
     env = {k: v for k, v in os.environ.items() if k != "KILN_RECIPES"}
     bad = subprocess.run([str(tool), "validate", f"{REL}image-not-pinned-by-digest.json", f"{REL}malformed-json.json"],
                          cwd=REPO, env=env, capture_output=True, text=True, timeout=60)

@@ -1,7 +1,7 @@
 """Validate recipes: recipes/schema.json plus the rules a schema cannot say.
 
 Every problem is reported at once, each located as `file::$.json.path: message`
-(check-jsonschema's manner), sorted by file and position in the file. The rules are
+(check-jsonschema's manner), sorted by file, then by path (indices numerically). The rules are
 small named functions, one per rule, that read whatever parts of a recipe are well
 formed and skip the rest (the schema reports those), so they never crash on bad input.
 Where a rule and the schema find the same spot (an image without a digest fails both
@@ -155,7 +155,8 @@ def _explain(error: ValidationError) -> Iterator[tuple[Where, str]]:
     elif v == "uniqueItems":
         yield where, "has repeated items; each may appear once"
     else:  # dependentRequired, multipleOf, propertyNames…: jsonschema's message is short and exact
-        yield where, error.message if len(error.message) <= 200 else error.message[:199] + "…"
+        message = " ".join(error.message.split())  # one line, whatever the instance held
+        yield where, message if len(message) <= 200 else message[:199] + "…"
 
 
 def _forbidden(error: ValidationError) -> bool:
