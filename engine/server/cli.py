@@ -37,7 +37,7 @@ def fingerprint_of(model_dir: Path) -> str:
     return hashlib.sha256((model_dir / "config.json").read_bytes()).hexdigest()
 
 
-@click.command(epilog="Exit codes: 3 the model directory is missing or not a checkpoint, 6 the store's "
+@click.command(epilog="Exit codes: 2 usage (e.g. a bad --cpu-layout), 3 the model directory is missing or not a checkpoint, 6 the store's "
                       "filesystem refuses O_DIRECT, 7 the address is in use or cannot be bound. "
                       "/health answers 503 while the model loads, 500 with the reason if loading failed.")
 @click.option("--model", "model_dir", required=True, type=click.Path(path_type=Path),
@@ -59,7 +59,7 @@ def fingerprint_of(model_dir: Path) -> str:
 @click.option("--ram-slots", type=click.IntRange(min=0), default=None,
               help="Experts held in RAM (default: from the cgroup's memory limit).")
 @click.option("--readers", type=click.IntRange(min=1), default=None, help="O_DIRECT store reader threads.")
-@click.option("--cpu-layout", default=None, help="CPUs for the reader threads, e.g. 26-39.")
+@click.option("--cpu-layout", default=None, help="Pin threads to CPUs, NAME=CPULIST entries, e.g. readers=26-39.")
 @click.option("--api-key", envvar="KILN_API_KEY", default=None,
               help="Require `Authorization: Bearer KEY` (env KILN_API_KEY); /health and /metrics stay open.")
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]),
@@ -80,6 +80,9 @@ def serve(model_dir, store_dir, host, port, device, dtype, served_name, max_cont
         raise EngineError(f"{model_dir}: no config.json (not a Hugging Face checkpoint)", EXIT_MODEL) from None
     except (OSError, ValueError) as e:
         raise EngineError(f"{model_dir / 'config.json'}: unreadable ({e})", EXIT_MODEL) from None
+    if cpu_layout:
+        from engine.tiers.readers import parse_cpu_layout
+        parse_cpu_layout(cpu_layout)    # a bad layout is a usage error now, not a failed load later
     if store_dir is not None:
         from engine.store import odirect
         odirect.probe(store_dir)        # EngineError (exit 6) with the reason when refused
