@@ -225,3 +225,24 @@ def test_list_on_laptop(tree):
                                      "--store-dir", str(host.store_dir)])
     flash_line = next(ln for ln in human.output.splitlines() if ln.startswith("glm-5.3-flash "))
     assert "6/6 gates · 20 tok/s" in flash_line and flash_line.rstrip().endswith("no: CPUs, RAM, GPUs, VRAM, disk")
+
+
+def test_daemon_json_nvidia_runtime_counts_when_the_daemon_is_down(tree):
+    from tool.preflight import container
+
+    host = tree(hosts.laptop)
+    d = container.connect()
+    assert container.check_gpu_access(d, host.root).status == "fail"
+    (host.root.root / "etc/docker").mkdir(parents=True)
+    (host.root.root / "etc/docker/daemon.json").write_text('{"runtimes": {"nvidia": {"path": "nvidia-container-runtime"}}}')
+    c = container.check_gpu_access(d, host.root)
+    assert (c.status, c.detail) == ("pass", "the nvidia runtime is in /etc/docker/daemon.json runtimes: --gpus works")
+
+
+def test_unknown_weights_size_warns(tree):
+    got = by_id(pf.run(recipe("glm-5.3"), tree(hosts.epyc_3090)))
+    assert got["disk.models.free"].status == "warn"
+    assert "the models size is not known until tool fetch reads it" in got["disk.models.free"].detail
+    assert "disk.store.free" not in got          # no prepared store in a vLLM recipe
+    assert {got[i].status for i in ("gpu.count", "gpu.vram", "gpu.compute")} == {"fail"}  # 1 × 3090 is not 4 × 96 GB
+    assert got["gpu.driver"].status == "pass"                 # 610.57 ≥ 580.65.06

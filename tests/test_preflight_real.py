@@ -9,6 +9,7 @@ import json
 import os
 import socket
 import subprocess
+import sys
 
 import pytest
 from click.testing import CliRunner
@@ -50,10 +51,10 @@ def mounted(tmp_path):
     """mount -t tmpfs DIR [opts] for the test; unmounted after. Skips where mounting is not permitted."""
     done = []
 
-    def mount(name: str, *opts: str):
+    def mount(name: str, *opts: str, fstype: str = "tmpfs"):
         d = tmp_path / name
         d.mkdir()
-        run = subprocess.run(["mount", "-t", "tmpfs", "-o", ",".join(("size=16m",) + opts), "tmpfs", str(d)],
+        run = subprocess.run(["mount", "-t", fstype, "-o", ",".join(("size=16m",) + opts), fstype, str(d)],
                              capture_output=True, text=True)
         if run.returncode != 0:
             pytest.skip(f"cannot mount a tmpfs here: {run.stderr.strip()}")
@@ -65,6 +66,7 @@ def mounted(tmp_path):
 
 
 def test_glm_flash_on_this_machine_is_no_go_naming_gpu_cpus_ram_disk(no_docker):
+    existed = os.path.exists("/var/lib/kiln")
     res = CliRunner().invoke(cli, ["preflight", "glm-5.3-flash", "--json"])
     assert res.exit_code == 1
     out = json.loads(res.output)
@@ -78,7 +80,7 @@ def test_glm_flash_on_this_machine_is_no_go_naming_gpu_cpus_ram_disk(no_docker):
     assert got["cpu.count"]["detail"] == ("40 logical CPUs needed (CPU layout lane 2-23, main 24, controller 25, readers 26-39); "
                                           f"this cpuset has {len(os.sched_getaffinity(0))} (0-1)")
     assert "242.6 GB needed (models 125.3 GB + store 117.3 GB)" in got["disk.models.free"]["detail"]
-    assert not os.path.exists("/var/lib/kiln/models") or os.listdir("/var/lib/kiln/models") is not None
+    assert os.path.exists("/var/lib/kiln") == existed                          # preflight creates no dirs
     assert not [p for p in os.listdir("/var/lib") if p.startswith(".kiln-")]   # the probe files are gone
 
 
@@ -114,6 +116,16 @@ def test_tmpfs_store(mounted, tmp_path):
     assert got["disk.store.free"].detail.startswith(f"store dir {store} (tmpfs on {store}): 117.3 GB needed for the store, ")
     assert got["disk.models.free"].detail.startswith(f"models dir {tmp_path / 'models'} (ext4 on /): 125.3 GB needed")
     assert got["disk.store.device"].detail == f"store on tmpfs on {store}: no block device behind it; the recipe wants NVMe (measured at 7 GB/s store reads while serving)"
+
+
+def test_ramfs_refuses_odirect(mounted, tmp_path):
+    store = mounted("ram", fstype="ramfs")
+    got = by_id(storage.check(recipe("glm-5.3-flash"), tmp_path / "models", store, pf.Host().root))
+    assert got["disk.store.odirect"].status == "fail"
+    assert got["disk.store.odirect"].detail == f"the filesystem refuses O_DIRECT (open: EINVAL) in {store} (ramfs on {store})"
+    assert got["disk.store.fstype"].status == "warn" and "ramfs: RAM-backed with no size limit; it refuses O_DIRECT" in got["disk.store.fstype"].detail
+    assert got["disk.store.writable"].status == "pass"
+    assert os.listdir(store) == []
 
 
 def test_read_only_mount_cannot_be_written(mounted, tmp_path):
@@ -240,3 +252,12 @@ def test_unknown_recipe_is_one_line_exit_3(capsys):
     assert main(["preflight", "glm-5.3-flsh"]) == 3
     err = capsys.readouterr().err
     assert err.startswith("tool: unknown recipe 'glm-5.3-flsh'; did you mean glm-5.3-flash") and err.count("\n") == 1
+
+
+def test_preflight_path_imports_no_torch():
+    """The preflight must stay fast and runnable without the engine's heavy dependencies."""
+    code = ("import sys; from tool.cli import main; rc = main(['preflight', 'smollm2-135m', '--json']); "
+            "heavy = [m for m in ('torch', 'transformers', 'safetensors') if m in sys.modules]; "
+            "print('HEAVY', heavy, file=sys.stderr)")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert "HEAVY []" in run.stderr, run.stderr

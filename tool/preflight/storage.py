@@ -5,6 +5,7 @@ will be created on). Nothing is created beyond a temp probe file, which is remov
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import mmap
 import os
@@ -27,6 +28,7 @@ FS_MEANING = {
     "nfs4": "NFS: O_DIRECT goes over the network; NVMe-speed reads are out of reach",
     "cifs": "SMB: a network filesystem; NVMe-speed reads are out of reach",
     "tmpfs": "tmpfs: RAM-backed, so the store would occupy RAM; O_DIRECT only since Linux 6.6",
+    "ramfs": "ramfs: RAM-backed with no size limit; it refuses O_DIRECT",
     "ext4": "ext4: O_DIRECT supported",
     "xfs": "xfs: O_DIRECT supported",
 }
@@ -159,6 +161,9 @@ def odirect_probe(directory: Path) -> tuple[bool | None, str]:
         fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o600)
     except OSError as e:
         if e.errno == errno.EINVAL:
+            # Some filesystems (ramfs) create the file and then refuse the open: the name is ours (O_EXCL, random).
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(name)
             return False, "the filesystem refuses O_DIRECT (open: EINVAL)"
         return None, f"cannot create a probe file in {directory} ({e.strerror})"
     try:
