@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 
 import click
 from rich import box
@@ -30,12 +31,15 @@ def _load_recipe(ref: str):
 class RichReporter:
     """Live progress on stderr for the long gates (load wait, context fill, speed), one line per gate."""
 
-    def __init__(self, console: Console):
+    def __init__(self, console: Console, plain_every_s: float = 30.0):
         self.console = console
         self._live: Progress | None = None
         self._task = None
+        self._plain_every_s, self._plain_last = plain_every_s, 0.0
 
     def gate_started(self, name):
+        if not self.console.is_terminal:     # a log file gets the result lines only
+            return
         self._live = Progress(SpinnerColumn(), TextColumn(f"[bold]{name}[/] {{task.description}}"),
                               BarColumn(), TimeElapsedColumn(), console=self.console, transient=True)
         self._task = self._live.add_task("", total=None)
@@ -44,6 +48,9 @@ class RichReporter:
     def progress(self, text, completed=None, total=None):
         if self._live is not None:
             self._live.update(self._task, description=text, completed=completed or 0, total=total)
+        elif time.monotonic() - self._plain_last >= self._plain_every_s:   # a log: a line now and then
+            self._plain_last = time.monotonic()
+            self.console.print(f"… {text}", highlight=False, soft_wrap=True)
 
     def gate_finished(self, name, result):
         if self._live is not None:
@@ -76,8 +83,10 @@ def figure(name: str, r: dict) -> str:
 
 def results_table(evidence: dict) -> Table:
     t = Table(box=box.SIMPLE_HEAD, title=f"{evidence['recipe']['id']} @ {evidence['server']['endpoint']}")
-    for col in ("gate", "result", "reason", "figure"):
-        t.add_column(col, overflow="fold")
+    t.add_column("gate", no_wrap=True)
+    t.add_column("result", no_wrap=True)
+    t.add_column("reason", overflow="fold")
+    t.add_column("figure", no_wrap=True)
     for name, r in evidence["gates"].items():
         result = "pass" if r["passed"] else ("skip" if r.get("skipped") else "FAIL")
         if not r.get("expected"):
@@ -100,10 +109,13 @@ def results_table(evidence: dict) -> Table:
 @click.option("--api-key", envvar="KILN_API_KEY", help="Bearer token for the server [env KILN_API_KEY].")
 def check(recipe, endpoint, gates, json_path, record, evidence_dir, load_timeout, speed_window, seed, api_key):
     """Run the acceptance gates of RECIPE (an id or a file) against the server at --endpoint."""
-    from tool.checks.runner import run_checks
+    from tool.checks.runner import GATES, run_checks
 
-    r = _load_recipe(recipe)
     only = [g.strip() for g in gates.split(",") if g.strip()] if gates else None
+    if only is not None and (unknown := [g for g in only if g not in GATES]):
+        raise click.BadParameter(f"unknown gate {', '.join(unknown)}; gates are {', '.join(GATES)}",
+                                 param_hint="--gates")
+    r = _load_recipe(recipe)
     err = Console(stderr=True, highlight=False)
     evidence = run_checks(r, endpoint, gates=only, evidence_dir=evidence_dir,
                           json_path=None if json_path == "-" else json_path, record=record,
@@ -115,12 +127,14 @@ def check(recipe, endpoint, gates, json_path, record, evidence_dir, load_timeout
         err.print(f"evidence: {files[0][0]}")
     else:
         out = Console(highlight=False, width=None if sys.stdout.isatty() else 120)
-        out.print(results_table(evidence))
+        with out.capture() as table:
+            out.print(results_table(evidence))
+        click.echo("\n".join(line.rstrip() for line in table.get().splitlines()))
         expected = evidence["expected_gates"]
         passed = [g for g in expected if evidence["gates"][g]["passed"]]
-        out.print(f"verdict: {evidence['verdict']} ({len(passed)}/{len(expected)} expected gates passed)"
-                  f"; evidence: {evidence['evidence_files'][0]}", soft_wrap=True)
+        click.echo(f"verdict: {evidence['verdict']} ({len(passed)}/{len(expected)} expected gates passed)")
+        click.echo(f"evidence: {evidence['evidence_files'][0]}")
         if record:
-            out.print(f"recorded a proof line in {r.path}", soft_wrap=True)
+            click.echo(f"recorded a proof line in {r.path}")
     if evidence["verdict"] != "pass":
         click.get_current_context().exit(int(Exit.FAILED))
