@@ -61,7 +61,7 @@ class GpuResidentExperts:
 
     def forward(self, layer, x, topk_ids, topk_weights):
         self.picks += topk_ids.numel()          # a Python int: no device read
-        return moe_from_slots(x, self.arena, topk_ids + self.bases[layer], topk_weights, self.layout)
+        return moe_from_slots(x, self.arena, topk_ids + self.bases[layer], topk_weights, self.layout, topk_ids)
 
     def counters(self) -> dict:
         return {"served": {"gpu": self.picks, "ram": 0, "store": 0}, "store_read_bytes": 0}
@@ -92,10 +92,14 @@ class GpuOffloadExperts:
 
     # -- loading -----------------------------------------------------------------------------------
     def _ensure(self, layer: int, experts: list[int], pinned: set) -> None:
-        """Issue whatever copies make each (layer, e) resident in a GPU slot; does not wait for them."""
+        """Issue the copies that make each (layer, e) resident in a GPU slot; does not wait for them.
+        `experts` must fit the GPU tier beside `pinned`; RAM staging goes in chunks that fit the RAM tier."""
         need = [e for e in experts if (layer, e) not in self.gpu_cache]
-        if not need:
-            return
+        step = max(1, self.ram_cache.capacity)
+        for i in range(0, len(need), step):
+            self._load_chunk(layer, need[i:i + step], pinned)
+
+    def _load_chunk(self, layer: int, need: list[int], pinned: set) -> None:
         # Store → RAM for those not in the RAM tier, all reads in flight at once. A RAM slot about to be
         # refilled may still be the source of an earlier H2D copy: wait for those copies first.
         from_store = [e for e in need if self.ram_cache.lookup((layer, e)) is None]
@@ -121,19 +125,14 @@ class GpuOffloadExperts:
             self.copies_done.record(self.copy_stream)
         self.pending = True
 
-    # -- ExpertProvider ----------------------------------------------------------------------------
-    def forward(self, layer, x, topk_ids, topk_weights):
-        if self.override is not None:           # a labelled synthetic routing trace (bench only)
-            topk_ids = self.override(layer, topk_ids)
-        pred = self.predictor(layer, x) if self.predictor else None
-        t0 = time.perf_counter()
-        flat = topk_ids.reshape(-1)
-        both = torch.cat([flat, pred[1].reshape(-1)]) if pred else flat
-        host = both.to("cpu").tolist()          # the one device read of this layer
-        ids, ahead = host[:flat.numel()], host[flat.numel():]
-        uniq = sorted(set(ids))
-        keys = {(layer, e) for e in uniq}
-        for e in ids:                           # where each pick is served from, before loading anything
+    def _wait_copies(self) -> None:
+        if self.pending:
+            torch.cuda.current_stream(self.device).wait_event(self.copies_done)
+            self.pending = False
+
+    def _count(self, layer: int, ids: list[int]) -> None:
+        """Where each pick is served from, before anything is loaded (prefetched ones by their origin)."""
+        for e in ids:
             key = (layer, e)
             if key in self.origin:
                 self.served[self.origin[key]] += 1
@@ -143,24 +142,58 @@ class GpuOffloadExperts:
                 self.served["ram"] += 1
             else:
                 self.served["store"] += 1
-        for e in uniq:
+        for e in set(ids):
             if self.gpu_cache.lookup((layer, e)) is not None:
                 self.origin.pop((layer, e), None)
-        self._ensure(layer, uniq, pinned=keys)
+
+    # -- ExpertProvider ----------------------------------------------------------------------------
+    def forward(self, layer, x, topk_ids, topk_weights):
+        if self.override is not None:           # a labelled synthetic routing trace (bench only)
+            topk_ids = self.override(layer, topk_ids)
+        decode = topk_ids.numel() <= 64
+        pred = self.predictor(layer, x) if (self.predictor and decode) else None
+        t0 = time.perf_counter()
+        flat = topk_ids.reshape(-1)
+        both = torch.cat([flat, pred[1].reshape(-1)]) if pred else flat
+        host = both.to("cpu").tolist()          # the one device read of this layer
+        ids, ahead = host[:flat.numel()], host[flat.numel():]
+        uniq = sorted(set(ids))
+        self._count(layer, ids)
+        cap = self.gpu_cache.capacity
+        if len(uniq) <= cap:
+            keys = {(layer, e) for e in uniq}
+            self._ensure(layer, uniq, pinned=keys)
+            self._wait_copies()
+            slots = self._slots_host[:len(ids)]
+            slots.copy_(torch.tensor([self.gpu_cache._slot[(layer, e)] for e in ids], dtype=torch.int32))
+            slots_dev = slots.to(self.device, non_blocking=True).view_as(topk_ids)
+            out = moe_from_slots(x, self.arena, slots_dev, topk_weights, self.layout, topk_ids)
+        else:
+            out = self._forward_waves(layer, x, topk_ids, topk_weights, uniq, cap)
+            keys = set()
         for e in uniq:
             self.origin.pop((layer, e), None)
-        if self.pending:
-            torch.cuda.current_stream(self.device).wait_event(self.copies_done)
-            self.pending = False
-        n = len(ids)
-        slots = self._slots_host[:n]
-        slots.copy_(torch.tensor([self.gpu_cache._slot[(layer, e)] for e in ids], dtype=torch.int32))
-        slots_dev = slots.to(self.device, non_blocking=True).view_as(topk_ids)
-        out = moe_from_slots(x, self.arena, slots_dev, topk_weights, self.layout)
-        if pred:                                # prefetch the next layer while this one computes
-            nxt = pred[0]
-            self._ensure(nxt, sorted(set(ahead)), pinned=keys | {(nxt, e) for e in ahead})
+        if pred:                                # prefetch the next layer while this one computes: best effort
+            nxt, want = pred[0], sorted(set(ahead))
+            if len(keys) + len(want) <= cap:
+                self._ensure(nxt, want, pinned=keys | {(nxt, e) for e in want})
         self.host_seconds += time.perf_counter() - t0
+        return out
+
+    def _forward_waves(self, layer, x, topk_ids, topk_weights, uniq, cap):
+        """More distinct experts than GPU slots (a long prefill on a small tier): waves of experts in
+        ascending order, accumulated exactly as moe_reference does, so results do not depend on `cap`."""
+        from engine.experts import expert_ffn
+        out = torch.zeros_like(x)
+        for i in range(0, len(uniq), cap):
+            wave = uniq[i:i + cap]
+            self._ensure(layer, wave, pinned={(layer, e) for e in wave})
+            self._wait_copies()
+            for e in wave:
+                tok, k = (topk_ids == e).nonzero(as_tuple=True)
+                gate, up, down = self.layout.views(self.arena[self.gpu_cache._slot[(layer, e)]])
+                y = expert_ffn(x[tok], gate, up, down)
+                out.index_add_(0, tok, y * topk_weights[tok, k, None].to(y.dtype))
         return out
 
     def counters(self) -> dict:

@@ -111,8 +111,11 @@ class RamArena:
     def _register(self) -> None:
         cudart = torch.cuda.cudart()
         base, total = self.bytes.data_ptr(), self.slots * self.record_bytes
-        for off in range(0, total, REGISTER_CHUNK):
-            n = min(REGISTER_CHUNK, total - off)
+        # Chunks hold whole slots: one copy must not straddle two registrations (cudaMemcpyAsync
+        # then fails with "invalid argument").
+        chunk = max(1, REGISTER_CHUNK // self.record_bytes) * self.record_bytes
+        for off in range(0, total, chunk):
+            n = min(chunk, total - off)
             rc = cudart.cudaHostRegister(base + off, n, 0)
             if int(rc) != 0:
                 self.close()
