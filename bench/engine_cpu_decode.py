@@ -8,7 +8,8 @@ For each architecture a small random checkpoint is written by transformers' save
 Both use fp32 and the same torch threads (--threads, default 1); each figure is the median of --repeats runs. The engine's
 tokens must equal transformers' (greedy), or the run fails. A batch row shows the engine's
 aggregate rate with --batch streams at once. The bound: bytes a token must read (non-expert
-weights + top_k experts per MoE layer) at the measured copy bandwidth — a roofline, not a target.
+weights + top_k experts per MoE layer) at the measured copy bandwidth — one stream's roofline, not a target
+(a batch shares weight reads, so its aggregate may pass it).
 
     .venv/bin/python bench/engine_cpu_decode.py [--tokens 64] [--hidden 512] [--layers 4] [--experts 16] [--threads 1]
 """

@@ -1,6 +1,6 @@
 """Build a ready model from a Hugging Face checkpoint directory: non-expert weights on the device,
-a KV cache allocated once, and an ExpertProvider for the routed experts (all in memory, or the
-tiered store when `store_dir` is given)."""
+a KV cache allocated once, and an ExpertProvider for the routed experts (engine.tiers: all in
+memory, or the tiered store when `store_dir` is given)."""
 from __future__ import annotations
 
 import re
@@ -10,7 +10,7 @@ import torch
 
 from engine.checkpoint import Checkpoint, CheckpointError
 from engine.config import ModelConfig
-from engine.experts import DTYPES, ExpertProvider, InMemoryExperts
+from engine.experts import DTYPES, ExpertProvider
 from engine.kv_cache import KVCache
 from engine.models import model_class
 from engine.models.common import MoEModel
@@ -64,14 +64,6 @@ class CheckpointWeights:
         return sorted(self.names - self.used)
 
 
-def in_memory_experts(ckpt: Checkpoint, device, dtype: torch.dtype) -> InMemoryExperts:
-    """Every routed expert packed as records, one [n_experts, record_elems] tensor per MoE layer."""
-    layout = ckpt.layout(dtype)
-    records = {l: torch.stack([layout.pack(*ckpt.expert(l, e)) for e in range(ckpt.n_experts)]).to(device)
-               for l in ckpt.moe_layers}
-    return InMemoryExperts(layout, records)
-
-
 def load_model(model_dir: str | Path, provider: ExpertProvider | None = None, *, store_dir: str | Path | None = None,
                device: str | torch.device = "cpu", dtype: str | torch.dtype | None = None,
                max_context: int | None = None, max_batch: int = 8, gpu_slots: int | None = None,
@@ -89,12 +81,10 @@ def load_model(model_dir: str | Path, provider: ExpertProvider | None = None, *,
         raise ValueError(f"max_batch {max_batch} must be at least 1")
 
     if provider is None:
-        if store_dir is not None:
-            from engine.tiers import build_provider     # lazy: the tiers need O_DIRECT readers, not the models
-            provider = build_provider(ckpt, store_dir, device=device, dtype=dtype, gpu_slots=gpu_slots,
-                                      ram_slots=ram_slots, readers=readers, cpu_layout=cpu_layout)
-        else:
-            provider = in_memory_experts(ckpt, device, dtype)
+        # No store: every expert in memory (engine.tiers.in_memory); else the GPU ← RAM ← O_DIRECT store tiers.
+        from engine.tiers import build_provider
+        provider = build_provider(ckpt, store_dir, device=device, dtype=dtype, gpu_slots=gpu_slots,
+                                  ram_slots=ram_slots, readers=readers, cpu_layout=cpu_layout)
     lay = provider.layout
     if (lay.hidden, lay.intermediate) != (cfg.hidden, cfg.moe_intermediate):
         raise CheckpointError(f"{ckpt.dir}: expert provider holds [{lay.intermediate}x{lay.hidden}] experts, "

@@ -10,7 +10,8 @@ import torch
 
 from engine.checkpoint import Checkpoint, CheckpointError
 from engine.config import ModelConfig
-from engine.loader import in_memory_experts, load_model, resolve_dtype
+from engine.loader import load_model, resolve_dtype
+from engine.tiers import in_memory
 
 ARCHS = ["qwen3_moe", "glm4_moe", "mixtral"]
 PROMPT = [5, 17, 200, 42, 99, 7, 311, 64, 128, 3, 250, 19]
@@ -117,7 +118,7 @@ class RecordingExperts:
 @pytest.mark.parametrize("arch", ARCHS)
 def test_routing_is_exercised_and_layers_are_addressed_by_checkpoint_index(arch, tiny_checkpoint):
     ckpt = Checkpoint(tiny_checkpoint(arch))
-    rec = RecordingExperts(in_memory_experts(ckpt, "cpu", torch.float32))
+    rec = RecordingExperts(in_memory(ckpt))
     model = load_model(ckpt.dir, provider=rec, max_context=64)
     with torch.inference_mode():
         model.prefill(PROMPT, 0)
@@ -221,7 +222,6 @@ def test_dtype_and_context_arguments_are_checked(tiny_checkpoint):
 
 def test_store_provider_gives_the_same_logits(tiny_checkpoint, tmp_path):
     """The tiered provider (RAM tier of two experts, so the O_DIRECT store is read) changes nothing."""
-    pytest.importorskip("engine.tiers")
     from engine.store.pack import pack_store
 
     src = tiny_checkpoint("qwen3_moe")
