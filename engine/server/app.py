@@ -21,7 +21,7 @@ import uuid
 from contextlib import aclosing, asynccontextmanager
 from typing import Any, Callable
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
@@ -226,7 +226,7 @@ def create_app(llm=None, *, loader: Callable[[], Any] | None = None, served_name
         return text, chat.encode(llm.tokenizer, text, add_special_tokens=False)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatRequest):
+    async def chat_completions(req: ChatRequest, request: Request):
         t0 = time.perf_counter()
         llm = engine.require()
         check_model(req.model)
@@ -251,6 +251,8 @@ def create_app(llm=None, *, loader: Callable[[], Any] | None = None, served_name
             async with aclosing(text):
                 async for chunk in text:
                     pieces.extend(parser.feed(chunk))
+                    if await request.is_disconnected():
+                        return Response(status_code=499)   # nobody to answer: stop generating
             pieces.extend(parser.finish())
             msg = assemble(pieces)
             message = {"role": "assistant", "content": msg.content, "reasoning_content": msg.reasoning}
@@ -295,7 +297,7 @@ def create_app(llm=None, *, loader: Callable[[], Any] | None = None, served_name
         return EventStream(events())
 
     @app.post("/v1/completions")
-    async def completions(req: CompletionRequest):
+    async def completions(req: CompletionRequest, request: Request):
         t0 = time.perf_counter()
         llm = engine.require()
         check_model(req.model)
@@ -319,8 +321,13 @@ def create_app(llm=None, *, loader: Callable[[], Any] | None = None, served_name
 
         if not req.stream:
             async def collect(text):
+                out = []
                 async with aclosing(text):
-                    return "".join([c async for c in text])
+                    async for chunk in text:
+                        out.append(chunk)
+                        if await request.is_disconnected():
+                            break       # nobody to answer: stop generating
+                return "".join(out)
             texts = await asyncio.gather(*(collect(text) for _, text in runs))
             metrics.request_seconds.labels("completions").observe(time.perf_counter() - t0)
             return {**head, "object": "text_completion",

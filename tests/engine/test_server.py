@@ -301,6 +301,19 @@ def test_client_disconnect_mid_stream_stops_its_generation(qwen):
     assert made < 240, f"{made} of 480 tokens generated after the client left"    # a few, not the rest
 
 
+@pytest.mark.parametrize("path,body", [("/v1/chat/completions", {"messages": HI}), ("/v1/completions", {"prompt": "Once"})])
+def test_client_that_gives_up_on_a_whole_answer_stops_its_generation(qwen, path, body):
+    before = qwen.llm.counters()["generation_tokens_total"]
+    with pytest.raises(httpx.ReadTimeout):
+        qwen.client.post(path, json={**body, "max_tokens": 480, "ignore_eos": True}, timeout=0.3)
+    deadline = time.monotonic() + 20
+    while qwen.llm.counters()["active_streams"]:
+        assert time.monotonic() < deadline, "the abandoned generation kept its slot"
+        time.sleep(0.05)
+    made = qwen.llm.counters()["generation_tokens_total"] - before
+    assert made < 240, f"{made} of 480 tokens generated after the client left"
+
+
 def test_metrics_move_with_requests(qwen):
     c = qwen.client
     names = ["kiln_generation_tokens_total", "kiln_prompt_tokens_total", "kiln_request_seconds_count",
