@@ -58,9 +58,9 @@ class LazyGroup(click.Group):
 
 
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]},
-             epilog="Exit codes: 0 ok, 1 failed (e.g. a bad store record), 2 usage, "
-                    "3 bad model/checkpoint, 4 missing dependency, 6 filesystem refused (O_DIRECT, full, read-only), "
-                    "8 integrity (sha256 mismatch), 130 interrupted.")
+             epilog="Exit codes: 0 ok, 1 failed, 2 usage (bad option, --cpu-layout, trace file), "
+                    "3 bad model/checkpoint/store, 4 missing dependency, 6 filesystem refused (O_DIRECT, full, "
+                    "read-only), 7 address in use or cannot be bound, 8 integrity (sha256 mismatch), 130 interrupted.")
 def cli():
     """Kiln's MoE expert-offload engine."""
 

@@ -164,6 +164,8 @@ class GpuOffloadExperts:
             keys = {(layer, e) for e in uniq}
             self._ensure(layer, uniq, pinned=keys)
             self._wait_copies()
+            if len(ids) > self._slots_host.numel():         # a long prefill: grow the pinned staging
+                self._slots_host = torch.empty(len(ids), dtype=torch.int32, pin_memory=True)
             slots = self._slots_host[:len(ids)]
             slots.copy_(torch.tensor([self.gpu_cache._slot[(layer, e)] for e in ids], dtype=torch.int32))
             slots_dev = slots.to(self.device, non_blocking=True).view_as(topk_ids)

@@ -30,7 +30,7 @@ needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device (streams, 
 @pytest.fixture(scope="module")
 def synth_model(tmp_path_factory):
     d = tmp_path_factory.mktemp("synth")
-    subprocess.run([sys.executable, "-m", "engine.cli", "synth", "--out", str(d / "model"), "--store", str(d / "store"),
+    subprocess.run([sys.executable, "-m", "engine", "synth", "--out", str(d / "model"), "--store", str(d / "store"),
                     "--layers", "3", "--hidden", "256", "--experts", "16", "--top-k", "4", "--moe-intermediate", "128",
                     "--vocab", "512", "--device", "cpu"], check=True, capture_output=True)
     return d / "model", d / "store"
