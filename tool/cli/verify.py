@@ -1,0 +1,59 @@
+"""`tool verify RECIPE`: re-hash the fetched weights and verify the prepared store, offline."""
+from __future__ import annotations
+
+import json
+
+import click
+
+from tool.errors import Exit, IntegrityError, KilnError
+
+
+@click.command("verify")
+@click.argument("recipe")
+@click.option("--models-dir", type=click.Path(file_okay=False),
+              help="Where weights are (default $KILN_MODELS_DIR, else /var/lib/kiln/models).")
+@click.option("--store-dir", type=click.Path(file_okay=False),
+              help="Where prepared stores are (default $KILN_STORE_DIR, else /var/lib/kiln/stores).")
+@click.option("--weights-only", is_flag=True, help="Check the weights only, not the prepared store.")
+@click.option("--json", "as_json", is_flag=True, help="Print {recipe, weights, store} as JSON on stdout.")
+@click.pass_context
+def verify(ctx, recipe, models_dir, store_dir, weights_only, as_json):
+    """Re-hash RECIPE's weights against the fetch marker and the recipe's pins, then run the plan's store
+    verify step (the engine's O_DIRECT re-read; a container step only when docker answers).
+
+    A file that no longer matches is named with both digests and its marker removed. Exit codes: 0 ok,
+    1 not fetched / not prepared, 6 filesystem refused, 8 mismatch.
+    """
+    from tool.plan import load_recipe
+    from tool.weights import models_dir as resolve_models, verify_offline
+    from tool.store_verify import stores_dir, verify_store
+    from tool.fetch import Progress
+
+    r = load_recipe(recipe)
+    models = resolve_models(models_dir)
+    stores = stores_dir(store_dir)
+    progress = Progress()
+    with progress:
+        with progress.task("re-hash", r["weights"].get("size_bytes")) as advance:
+            w = verify_offline(r, models, advance)
+    store = None if weights_only or not w.ok else verify_store(r, models, stores)
+
+    if as_json:
+        click.echo(json.dumps({"recipe": r.id, "weights": {
+            "where": str(w.where), "ok": w.ok, "files": w.files, "bytes": w.bytes, "problem": w.problem,
+            "mismatches": [m.__dict__ for m in w.mismatches]}, "store": store.as_dict() if store else None}, indent=2))
+    else:
+        if w.ok:
+            click.echo(f"weights  ok          {w.files} files, {w.bytes} bytes match the marker and the recipe's pins")
+        if store is not None:
+            click.echo(f"store    {store.status:<11} {store.detail}")
+    for m in w.mismatches:
+        click.echo(f"tool: {m}", err=True)
+    if w.problem:
+        raise KilnError(w.problem, Exit.FAILED)
+    if w.mismatches:
+        more = f" (+{len(w.mismatches) - 1} more above)" if len(w.mismatches) > 1 else ""
+        raise IntegrityError(f"{w.where}: {w.mismatches[0]}{more}; marker removed, run `tool fetch {r.id}`")
+    if store is not None and store.exit_code != Exit.OK:
+        raise KilnError(f"store: {store.detail}", store.exit_code)
+

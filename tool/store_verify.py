@@ -1,0 +1,90 @@
+"""Verify a recipe's prepared store by running its plan's verify step, as the units would.
+
+The plan (compiled by nix/lib) holds the step's argv and env: `engine verify-store --store …` for native
+recipes, a `docker run …` for container ones. A container step runs only when a docker engine answers;
+otherwise the report says it was not run and why, rather than pretending.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from tool.errors import Exit, KilnError
+
+# How the engine's exit codes read here (engine --help: 1 bad record, 6 filesystem, 8 sha256 mismatch).
+ENGINE_EXIT = {8: Exit.INTEGRITY, 6: Exit.IO, 3: Exit.INTEGRITY, 1: Exit.INTEGRITY}
+
+
+@dataclass
+class StoreReport:
+    status: str                 # ok | failed | not prepared | not run | none
+    detail: str
+    exit_code: Exit = Exit.OK
+
+    def as_dict(self) -> dict:
+        return {"status": self.status, "detail": self.detail}
+
+
+def stores_dir(option=None) -> Path:
+    """--store-dir, else $KILN_STORE_DIR, else $KILN_STATE_DIR/stores, else /var/lib/kiln/stores (as nix/lib)."""
+    if option:
+        return Path(option)
+    if os.environ.get("KILN_STORE_DIR"):
+        return Path(os.environ["KILN_STORE_DIR"])
+    if os.environ.get("KILN_STATE_DIR"):
+        return Path(os.environ["KILN_STATE_DIR"]) / "stores"
+    return Path("/var/lib/kiln/stores")
+
+
+def engine_bin() -> str:
+    """The `engine` console script installed beside this Python, else whatever PATH finds."""
+    here = Path(sys.executable).parent / "engine"
+    return str(here) if here.exists() else (shutil.which("engine") or "engine")
+
+
+def _last_line(text: str) -> str:
+    lines = [l for l in text.strip().splitlines() if l.strip()]
+    return lines[-1].strip()[:300] if lines else "no output"
+
+
+def docker_reachable(docker: str) -> str | None:
+    """None when a docker engine answers, else why not."""
+    if not (shutil.which(docker) or Path(docker).exists()):
+        return f"{docker} not installed"
+    try:
+        r = subprocess.run([docker, "info", "--format", "{{.ServerVersion}}"], capture_output=True, text=True,
+                           timeout=20)
+    except subprocess.TimeoutExpired:
+        return "docker info timed out"
+    return None if r.returncode == 0 else _last_line(r.stderr or r.stdout)
+
+
+def verify_store(recipe, models: Path, stores: Path) -> StoreReport:
+    from tool.plan import compile_plan
+    try:
+        plan = compile_plan(recipe, {"modelsDir": str(models), "storeDir": str(stores), "engineBin": engine_bin()})
+    except KilnError as e:
+        return StoreReport("not run", f"cannot compile the plan: {e.message}")
+    step = plan["steps"].get("verify")
+    store = (plan.get("paths") or {}).get("store")
+    if not step or not store:
+        return StoreReport("none", "the recipe has no prepared store")
+    if not Path(store).is_dir():
+        return StoreReport("not prepared", f"{store}: not prepared (run `tool prepare {recipe.id}`)", Exit.FAILED)
+    env = {**os.environ, **{k: str(v) for k, v in (step.get("env") or {}).items()}}
+    for argv in step["commands"]:
+        if plan["runtime"] == "container":
+            why = docker_reachable(argv[0])
+            if why is not None:
+                return StoreReport("not run", f"container verify step not run: docker is not reachable ({why})")
+        try:
+            r = subprocess.run(argv, env=env, capture_output=True, text=True)
+        except FileNotFoundError:
+            return StoreReport("not run", f"{argv[0]}: not found", Exit.MISSING_DEP)
+        if r.returncode != 0:
+            return StoreReport("failed", _last_line(r.stderr or r.stdout), ENGINE_EXIT.get(r.returncode, Exit.FAILED))
+    return StoreReport("ok", f"{store}: {_last_line(r.stdout) if r.stdout.strip() else 'verified'}")
