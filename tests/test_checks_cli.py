@@ -108,6 +108,8 @@ def test_bad_command_lines_get_one_line_and_their_exit_codes(recipe_path, capsys
     assert "unknown gate warp" in capsys.readouterr().err
     assert main(["check", "no-such-recipe", "--endpoint", "http://127.0.0.1:9/v1"]) == 3
     assert "unknown recipe 'no-such-recipe'" in capsys.readouterr().err
+    assert main(["check", str(recipe_path), "--endpoint", "127.0.0.1:8000"]) == 2
+    assert "is not an http(s) URL" in capsys.readouterr().err
 
 
 def test_json_path_gets_the_same_evidence_and_dash_prints_it(recipe_path, tmp_path):

@@ -6,6 +6,7 @@ and the run can go on. Each exchange is summarised into `records` for the eviden
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from dataclasses import dataclass, field
@@ -28,7 +29,6 @@ def server_root(base_url: str) -> str:
 
 def summarise_body(body: dict) -> dict:
     """A request body for the evidence: every field, but long message texts shortened and hashed."""
-    import hashlib
     out = {k: v for k, v in body.items() if k not in ("messages", "prompt")}
     if "messages" in body:
         msgs = []
@@ -61,6 +61,7 @@ class Answer:
     ttft_s: float | None = None              # request sent → first text (content or reasoning)
     t_first: float | None = None             # perf_counter of the first and last text chunk
     t_last: float | None = None
+    finish_s: float | None = None            # request sent → the event carrying finish_reason
     chunks: int = 0
     cut_at_deadline: bool = False
 
@@ -139,7 +140,7 @@ class Client:
         except ClientError as e:
             rec["error"] = str(e)
             raise
-        except httpx.HTTPError as e:
+        except (httpx.HTTPError, httpx.InvalidURL) as e:
             rec["error"] = _transport_reason(method, url, e)
             raise ClientError(rec["error"]) from None
         finally:
@@ -201,7 +202,10 @@ class Client:
                     answer.system_fingerprint = event.get("system_fingerprint") or answer.system_fingerprint
                     answer.model = event.get("model") or answer.model
                     for choice in event.get("choices") or []:
+                        had_finish = answer.finish_reason is not None
                         got_text = _apply_delta(choice, answer, calls)
+                        if answer.finish_reason is not None and not had_finish:
+                            answer.finish_s = round(now - t0, 4)
                         if got_text:
                             answer.chunks += 1
                             if answer.t_first is None:
@@ -218,7 +222,7 @@ class Client:
         except ClientError as e:
             rec["error"] = str(e)
             raise
-        except httpx.HTTPError as e:
+        except (httpx.HTTPError, httpx.InvalidURL) as e:
             rec["error"] = _transport_reason("POST", url, e, streaming=True)
             raise ClientError(rec["error"]) from None
         finally:
@@ -286,7 +290,7 @@ def _error_detail(r: httpx.Response) -> str:
             return ""
 
 
-def _transport_reason(method: str, url: str, e: httpx.HTTPError, streaming: bool = False) -> str:
+def _transport_reason(method: str, url: str, e: Exception, streaming: bool = False) -> str:
     if isinstance(e, httpx.ConnectError):
         return f"cannot reach {url}: {_snippet(str(e)) or 'connection refused'}"
     if isinstance(e, httpx.TimeoutException):

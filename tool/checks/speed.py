@@ -58,9 +58,11 @@ def prefill(ctx: GateContext, figures: dict) -> None:
     source = "usage.prompt_tokens"
     if not isinstance(pt, int):
         pt, source = counter.count_messages(body["messages"]), counter.source
-    figures.update(prefill_prompt_tokens=pt, prefill_tokens_source=source, prefill_ttft_s=a.ttft_s)
-    if a.ttft_s:
-        figures["prefill_tps"] = round(pt / a.ttft_s, 1)
+    # a first token that is a special one (EOS) streams no text: its finish event times the prefill
+    ttft = a.ttft_s if a.ttft_s is not None else a.finish_s
+    figures.update(prefill_prompt_tokens=pt, prefill_tokens_source=source, prefill_ttft_s=ttft)
+    if ttft:
+        figures["prefill_tps"] = round(pt / ttft, 1)
 
 
 def run(ctx: GateContext) -> dict:

@@ -6,6 +6,7 @@ Exit 0 iff every gate the recipe expects passed, else 1 (Exit.FAILED).
 from __future__ import annotations
 
 import json
+import re
 import sys
 import time
 
@@ -115,6 +116,9 @@ def check(recipe, endpoint, gates, json_path, record, evidence_dir, load_timeout
     if only is not None and (unknown := [g for g in only if g not in GATES]):
         raise click.BadParameter(f"unknown gate {', '.join(unknown)}; gates are {', '.join(GATES)}",
                                  param_hint="--gates")
+    if not re.match(r"https?://[^/\s]+", endpoint):
+        raise click.BadParameter(f"{endpoint!r} is not an http(s) URL like http://127.0.0.1:8000/v1",
+                                 param_hint="--endpoint")
     r = _load_recipe(recipe)
     err = Console(stderr=True, highlight=False)
     evidence = run_checks(r, endpoint, gates=only, evidence_dir=evidence_dir,
