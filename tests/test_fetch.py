@@ -138,6 +138,41 @@ def test_a_dropped_connection_resumes_where_it_stopped(tmp_path, env, repo_files
     assert (tmp_path / "models/tiny-moe-3f1c0ffe/model.safetensors").read_bytes() == repo_files.files["model.safetensors"]
 
 
+def test_ctrl_c_half_way_publishes_nothing_and_the_next_run_resumes(tmp_path, env, repo_files):
+    import signal
+    import time
+    _recipe(tmp_path / "recipes", "tiny-hub", hub_weights())
+    repo_files.stall.add("model.safetensors")
+    staging = tmp_path / "models" / ".tiny-moe-3f1c0ffe.partial"
+    with FakeHub(repo_files) as hub:
+        e = {**env, "HF_ENDPOINT": hub.endpoint}
+        p = subprocess.Popen([TOOL, "fetch", "tiny-hub"], env=e, cwd=REPO, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+        try:
+            deadline = time.monotonic() + 60
+            while not any(m == "CDN GET" for m, _, _ in repo_files.requests):     # half of the LFS file is in
+                assert p.poll() is None and time.monotonic() < deadline
+                time.sleep(0.05)
+            time.sleep(0.3)
+            p.send_signal(signal.SIGINT)
+            _, err = p.communicate(timeout=30)
+        finally:
+            repo_files.release.set()
+            if p.poll() is None:
+                p.kill()
+        assert p.returncode == 130 and err.strip() == "tool: interrupted"      # (click writes a newline first)
+        assert not (tmp_path / "models" / "tiny-moe-3f1c0ffe").exists()
+        assert (staging / "config.json").is_file()                  # finished files are kept for the next run
+
+        repo_files.stall.clear()
+        repo_files.requests.clear()
+        r = tool("fetch", "tiny-hub", env=e)
+        assert r.returncode == 0, r.stderr
+        fetched = [p for m, p, _ in repo_files.requests if m in ("GET", "CDN GET") and "/api/" not in p]
+        assert not any(p.endswith("/config.json") for p in fetched)  # resumed: not downloaded again
+    assert not staging.exists()
+
+
 def test_the_revision_is_pinned(tmp_path, env, repo_files):
     other = "0" * 40
     _recipe(tmp_path / "recipes", "tiny-hub", hub_weights(other))
