@@ -1,0 +1,44 @@
+"""`tool prepare RECIPE`: the recipe's prepare step in staging, verified, published by rename."""
+from __future__ import annotations
+
+import json
+
+import click
+
+
+def dir_options(f):
+    """--state-dir / --models-dir / --store-dir, shared by prepare, up, down and status."""
+    for decl, help_ in reversed([
+        ("--state-dir", "Kiln's state directory: models, stores, evidence and run state below it "
+                        "(default $KILN_STATE_DIR, else /var/lib/kiln)."),
+        ("--models-dir", "Where weights live (default STATE_DIR/models, or $KILN_MODELS_DIR)."),
+        ("--store-dir", "Where prepared stores live (default STATE_DIR/stores, or $KILN_STORE_DIR)."),
+    ]):
+        f = click.option(decl, type=click.Path(file_okay=False), default=None, help=help_)(f)
+    return f
+
+
+@click.command("prepare")
+@click.argument("recipe")
+@click.option("--force", is_flag=True, help="Rebuild even when the published store verifies (or no longer does).")
+@click.option("--json", "as_json", is_flag=True, help="Print {recipe, status, store, detail, seconds} as JSON.")
+@dir_options
+def prepare(recipe, force, as_json, state_dir, models_dir, store_dir):
+    """Run RECIPE's prepare step with the store in a staging directory, run its verify step on the result,
+    then publish it by rename. Skipped when the published store verifies; a published store that no longer
+    verifies is refused unless --force. A failure or Ctrl-C leaves the published store (or none) as it was.
+
+    Exit codes: 0 ok, 1 the step failed, 3 bad recipe, 4 engine/docker missing, 5 not writable,
+    6 filesystem refused, 8 the store does not verify, 130 interrupted.
+    """
+    from tool.plan import load_recipe
+    from tool.prepare import prepare as do_prepare
+    from tool.runners import Dirs
+
+    r = load_recipe(recipe)
+    result = do_prepare(r, Dirs.resolve(state_dir, models_dir, store_dir), force=force)
+    if as_json:
+        click.echo(json.dumps({"recipe": r.id, "status": result.status, "store": str(result.store or ""),
+                               "detail": result.detail, "seconds": round(result.seconds, 3)}, indent=2))
+    else:
+        click.echo(f"{r.id}: {result.status}: {result.detail} ({result.seconds:.1f} s)")
