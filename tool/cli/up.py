@@ -1,0 +1,159 @@
+"""`tool up` / `tool down` / `tool status`: a recipe from nothing to a checked, running server, and back.
+
+Progress lines on stderr; the report (steps table, gates table) on stdout; --json writes the report.
+"""
+from __future__ import annotations
+
+import json
+
+import click
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
+from tool.cli.prepare import dir_options
+from tool.errors import Exit, KilnError
+
+
+def steps_table(report: dict) -> Table:
+    t = Table(box=box.SIMPLE_HEAD, title=f"tool up {report['recipe']} ({report['runner']})")
+    t.add_column("step", no_wrap=True)
+    t.add_column("status", no_wrap=True)
+    t.add_column("seconds", justify="right", no_wrap=True)
+    t.add_column("detail", overflow="fold")
+    for name, s in report["steps"].items():
+        t.add_row(name, s["status"], f"{s['seconds']:.1f}", s["detail"])
+    return t
+
+
+def _write_report(path, report: dict) -> None:
+    from tool.atomic import write_json
+    if path == "-":
+        click.echo(json.dumps(report, indent=2))
+    elif path:
+        write_json(path, report)
+
+
+@click.command("up")
+@click.argument("recipe")
+@click.option("--runner", type=click.Choice(["foreground", "systemd"]), default="foreground", show_default=True,
+              help="foreground: a child process with the limits this host allows; systemd: the plan's units.")
+@click.option("--once", is_flag=True, help="Stop the server after the checks and exit with their verdict.")
+@click.option("--json", "json_path", metavar="PATH", help="Write the report (steps, check evidence, engine counters) here.")
+@click.option("--port", type=click.IntRange(1, 65535), help="Serve on this port (default: the recipe's).")
+@click.option("--gates", metavar="G1,G2", help="Run only these gates (load,chat,reasoning,tools,context,speed).")
+@click.option("--load-timeout", type=float, metavar="S", help="Override the recipe's load limit, seconds.")
+@dir_options
+def up(recipe, runner, once, json_path, port, gates, load_timeout, state_dir, models_dir, store_dir):
+    """Preflight, (pull the image by digest,) fetch, prepare, verify, start, wait until ready, run the checks,
+    report. Steps whose result is published and verifies are skipped, so `tool up` after an interruption
+    resumes. Without --once the server keeps running (`tool down RECIPE` stops it).
+
+    Exit codes: 0 every expected gate passed, 1 preflight no-go / a gate failed / a step failed, 3 bad recipe,
+    4 a program is missing, 5 not writable, 6 filesystem refused, 7 unreachable, 8 integrity (hash or digest
+    mismatch, tampered store), 130 interrupted (the server this run started is stopped).
+    """
+    from tool.checks.runner import GATES
+    from tool.cli.check import RichReporter, results_table
+    from tool.fetch import Progress
+    from tool.plan import load_recipe
+    from tool.runners import Dirs
+    from tool.up import Options, Up
+
+    only = [g.strip() for g in gates.split(",") if g.strip()] if gates else None
+    if only is not None and (unknown := [g for g in only if g not in GATES]):
+        raise click.BadParameter(f"unknown gate {', '.join(unknown)}; gates are {', '.join(GATES)}", param_hint="--gates")
+    err = Console(stderr=True, highlight=False, soft_wrap=True)
+    r = load_recipe(recipe)
+    run = Up(r, Dirs.resolve(state_dir, models_dir, store_dir),
+             Options(runner=runner, once=once, port=port, gates=only, load_timeout_s=load_timeout),
+             say=lambda line: err.print(line, markup=False), reporter=RichReporter(err), progress=Progress())
+    try:
+        report = run.run()
+    except BaseException:
+        _write_report(json_path, run.report.as_dict())
+        raise
+    data = report.as_dict()
+    _write_report(json_path, data)
+    out = Console(highlight=False, soft_wrap=True)
+    out.print(steps_table(data))
+    if report.checks:
+        out.print(results_table(report.checks))
+        files = report.checks.get("evidence_files") or []
+        out.print(f"evidence: {', '.join(files)}", markup=False)
+    if report.engine:
+        out.print("engine: " + ", ".join(f"{k}={v}" for k, v in report.engine.items()), markup=False)
+    if report.running:
+        out.print(f"running: {report.endpoint} (log {report.log}); `tool down {r.id}` stops it", markup=False)
+    if report.verdict != "pass":
+        load = (report.checks or {}).get("gates", {}).get("load") or {}
+        if load and not load.get("passed"):
+            from tool.checks.liveness import log_tail
+            reason = load.get("reason", "")
+            tail = "" if "last log lines" in reason or not report.log else \
+                "; last log lines: " + " | ".join(log_tail(report.log, 20))
+            raise KilnError(f"load: {reason}{tail}", Exit.FAILED)
+        failed = (report.checks or {}).get("failed_gates") or []
+        raise KilnError(f"{r.id}: gate{'s' if len(failed) > 1 else ''} {', '.join(failed)} failed", Exit.FAILED)
+
+
+@click.command("down")
+@click.argument("recipe")
+@click.option("--timeout", type=float, default=30, show_default=True, help="Seconds between SIGTERM and SIGKILL.")
+@dir_options
+def down(recipe, timeout, state_dir, models_dir, store_dir):
+    """Stop RECIPE's server started by `tool up` (SIGTERM, then SIGKILL; a container: docker stop)."""
+    from tool.runners import Dirs, RunRecord, foreground, systemd
+
+    dirs = Dirs.resolve(state_dir, models_dir, store_dir)
+    rid = recipe if RunRecord.load(dirs.run, recipe) else _recipe_id(recipe)
+    rec = RunRecord.load(dirs.run, rid)
+    if rec is None:
+        raise KilnError(f"{rid}: not running (no {RunRecord.path(dirs.run, rid)})", Exit.FAILED)
+    how = systemd.stop(rec) if rec.runner == "systemd" else foreground.stop(rec, timeout)
+    rec.forget(dirs.run)
+    click.echo(f"{rid}: {how}")
+
+
+def _recipe_id(ref: str) -> str:
+    from tool.plan import load_recipe
+    return load_recipe(ref).id
+
+
+def _health(endpoint: str) -> str:
+    import httpx
+    base = endpoint.removesuffix("/v1")
+    try:
+        r = httpx.get(f"{base}/health", timeout=2)
+    except httpx.HTTPError as e:
+        return f"no answer ({type(e).__name__})"
+    return f"{r.status_code}"
+
+
+@click.command("status")
+@click.option("--json", "as_json", is_flag=True, help="Print the list as JSON.")
+@dir_options
+def status(as_json, state_dir, models_dir, store_dir):
+    """List the servers `tool up` started: runner, pid (alive?), endpoint, and whether /health answers."""
+    from tool.runners import Dirs, RunRecord, pid_alive
+
+    dirs = Dirs.resolve(state_dir, models_dir, store_dir)
+    rows = []
+    for rec in RunRecord.all(dirs.run):
+        alive = pid_alive(rec.pid) if rec.runner == "foreground" else None
+        rows.append({"id": rec.id, "runner": rec.runner, "runtime": rec.runtime, "pid": rec.pid, "alive": alive,
+                     "endpoint": rec.endpoint, "health": _health(rec.endpoint), "container": rec.container,
+                     "unit": rec.unit, "log": rec.log, "started_at": rec.started_at})
+    if as_json:
+        click.echo(json.dumps(rows, indent=2))
+        return
+    if not rows:
+        click.echo("nothing runs")
+        return
+    t = Table(box=box.SIMPLE_HEAD)
+    for c in ("id", "runner", "pid", "alive", "endpoint", "health"):
+        t.add_column(c, no_wrap=True)
+    for row in rows:
+        t.add_row(row["id"], row["runner"], str(row["pid"] or "-"), {True: "yes", False: "no", None: "-"}[row["alive"]],
+                  row["endpoint"], row["health"])
+    Console(highlight=False).print(t)
