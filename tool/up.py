@@ -38,6 +38,7 @@ class Options:
     gates: list[str] | None = None
     load_timeout_s: float | None = None
     stop_timeout_s: float = 30.0
+    engine_bin: str | None = None       # the serve step's program (default: the `engine` beside this Python)
 
 
 @dataclass
@@ -63,7 +64,8 @@ class Up:
         self.recipe, self.dirs, self.opts, self.say = recipe, dirs, opts, say
         self.reporter, self.progress = reporter, progress
         self.report = Report(recipe.id, opts.runner)
-        self.plan_options = {**dirs.plan_options(), **({"port": opts.port} if opts.port else {})}
+        self.plan_options = {**dirs.plan_options(), **({"port": opts.port} if opts.port else {}),
+                             **({"engineBin": opts.engine_bin} if opts.engine_bin else {})}
         self.plan: dict | None = None
         self.server = None
 
@@ -82,6 +84,10 @@ class Up:
         return r
 
     def run(self) -> Report:
+        if self.opts.runner == "systemd":
+            from tool.runners import systemd
+            if why := systemd.unusable():      # say so before anything is downloaded or built
+                raise KilnError(f"--runner systemd: {why}; use --runner foreground", Exit.MISSING_DEP)
         self.plan = compile_plan(self.recipe, self.plan_options)
         self.report.endpoint = _endpoint(self.plan)
         self.refuse_if_running()

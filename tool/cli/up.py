@@ -43,8 +43,9 @@ def _write_report(path, report: dict) -> None:
 @click.option("--port", type=click.IntRange(1, 65535), help="Serve on this port (default: the recipe's).")
 @click.option("--gates", metavar="G1,G2", help="Run only these gates (load,chat,reasoning,tools,context,speed).")
 @click.option("--load-timeout", type=float, metavar="S", help="Override the recipe's load limit, seconds.")
+@click.option("--engine-bin", metavar="PATH", help="The program a native serve step runs (default: the `engine` beside this Python).")
 @dir_options
-def up(recipe, runner, once, json_path, port, gates, load_timeout, state_dir, models_dir, store_dir):
+def up(recipe, runner, once, json_path, port, gates, load_timeout, engine_bin, state_dir, models_dir, store_dir):
     """Preflight, (pull the image by digest,) fetch, prepare, verify, start, wait until ready, run the checks,
     report. Steps whose result is published and verifies are skipped, so `tool up` after an interruption
     resumes. Without --once the server keeps running (`tool down RECIPE` stops it).
@@ -66,7 +67,8 @@ def up(recipe, runner, once, json_path, port, gates, load_timeout, state_dir, mo
     err = Console(stderr=True, highlight=False, soft_wrap=True)
     r = load_recipe(recipe)
     run = Up(r, Dirs.resolve(state_dir, models_dir, store_dir),
-             Options(runner=runner, once=once, port=port, gates=only, load_timeout_s=load_timeout),
+             Options(runner=runner, once=once, port=port, gates=only, load_timeout_s=load_timeout,
+                     engine_bin=engine_bin),
              say=lambda line: err.print(line, markup=False), reporter=RichReporter(err), progress=Progress())
     try:
         report = run.run()
