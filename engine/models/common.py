@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
-from engine.experts import ExpertProvider
+from engine.experts import ExpertProvider, compute_threads
 from engine.kv_cache import KVCache, select
 
 
@@ -115,6 +115,9 @@ def sigmoid_grouped_topk(logits: torch.Tensor, bias: torch.Tensor, *, top_k: int
 
 
 # ---------------------------------------------------------------- attention over the KV cache
+
+KV_BUCKET = 256
+
 
 @dataclass
 class Step:
@@ -254,7 +257,7 @@ class MoEModel(nn.Module):
                  cos=self.cos[start:kv_len].view(1, t, 1, -1), sin=self.sin[start:kv_len].view(1, t, 1, -1),
                  mask=None if plain_causal else self._mask(positions, kv_len), decode=False)
         h = self._run(ids, s)[0]
-        return F.linear(h if all_logits else h[-1], self.lm_head)
+        return compute_threads().linear(h if all_logits else h[-1], self.lm_head)
 
     def decode_step(self, tokens, slots: list[int], positions: list[int]) -> torch.Tensor:
         """One token per sequence: tokens [B] go to (slots[b], positions[b]); logits [B, V]."""
@@ -264,7 +267,11 @@ class MoEModel(nn.Module):
         pos = torch.tensor(positions, device=self.device).view(b, 1)
         sel, idx = select(slots, self.device)
         kv_len = max(positions) + 1
+        if self.device.type == "cuda":
+            # A new key length every step would make cuDNN attention build a plan per step (~ms each):
+            # round up to a bucket; the mask hides the extra keys.
+            kv_len = min(self.max_len, -(-kv_len // KV_BUCKET) * KV_BUCKET)
         s = Step(slots=slots, sel=sel, idx=idx, positions=pos, start=0, kv_len=kv_len,
                  cos=self.cos[pos].view(b, 1, 1, -1), sin=self.sin[pos].view(b, 1, 1, -1),
                  mask=self._mask(pos, kv_len), decode=True)
-        return F.linear(self._run(ids, s)[:, 0], self.lm_head)
+        return compute_threads().linear(self._run(ids, s)[:, 0], self.lm_head)   # lm_head's rows over the threads
