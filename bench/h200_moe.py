@@ -417,6 +417,12 @@ def main():
     result: dict = {"command": " ".join([Path(sys.executable).name] + sys.argv), "date": str(date.today()),
                     "runs": {}}
     t_start = time.perf_counter()
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def save():                      # after every part: a run cut short still leaves what it measured
+        result["wall_seconds"] = round(time.perf_counter() - t_start, 1)
+        out.write_text(json.dumps(result, indent=2) + "\n")
 
     props = torch.cuda.get_device_properties(0)
     smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
@@ -454,6 +460,7 @@ def main():
 
     lanes = measure_lanes(store / mf.DATA, m.record_bytes, len(m.records))
     result["lanes"] = lanes
+    save()
     log("lanes:", lanes)
 
     # --- engine, all on the GPU
@@ -470,6 +477,7 @@ def main():
     ag.update(engine_prefill(model, args.prefill, vocab))
     all_gpu_step_s = 1 / d1["decode_tps"]
     result["runs"]["engine_all_gpu"] = ag
+    save()
     log("engine_all_gpu:", {k: v for k, v in ag.items() if k != "tokens"})
 
     # exactness prompt logits (engine side), before freeing
@@ -492,6 +500,7 @@ def main():
         off = offload_run(model_dir, store, m, budget, lanes, all_gpu_step_s, skewed=False, steps=args.steps,
                           vocab=vocab, prefill_tokens=args.prefill)
         result["runs"]["engine_offload"] = off
+        save()
         log("engine_offload:", {k: v for k, v in off.items() if k not in ("tokens", "counters")})
         result["exactness"] = {"offload_vs_resident_greedy_tokens_equal": off["tokens"][:len(ag["tokens"])] == ag["tokens"][:len(off["tokens"])],
                                "compared_tokens": min(len(off["tokens"]), len(ag["tokens"]))}
@@ -499,6 +508,7 @@ def main():
         sk = offload_run(model_dir, store, m, budget, lanes, all_gpu_step_s, skewed=True, steps=args.steps,
                          vocab=vocab, prefill_tokens=args.prefill)
         result["runs"]["engine_offload_skewed"] = sk
+        save()
         log("engine_offload_skewed:", {k: v for k, v in sk.items() if k not in ("tokens", "counters")})
 
     # --- peers
@@ -514,6 +524,7 @@ def main():
             "top1_agreement": round(float((hf_logits.argmax(-1) == eng_logits.argmax(-1)).float().mean()), 4)})
         tg = hf_decode(hf, args.peer_steps, vocab, DEV)
         result["runs"]["transformers_all_gpu"] = tg
+        save()
         log("transformers_all_gpu:", {k: v for k, v in tg.items() if k != "tokens"})
         del hf
         gc.collect()
@@ -549,10 +560,7 @@ def main():
                       "on the routing law, times the offload run's measured fraction of its own bound"}
     result["targets"] = {**t, "required": {"engine_all_gpu_vs_transformers": 20, "engine_offload_vs_accelerate": 50,
                                           "engine_offload_fraction_of_bound": 0.6}}
-    result["wall_seconds"] = round(time.perf_counter() - t_start, 1)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    save()
 
     log("\n| run | decode tok/s (1 stream) | 4 streams agg | prefill tok/s | bound tok/s |")
     log("|---|---|---|---|---|")
