@@ -264,3 +264,35 @@ def test_smollm2_demo_once(tmp_path):
     rep = json.loads(report.read_text())
     assert rep["verdict"] == "pass" and rep["checks"]["gates"]["chat"]["passed"]
     assert rep["engine"]["kiln_expert_served_total"]["store"] > 0     # a RAM tier smaller than the store
+
+
+def test_the_foreground_runner_applies_cpu_affinity_and_says_what_it_could_not(tmp_path):
+    """The runner's limits on a real child: a serve argv that prints its own affinity and memlock limit."""
+    from tool.runners import Dirs
+    from tool.runners.foreground import start
+    probe = ("import os, resource, time; print('affinity', sorted(os.sched_getaffinity(0)), "
+             "'memlock', resource.getrlimit(resource.RLIMIT_MEMLOCK)[0], 'sid', os.getsid(0) == os.getpid(), "
+             "flush=True); time.sleep(30)")
+    plan = {"id": "probe", "runtime": "native", "options": {"port": free_port(), "bindAddress": "127.0.0.1"},
+            "steps": {"serve": {"argv": [sys.executable, "-c", probe], "env": {},
+                                "limits": {"cpus": "0", "memlock": "infinity", "memoryBytes": 1 << 30,
+                                           "memorySwapBytes": 1 << 30}}}}
+    dirs = Dirs.resolve(state_dir=tmp_path)
+    server = start(plan, dirs)
+    try:
+        deadline = time.monotonic() + 20
+        while len(Path(server.log).read_text().splitlines()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        line = Path(server.log).read_text().splitlines()[1]
+        assert line.startswith("affinity [0] memlock ") and line.endswith(" sid True")
+        assert "cpus: affinity 0 applied (sched_setaffinity)" in server.notes
+        import resource
+        if resource.getrlimit(resource.RLIMIT_MEMLOCK)[1] == resource.RLIM_INFINITY:
+            assert any(n.startswith("memlock: RLIMIT_MEMLOCK=infinity applied") for n in server.notes)
+        else:
+            assert any(n.startswith("memlock: RLIMIT_MEMLOCK=infinity not applied") for n in server.notes)
+        assert json.loads((tmp_path / "run" / "probe.json").read_text())["pid"] == server.record.pid
+        assert server.is_alive() is True
+    finally:
+        server.stop(5)
+    assert server.is_alive().startswith("the server killed by SIGTERM")
