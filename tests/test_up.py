@@ -296,3 +296,32 @@ def test_the_foreground_runner_applies_cpu_affinity_and_says_what_it_could_not(t
     finally:
         server.stop(5)
     assert server.is_alive().startswith("the server killed by SIGTERM")
+
+
+def test_the_systemd_runner_writes_the_units_then_reloads_and_starts_the_serve_unit(tmp_path, monkeypatch):
+    """PID 1 is not systemd here, so `systemctl` is a stand-in that records its argv (the only double in this
+    file); the units it would start are the plan's, written by tool.materialise and checked by systemd-analyze."""
+    from tool import plan as plans
+    from tool.runners import systemd
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    calls = tmp_path / "calls"
+    (bindir / "systemctl").write_text(f'#!/bin/sh\necho "$@" >> {calls}\n')
+    (bindir / "systemctl").chmod(0o755)
+    booted = tmp_path / "run-systemd-system"
+    booted.mkdir()
+    monkeypatch.setenv("PATH", f"{bindir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setattr(systemd, "BOOTED_MARK", booted)
+    plan = plans.compile_plan(plans.load(str(RECIPE), validate=False), {"stateDir": str(tmp_path / "state")})
+    rec = systemd.start(plan, root=tmp_path / "root")
+    assert calls.read_text().splitlines() == ["daemon-reload", "start kiln-tiny-moe.service"]
+    units = sorted(p.name for p in (tmp_path / "root" / "etc" / "systemd" / "system").iterdir())
+    assert units == ["kiln-tiny-moe-check.service", "kiln-tiny-moe-fetch.service", "kiln-tiny-moe-prepare.service",
+                     "kiln-tiny-moe-verify.service", "kiln-tiny-moe.service"]
+    assert rec.unit == "kiln-tiny-moe.service" and rec.runner == "systemd" and rec.endpoint == "http://127.0.0.1:18431/v1"
+    if shutil.which("systemd-analyze"):
+        v = subprocess.run(["systemd-analyze", "verify", "--man=no",
+                            str(tmp_path / "root" / "etc" / "systemd" / "system" / "kiln-tiny-moe.service")],
+                           capture_output=True, text=True)
+        bad = [l for l in v.stderr.splitlines() if "Unknown key" in l or "Invalid" in l or "Failed to parse" in l]
+        assert bad == []

@@ -5,6 +5,7 @@ Progress lines on stderr; the report (steps table, gates table) on stdout; --jso
 from __future__ import annotations
 
 import json
+import signal
 
 import click
 from rich import box
@@ -13,6 +14,10 @@ from rich.table import Table
 
 from tool.cli.prepare import dir_options
 from tool.errors import Exit, KilnError
+
+
+def _terminated(signum, frame):
+    raise KeyboardInterrupt
 
 
 def steps_table(report: dict) -> Table:
@@ -70,6 +75,7 @@ def up(recipe, runner, once, json_path, port, gates, load_timeout, engine_bin, s
              Options(runner=runner, once=once, port=port, gates=only, load_timeout_s=load_timeout,
                      engine_bin=engine_bin),
              say=lambda line: err.print(line, markup=False), reporter=RichReporter(err), progress=Progress())
+    signal.signal(signal.SIGTERM, _terminated)     # `kill`/a unit stop: stop the server as Ctrl-C would
     try:
         report = run.run()
     except BaseException:
