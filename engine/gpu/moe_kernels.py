@@ -106,13 +106,18 @@ def slot_moe(x: torch.Tensor, arena: torch.Tensor, slots: torch.Tensor, topk_wei
     return y.view(t, k, hdim).sum(dim=1).to(x.dtype)
 
 
-def slot_moe_reference(x, arena, slots, topk_weights, layout: ExpertLayout) -> torch.Tensor:
-    """The same function as slot_moe via moe_reference (per-expert GEMMs): the prefill path and the oracle."""
-    return moe_reference(x, slots.long(), topk_weights, lambda s: layout.views(arena[s]))
+def slot_moe_reference(x, arena, slots, topk_weights, layout: ExpertLayout, expert_ids=None) -> torch.Tensor:
+    """The same function as slot_moe via moe_reference (per-expert GEMMs): the prefill path and the oracle.
+    Given expert_ids, experts are visited in expert order whatever their slots, so the accumulation
+    order (hence every bf16 rounding) is the same in any cache state."""
+    if expert_ids is None:
+        return moe_reference(x, slots.long(), topk_weights, lambda s: layout.views(arena[s]))
+    slot_of = dict(zip(expert_ids.reshape(-1).tolist(), slots.reshape(-1).tolist()))
+    return moe_reference(x, expert_ids, topk_weights, lambda e: layout.views(arena[slot_of[e]]))
 
 
-def moe_from_slots(x, arena, slots, topk_weights, layout: ExpertLayout) -> torch.Tensor:
+def moe_from_slots(x, arena, slots, topk_weights, layout: ExpertLayout, expert_ids=None) -> torch.Tensor:
     """Pick the kernel for the shape: GEMV kernels for few pairs (decode), GEMMs for many (prefill)."""
     if slots.numel() <= GEMV_MAX_PAIRS and triton_available(x.device):
         return slot_moe(x, arena, slots, topk_weights, layout)
-    return slot_moe_reference(x, arena, slots, topk_weights, layout)
+    return slot_moe_reference(x, arena, slots, topk_weights, layout, expert_ids)
