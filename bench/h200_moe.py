@@ -240,7 +240,7 @@ def offload_run(model_dir, store, m, budget, lanes, all_gpu_step_s, *, skewed: b
     if skewed:
         prov.override = ZipfRouting(m.experts_per_layer, model.cfg.top_k)
     res: dict = {"routing": "zipf s=1.1 over experts, reuse 0.5 (synthetic trace, labelled)" if skewed
-                 else "the model's own router (random weights: near uniform)"}
+                 else "the model's own router (on random weights it may concentrate: see served_fraction)"}
     # warm the tiers with a few hundred tokens of decode, then measure
     greedy = engine_decode_eager(model, 1, 32, vocab, warm=0) if not skewed else None
     engine_decode_eager(model, 1, 16, vocab, warm=48, sample=True)
