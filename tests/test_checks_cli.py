@@ -191,7 +191,6 @@ def test_record_refuses_a_recipe_changed_during_the_run(recipe_path, tmp_path, c
     assert recipe_path.read_bytes() == changed
 
 
-@pytest.mark.xfail(strict=True, reason="recipes/schema.json's proof items do not allow evidence_sha256 yet")
 def test_a_recorded_recipe_still_validates(recipe_path, tmp_path):
     from tool.validate import validate_recipe
     with OpenAIServer() as s:
