@@ -5,9 +5,6 @@ checks what does not depend on the answers: load, the token counting through the
 from __future__ import annotations
 
 import json
-import socket
-import threading
-import time
 
 import pytest
 
@@ -17,39 +14,16 @@ from engine.server.app import create_app  # noqa: E402
 from tool.checks.runner import run_gates  # noqa: E402
 from tool.recipes import parse  # noqa: E402
 
+from tests.fixtures.served import Served  # noqa: E402
+
 WINDOW = 512
-
-
-class Served:
-    """uvicorn in a thread on a socket bound first, so the port is known and free."""
-
-    def __init__(self, app):
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(64)
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}/v1"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-
-    def __enter__(self):
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert time.monotonic() < deadline, "uvicorn did not start"
-            time.sleep(0.01)
-        return self
-
-    def __exit__(self, *exc):
-        self.server.should_exit = True
-        self.thread.join(30)
-        self.sock.close()
 
 
 @pytest.fixture(scope="module")
 def engine_url(tiny_checkpoint):
     with LLM.load(tiny_checkpoint("qwen3_moe"), max_context=WINDOW) as llm, \
-            Served(create_app(llm, served_name="tiny-qwen")) as s:
-        yield s.url
+            Served(create_app(llm, served_name="tiny-qwen")) as served:
+        yield served.url + "/v1"
 
 
 @pytest.fixture

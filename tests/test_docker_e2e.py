@@ -30,12 +30,11 @@ import socket
 import subprocess
 import sys
 import tarfile
-import time
 from pathlib import Path
 
 import pytest
 
-from tests.fixtures.dockerd import busybox_rootfs_tar, dockerd  # noqa: F401  (pytest fixture)
+from tests.fixtures.dockerd import busybox_rootfs_tar, dockerd, registry  # noqa: F401  (pytest fixtures)
 from tests.fixtures.fake_hub import FakeIndex, make_wheel
 
 pytestmark = [pytest.mark.skipif(shutil.which("nix-instantiate") is None, reason="plans are compiled by Nix"),
@@ -70,30 +69,6 @@ def image_tar() -> bytes:
             ti.size, ti.mode = len(data), 0o755
             tar.addfile(ti, io.BytesIO(data))
     return out.getvalue()
-
-
-@pytest.fixture(scope="module")
-def registry(tmp_path_factory):
-    import httpx
-    d = tmp_path_factory.mktemp("registry")
-    port = free_port()
-    cfg = d / "config.yml"
-    cfg.write_text(f"version: 0.1\nlog:\n  level: error\nstorage:\n  filesystem:\n    rootdirectory: {d / 'data'}\n"
-                   f"http:\n  addr: 127.0.0.1:{port}\n")
-    proc = subprocess.Popen(["docker-registry", "serve", str(cfg)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        for _ in range(100):
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/v2/", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.1)
-        else:
-            raise RuntimeError("docker-registry did not answer")
-        yield f"127.0.0.1:{port}"
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
 
 
 @pytest.fixture(scope="module")

@@ -9,15 +9,11 @@ from __future__ import annotations
 
 import copy
 import shutil
-import socket
-import subprocess
-import time
 
-import httpx
 import pytest
 
 from tests.fixtures import hosts
-from tests.fixtures.dockerd import dockerd, import_busybox  # noqa: F401  (pytest fixture)
+from tests.fixtures.dockerd import dockerd, import_busybox, registry  # noqa: F401  (pytest fixtures)
 from tool import preflight as pf
 from tool.preflight import container, memory
 from tool.preflight.hostroot import HostRoot
@@ -34,34 +30,6 @@ def recipe(image: str) -> dict:
 
 def by_id(results):
     return {c.id: c for c in results}
-
-
-@pytest.fixture(scope="module")
-def registry(tmp_path_factory):
-    """docker-registry serving on a free loopback port; yields 127.0.0.1:PORT."""
-    if shutil.which("docker-registry") is None:
-        pytest.skip("docker-registry is not installed (apt-get install docker-registry)")
-    d = tmp_path_factory.mktemp("registry")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cfg = d / "config.yml"
-    cfg.write_text(f"version: 0.1\nlog:\n  level: error\nstorage:\n  filesystem:\n    rootdirectory: {d / 'data'}\n"
-                   f"http:\n  addr: 127.0.0.1:{port}\n")
-    proc = subprocess.Popen(["docker-registry", "serve", str(cfg)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        for _ in range(100):
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/v2/", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.1)
-        else:
-            raise RuntimeError("docker-registry did not answer")
-        yield f"127.0.0.1:{port}"
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
 
 
 @pytest.fixture
