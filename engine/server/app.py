@@ -14,6 +14,7 @@ import asyncio
 import hashlib
 import hmac
 import json
+from pathlib import Path
 import re
 import threading
 import time
@@ -107,8 +108,22 @@ class Engine:
             self.llm.close()
 
 
+def sampling_defaults(model_dir, temperature: float | None = None, top_p: float | None = None) -> dict:
+    """Defaults for requests that name no temperature/top_p: the flags, else the model's
+    generation_config.json (as vLLM does), else OpenAI's 1.0."""
+    gen = {}
+    if model_dir is not None:
+        try:
+            gen = json.loads((Path(model_dir) / "generation_config.json").read_text())
+        except (OSError, ValueError):
+            gen = {}
+    pick = lambda flag, key: flag if flag is not None else (gen.get(key) if isinstance(gen.get(key), (int, float)) else 1.0)  # noqa: E731
+    return {"temperature": float(pick(temperature, "temperature")), "top_p": float(pick(top_p, "top_p"))}
+
+
 def create_app(llm=None, *, loader: Callable[[], Any] | None = None, served_name: str = "kiln",
-               api_key: str | None = None, fingerprint: str | None = None) -> FastAPI:
+               api_key: str | None = None, fingerprint: str | None = None,
+               defaults: dict | None = None) -> FastAPI:
     engine = Engine(llm, loader)
     metrics = Metrics(lambda: engine.llm.counters() if engine.status == "ready" else None)
 
@@ -170,7 +185,10 @@ def create_app(llm=None, *, loader: Callable[[], Any] | None = None, served_name
     def sampling(llm, req, n_prompt: int, stop_ids: tuple[int, ...]):
         room = llm.max_context - n_prompt
         want = getattr(req, "max_completion_tokens", None) or req.max_tokens or room
-        return SamplingParams(max_tokens=min(want, room), temperature=req.temperature, top_p=req.top_p,
+        d = defaults or {"temperature": 1.0, "top_p": 1.0}
+        return SamplingParams(max_tokens=min(want, room),
+                              temperature=d["temperature"] if req.temperature is None else req.temperature,
+                              top_p=d["top_p"] if req.top_p is None else req.top_p,
                               seed=req.seed, stop_token_ids=() if req.ignore_eos else stop_ids,
                               ignore_eos=req.ignore_eos)
 

@@ -60,12 +60,16 @@ def fingerprint_of(model_dir: Path) -> str:
               help="Experts held in RAM (default: from the cgroup's memory limit).")
 @click.option("--readers", type=click.IntRange(min=1), default=None, help="O_DIRECT store reader threads.")
 @click.option("--cpu-layout", default=None, help="Pin threads to CPUs, NAME=CPULIST entries, e.g. readers=26-39.")
+@click.option("--temperature", type=click.FloatRange(0.0, 2.0), default=None,
+              help="Default temperature for requests that name none (default: the model's generation_config.json, else 1.0).")
+@click.option("--top-p", "top_p", type=click.FloatRange(0.0, 1.0, min_open=True), default=None,
+              help="Default top_p for requests that name none (default: generation_config.json, else 1.0).")
 @click.option("--api-key", envvar="KILN_API_KEY", default=None,
               help="Require `Authorization: Bearer KEY` (env KILN_API_KEY); /health and /metrics stay open.")
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]),
               default="info", show_default=True)
 def serve(model_dir, store_dir, host, port, device, dtype, served_name, max_context, max_batch, gpu_slots,
-          ram_slots, readers, cpu_layout, api_key, log_level):
+          ram_slots, readers, cpu_layout, temperature, top_p, api_key, log_level):
     """Serve a model over an OpenAI-compatible HTTP API.
 
     Listens at once and loads the model in the background. Endpoints: /v1/models,
@@ -99,7 +103,9 @@ def serve(model_dir, store_dir, host, port, device, dtype, served_name, max_cont
                         max_batch=max_batch, gpu_slots=gpu_slots, ram_slots=ram_slots, readers=readers,
                         cpu_layout=cpu_layout)
 
+    from engine.server.app import sampling_defaults
     app = create_app(loader=load, served_name=served_name or model_dir.resolve().name, api_key=api_key,
+                     defaults=sampling_defaults(model_dir, temperature, top_p),
                      fingerprint=fp)
     bound = sock.getsockname()
     click.echo(f"engine: listening on http://{host}:{bound[1]} (model {model_dir} loading; /health says when ready)",

@@ -75,8 +75,10 @@ class StreamOptions(_Body):
 class _Sampling(_Body):
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    # None: the server's default (engine serve --temperature/--top-p, else the model's generation_config.json,
+    # else OpenAI's 1.0), as vLLM takes the model's generation config.
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     seed: int | None = None
     stop: Union[str, list[str], None] = None
     stream: bool = False

@@ -483,3 +483,22 @@ def test_serve_stops_when_the_store_refuses_o_direct(qwen_dir, tmp_path):
         subprocess.run(["umount", str(mnt)], check=True)
     assert p.returncode == 6
     assert err == f"engine: {mnt}: the filesystem refuses O_DIRECT (fstype ramfs)\n"
+
+
+def test_requests_without_temperature_take_the_servers_default(qwen, tmp_path):
+    """A request naming no temperature/top_p gets the server's default: the flag, else the model's
+    generation_config.json, else OpenAI's 1.0 (vLLM takes the model's generation config the same way)."""
+    from engine.server.app import sampling_defaults
+    assert sampling_defaults(None) == {"temperature": 1.0, "top_p": 1.0}
+    (tmp_path / "generation_config.json").write_text('{"temperature": 0.6, "top_p": 0.95}')
+    assert sampling_defaults(tmp_path) == {"temperature": 0.6, "top_p": 0.95}
+    assert sampling_defaults(tmp_path, 0.0, None) == {"temperature": 0.0, "top_p": 0.95}
+    with Served(create_app(qwen.llm, served_name="greedy", defaults={"temperature": 0.0, "top_p": 1.0})) as s, \
+            httpx.Client(base_url=s.url, timeout=60) as c:
+        body = {"model": "greedy", "messages": HI, "max_tokens": 12, "ignore_eos": True}
+        a = c.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
+        b = c.post("/v1/chat/completions", json={**body, "seed": 123}).json()["choices"][0]["message"]
+        assert a == b                                  # greedy: the seed changes nothing
+        sampled = {json.dumps(c.post("/v1/chat/completions", json={**body, "temperature": 1.5, "seed": k}).json()
+                              ["choices"][0]["message"]) for k in range(4)}
+        assert len(sampled) > 1                        # the request's own temperature wins
