@@ -12,9 +12,8 @@ GPU slots ← pinned RAM tier ← O_DIRECT store). They must never change a resu
 from __future__ import annotations
 
 import os
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, Protocol, Sequence
+from typing import Callable, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -109,87 +108,76 @@ def moe_reference(x, topk_ids, topk_weights, get_views) -> torch.Tensor:
     return out
 
 
-# ---------------------------------------------------------------- the fast path: same arithmetic, fewer syncs, more cores
-
-SPLIT_MIN_BYTES = 1 << 20
-
-
-class ComputeThreads:
-    """Runs the independent pieces of a step (one expert each, or a block of a weight's rows) on `n` CPU
-    threads: the caller's and n-1 workers.
-
-    Why: with torch's CPU BLAS a one-token fp32 GEMV is bound by one core's arithmetic (about 12 GB/s of
-    weights on the 2-core EPYC this was measured on, against 22 GB/s a core can stream), and torch
-    does not split a GEMV over threads itself. Each piece computes exactly what it would alone, and
-    the caller combines them in the order it always does, so results are bitwise unchanged.
-    set_compute_threads() also sets torch's own intra-op threads to 1 (they would oversubscribe the cores).
-    """
-
-    def __init__(self, n: int = 1):
-        assert n >= 1, "at least one compute thread"
-        self.n = n
-        self._pool = ThreadPoolExecutor(n - 1, thread_name_prefix="engine-compute") if n > 1 else None
-
-    def map(self, fn: Callable, items: Sequence) -> list:
-        """[fn(i) for i in items], items split into n contiguous runs, run 0 on the calling thread."""
-        if self._pool is None or len(items) < 2:
-            return [fn(i) for i in items]
-        parts = min(self.n, len(items))
-        bounds = [len(items) * p // parts for p in range(parts + 1)]
-        futures = [self._pool.submit(lambda a, b: [fn(i) for i in items[a:b]], bounds[p], bounds[p + 1])
-                   for p in range(1, parts)]
-        try:
-            out = [fn(i) for i in items[:bounds[1]]]
-        finally:
-            # Never return while a worker still reads its inputs (a RAM slot may be refilled next).
-            rest = [f.result() for f in futures]
-        for r in rest:
-            out += r
-        return out
-
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """F.linear(x, weight, bias) with weight's rows split over the threads: every output element is the
-        same dot product as in one call (tests/engine/test_speed_paths.py checks bitwise equality). Only
-        weights of SPLIT_MIN_BYTES or more are split; below that the hand-off costs more than it saves."""
-        rows = weight.shape[0]
-        if (self._pool is None or x.device.type != "cpu" or rows < 128 * self.n
-                or weight.numel() * weight.element_size() < SPLIT_MIN_BYTES):
-            return F.linear(x, weight, bias)
-        step = -(-rows // (self.n * 64)) * 64            # 64-row blocks, so each part starts on a block
-        parts = [(weight[a:a + step], None if bias is None else bias[a:a + step]) for a in range(0, rows, step)]
-        return torch.cat(self.map(lambda p: F.linear(x, *p), parts), dim=-1)
-
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
-
-
-_threads = ComputeThreads(1)
-
+# ---------------------------------------------------------------- the fast path: same arithmetic, fewer syncs, two cores
 
 def default_threads() -> int:
-    """Two compute threads where the process may use two CPUs: a token's top-k experts and lm_head's row
-    blocks are the work split, and bench/smollm2_demo_speed.py measured 2 > 1 on 2 cores. More can be
-    given explicitly (`engine serve --threads`); they were not measured here."""
+    """torch intra-op threads for the engine's CPU decode: 2 where the process may use 2 CPUs or more.
+    The work split between them is a pair of experts (or the two halves of lm_head) in one batched
+    matmul; bench/smollm2_demo_speed.py measured 2 > 1 on this 2-core machine, more were not measured."""
     return min(2, len(os.sched_getaffinity(0)))
 
 
-def set_compute_threads(n: int | None = None) -> ComputeThreads:
-    """Use n compute threads for the engine's CPU decode (None: default_threads()); returns the pool."""
-    global _threads
+def set_compute_threads(n: int | None = None) -> int:
+    """torch's intra-op threads for the engine (None: default_threads()); returns the number set."""
     n = default_threads() if n is None else n
     if n < 1:
         raise ValueError(f"threads is {n}; it must be at least 1")
-    if n != _threads.n:
-        old, _threads = _threads, ComputeThreads(n)
-        old.close()
-    torch.set_num_threads(1)        # the engine splits the work itself; torch's own threads would oversubscribe
-    return _threads
+    torch.set_num_threads(n)
+    return n
 
 
-def compute_threads() -> ComputeThreads:
-    return _threads
+def _as_batch(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, bool] | None:
+    """Two equally shaped, equally strided views of ONE storage as a [2, ...] view (no copy), lower address
+    first; (view, swapped). None when they cannot be (different storages or dtypes)."""
+    if (a.shape != b.shape or a.stride() != b.stride() or a.dtype != b.dtype or a.device != b.device
+            or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()):
+        return None
+    swapped = b.storage_offset() < a.storage_offset()
+    lo, hi = (b, a) if swapped else (a, b)
+    d = hi.storage_offset() - lo.storage_offset()
+    if d == 0:
+        return None
+    return lo.as_strided((2, *lo.shape), (d, *lo.stride()), lo.storage_offset()), swapped
+
+
+def pair_ffn(xa: torch.Tensor, xb: torch.Tensor, va, vb) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """expert_ffn for two experts at once — (expert_ffn(xa, *va), expert_ffn(xb, *vb)) — as two batched
+    matmuls over the records where they lie (gate|up rows read together), so torch's intra-op threads
+    take one expert each: a one-token GEMV does not parallelise inside torch's BLAS, a batch of two does.
+    Every element is the same dot product as alone (tests/engine/test_speed_paths.py checks bitwise).
+    None when the records are not two views of one storage in the compute dtype."""
+    (ga, ua, da), (gb, ub, db) = va, vb
+    inter, hidden = ga.shape
+    if (xa.shape != xb.shape or ga.dtype != xa.dtype
+            or ua.data_ptr() != ga.data_ptr() + ga.numel() * ga.element_size()   # gate|up adjacent, as in a record
+            or ub.data_ptr() != gb.data_ptr() + gb.numel() * gb.element_size()):
+        return None
+    gate_up = _as_batch(ga.as_strided((2 * inter, hidden), ga.stride()), gb.as_strided((2 * inter, hidden), gb.stride()))
+    down = _as_batch(da, db)
+    if gate_up is None or down is None or gate_up[1] != down[1]:
+        return None
+    swapped = gate_up[1]
+    x = torch.stack((xb, xa) if swapped else (xa, xb))
+    gu = torch.bmm(x, gate_up[0].transpose(1, 2))                           # [2, M, 2I]
+    # silu(gate) * up per expert on contiguous [M, I] tensors: the elementwise loops see what expert_ffn's do.
+    h = torch.stack([F.silu(gu[j, :, :inter].contiguous()) * gu[j, :, inter:].contiguous() for j in range(2)])
+    y = torch.bmm(h, down[0].transpose(1, 2))                                # [2, M, H]
+    return (y[1], y[0]) if swapped else (y[0], y[1])
+
+
+SPLIT_MIN_BYTES = 256 << 10      # below this a GEMV is too short to be worth a second thread
+
+
+def linear_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """F.linear(x, weight) for ONE row x (decode) and a large weight (lm_head, q|k|v, o), as a batch of two row
+    halves so two intra-op threads share it (a one-row GEMV runs on one thread in torch's BLAS); every element is the
+    same dot product as in one call (bitwise: tests/engine/test_speed_paths.py). More rows: F.linear."""
+    rows = weight.shape[0]
+    if (x.device.type != "cpu" or x.numel() != x.shape[-1] or torch.get_num_threads() < 2 or rows % 2
+            or not weight.is_contiguous() or weight.numel() * weight.element_size() < SPLIT_MIN_BYTES):
+        return F.linear(x, weight)
+    y = torch.bmm(x.reshape(1, 1, -1).expand(2, 1, -1), weight.view(2, rows // 2, -1).transpose(1, 2))
+    return y.reshape(*x.shape[:-1], rows)                                    # [2, 1, rows/2] -> one row
 
 
 @dataclass(frozen=True)
@@ -217,29 +205,38 @@ def group_routes(topk_ids: torch.Tensor) -> list[Route]:
 
 
 def moe_forward(x: torch.Tensor, topk_weights: torch.Tensor, routes: list[Route],
-                resolve: Callable[[list[int]], list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]], wave: int,
-                threads: ComputeThreads | None = None) -> torch.Tensor:
+                resolve: Callable[[list[int]], list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]],
+                wave: int) -> torch.Tensor:
     """moe_reference's arithmetic, operation for operation: each expert's FFN on its tokens, accumulated
     into zeros in ascending expert order. The experts come `wave` at a time from resolve(experts) -> their
-    (gate, up, down) views (a tiered provider may reuse a wave's slots for the next one), and the FFNs of a wave run
-    on the compute threads. Bitwise equal to moe_reference (tests/engine/test_speed_paths.py)."""
-    threads = threads if threads is not None and x.device.type == "cpu" else _SERIAL
+    (gate, up, down) views (a tiered provider may reuse a wave's slots for the next one). On the CPU with
+    two or more threads, neighbours in a wave that each serve one token (a decode step) are computed as
+    a pair (pair_ffn); more tokens per expert are GEMMs torch's BLAS already spreads over its threads.
+    Bitwise equal to moe_reference (tests/engine/test_speed_paths.py)."""
     out = torch.zeros_like(x)
+    paired = x.device.type == "cpu" and torch.get_num_threads() >= 2
     for i in range(0, len(routes), wave):
         chunk = routes[i:i + wave]
-        records = resolve([r.expert for r in chunk])
-        ys = threads.map(lambda job: _route_ffn(x, *job), list(zip(chunk, records)))
-        for r, y in zip(chunk, ys):
-            out.index_add_(0, r.tokens, y * topk_weights[r.tokens, r.ks, None].to(y.dtype))
+        views = resolve([r.expert for r in chunk])
+        j = 0
+        while j < len(chunk):
+            r = chunk[j]
+            if paired and j + 1 < len(chunk) and len(r.tokens) == len(chunk[j + 1].tokens) == 1:
+                ys = pair_ffn(x[r.tokens], x[chunk[j + 1].tokens], views[j], views[j + 1])
+                if ys is not None:
+                    _accumulate(out, r, ys[0], topk_weights)
+                    _accumulate(out, chunk[j + 1], ys[1], topk_weights)
+                    j += 2
+                    continue
+            gate, up, down = views[j]
+            _accumulate(out, r, expert_ffn(x[r.tokens], gate.to(x.dtype), up.to(x.dtype), down.to(x.dtype)),
+                        topk_weights)
+            j += 1
     return out
 
 
-def _route_ffn(x: torch.Tensor, route: Route, views: tuple[torch.Tensor, torch.Tensor, torch.Tensor]):
-    gate, up, down = views
-    return expert_ffn(x[route.tokens], gate.to(x.dtype), up.to(x.dtype), down.to(x.dtype))
-
-
-_SERIAL = ComputeThreads(1)
+def _accumulate(out: torch.Tensor, r: Route, y: torch.Tensor, topk_weights: torch.Tensor) -> None:
+    out.index_add_(0, r.tokens, y * topk_weights[r.tokens, r.ks, None].to(y.dtype))
 
 
 class InMemoryExperts:
@@ -255,7 +252,7 @@ class InMemoryExperts:
         recs = self.records[layer]
         self._served += int(topk_ids.numel())
         return moe_forward(x, topk_weights, group_routes(topk_ids),
-                           lambda experts: [self.layout.views(recs[e]) for e in experts], len(recs), _threads)
+                           lambda experts: [self.layout.views(recs[e]) for e in experts], len(recs))
 
     def counters(self) -> dict:
         return {"served": {"gpu": 0, "ram": self._served, "store": 0}, "store_read_bytes": 0}

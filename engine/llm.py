@@ -19,6 +19,7 @@ from typing import NamedTuple
 
 import torch
 
+from engine.experts import set_compute_threads
 from engine.loader import load_model
 from engine.models.common import MoEModel
 from engine.sampling import choose, make_generator
@@ -78,8 +79,12 @@ class LLM:
 
     @classmethod
     def load(cls, model_dir, store_dir=None, *, device="cpu", dtype=None, max_context=None, max_batch=8,
-             gpu_slots=None, ram_slots=None, readers=None, cpu_layout=None) -> "LLM":
+             gpu_slots=None, ram_slots=None, readers=None, cpu_layout=None, threads=None) -> "LLM":
+        """threads: CPU compute threads (engine.experts.set_compute_threads; None: its default), CPU only."""
         from transformers import AutoTokenizer
+
+        if torch.device(device).type == "cpu":
+            set_compute_threads(threads)
 
         model = load_model(model_dir, store_dir=store_dir, device=device, dtype=dtype, max_context=max_context,
                            max_batch=max_batch, gpu_slots=gpu_slots, ram_slots=ram_slots, readers=readers,

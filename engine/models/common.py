@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
-from engine.experts import ExpertProvider, compute_threads
+from engine.experts import ExpertProvider, linear_rows
 from engine.kv_cache import KVCache, select
 
 
@@ -131,7 +131,7 @@ class Step:
     kv_len: int                    # keys to attend over (longest sequence in the batch)
     cos: torch.Tensor              # [B, T, 1, rotary_dim]
     sin: torch.Tensor
-    mask: torch.Tensor | None      # [B, 1, T, kv_len] bool, or None for a plain causal prefill
+    mask: torch.Tensor | None      # [B, 1, T, kv_len] bool, or None: a plain causal prefill / a decode that sees all
     decode: bool
 
 
@@ -161,15 +161,20 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, s: Step) -> torch.Tensor:
         cfg = self.cfg
         b, t, _ = x.shape
-        q, k, v = F.linear(x, self.wqkv, self.bqkv).split(self.split, dim=-1)
-        q = q.view(b, t, cfg.num_heads, cfg.head_dim)
-        k = k.view(b, t, cfg.num_kv_heads, cfg.head_dim)
-        v = v.view(b, t, cfg.num_kv_heads, cfg.head_dim)
-        if self.q_norm is not None:
-            q = rms_norm(q, self.q_norm, cfg.rms_eps)
-            k = rms_norm(k, self.k_norm, cfg.rms_eps)
-        q = apply_rotary(q, s.cos, s.sin)
-        k = apply_rotary(k, s.cos, s.sin)
+        qkv = F.linear(x, self.wqkv, self.bqkv) if self.bqkv is not None else linear_rows(x, self.wqkv)
+        heads = cfg.num_heads + cfg.num_kv_heads
+        if self.q_norm is None:
+            # q and k side by side in qkv: rotate them in one go (the same elementwise ops, half the calls)
+            qk = apply_rotary(qkv[..., :heads * cfg.head_dim].view(b, t, heads, cfg.head_dim), s.cos, s.sin)
+            q, k = qk.split((cfg.num_heads, cfg.num_kv_heads), dim=2)
+            v = qkv[..., heads * cfg.head_dim:].view(b, t, cfg.num_kv_heads, cfg.head_dim)
+        else:
+            q, k, v = qkv.split(self.split, dim=-1)
+            q = rms_norm(q.view(b, t, cfg.num_heads, cfg.head_dim), self.q_norm, cfg.rms_eps)
+            k = rms_norm(k.view(b, t, cfg.num_kv_heads, cfg.head_dim), self.k_norm, cfg.rms_eps)
+            v = v.view(b, t, cfg.num_kv_heads, cfg.head_dim)
+            q = apply_rotary(q, s.cos, s.sin)
+            k = apply_rotary(k, s.cos, s.sin)
         if s.decode:
             self.kv.write_decode(self.layer, s.idx, s.positions[:, 0], k[:, 0], v[:, 0])
         else:
@@ -177,8 +182,9 @@ class Attention(nn.Module):
         keys, values = self.kv.read(self.layer, s.sel, s.kv_len)
         o = F.scaled_dot_product_attention(
             q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=s.mask,
-            is_causal=s.mask is None, scale=self.scale, enable_gqa=cfg.kv_groups > 1)
-        return F.linear(o.transpose(1, 2).reshape(b, t, cfg.num_heads * cfg.head_dim), self.wo, self.bo)
+            is_causal=s.mask is None and not s.decode, scale=self.scale, enable_gqa=cfg.kv_groups > 1)
+        o = o.transpose(1, 2).reshape(b, t, cfg.num_heads * cfg.head_dim)
+        return F.linear(o, self.wo, self.bo) if self.bo is not None else linear_rows(o, self.wo)
 
 
 class DecoderLayer(nn.Module):
@@ -257,7 +263,7 @@ class MoEModel(nn.Module):
                  cos=self.cos[start:kv_len].view(1, t, 1, -1), sin=self.sin[start:kv_len].view(1, t, 1, -1),
                  mask=None if plain_causal else self._mask(positions, kv_len), decode=False)
         h = self._run(ids, s)[0]
-        return compute_threads().linear(h if all_logits else h[-1], self.lm_head)
+        return linear_rows(h if all_logits else h[-1], self.lm_head)
 
     def decode_step(self, tokens, slots: list[int], positions: list[int]) -> torch.Tensor:
         """One token per sequence: tokens [B] go to (slots[b], positions[b]); logits [B, V]."""
@@ -271,7 +277,10 @@ class MoEModel(nn.Module):
             # A new key length every step would make cuDNN attention build a plan per step (~ms each):
             # round up to a bucket; the mask hides the extra keys.
             kv_len = min(self.max_len, -(-kv_len // KV_BUCKET) * KV_BUCKET)
+        # One sequence sees every key read (unless a bucket or a sliding window hides some): no mask to apply.
+        sees_all = (b == 1 and kv_len == positions[0] + 1
+                    and not (self.cfg.sliding_window and kv_len > self.cfg.sliding_window))
         s = Step(slots=slots, sel=sel, idx=idx, positions=pos, start=0, kv_len=kv_len,
                  cos=self.cos[pos].view(b, 1, 1, -1), sin=self.sin[pos].view(b, 1, 1, -1),
-                 mask=self._mask(pos, kv_len), decode=True)
-        return compute_threads().linear(self._run(ids, s)[:, 0], self.lm_head)   # lm_head's rows over the threads
+                 mask=None if sees_all else self._mask(pos, kv_len), decode=True)
+        return linear_rows(self._run(ids, s)[:, 0], self.lm_head)     # lm_head's row halves on two threads

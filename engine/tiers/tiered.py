@@ -1,10 +1,11 @@
 """TieredExperts: an ExpertProvider over GPU slots ← RAM tier ← O_DIRECT store.
 
-The arithmetic is engine.experts.moe_reference itself; this class only decides where each
-expert's record comes from when moe_reference asks for it. Experts are resolved in waves of at
-most the compute tier's slot count (in moe_reference's own sorted order), so even a RAM tier of
-one slot gives the same result, operation for operation, as every expert in memory. Within a
-wave the experts are pinned (never evicted) and the wave's store misses are read in parallel.
+The arithmetic is engine.experts.moe_forward (moe_reference's, operation for operation); this class
+only decides where each expert's record comes from. Experts are resolved in waves of at most the
+compute tier's slot count (in moe_reference's own sorted order), so even a RAM tier of one slot
+gives the same result as every expert in memory. Within a wave the experts are pinned (never
+evicted), the wave's store misses are read in parallel, and on the CPU its experts are computed in
+pairs straight from their RAM slots (one arena, so two slots are one strided batch).
 Not thread-safe: one model step calls forward at a time.
 """
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from engine.experts import ExpertLayout, moe_reference
+from engine.experts import ExpertLayout, group_routes, moe_forward
 from engine.store import manifest as mf
 from engine.tiers.cache import ExpertCache, ExpertKey, make_policy
 from engine.tiers.gpu import GpuArena
@@ -48,21 +49,16 @@ class TieredExperts:
 
     # -- ExpertProvider -------------------------------------------------------------------------
     def forward(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        uniq = torch.unique(topk_ids).tolist()        # the order moe_reference visits experts in
-        picks = dict(zip(*[t.tolist() for t in torch.unique(topk_ids, return_counts=True)]))
+        routes = group_routes(topk_ids)               # ascending experts: the order moe_reference visits them in
+        picks = {r.expert: len(r.tokens) for r in routes}
         if self._trace:
-            self._trace.write(json.dumps({"layer": layer, "experts": uniq}) + "\n")
-        pos = {e: i for i, e in enumerate(uniq)}
-        resolved: dict[int, torch.Tensor] = {}
+            self._trace.write(json.dumps({"layer": layer, "experts": list(picks)}) + "\n")
 
-        def get_views(e: int):
-            if e not in resolved:
-                resolved.clear()             # the previous wave is done: its slots may be evicted now
-                wave = uniq[pos[e]:pos[e] + self.wave]
-                resolved.update(self._resolve(layer, wave, picks))
-            return self.layout.views(resolved[e])
+        def resolve(wave: list[int]):
+            records = self._resolve(layer, wave, picks)
+            return [self.layout.views(records[e]) for e in wave]
 
-        return moe_reference(x, topk_ids, topk_weights, get_views)
+        return moe_forward(x, topk_weights, routes, resolve, self.wave)
 
     def counters(self) -> dict:
         return {
