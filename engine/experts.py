@@ -141,27 +141,30 @@ def _as_batch(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, bool] | N
 
 
 def pair_ffn(xa: torch.Tensor, xb: torch.Tensor, va, vb) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """expert_ffn for two experts at once — (expert_ffn(xa, *va), expert_ffn(xb, *vb)) — as two batched
-    matmuls over the records where they lie (gate|up rows read together), so torch's intra-op threads
-    take one expert each: a one-token GEMV does not parallelise inside torch's BLAS, a batch of two does.
-    Every element is the same dot product as alone (tests/engine/test_speed_paths.py checks bitwise).
-    None when the records are not two views of one storage in the compute dtype."""
+    """expert_ffn for two experts at once — (expert_ffn(xa, *va), expert_ffn(xb, *vb)) — as batched matmuls
+    over the records where they lie (gate|up read as one matrix), so torch's intra-op threads take one
+    expert each: a one-token GEMV does not parallelise inside torch's BLAS, a batch of two does. Every
+    element is the same dot product as alone (tests/engine/test_speed_paths.py checks bitwise).
+
+    None (compute them one by one) unless the records are views of one storage in x's dtype and rows of
+    `hidden` and `intermediate` elements keep 64-byte alignment: the BLAS kernel's path, hence its
+    summation order, depends on where a vector starts, and the batch's second vectors start a row in."""
     (ga, ua, da), (gb, ub, db) = va, vb
     inter, hidden = ga.shape
-    if (xa.shape != xb.shape or ga.dtype != xa.dtype
-            or ua.data_ptr() != ga.data_ptr() + ga.numel() * ga.element_size()   # gate|up adjacent, as in a record
-            or ub.data_ptr() != gb.data_ptr() + gb.numel() * gb.element_size()):
+    size = ga.element_size()
+    if (xa.shape != xb.shape or ga.dtype != xa.dtype or (hidden * size) % 64 or (inter * size) % 64
+            or ua.data_ptr() != ga.data_ptr() + ga.numel() * size or ub.data_ptr() != gb.data_ptr() + gb.numel() * size):
         return None
     gate_up = _as_batch(ga.as_strided((2 * inter, hidden), ga.stride()), gb.as_strided((2 * inter, hidden), gb.stride()))
     down = _as_batch(da, db)
     if gate_up is None or down is None or gate_up[1] != down[1]:
         return None
-    swapped = gate_up[1]
+    swapped = down[1]
     x = torch.stack((xb, xa) if swapped else (xa, xb))
-    gu = torch.bmm(x, gate_up[0].transpose(1, 2))                           # [2, M, 2I]
+    gu = torch.bmm(x, gate_up[0].transpose(1, 2))                               # [2, M, 2I]
     # silu(gate) * up per expert on contiguous [M, I] tensors: the elementwise loops see what expert_ffn's do.
     h = torch.stack([F.silu(gu[j, :, :inter].contiguous()) * gu[j, :, inter:].contiguous() for j in range(2)])
-    y = torch.bmm(h, down[0].transpose(1, 2))                                # [2, M, H]
+    y = torch.bmm(h, down[0].transpose(1, 2))                                    # [2, M, H]
     return (y[1], y[0]) if swapped else (y[0], y[1])
 
 
@@ -173,7 +176,8 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     halves so two intra-op threads share it (a one-row GEMV runs on one thread in torch's BLAS); every element is the
     same dot product as in one call (bitwise: tests/engine/test_speed_paths.py). More rows: F.linear."""
     rows = weight.shape[0]
-    if (x.device.type != "cpu" or x.numel() != x.shape[-1] or torch.get_num_threads() < 2 or rows % 2
+    if (x.device.type != "cpu" or x.numel() != x.shape[-1] or torch.get_num_threads() < 2
+            or (rows // 2 * weight.element_size()) % 64 or rows % 2    # the second half's outputs stay 64-byte aligned
             or not weight.is_contiguous() or weight.numel() * weight.element_size() < SPLIT_MIN_BYTES):
         return F.linear(x, weight)
     y = torch.bmm(x.reshape(1, 1, -1).expand(2, 1, -1), weight.view(2, rows // 2, -1).transpose(1, 2))

@@ -1,0 +1,121 @@
+"""The CPU decode's fast paths compute exactly what the plain ones do, bit for bit.
+
+pair_ffn (two experts as one batched matmul), linear_rows (a GEMV as two row halves) and moe_forward
+(one host read of the routing, experts paired) must equal expert_ffn / F.linear / moe_reference
+exactly — with torch on one thread and on two — so the thread count and the tier an expert comes
+from never change a token. Real records: a packed per-layer tensor (all in memory) and an O_DIRECT-
+aligned anonymous mapping like the RAM tier's arena.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.experts import (ExpertLayout, expert_ffn, group_routes, linear_rows, moe_forward, moe_reference,
+                            pair_ffn, set_compute_threads)
+from engine.store.odirect import aligned_buffer
+
+# (hidden, intermediate): the demo's SmolLM2 shape, a small aligned one, and odd ones (declined by pair_ffn).
+SHAPES = [(576, 1536), (64, 96), (40, 72), (33, 50)]
+
+
+@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
+def threads(request):
+    before = torch.get_num_threads()
+    set_compute_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+def packed_records(layout: ExpertLayout, n: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    h, i = layout.hidden, layout.intermediate
+    return torch.stack([layout.pack(torch.randn(i, h, generator=g) * 0.1, torch.randn(i, h, generator=g) * 0.1,
+                                    torch.randn(h, i, generator=g) * 0.1) for _ in range(n)])
+
+
+def arena_records(layout: ExpertLayout, recs: torch.Tensor):
+    """The same records in a page-aligned mapping, slot by slot, as RamArena holds them."""
+    mm = aligned_buffer(len(recs) * layout.record_bytes)
+    arena = torch.frombuffer(mm, dtype=torch.uint8)
+    for s, r in enumerate(recs):
+        arena[s * layout.record_bytes:(s + 1) * layout.record_bytes].view(layout.dtype).copy_(r)
+    return mm, [arena[s * layout.record_bytes:(s + 1) * layout.record_bytes].view(layout.dtype)
+                for s in range(len(recs))]
+
+
+@pytest.mark.parametrize("hidden,inter", SHAPES)
+@pytest.mark.parametrize("where", ["packed", "arena"])
+def test_pair_ffn_is_each_expert_alone(hidden, inter, where, threads):
+    lay = ExpertLayout(hidden, inter, torch.float32)
+    recs = packed_records(lay, 5, seed=hidden)
+    mm, slots = arena_records(lay, recs) if where == "arena" else (None, list(recs))
+    g = torch.Generator().manual_seed(1)
+    xa, xb = torch.randn(1, hidden, generator=g), torch.randn(1, hidden, generator=g)
+    for a, b in [(0, 3), (4, 1), (2, 3)]:              # both address orders
+        va, vb = lay.views(slots[a]), lay.views(slots[b])
+        ys = pair_ffn(xa, xb, va, vb)
+        if hidden % 16 or inter % 16:                  # rows off 64-byte alignment: declined, done one by one
+            assert ys is None
+            continue
+        assert torch.equal(ys[0], expert_ffn(xa, *va)) and torch.equal(ys[1], expert_ffn(xb, *vb)), (a, b)
+    del slots, mm
+
+
+def test_pair_ffn_declines_what_it_cannot_batch():
+    lay = ExpertLayout(40, 72, torch.float32)
+    x = torch.randn(1, 40)
+    one, other = packed_records(lay, 1, seed=0), packed_records(lay, 1, seed=1)   # two storages
+    assert pair_ffn(x, x, lay.views(one[0]), lay.views(other[0])) is None
+    bf = ExpertLayout(40, 72, torch.bfloat16)
+    recs = packed_records(bf, 2, seed=2)                                           # records not in x's dtype
+    assert pair_ffn(x, x, bf.views(recs[0]), bf.views(recs[1])) is None
+
+
+@pytest.mark.parametrize("rows,cols", [(49152, 576), (960, 576), (576, 576), (2050, 33), (65536, 33)])
+def test_linear_rows_is_one_linear(rows, cols, threads):
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(rows, cols, generator=g)
+    for shape in [(cols,), (1, cols), (1, 1, cols), (3, cols), (2, 1, cols)]:      # one row is split, more are not
+        x = torch.randn(*shape, generator=g)
+        got = linear_rows(x, w)
+        assert got.shape == (*shape[:-1], rows) and torch.equal(got, F.linear(x, w)), shape
+
+
+def test_group_routes_visit_experts_as_moe_reference_does():
+    ids = torch.tensor([[3, 1], [1, 0], [3, 2], [0, 3]])
+    routes = group_routes(ids)
+    assert [r.expert for r in routes] == torch.unique(ids).tolist()
+    for r in routes:
+        tok, k = (ids == r.expert).nonzero(as_tuple=True)
+        assert torch.equal(r.tokens, tok) and torch.equal(r.ks, k)
+
+
+@pytest.mark.parametrize("hidden,inter", SHAPES[1:])
+@pytest.mark.parametrize("tokens,top_k", [(1, 2), (1, 3), (1, 8), (5, 2)])
+@pytest.mark.parametrize("wave", [1, 2, 3, 8])
+def test_moe_forward_equals_moe_reference(hidden, inter, tokens, top_k, wave, threads):
+    lay = ExpertLayout(hidden, inter, torch.float32)
+    recs = packed_records(lay, 8, seed=inter)
+    mm, slots = arena_records(lay, recs)
+    g = torch.Generator().manual_seed(tokens * 10 + top_k)
+    for _ in range(3):
+        x = torch.randn(tokens, hidden, generator=g)
+        ids = torch.stack([torch.randperm(8, generator=g)[:top_k] for _ in range(tokens)])
+        w = torch.softmax(torch.randn(tokens, top_k, generator=g), -1)
+        want = moe_reference(x, ids, w, lambda e: lay.views(recs[e]))
+        for source in (recs, slots):                        # all in memory, and RAM-tier slots
+            got = moe_forward(x, w, group_routes(ids), lambda es: [lay.views(source[e]) for e in es], wave)
+            assert torch.equal(got, want)
+    del slots, mm
+
+
+def test_set_compute_threads_is_explicit():
+    before = torch.get_num_threads()
+    try:
+        assert set_compute_threads(1) == 1 and torch.get_num_threads() == 1
+        with pytest.raises(ValueError, match="threads is 0"):
+            set_compute_threads(0)
+    finally:
+        torch.set_num_threads(before)
