@@ -5,13 +5,14 @@ For each architecture a small random checkpoint is written by transformers' save
 (tests/fixtures/tiny_models.py, bigger than the test ones), then for one greedy stream:
   transformers  model.generate(max_new_tokens=N) minus a max_new_tokens=1 run (its prefill)
   engine        LLM.stream — the server's path, scheduler thread included — first token to last
-Both use fp32 and the same torch threads (--threads, default 1); each figure is the median of --repeats runs. The engine's
+Both use fp32; transformers runs on torch's default threads, the engine on --threads (default: the engine's,
+engine.experts.default_threads()); each figure is the median of --repeats runs. The engine's
 tokens must equal transformers' (greedy), or the run fails. A batch row shows the engine's
 aggregate rate with --batch streams at once. The bound: bytes a token must read (non-expert
 weights + top_k experts per MoE layer) at the measured copy bandwidth — one stream's roofline, not a target
 (a batch shares weight reads, so its aggregate may pass it).
 
-    .venv/bin/python bench/engine_cpu_decode.py [--tokens 64] [--hidden 512] [--layers 4] [--experts 16] [--threads 1]
+    .venv/bin/python bench/engine_cpu_decode.py [--tokens 64] [--hidden 512] [--layers 4] [--experts 16] [--threads N]
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ from rich.table import Table
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from engine.experts import default_threads, set_compute_threads  # noqa: E402
 from engine.llm import LLM, SamplingParams  # noqa: E402
 from tests.fixtures.tiny_models import make_tiny_checkpoint  # noqa: E402
 
@@ -69,7 +71,8 @@ def _tensors(module):
         yield from _tensors(child)
 
 
-def hf_decode(model, prompt: list[int], n: int) -> tuple[float, list[int]]:
+def hf_decode(model, prompt: list[int], n: int, threads: int) -> tuple[float, list[int]]:
+    torch.set_num_threads(threads)
     ids = torch.tensor([prompt])
     kw = dict(do_sample=False, pad_token_id=0)
     with torch.inference_mode():
@@ -82,7 +85,8 @@ def hf_decode(model, prompt: list[int], n: int) -> tuple[float, list[int]]:
     return (n - 1) / ((t2 - t1) - (t1 - t0)), out[0, len(prompt):].tolist()
 
 
-def engine_decode(llm: LLM, prompt: list[int], n: int) -> tuple[float, list[int]]:
+def engine_decode(llm: LLM, prompt: list[int], n: int, threads: int) -> tuple[float, list[int]]:
+    set_compute_threads(threads)
     stamps, toks = [], []
     for t in llm.stream(prompt, SamplingParams(max_tokens=n, ignore_eos=True)):
         stamps.append(time.perf_counter())
@@ -112,15 +116,16 @@ def engine_batch(llm: LLM, prompt: list[int], n: int, streams: int) -> float:
 @click.option("--top-k", default=2, show_default=True)
 @click.option("--batch", default=4, show_default=True, help="Concurrent streams for the engine's batch row.")
 @click.option("--repeats", default=3, show_default=True)
-@click.option("--threads", default=1, show_default=True,
-              help="torch intra-op threads for both (this machine's 2 cores are shared; 2 threads oversubscribe).")
+@click.option("--threads", type=click.IntRange(min=1), default=None,
+              help="Engine compute threads [default: engine.experts.default_threads()]; transformers keeps torch's default.")
 @click.option("--arch", "archs", multiple=True, type=click.Choice(ARCHS), default=ARCHS)
 @click.option("--out", type=click.Path(dir_okay=False), default=str(ROOT / "bench/results/engine_cpu_decode.json"),
               show_default=True)
 def main(tokens, hidden, layers, experts, top_k, batch, repeats, threads, archs, out):
     from transformers import AutoModelForCausalLM
 
-    torch.set_num_threads(threads)
+    hf_threads = torch.get_num_threads()
+    threads = threads or default_threads()
 
     console = Console()
     bandwidth = copy_bandwidth()
@@ -132,10 +137,12 @@ def main(tokens, hidden, layers, experts, top_k, batch, repeats, threads, archs,
                                         hidden=hidden)
             ref = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
             ref.generation_config.eos_token_id = None
-            hf = [hf_decode(ref, prompt, tokens) for _ in range(repeats)]
-            with LLM.load(ckpt, dtype="float32", max_context=256, max_batch=batch) as llm:
-                engine_decode(llm, prompt, 8)                   # warm-up
-                eng = [engine_decode(llm, prompt, tokens) for _ in range(repeats)]
+            hf, eng = [], []
+            with LLM.load(ckpt, dtype="float32", max_context=256, max_batch=batch, threads=threads) as llm:
+                engine_decode(llm, prompt, 8, threads)          # warm-up
+                for _ in range(repeats):                        # interleaved: a busy machine slows both alike
+                    hf.append(hf_decode(ref, prompt, tokens, hf_threads))
+                    eng.append(engine_decode(llm, prompt, tokens, threads))
                 agg = statistics.median(engine_batch(llm, prompt, tokens, batch) for _ in range(repeats))
                 bound = bandwidth / bytes_per_token(llm)
             if eng[0][1] != hf[0][1]:
@@ -156,11 +163,11 @@ def main(tokens, hidden, layers, experts, top_k, batch, repeats, threads, archs,
         table.add_row(r["arch"], f"{r['transformers_tok_s']:.1f}", f"{r['engine_tok_s']:.1f}", f"{r['speedup']:.2f}×",
                       f"{r['engine_batch_tok_s']:.1f}", f"{r['bound_tok_s']:.0f}")
     console.print(table)
-    console.print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s; torch threads {torch.get_num_threads()}")
+    console.print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s; engine threads {threads}, transformers threads {hf_threads}")
 
     result = dict(bench="engine_cpu_decode", date=date.today().isoformat(), machine=platform.machine(),
                   processor=platform.processor() or platform.uname().machine, torch=torch.__version__,
-                  threads=torch.get_num_threads(), copy_gb_s=round(bandwidth / 1e9, 2),
+                  threads=threads, transformers_threads=hf_threads, copy_gb_s=round(bandwidth / 1e9, 2),
                   shape=dict(hidden=hidden, layers=layers, experts=experts, top_k=top_k), tokens=tokens,
                   repeats=repeats, batch_streams=batch, rows=rows,
                   engine_faster=all(r["speedup"] > 1 for r in rows))
