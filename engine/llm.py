@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import weakref
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -60,9 +61,8 @@ class _Request:
 
 
 class LLM:
-    def __init__(self, model: MoEModel, tokenizer, model_dir: str | Path | None = None, threads: int | None = None):
+    def __init__(self, model: MoEModel, tokenizer, model_dir: str | Path | None = None):
         self.model, self.tokenizer = model, tokenizer
-        self.threads = threads          # CPU compute threads, set by the scheduler thread for itself
         self.model_dir = Path(model_dir) if model_dir else None
         self.model_type: str = model.cfg.arch
         self.max_context: int = model.max_len
@@ -77,14 +77,17 @@ class LLM:
         self._generation_tokens = 0
         self._thread = threading.Thread(target=self._loop, name="engine-scheduler", daemon=True)
         self._thread.start()
+        # An engine nobody closed still stops its scheduler at interpreter exit: a daemon thread that ran
+        # OpenMP regions and is still alive when the process exits makes the C++ runtime abort (exit 134).
+        weakref.finalize(self, _stop_scheduler, self.__dict__)
 
     @classmethod
     def load(cls, model_dir, store_dir=None, *, device="cpu", dtype=None, max_context=None, max_batch=8,
              gpu_slots=None, ram_slots=None, readers=None, cpu_layout=None, threads=None) -> "LLM":
-        """threads: CPU compute threads for the scheduler thread (engine.experts.set_compute_threads; None: its
-        default). The loading runs on one torch thread so the calling thread keeps no OpenMP team of its
-        own: with a second team alive, libgomp throttles its spin-waits and every parallel region of the
-        decode pays a futex wake-up (measured: 19 → 14 tok/s on SmolLM2 with 2 cores)."""
+        """threads: CPU compute threads (engine.experts.set_compute_threads; None: its default), which the
+        scheduler thread takes up when it starts. The loading runs on one torch thread so the calling thread
+        keeps no OpenMP team of its own: with a second team alive, libgomp throttles its spin-waits and every
+        parallel region of the decode pays a futex wake-up (measured: 19 → 14 tok/s on SmolLM2, 2 cores)."""
         from transformers import AutoTokenizer
 
         before = torch.get_num_threads()
@@ -95,7 +98,9 @@ class LLM:
                                cpu_layout=cpu_layout)
         finally:
             torch.set_num_threads(before)
-        return cls(model, AutoTokenizer.from_pretrained(model_dir), model_dir, threads=threads)
+        if torch.device(device).type == "cpu":
+            set_compute_threads(threads)     # here, not in the scheduler: a daemon thread that set them aborts the exit
+        return cls(model, AutoTokenizer.from_pretrained(model_dir), model_dir)
 
     # ------------------------------------------------------------ callers' side (any thread)
 
@@ -166,8 +171,6 @@ class LLM:
     # ------------------------------------------------------------ the scheduler thread
 
     def _loop(self) -> None:
-        if self.model.device.type == "cpu":
-            self.threads = set_compute_threads(self.threads)     # the OpenMP team that runs the model is this thread's
         with torch.inference_mode():
             while True:
                 with self._cv:
@@ -234,3 +237,12 @@ class LLM:
         self._active.remove(r)
         self.model.kv.release(r.slot)
         r.slot = -1
+
+
+def _stop_scheduler(state: dict) -> None:
+    """LLM's scheduler stop for weakref.finalize (it must not hold the LLM): what close() does to the thread."""
+    with state["_cv"]:
+        state["_closed"] = True
+        state["_cv"].notify()
+    if state["_thread"] is not threading.current_thread():
+        state["_thread"].join(timeout=10)

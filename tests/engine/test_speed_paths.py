@@ -119,3 +119,18 @@ def test_set_compute_threads_is_explicit():
             set_compute_threads(0)
     finally:
         torch.set_num_threads(before)
+
+
+def test_an_engine_nobody_closed_still_exits_cleanly(tiny_checkpoint, tmp_path):
+    """Two compute threads run OpenMP regions on the scheduler thread; a process that ends without
+    LLM.close() must still exit 0 (without the stop at exit the C++ runtime aborts it: exit 134)."""
+    import subprocess
+    import sys
+    script = tmp_path / "unclosed.py"
+    script.write_text(
+        "import sys\n"
+        "from engine.llm import LLM, SamplingParams\n"
+        f"llm = LLM.load({str(tiny_checkpoint('mixtral', hidden=512))!r}, dtype='float32', max_context=64, max_batch=1, threads=2)\n"
+        "print(len(llm.generate([5, 17, 200], SamplingParams(max_tokens=4, ignore_eos=True))))\n")
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert (out.returncode, out.stdout.strip()) == (0, "4"), out.stderr[-500:]
