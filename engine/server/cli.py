@@ -60,6 +60,8 @@ def fingerprint_of(model_dir: Path) -> str:
               help="Experts held in RAM (default: from the cgroup's memory limit).")
 @click.option("--readers", type=click.IntRange(min=1), default=None, help="O_DIRECT store reader threads.")
 @click.option("--cpu-layout", default=None, help="Pin threads to CPUs, NAME=CPULIST entries, e.g. readers=26-39.")
+@click.option("--threads", type=click.IntRange(min=1), default=None,
+              help="CPU compute threads (default: 2 where 2 CPUs are available, as measured on 2 cores).")
 @click.option("--temperature", type=click.FloatRange(0.0, 2.0), default=None,
               help="Default temperature for requests that name none (default: the model's generation_config.json, else 1.0).")
 @click.option("--top-p", "top_p", type=click.FloatRange(0.0, 1.0, min_open=True), default=None,
@@ -69,7 +71,7 @@ def fingerprint_of(model_dir: Path) -> str:
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]),
               default="info", show_default=True)
 def serve(model_dir, store_dir, host, port, device, dtype, served_name, max_context, max_batch, gpu_slots,
-          ram_slots, readers, cpu_layout, temperature, top_p, api_key, log_level):
+          ram_slots, readers, cpu_layout, threads, temperature, top_p, api_key, log_level):
     """Serve a model over an OpenAI-compatible HTTP API.
 
     Listens at once and loads the model in the background. Endpoints: /v1/models,
@@ -101,7 +103,7 @@ def serve(model_dir, store_dir, host, port, device, dtype, served_name, max_cont
         from engine.llm import LLM
         return LLM.load(model_dir, store_dir, device=device, dtype=dtype, max_context=max_context,
                         max_batch=max_batch, gpu_slots=gpu_slots, ram_slots=ram_slots, readers=readers,
-                        cpu_layout=cpu_layout)
+                        cpu_layout=cpu_layout, threads=threads)
 
     from engine.server.app import sampling_defaults
     app = create_app(loader=load, served_name=served_name or model_dir.resolve().name, api_key=api_key,
