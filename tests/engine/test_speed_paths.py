@@ -124,13 +124,17 @@ def test_set_compute_threads_is_explicit():
 def test_an_engine_nobody_closed_still_exits_cleanly(tiny_checkpoint, tmp_path):
     """Two compute threads run OpenMP regions on the scheduler thread; a process that ends without
     LLM.close() must still exit 0 (without the stop at exit the C++ runtime aborts it: exit 134)."""
+    import os
     import subprocess
     import sys
+    from pathlib import Path
     script = tmp_path / "unclosed.py"
     script.write_text(
         "import sys\n"
         "from engine.llm import LLM, SamplingParams\n"
         f"llm = LLM.load({str(tiny_checkpoint('mixtral', hidden=512))!r}, dtype='float32', max_context=64, max_batch=1, threads=2)\n"
         "print(len(llm.generate([5, 17, 200], SamplingParams(max_tokens=4, ignore_eos=True))))\n")
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[2]),
+                                                                   os.environ.get("PYTHONPATH")]))}
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
     assert (out.returncode, out.stdout.strip()) == (0, "4"), out.stderr[-500:]
