@@ -101,7 +101,7 @@ in
   testNativePlaceholders = {
     expr = (plan smol { port = 8123; stateDir = "/s"; }).steps.serve.argv;
     expected = [ "engine" "serve" "--model" "/s/stores/smollm2-135m.kiln.8k-prepared/model" "--store" "/s/stores/smollm2-135m.kiln.8k-prepared/experts"
-      "--device" "cpu" "--host" "127.0.0.1" "--port" "8123" "--served-name" "smollm2-135m" "--ctx" "8192" "--ram-slots" "160" ];
+      "--device" "cpu" "--host" "127.0.0.1" "--port" "8123" "--served-name" "smollm2-135m" "--ctx" "8192" "--ram-slots" "232" "--temperature" "0" ];
   };
   testNativeCommandsAreExecStartLines = {
     expr = builtins.length (plan smol { }).unitSections."kiln-smollm2-135m-prepare.service".Service.ExecStart;
