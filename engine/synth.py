@@ -13,7 +13,6 @@ import shutil
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from datetime import datetime, timezone
 from pathlib import Path
 
 import click
@@ -23,7 +22,7 @@ from engine.cli import EngineError
 from engine.experts import ExpertLayout
 from engine.store import manifest as mf
 from engine.store.odirect import aligned_buffer, open_direct, probe, pwrite_full
-from engine.store.pack import _fsync_dir, _publish, _write_manifest
+from engine.store.pack import publish_store
 from engine.store.verify import hash_records
 
 # Qwen3-30B-A3B's shape (the benchmark model); every field overridable.
@@ -101,14 +100,8 @@ def synth_store(cfg: dict, store_dir: Path, config_hash: str, gen: torch.Generat
         bad = [plan[i] for i, (a, b) in enumerate(zip(digests, reread)) if a != b]
         if bad:
             raise EngineError(f"{data}: layer {bad[0][0]} expert {bad[0][1]} reads back differently than written", 8)
-        m = mf.Manifest(config_hash=config_hash, arch="qwen3_moe", moe_layers=layers, experts_per_layer=e,
-                        hidden=layout.hidden, intermediate=layout.intermediate, dtype="bfloat16",
-                        record_bytes=layout.record_bytes, total_bytes=total,
-                        records=[mf.Record(l, x, o, d) for (l, x, o), d in zip(plan, digests)],
-                        created=datetime.now(timezone.utc).isoformat(timespec="seconds"))
-        _write_manifest(staging / mf.MANIFEST, m)
-        _fsync_dir(staging)
-        _publish(staging, store_dir)
+        publish_store(staging, store_dir, config_hash=config_hash, arch="qwen3_moe", layout=layout, experts=e,
+                      plan=plan, digests=digests)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise

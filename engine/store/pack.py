@@ -92,18 +92,28 @@ def pack_store(model_dir: str | os.PathLike, store_dir: str | os.PathLike, *, dt
                                   f"written (sha256)", mf.EXIT_INTEGRITY)
         sampled = _compare_sample(ck, layout, plan, data, sample)
 
-        m = mf.Manifest(config_hash=ck.config_hash(), arch=ck.arch, moe_layers=list(ck.moe_layers),
-                        experts_per_layer=ck.n_experts, hidden=layout.hidden, intermediate=layout.intermediate,
-                        dtype=str(layout.dtype).removeprefix("torch."), record_bytes=layout.record_bytes,
-                        total_bytes=total, records=[mf.Record(l, e, o, d) for (l, e, o), d in zip(plan, digests)],
-                        created=datetime.now(timezone.utc).isoformat(timespec="seconds"))
-        _write_manifest(staging / mf.MANIFEST, m)
-        _fsync_dir(staging)
-        _publish(staging, store_dir)
+        publish_store(staging, store_dir, config_hash=ck.config_hash(), arch=ck.arch, layout=layout,
+                      experts=ck.n_experts, plan=plan, digests=digests)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return PackResult(store_dir, len(plan), total, t_write, t_verify, sampled)
+
+
+def publish_store(staging: Path, store_dir: Path, *, config_hash: str, arch: str, layout, experts: int,
+                  plan: list[tuple[int, int, int]], digests: list[str]) -> mf.Manifest:
+    """The last step of every store build (pack-store, engine synth): the manifest into the verified
+    staging dir, fsync, then publish by rename."""
+    m = mf.Manifest(config_hash=config_hash, arch=arch, moe_layers=sorted({l for l, _, _ in plan}),
+                    experts_per_layer=experts, hidden=layout.hidden, intermediate=layout.intermediate,
+                    dtype=str(layout.dtype).removeprefix("torch."), record_bytes=layout.record_bytes,
+                    total_bytes=len(plan) * layout.record_bytes,
+                    records=[mf.Record(l, e, o, d) for (l, e, o), d in zip(plan, digests)],
+                    created=datetime.now(timezone.utc).isoformat(timespec="seconds"))
+    _write_manifest(staging / mf.MANIFEST, m)
+    _fsync_dir(staging)
+    _publish(staging, store_dir)
+    return m
 
 
 def _write_records(ck: Checkpoint, layout, plan, data: Path, total: int, progress) -> list[str]:
