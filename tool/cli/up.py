@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import signal
 
+import sys
+
 import click
 from rich import box
 from rich.console import Console
@@ -83,7 +85,8 @@ def up(recipe, runner, once, json_path, port, gates, load_timeout, engine_bin, s
         raise
     data = report.as_dict()
     _write_report(json_path, data)
-    out = Console(highlight=False, soft_wrap=True)
+    # Tables are data: where stdout is not a terminal (CI, make demo | tee) give them room, as tool check does.
+    out = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 160)
     out.print(steps_table(data))
     if report.checks:
         out.print(results_table(report.checks))
