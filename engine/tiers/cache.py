@@ -10,7 +10,7 @@ import heapq
 import itertools
 from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
-from typing import Container, Hashable, Iterable, Sequence
+from typing import Callable, Container, Hashable, Iterable, Sequence
 
 
 @dataclass(frozen=True, order=True)
@@ -71,6 +71,25 @@ class LRU(EvictionPolicy):
         raise LookupError("every resident key is pinned")
 
 
+def heap_victim(heap: list, live: Callable, key_of: Callable, pinned: Container) -> Hashable:
+    """The first live, unpinned entry of a lazily-invalidated min-heap (LFU, Belady): stale entries
+    are dropped on the way, pinned ones set aside and pushed back."""
+    held = []
+    try:
+        while heap:
+            entry = heap[0]
+            if not live(entry):
+                heapq.heappop(heap)
+            elif key_of(entry) in pinned:
+                held.append(heapq.heappop(heap))
+            else:
+                return key_of(entry)
+        raise LookupError("every resident key is pinned")
+    finally:
+        for e in held:
+            heapq.heappush(heap, e)
+
+
 class LFU(EvictionPolicy):
     """Least frequently used first, ties to the least recently used.
 
@@ -97,20 +116,7 @@ class LFU(EvictionPolicy):
         del self._stamp[key]              # its heap entries go stale and are skipped lazily
 
     def victim(self, pinned=()):
-        held = []
-        try:
-            while self._heap:
-                c, t, key = self._heap[0]
-                if self._stamp.get(key) != (c, t):
-                    heapq.heappop(self._heap)
-                elif key in pinned:
-                    held.append(heapq.heappop(self._heap))
-                else:
-                    return key
-            raise LookupError("every resident key is pinned")
-        finally:
-            for e in held:
-                heapq.heappush(self._heap, e)
+        return heap_victim(self._heap, lambda e: self._stamp.get(e[2]) == e[:2], lambda e: e[2], pinned)
 
 
 class Belady(EvictionPolicy):
@@ -139,20 +145,7 @@ class Belady(EvictionPolicy):
         del self._stamp[key]
 
     def victim(self, pinned=()):
-        held = []
-        try:
-            while self._heap:
-                neg, key = self._heap[0]
-                if self._stamp.get(key) != -neg:
-                    heapq.heappop(self._heap)
-                elif key in pinned:
-                    held.append(heapq.heappop(self._heap))
-                else:
-                    return key
-            raise LookupError("every resident key is pinned")
-        finally:
-            for e in held:
-                heapq.heappush(self._heap, e)
+        return heap_victim(self._heap, lambda e: self._stamp.get(e[1]) == -e[0], lambda e: e[1], pinned)
 
 
 POLICIES = {"lru": LRU, "lfu": LFU}
