@@ -43,9 +43,14 @@
                 })
                 (builtins.attrNames plan.files));
 
+          # A native recipe's steps run Kiln's engine: the app names it (KILN_ENGINE_BIN), so the
+          # tool's Python need not hold torch. Container recipes do not pull the engine in.
           upApp = id: {
             type = "app";
-            program = "${pkgs.writeShellScript "kiln-up-${id}" ''exec ${tool}/bin/tool up ${id} "$@"''}";
+            program = "${pkgs.writeShellScript "kiln-up-${id}" (
+              pkgs.lib.optionalString (recipes.${id}.runtime.kind == "native") ''
+                export KILN_ENGINE_BIN=''${KILN_ENGINE_BIN:-${engine}/bin/engine}
+              '' + ''exec ${tool}/bin/tool up ${id} "$@"'')}";
           };
 
           libTests =

@@ -8,6 +8,7 @@ removed, so the root is left exactly as it was.
 from __future__ import annotations
 
 import os
+import secrets
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,9 +59,13 @@ def _backup(path: Path) -> Path | None:
     """A hard link to the current version of `path` (if any), so a failed publish can restore it."""
     if not path.exists():
         return None
-    bak = Path(tempfile.mktemp(dir=path.parent, prefix=f".{path.name}.", suffix=".bak"))
-    os.link(path, bak)
-    return bak
+    while True:                          # a fresh name each try: os.link refuses an existing one
+        bak = path.parent / f".{path.name}.{secrets.token_hex(6)}.bak"
+        try:
+            os.link(path, bak)
+            return bak
+        except FileExistsError:
+            continue
 
 
 def write_all(files: list[Output]) -> list[Path]:
@@ -76,7 +81,7 @@ def write_all(files: list[Output]) -> list[Path]:
         for o, tmp in staged:
             os.replace(tmp, o.path)
             published.append(o)
-    except OSError as e:
+    except BaseException as e:              # Ctrl-C between renames must roll back too
         for o in reversed(published):
             bak = backups.get(o.path)
             try:
@@ -91,6 +96,8 @@ def write_all(files: list[Output]) -> list[Path]:
         for bak in backups.values():
             if bak is not None:
                 _unlink_quietly(bak)
+        if not isinstance(e, OSError):
+            raise
         where = getattr(e, "filename", None) or "the root"
         raise NotWritable(f"{where}: cannot write ({e.strerror or e}); nothing was changed") from None
     for bak in backups.values():

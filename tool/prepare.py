@@ -20,7 +20,7 @@ from pathlib import Path
 from tool.errors import Exit, IntegrityError, KilnError, MissingDependency, NotWritable
 from tool.plan import compile_plan
 from tool.runners import Dirs, pid_alive
-from tool.store_verify import ENGINE_EXIT, StoreReport, verify_store
+from tool.store_verify import StoreReport, verify_store
 
 STAGING_PREFIX = ".staging-"
 
@@ -45,8 +45,8 @@ def run_command(argv: list[str], env: dict, log, what: str, container: str | Non
     unit), and a container it started is removed, so an interrupt leaves nothing running."""
     try:
         proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    except FileNotFoundError:
-        raise MissingDependency(f"{what}: {argv[0]} not found") from None
+    except OSError as e:
+        raise MissingDependency(f"{what}: cannot run {argv[0]} ({e.strerror or e})") from None
     try:
         rc = proc.wait()
     except BaseException:
@@ -60,7 +60,7 @@ def run_command(argv: list[str], env: dict, log, what: str, container: str | Non
             log.flush()
             tail = last_line(Path(log.name).read_text(errors="replace")[-4000:])
         raise KilnError(f"{what}: `{Path(argv[0]).name} {argv[1] if len(argv) > 1 else ''}` exited {rc}: {tail}",
-                        ENGINE_EXIT.get(rc, Exit.FAILED))
+                        Exit.IO if rc == 6 else Exit.FAILED)
 
 
 def stop_child(proc: subprocess.Popen, timeout: float = 10) -> None:

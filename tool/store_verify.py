@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,19 +30,13 @@ class StoreReport:
 
 def stores_dir(option=None) -> Path:
     """--store-dir, else $KILN_STORE_DIR, else $KILN_STATE_DIR/stores, else /var/lib/kiln/stores (as nix/lib)."""
-    if option:
-        return Path(option)
-    if os.environ.get("KILN_STORE_DIR"):
-        return Path(os.environ["KILN_STORE_DIR"])
-    if os.environ.get("KILN_STATE_DIR"):
-        return Path(os.environ["KILN_STATE_DIR"]) / "stores"
-    return Path("/var/lib/kiln/stores")
+    from tool.runners import Dirs
+    return Dirs.resolve(store_dir=option).stores
 
 
 def engine_bin() -> str:
-    """The `engine` console script installed beside this Python, else whatever PATH finds."""
-    here = Path(sys.executable).parent / "engine"
-    return str(here) if here.exists() else (shutil.which("engine") or "engine")
+    from tool.runners import program
+    return program("engine")
 
 
 def _last_line(text: str) -> str:
@@ -83,8 +76,8 @@ def verify_store(recipe, models: Path, stores: Path) -> StoreReport:
                 return StoreReport("not run", f"container verify step not run: docker is not reachable ({why})")
         try:
             r = subprocess.run(argv, env=env, capture_output=True, text=True)
-        except FileNotFoundError:
-            return StoreReport("not run", f"{argv[0]}: not found", Exit.MISSING_DEP)
+        except OSError as e:
+            return StoreReport("not run", f"{argv[0]}: cannot run ({e.strerror or e})", Exit.MISSING_DEP)
         if r.returncode != 0:
             return StoreReport("failed", _last_line(r.stderr or r.stdout), ENGINE_EXIT.get(r.returncode, Exit.FAILED))
     return StoreReport("ok", f"{store}: {_last_line(r.stdout) if r.stdout.strip() else 'verified'}")

@@ -18,7 +18,6 @@ from pathlib import Path
 from tool.atomic import write_json
 
 MARKER = ".kiln-weights.json"
-DEFAULT_MODELS_DIR = Path("/var/lib/kiln/models")
 CHUNK = 8 << 20
 # Not weights: huggingface_hub's and our own bookkeeping inside a weights directory.
 IGNORED = (MARKER, ".cache")
@@ -26,13 +25,8 @@ IGNORED = (MARKER, ".cache")
 
 def models_dir(option: str | os.PathLike | None = None) -> Path:
     """--models-dir, else $KILN_MODELS_DIR, else $KILN_STATE_DIR/models, else /var/lib/kiln/models (as nix/lib)."""
-    if option:
-        return Path(option)
-    if os.environ.get("KILN_MODELS_DIR"):
-        return Path(os.environ["KILN_MODELS_DIR"])
-    if os.environ.get("KILN_STATE_DIR"):
-        return Path(os.environ["KILN_STATE_DIR"]) / "models"
-    return DEFAULT_MODELS_DIR
+    from tool.runners import Dirs
+    return Dirs.resolve(models_dir=option).models
 
 
 def weights_dir(recipe, models: Path) -> Path:

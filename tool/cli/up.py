@@ -61,6 +61,9 @@ def up(recipe, runner, once, json_path, port, gates, load_timeout, engine_bin, s
     4 a program is missing, 5 not writable, 6 filesystem refused, 7 unreachable, 8 integrity (hash or digest
     mismatch, tampered store), 130 interrupted (the server this run started is stopped).
     """
+    import os
+    if engine_bin:                       # every step of this run (prepare, verify, serve) uses it
+        os.environ["KILN_ENGINE_BIN"] = str(engine_bin)
     from tool.checks.runner import GATES
     from tool.cli.check import RichReporter, results_table
     from tool.fetch import Progress

@@ -7,9 +7,10 @@ the same code at constructed /proc and /sys trees.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from tool.runners import Dirs
 
 from tool.preflight import container, cpu, gpu, memory, network, storage, weights
 from tool.preflight.checks import FAIL, CheckResult, verdict
@@ -80,6 +81,7 @@ def failures(results: list[CheckResult]) -> list[CheckResult]:
 def host_from_env(models_dir=None, store_dir=None, root=None) -> Host:
     return Host(
         root=HostRoot(Path(root)) if root else HostRoot(),
-        models_dir=Path(models_dir or os.environ.get("KILN_MODELS_DIR") or DEFAULT_MODELS_DIR),
-        store_dir=Path(store_dir or os.environ.get("KILN_STORE_DIR") or DEFAULT_STORE_DIR),
+        # The same resolution as every other command: flags, KILN_*_DIR, KILN_STATE_DIR, /var/lib/kiln.
+        models_dir=Dirs.resolve(models_dir=models_dir).models,
+        store_dir=Dirs.resolve(store_dir=store_dir).stores,
     )

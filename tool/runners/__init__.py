@@ -55,7 +55,10 @@ class Dirs:
 
 
 def program(name: str) -> str:
-    """A console script installed beside this Python (the venv's `engine`), else what PATH finds."""
+    """$KILN_<NAME>_BIN, else the console script installed beside this Python (the venv's `engine`),
+    else what PATH finds."""
+    if override := os.environ.get(f"KILN_{name.upper()}_BIN"):
+        return override
     here = Path(sys.executable).parent / name
     return str(here) if here.exists() else (shutil.which(name) or name)
 
@@ -83,10 +86,7 @@ class RunRecord:
         return Path(run_dir) / f"{rid}.json"
 
     def save(self, run_dir: Path) -> Path:
-        p = write_json(self.path(run_dir, self.id), asdict(self))
-        if self.pid is not None:
-            (Path(run_dir) / f"{self.id}.pid").write_text(f"{self.pid}\n")
-        return p
+        return write_json(self.path(run_dir, self.id), asdict(self))
 
     @classmethod
     def load(cls, run_dir: Path, rid: str) -> "RunRecord | None":
@@ -107,8 +107,7 @@ class RunRecord:
         return out
 
     def forget(self, run_dir: Path) -> None:
-        for p in (self.path(run_dir, self.id), Path(run_dir) / f"{self.id}.pid"):
-            p.unlink(missing_ok=True)
+        self.path(run_dir, self.id).unlink(missing_ok=True)
 
 
 def pid_alive(pid: int | None) -> bool:

@@ -235,8 +235,8 @@ def start(plan: dict, dirs: Dirs, recipe_path: str | None = None, detach: bool =
         try:
             proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     start_new_session=True, preexec_fn=limits.preexec, close_fds=True)
-        except FileNotFoundError:
-            raise MissingDependency(f"{rid}: serve: {argv[0]} not found") from None
+        except (OSError, subprocess.SubprocessError) as e:     # not found, not executable, preexec refused
+            raise MissingDependency(f"{rid}: serve: cannot run {argv[0]} ({getattr(e, 'strerror', None) or e})") from None
     record.pid = proc.pid
     record.extra = {"limits": limits.lines, "detached": detach}
     server = Server(record, proc, list(limits.lines))
