@@ -21,7 +21,7 @@ let
     recipe = recipeOf id r;
     options = {
       inherit (cfg) stateDir user group uid gid;
-      inherit (r) modelsDir storeDir port bindAddress memoryBytes memorySwapBytes cpus extraEnv;
+      inherit (r) modelsDir storeDir port bindAddress memoryBytes memorySwapBytes cpus extraEnv environmentFile;
       toolBin = lib.getExe' cfg.package "tool";
       engineBin = lib.getExe' cfg.enginePackage "engine";
       dockerBin = lib.getExe' config.virtualisation.docker.package "docker";
@@ -108,6 +108,12 @@ let
         default = null;
         example = "2-39";
         description = "CPUs the server may use (docker --cpuset-cpus, or AllowedCPUs=/CPUAffinity=); null means all.";
+      };
+      environmentFile = mkOption {
+        type = types.nullOr types.str;
+        default = null;
+        example = "/run/secrets/kiln.env";
+        description = "A file of KEY=VALUE lines for secrets (KILN_API_KEY, HF_TOKEN): given to every unit with EnvironmentFile= and to containers with docker --env-file, so no secret lands in a unit file, the Nix store or a command line. Use it instead of extraEnv for secrets.";
       };
       extraEnv = mkOption {
         type = types.attrsOf types.str;

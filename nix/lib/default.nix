@@ -62,6 +62,7 @@ let
     in
     step.service
     // (if o.userUnits then { } else { User = o.user; Group = o.group; })
+    // (if o.environmentFile == null then { } else { EnvironmentFile = "-${o.environmentFile}"; })
     // (if remainsAfterExit stepName then { RemainAfterExit = true; } else { })
     // {
       # Loads take up to an hour; a oneshot's own work has no natural limit.

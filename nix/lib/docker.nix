@@ -83,6 +83,7 @@ rec {
     ++ optionals ((c.ipc or null) != null) [ "--ipc" c.ipc ]
     ++ limitArgs l
     ++ envArgs env restKeys
+    ++ optionals (o.environmentFile != null) [ "--env-file" o.environmentFile ]
     ++ optionals ((c.entrypoint or null) != null) [ "--entrypoint" c.entrypoint ]
     ++ volumeArgs (mounts ctx step)
     ++ [ c.image ]

@@ -33,6 +33,9 @@ rec {
     dockerBin = "/usr/bin/docker";
     cpus = null;
     extraEnv = { };
+    # A file of KEY=VALUE lines (secrets: KILN_API_KEY, HF_TOKEN) for every unit (EnvironmentFile=)
+    # and every container (docker --env-file): secrets stay out of unit files, the store and argv.
+    environmentFile = null;
     # true: units for a per-user systemd instance (`tool materialise --user`).
     userUnits = false;
   };
@@ -61,6 +64,7 @@ rec {
         (if memoryBytes == null then null else recipeMemorySwap recipe memoryBytes);
       cpus = o "cpus";
       extraEnv = o "extraEnv";
+      environmentFile = o "environmentFile";
       userUnits = o "userUnits";
     };
 

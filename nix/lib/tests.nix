@@ -79,6 +79,14 @@ in
   };
   testExtraEnvValue = { expr = has "GLM53_MODE=nvme-exact" (plan flash { extraEnv.GLM53_MODE = "nvme-exact"; }).steps.serve.argv; expected = true; };
 
+  testEnvironmentFileReachesEveryUnitAndContainer = {
+    expr = let p = plan flash { environmentFile = "/run/secrets/kiln.env"; }; in
+      [ (builtins.all (u: (u.Service.EnvironmentFile or null) == "-/run/secrets/kiln.env") (builtins.attrValues p.unitSections))
+        (has "--env-file" p.steps.serve.argv)
+        (builtins.any (u: builtins.match ".*(KILN_API_KEY|HF_TOKEN)=.*" u != null) (builtins.attrValues p.units)) ];
+    expected = [ true true false ];
+  };
+  testNoEnvironmentFileByDefault = { expr = has "--env-file" (plan flash { }).steps.serve.argv; expected = false; };
   testAbsentStepsAreNull = { expr = with (plan big { }).steps; [ prepare verify ]; expected = [ null null ]; };
   testChainSkipsAbsentSteps = { expr = (plan big { }).unitSections."kiln-glm-5.3.service".Unit.Requires; expected = [ "kiln-glm-5.3-fetch.service" "docker.service" ]; };
   testChainFull = {

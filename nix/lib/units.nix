@@ -10,7 +10,7 @@ let
   keyRank = indexOf [
     "Description" "Documentation" "Requires" "Wants" "After" "Before"
     "StartLimitIntervalSec" "StartLimitBurst"
-    "Type" "RemainAfterExit" "User" "Group" "SupplementaryGroups" "Environment"
+    "Type" "RemainAfterExit" "User" "Group" "SupplementaryGroups" "Environment" "EnvironmentFile"
     "ExecStartPre" "ExecStart" "ExecStartPost" "ExecStop"
     "TimeoutStartSec" "TimeoutStopSec" "Restart" "RestartSec"
     "MemoryMax" "MemorySwapMax" "LimitMEMLOCK" "AllowedCPUs" "CPUAffinity" "DevicePolicy" "DeviceAllow"

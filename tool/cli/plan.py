@@ -21,6 +21,8 @@ def plan_options(f):
         (("--tool-bin", "toolBin"), dict(help="The `tool` program units run (default: tool).")),
         (("--engine-bin", "engineBin"), dict(help="The `engine` program native units run (default: engine).")),
         (("--docker-bin", "dockerBin"), dict(help="The docker client container units run (default /usr/bin/docker).")),
+        (("--environment-file", "environmentFile"), dict(help="KEY=VALUE secrets file (KILN_API_KEY, HF_TOKEN) for every "
+                                                          "unit (EnvironmentFile=) and container (--env-file).")),
     ]):
         f = click.option(*decl, default=None, **kw)(f)
     return f
