@@ -273,7 +273,9 @@ def test_the_foreground_runner_applies_cpu_affinity_and_says_what_it_could_not(t
     probe = ("import os, resource, time; print('affinity', sorted(os.sched_getaffinity(0)), "
              "'memlock', resource.getrlimit(resource.RLIMIT_MEMLOCK)[0], 'sid', os.getsid(0) == os.getpid(), "
              "flush=True); time.sleep(30)")
-    plan = {"id": "probe", "runtime": "native", "options": {"port": free_port(), "bindAddress": "127.0.0.1"},
+    port = free_port()
+    plan = {"id": "probe", "runtime": "native", "options": {"port": port, "bindAddress": "127.0.0.1"},
+            "endpoint": f"http://127.0.0.1:{port}/v1",
             "steps": {"serve": {"argv": [sys.executable, "-c", probe], "env": {},
                                 "limits": {"cpus": "0", "memlock": "infinity", "memoryBytes": 1 << 30,
                                            "memorySwapBytes": 1 << 30}}}}

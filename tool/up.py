@@ -89,7 +89,7 @@ class Up:
             if why := systemd.unusable():      # say so before anything is downloaded or built
                 raise KilnError(f"--runner systemd: {why}; use --runner foreground", Exit.MISSING_DEP)
         self.plan = compile_plan(self.recipe, self.plan_options)
-        self.report.endpoint = _endpoint(self.plan)
+        self.report.endpoint = self.plan["endpoint"]
         self.refuse_if_running()
         self.step("preflight", self.preflight)
         if self.plan["runtime"] == "container":
@@ -229,12 +229,6 @@ class _SystemdServer:
     def stop(self, timeout: float = 30) -> None:
         from tool.runners import systemd
         systemd.stop(self.record)
-
-
-def _endpoint(plan: dict) -> str:
-    host = plan["options"]["bindAddress"]
-    host = "127.0.0.1" if host in ("0.0.0.0", "") else host
-    return f"http://{host}:{plan['options']['port']}/v1"
 
 
 def _last(text: str) -> str:

@@ -4,6 +4,7 @@
 #
 #   compile { recipe; options ? { }; } → {
 #     id; runtime; options (resolved); paths = { state; weights; store; evidence; files; };
+#     endpoint (the OpenAI base URL a client on this host uses: the check unit's, tool up's);
 #     steps.<fetch|prepare|verify|serve|check> = null | { argv; commands; env; mounts; limits; unit; description; };
 #     units.<name> = unit text;  unitSections.<name> = { Unit; Service; Install; };  unitWhy.<name>;
 #     files.<absolute host path> = { content; mode; };  tmpfiles = [ rule ];
@@ -151,6 +152,7 @@ rec {
     {
       id = recipe.id;
       inherit runtime paths;
+      endpoint = toolSteps.endpoint ctx;
       options = o;
       steps = builtins.mapAttrs publicStep built;
       units = builtins.mapAttrs (_: units.toUnitText) unitsByName;

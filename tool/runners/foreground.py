@@ -224,9 +224,7 @@ def start(plan: dict, dirs: Dirs, recipe_path: str | None = None, detach: bool =
         # As the unit's ExecStartPre: a container left from a crash would make `docker run --name` refuse.
         subprocess.run([docker, "rm", "--force", container], capture_output=True, env=env)
     port = int(plan["options"]["port"])
-    host = plan["options"]["bindAddress"]
-    host = "127.0.0.1" if host in ("0.0.0.0", "") else host
-    record = RunRecord(id=rid, runner="foreground", runtime=plan["runtime"], endpoint=f"http://{host}:{port}/v1",
+    record = RunRecord(id=rid, runner="foreground", runtime=plan["runtime"], endpoint=plan["endpoint"],
                        port=port, container=container, docker=docker, log=str(log_path),
                        started_at=datetime.now(timezone.utc).isoformat(timespec="seconds"), recipe_path=recipe_path)
     with open(log_path, "w") as log:

@@ -55,7 +55,7 @@ def start(plan: dict, root: str | os.PathLike = "/") -> RunRecord:
             raise KilnError(f"systemctl {' '.join(args)}: {_last(r.stderr or r.stdout)}")
     port = int(plan["options"]["port"])
     return RunRecord(id=plan["id"], runner="systemd", runtime=plan["runtime"],
-                     endpoint=f"http://127.0.0.1:{port}/v1", port=port, unit=plan["steps"]["serve"]["unit"])
+                     endpoint=plan["endpoint"], port=port, unit=plan["steps"]["serve"]["unit"])
 
 
 def is_alive(unit: str):
