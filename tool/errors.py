@@ -58,3 +58,9 @@ class NetworkError(KilnError):
 
 class IntegrityError(KilnError):
     exit_code = Exit.INTEGRITY
+
+
+def last_line(text: str | None, limit: int = 300) -> str:
+    """The last non-empty line of a program's output: the one-line reason a failed child gives."""
+    lines = [l.strip() for l in (text or "").splitlines() if l.strip()]
+    return lines[-1][:limit] if lines else "no output"

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from tool.errors import Exit, IntegrityError, KilnError, MissingDependency, NotWritable
+from tool.errors import Exit, IntegrityError, KilnError, MissingDependency, NotWritable, last_line
 from tool.plan import compile_plan
 from tool.runners import Dirs, pid_alive
 from tool.store_verify import StoreReport, verify_store
@@ -32,10 +32,6 @@ class PrepareResult:
     detail: str
     seconds: float = 0.0
 
-
-def last_line(text: str) -> str:
-    lines = [l.strip() for l in (text or "").splitlines() if l.strip()]
-    return lines[-1][:300] if lines else "no output"
 
 
 def run_command(argv: list[str], env: dict, log, what: str, container: str | None = None) -> None:

@@ -12,7 +12,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from tool.errors import Exit, KilnError
+from tool.errors import Exit, KilnError, last_line
 
 # How the engine's exit codes read here (engine --help: 1 bad record, 6 filesystem, 8 sha256 mismatch).
 ENGINE_EXIT = {8: Exit.INTEGRITY, 6: Exit.IO, 3: Exit.INTEGRITY, 1: Exit.INTEGRITY}
@@ -39,10 +39,6 @@ def engine_bin() -> str:
     return program("engine")
 
 
-def _last_line(text: str) -> str:
-    lines = [l for l in text.strip().splitlines() if l.strip()]
-    return lines[-1].strip()[:300] if lines else "no output"
-
 
 def docker_reachable(docker: str) -> str | None:
     """None when a docker engine answers, else why not."""
@@ -53,7 +49,7 @@ def docker_reachable(docker: str) -> str | None:
                            timeout=20)
     except subprocess.TimeoutExpired:
         return "docker info timed out"
-    return None if r.returncode == 0 else _last_line(r.stderr or r.stdout)
+    return None if r.returncode == 0 else last_line(r.stderr or r.stdout)
 
 
 def verify_store(recipe, models: Path, stores: Path) -> StoreReport:
@@ -79,5 +75,5 @@ def verify_store(recipe, models: Path, stores: Path) -> StoreReport:
         except OSError as e:
             return StoreReport("not run", f"{argv[0]}: cannot run ({e.strerror or e})", Exit.MISSING_DEP)
         if r.returncode != 0:
-            return StoreReport("failed", _last_line(r.stderr or r.stdout), ENGINE_EXIT.get(r.returncode, Exit.FAILED))
-    return StoreReport("ok", f"{store}: {_last_line(r.stdout) if r.stdout.strip() else 'verified'}")
+            return StoreReport("failed", last_line(r.stderr or r.stdout), ENGINE_EXIT.get(r.returncode, Exit.FAILED))
+    return StoreReport("ok", f"{store}: {last_line(r.stdout) if r.stdout.strip() else 'verified'}")

@@ -16,7 +16,7 @@ from typing import Callable
 
 import httpx
 
-from tool.errors import Exit, IntegrityError, KilnError, NetworkError
+from tool.errors import Exit, IntegrityError, KilnError, NetworkError, last_line
 from tool.plan import compile_plan
 from tool.runners import Dirs, RunRecord, pid_alive
 
@@ -144,7 +144,7 @@ class Up:
             return "skipped", f"{image_short(image)} present locally by digest"
         r = subprocess.run([docker, "pull", image], capture_output=True, text=True)
         if r.returncode != 0:
-            why = _last(r.stderr or r.stdout)
+            why = last_line(r.stderr or r.stdout)
             if "manifest unknown" in why or "not found" in why or "does not match" in why:
                 raise IntegrityError(f"{image}: the registry has no image with this digest ({why}); nothing was run")
             raise NetworkError(f"{image}: docker pull failed ({why}); nothing was run")
@@ -230,10 +230,6 @@ class _SystemdServer:
         from tool.runners import systemd
         systemd.stop(self.record)
 
-
-def _last(text: str) -> str:
-    lines = [l.strip() for l in (text or "").splitlines() if l.strip()]
-    return lines[-1][:300] if lines else "no output"
 
 
 def image_short(image: str) -> str:

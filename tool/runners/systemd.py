@@ -11,7 +11,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from tool.errors import KilnError, MissingDependency
+from tool.errors import KilnError, MissingDependency, last_line
 from tool.materialise import materialise
 from tool.runners import RunRecord
 
@@ -38,10 +38,6 @@ def systemctl(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(["systemctl", *args], capture_output=True, text=True)
 
 
-def _last(text: str) -> str:
-    lines = [l.strip() for l in text.splitlines() if l.strip()]
-    return lines[-1] if lines else "no output"
-
 
 def start(plan: dict, root: str | os.PathLike = "/") -> RunRecord:
     """Materialise every unit under `root`, daemon-reload, start the serve unit (it pulls in the chain)."""
@@ -52,7 +48,7 @@ def start(plan: dict, root: str | os.PathLike = "/") -> RunRecord:
     for args in (("daemon-reload",), ("start", plan["steps"]["serve"]["unit"])):
         r = systemctl(*args)
         if r.returncode != 0:
-            raise KilnError(f"systemctl {' '.join(args)}: {_last(r.stderr or r.stdout)}")
+            raise KilnError(f"systemctl {' '.join(args)}: {last_line(r.stderr or r.stdout)}")
     port = int(plan["options"]["port"])
     return RunRecord(id=plan["id"], runner="systemd", runtime=plan["runtime"],
                      endpoint=plan["endpoint"], port=port, unit=plan["steps"]["serve"]["unit"])
@@ -76,5 +72,5 @@ def is_alive(unit: str):
 def stop(record: RunRecord) -> str:
     r = systemctl("stop", record.unit)
     if r.returncode != 0:
-        raise KilnError(f"systemctl stop {record.unit}: {_last(r.stderr or r.stdout)}")
+        raise KilnError(f"systemctl stop {record.unit}: {last_line(r.stderr or r.stdout)}")
     return "stopped (systemctl stop)"
