@@ -92,8 +92,8 @@ def remove_stale_staging(stores: Path) -> None:
             shutil.rmtree(p, ignore_errors=True)
 
 
-def verify_published(recipe, dirs: Dirs) -> StoreReport:
-    return verify_store(recipe, dirs.models, dirs.stores)
+def verify_published(recipe, dirs: Dirs, plan: dict | None = None) -> StoreReport:
+    return verify_store(recipe, dirs.models, dirs.stores, plan)
 
 
 def publish(staged: Path, final: Path) -> None:
@@ -113,17 +113,18 @@ def publish(staged: Path, final: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def prepare(recipe, dirs: Dirs, force: bool = False, log=None) -> PrepareResult:
-    """Skip, build-verify-publish, or refuse; see the module docstring."""
+def prepare(recipe, dirs: Dirs, force: bool = False, log=None, plan: dict | None = None) -> PrepareResult:
+    """Skip, build-verify-publish, or refuse; see the module docstring. `plan`: the caller's, compiled
+    for `dirs` (tool up has one); the staging plan is always compiled here."""
     t0 = time.monotonic()
-    plan = compile_plan(recipe, dirs.plan_options())
+    plan = plan or compile_plan(recipe, dirs.plan_options())
     step = plan["steps"].get("prepare")
     final = Path(plan["paths"]["store"]) if plan["paths"].get("store") else None
     if step is None or final is None:
         return PrepareResult("none", final, "the recipe has no prepare step")
 
     if final.exists() and not force:
-        report = verify_published(recipe, dirs)
+        report = verify_published(recipe, dirs, plan)
         if report.status in ("ok", "none"):
             return PrepareResult("skipped", final, f"{final}: already prepared and verified", time.monotonic() - t0)
         if report.status == "failed":
@@ -153,7 +154,7 @@ def prepare(recipe, dirs: Dirs, force: bool = False, log=None) -> PrepareResult:
         finally:
             if own_log:
                 log.close()
-        report = verify_store(recipe, dirs.models, staging_root)
+        report = verify_store(recipe, dirs.models, staging_root, staged_plan)
         if report.status not in ("ok", "none"):
             raise KilnError(f"{recipe.id}: the prepared store does not verify ({report.detail}); nothing published",
                             report.exit_code if report.exit_code != Exit.OK else Exit.INTEGRITY)

@@ -52,12 +52,15 @@ def docker_reachable(docker: str) -> str | None:
     return None if r.returncode == 0 else last_line(r.stderr or r.stdout)
 
 
-def verify_store(recipe, models: Path, stores: Path) -> StoreReport:
-    from tool.plan import compile_plan
-    try:
-        plan = compile_plan(recipe, {"modelsDir": str(models), "storeDir": str(stores), "engineBin": engine_bin()})
-    except KilnError as e:
-        return StoreReport("not run", f"cannot compile the plan: {e.message}")
+def verify_store(recipe, models: Path, stores: Path, plan: dict | None = None) -> StoreReport:
+    """Run the plan's verify step on the published store; `plan`, when the caller has compiled it
+    for these directories already, saves an evaluation."""
+    if plan is None:
+        from tool.plan import compile_plan
+        try:
+            plan = compile_plan(recipe, {"modelsDir": str(models), "storeDir": str(stores), "engineBin": engine_bin()})
+        except KilnError as e:
+            return StoreReport("not run", f"cannot compile the plan: {e.message}")
     step = plan["steps"].get("verify")
     store = (plan.get("paths") or {}).get("store")
     if not step or not store:

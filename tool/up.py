@@ -169,12 +169,12 @@ class Up:
 
     def prepare(self):
         from tool.prepare import prepare
-        r = prepare(self.recipe, self.dirs)
+        r = prepare(self.recipe, self.dirs, plan=self.plan)
         return {"prepared": "ok"}.get(r.status, r.status), r.detail
 
     def verify(self):
         from tool.store_verify import verify_store
-        r = verify_store(self.recipe, self.dirs.models, self.dirs.stores)
+        r = verify_store(self.recipe, self.dirs.models, self.dirs.stores, self.plan)
         if r.status == "none":
             return "none", r.detail
         if r.status != "ok":
