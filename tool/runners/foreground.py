@@ -196,7 +196,17 @@ def stop(record: RunRecord, timeout: float = 30, proc: subprocess.Popen | None =
             proc.wait(5)
         except subprocess.TimeoutExpired:
             pass
+    remove_cgroup((record.extra or {}).get("cgroup"))
     return how
+
+
+def remove_cgroup(path) -> None:
+    """The run's cgroup goes with its last process (rmdir of an empty cgroup; a busy one stays)."""
+    if path:
+        try:
+            os.rmdir(path)
+        except OSError:
+            pass
 
 
 def _signal_group(pid: int, sig: int) -> None:
@@ -234,9 +244,11 @@ def start(plan: dict, dirs: Dirs, recipe_path: str | None = None, detach: bool =
             proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     start_new_session=True, preexec_fn=limits.preexec, close_fds=True)
         except (OSError, subprocess.SubprocessError) as e:     # not found, not executable, preexec refused
+            remove_cgroup(limits.cgroup)
             raise MissingDependency(f"{rid}: serve: cannot run {argv[0]} ({getattr(e, 'strerror', None) or e})") from None
     record.pid = proc.pid
-    record.extra = {"limits": limits.lines, "detached": detach}
+    record.extra = {"limits": limits.lines, "detached": detach,
+                    **({"cgroup": str(limits.cgroup)} if limits.cgroup else {})}
     server = Server(record, proc, list(limits.lines))
     record.save(dirs.run)
     if container:
