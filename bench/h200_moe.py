@@ -11,6 +11,7 @@
                            − workspace; a 16 GiB page-locked RAM tier; the rest read from the store
                            with O_DIRECT. Tier fractions, bytes per token per lane, and bound_tps from
                            this run's own bandwidths (ANCHORS.md's lane bound).
+   runs.engine_offload_uniform the same, routing replaced by a uniform trace (labelled): the cache's worst case.
    runs.engine_offload_skewed  the same, routing replaced by a Zipf trace with reuse (labelled).
    runs.transformers_all_gpu   transformers' Qwen3MoeForCausalLM, all on the GPU.
    runs.accelerate_offload     the same model with device_map from accelerate under the same 24 GiB.
@@ -28,7 +29,6 @@ import random
 import shutil
 import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import date
@@ -39,7 +39,6 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from engine.checkpoint import Checkpoint  # noqa: E402
 from engine.gpu.graphs import GraphDecoder  # noqa: E402
 from engine.gpu.providers import GpuOffloadExperts, GpuResidentExperts, layer_ahead_predictor  # noqa: E402
 from engine.loader import load_model  # noqa: E402
@@ -230,19 +229,35 @@ class ZipfRouting:
         return torch.tensor(rows, dtype=topk_ids.dtype).to(topk_ids.device, non_blocking=True)
 
 
-def offload_run(model_dir, store, m, budget, lanes, all_gpu_step_s, *, skewed: bool, steps: int, vocab: int,
+class UniformRouting:
+    """A labelled synthetic trace: each token's top-k drawn uniformly without replacement — the
+    cache's worst case, which random weights do not give (their router concentrates)."""
+
+    def __init__(self, experts: int, top_k: int, seed: int = 4):
+        self.e, self.k, self.rng = experts, top_k, random.Random(seed)
+
+    def __call__(self, layer: int, topk_ids: torch.Tensor) -> torch.Tensor:
+        rows = [self.rng.sample(range(self.e), self.k) for _ in range(topk_ids.shape[0])]
+        return torch.tensor(rows, dtype=topk_ids.dtype).to(topk_ids.device, non_blocking=True)
+
+
+TRACES = {"zipf": ("zipf s=1.1 over experts, reuse 0.5 (synthetic trace, labelled)", ZipfRouting),
+          "uniform": ("uniform top-k per token (synthetic trace, labelled)", UniformRouting)}
+
+
+def offload_run(model_dir, store, m, budget, lanes, all_gpu_step_s, *, trace: str | None, steps: int, vocab: int,
                 prefill_tokens: int) -> dict:
     prov = GpuOffloadExperts(m, store, device=DEV, gpu_slots=budget["gpu_slots"], ram_slots=budget["ram_slots"],
                              readers=16, policy="lru")
     model = load_model(model_dir, provider=prov, device="cuda", dtype="bfloat16", max_context=prefill_tokens + 512,
                        max_batch=4)
     prov.predictor = layer_ahead_predictor(model)
-    if skewed:
-        prov.override = ZipfRouting(m.experts_per_layer, model.cfg.top_k)
-    res: dict = {"routing": "zipf s=1.1 over experts, reuse 0.5 (synthetic trace, labelled)" if skewed
+    if trace:
+        prov.override = TRACES[trace][1](m.experts_per_layer, model.cfg.top_k)
+    res: dict = {"routing": TRACES[trace][0] if trace
                  else "the model's own router (on random weights it may concentrate: see served_fraction)"}
     # warm the tiers with a few hundred tokens of decode, then measure
-    greedy = engine_decode_eager(model, 1, 32, vocab, warm=0) if not skewed else None
+    greedy = engine_decode_eager(model, 1, 32, vocab, warm=0) if not trace else None
     engine_decode_eager(model, 1, 16, vocab, warm=48, sample=True)
     d1 = engine_decode_eager(model, 1, steps, vocab, warm=8, counters=prov.counters, sample=True)
     c0, c1 = d1.pop("window")
@@ -270,7 +285,7 @@ def offload_run(model_dir, store, m, budget, lanes, all_gpu_step_s, *, skewed: b
         "fraction_of_bound": round(d1["decode_tps"] / bound_tps, 3),
         "counters": c1,
     })
-    if not skewed:
+    if not trace:
         res.update(engine_prefill(model, prefill_tokens, vocab))
     prov.close()
     del model, prov
@@ -409,7 +424,7 @@ def main():
     ap.add_argument("--prefill", type=int, default=8192)
     ap.add_argument("--peer-steps", type=int, default=16)
     ap.add_argument("--accelerate-steps", type=int, default=2)
-    ap.add_argument("--skip", default="", help="comma list of parts to skip: peers,accelerate,offload,skewed")
+    ap.add_argument("--skip", default="", help="comma list of parts to skip: peers,accelerate,offload,uniform,skewed")
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     work = Path(args.work)
@@ -497,19 +512,21 @@ def main():
               "ram_slots": RAM_TIER // m.record_bytes, "records": len(m.records), "record_bytes": m.record_bytes}
     result["budget"] = budget
     if "offload" not in skip:
-        off = offload_run(model_dir, store, m, budget, lanes, all_gpu_step_s, skewed=False, steps=args.steps,
+        off = offload_run(model_dir, store, m, budget, lanes, all_gpu_step_s, trace=None, steps=args.steps,
                           vocab=vocab, prefill_tokens=args.prefill)
         result["runs"]["engine_offload"] = off
         save()
         log("engine_offload:", {k: v for k, v in off.items() if k not in ("tokens", "counters")})
         result["exactness"] = {"offload_vs_resident_greedy_tokens_equal": off["tokens"][:len(ag["tokens"])] == ag["tokens"][:len(off["tokens"])],
                                "compared_tokens": min(len(off["tokens"]), len(ag["tokens"]))}
-    if "skewed" not in skip:
-        sk = offload_run(model_dir, store, m, budget, lanes, all_gpu_step_s, skewed=True, steps=args.steps,
-                         vocab=vocab, prefill_tokens=args.prefill)
-        result["runs"]["engine_offload_skewed"] = sk
+    for name, trace in (("engine_offload_uniform", "uniform"), ("engine_offload_skewed", "zipf")):
+        if trace in skip or (trace == "zipf" and "skewed" in skip):
+            continue
+        run = offload_run(model_dir, store, m, budget, lanes, all_gpu_step_s, trace=trace, steps=args.steps,
+                          vocab=vocab, prefill_tokens=args.prefill)
+        result["runs"][name] = run
         save()
-        log("engine_offload_skewed:", {k: v for k, v in sk.items() if k not in ("tokens", "counters")})
+        log(f"{name}:", {k: v for k, v in run.items() if k not in ("tokens", "counters")})
 
     # --- peers
     if "peers" not in skip:
@@ -552,12 +569,16 @@ def main():
         t["engine_offload_vs_accelerate"] = round(runs["engine_offload"]["decode_tps"] / runs["accelerate_offload"]["decode_tps"], 1)
     if "engine_offload" in runs:
         t["engine_offload_fraction_of_bound"] = runs["engine_offload"]["fraction_of_bound"]
-        eff = min(1.0, runs["engine_offload"]["fraction_of_bound"])
+        # Project with the efficiency of a run a transfer lane actually bound (the uniform trace), else
+        # the model-router run's.
+        basis = runs.get("engine_offload_uniform") or runs["engine_offload"]
+        eff = min(1.0, basis["fraction_of_bound"])
         result["projection_48_layers_64gib_ram"] = {
             "uniform": project_48(cfg, lanes, all_gpu_step_s / layers, eff, m.record_bytes, kv_per_layer // 1, False),
             "skewed": project_48(cfg, lanes, all_gpu_step_s / layers, eff, m.record_bytes, kv_per_layer // 1, True),
             "method": "lane bound from this run's bandwidths and per-layer GPU step time, LRU miss rates simulated "
-                      "on the routing law, times the offload run's measured fraction of its own bound"}
+                      "on the routing law, times the measured fraction of its own bound of the uniform-trace run "
+                      "(else the model-router run)"}
     result["targets"] = {**t, "required": {"engine_all_gpu_vs_transformers": 20, "engine_offload_vs_accelerate": 50,
                                           "engine_offload_fraction_of_bound": 0.6}}
     save()
