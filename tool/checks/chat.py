@@ -15,8 +15,7 @@ def leaked(text: str) -> list[str]:
 
 def run(ctx: GateContext) -> dict:
     try:
-        a = ctx.client.chat({"model": ctx.served_name, "max_tokens": ctx.answer_tokens(),
-                             "messages": [{"role": "user", "content": PROMPT}]})
+        a = ctx.ask(PROMPT)
     except ClientError as e:
         return fail(str(e))
     figures = {"content": a.content, "finish_reason": a.finish_reason,

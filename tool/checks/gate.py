@@ -70,6 +70,12 @@ class GateContext:
         reject prompt + max_tokens beyond it)."""
         return max(16, min(self.limits["answer_max_tokens"], self.context_window // 4))
 
+    def ask(self, prompt: str):
+        """One user question to the served model, with room for an answer (chat, reasoning).
+        Raises tool.checks.client.ClientError, which the gate turns into its one-line reason."""
+        return self.client.chat({"model": self.served_name, "max_tokens": self.answer_tokens(),
+                                 "messages": [{"role": "user", "content": prompt}]})
+
     def death(self) -> str | None:
         """None while the managed server lives (or is not managed); else why it died."""
         if self.is_alive is None:

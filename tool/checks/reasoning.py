@@ -10,8 +10,7 @@ ANSWER = "391"
 
 def run(ctx: GateContext) -> dict:
     try:
-        a = ctx.client.chat({"model": ctx.served_name, "max_tokens": ctx.answer_tokens(),
-                             "messages": [{"role": "user", "content": PROMPT}]})
+        a = ctx.ask(PROMPT)
     except ClientError as e:
         return fail(str(e))
     figures = {"content": a.content, "reasoning_chars": len(a.reasoning.strip()),
