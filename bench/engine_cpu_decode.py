@@ -33,7 +33,7 @@ from rich.table import Table
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from engine.experts import set_compute_threads  # noqa: E402
+from engine.experts import Projection, set_compute_threads  # noqa: E402
 from engine.llm import LLM, SamplingParams  # noqa: E402
 from tests.fixtures.tiny_models import make_tiny_checkpoint  # noqa: E402
 
@@ -53,21 +53,28 @@ def copy_bandwidth(nbytes: int = 256 << 20) -> float:
 
 
 def bytes_per_token(llm: LLM) -> int:
+    """Bytes one decode step reads: one embedding row, every projection the model holds (lm_head's own copy
+    on the CPU even when tied), the norms, and top_k expert records per MoE layer."""
     m, cfg = llm.model, llm.model.cfg
-    seen, total = set(), 0
-    for t in [m.embed, m.norm, m.lm_head] + [v for layer in m.layers for v in _tensors(layer)]:
+    seen, total = set(), m.embed.shape[1] * m.embed.element_size()
+    for t in [m.norm, *_tensors(m.head)] + [v for layer in m.layers for v in _tensors(layer)]:
         if id(t) not in seen:
             seen.add(id(t))
             total += t.numel() * t.element_size()
-    total -= m.embed.numel() * m.embed.element_size() - m.embed.shape[1] * m.embed.element_size()  # one row read
     return total + len(cfg.moe_layers) * cfg.top_k * m.provider.layout.payload_bytes
 
 
-def _tensors(module):
-    for v in vars(module).values():
+def _tensors(obj):
+    """The tensors a module (or a Projection) holds, its children's included."""
+    if isinstance(obj, Projection):
+        yield from (t for t in (obj.weight, obj.bias) if t is not None)
+        return
+    for v in vars(obj).values():
         if isinstance(v, torch.Tensor):
             yield v
-    for child in module.children():
+        elif isinstance(v, Projection):
+            yield from _tensors(v)
+    for child in obj.children():
         yield from _tensors(child)
 
 

@@ -56,9 +56,11 @@ def prepare(gguf: Path, workdir: Path, console: Console) -> tuple[Path, Path]:
         console.print(f"converting {gguf} → {model}")
         subprocess.run(ENGINE + ["convert", "--gguf", str(gguf), "--out", str(model), "--experts", "8",
                                  "--top-k", "2", "--seed", "0"], check=True)
-    if not (store / "manifest.json").exists():
-        console.print(f"packing {model} → {store}")
-        subprocess.run(ENGINE + ["pack-store", "--model", str(model), "--store", str(store), "--quiet"], check=True)
+    manifest = store / "manifest.json"
+    if not manifest.exists() or json.loads(manifest.read_text()).get("order", "rows") != "cols":
+        console.print(f"packing {model} → {store} (cols order, as the recipe serves it on the CPU)")
+        subprocess.run(ENGINE + ["pack-store", "--model", str(model), "--store", str(store), "--order", "cols",
+                                 "--quiet"], check=True)
     return model, store
 
 

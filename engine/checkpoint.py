@@ -99,8 +99,8 @@ class Checkpoint:
         """False for a store-backed checkpoint (its routed experts were synthesized straight into a store)."""
         return self.expert_key(self.moe_layers[0], 0, 0) in self._files
 
-    def layout(self, dtype: torch.dtype | None = None) -> ExpertLayout:
-        return ExpertLayout(self.hidden, self.moe_intermediate, dtype or self.dtype)
+    def layout(self, dtype: torch.dtype | None = None, order: str = "rows") -> ExpertLayout:
+        return ExpertLayout(self.hidden, self.moe_intermediate, dtype or self.dtype, order)
 
     def names(self) -> list[str]:
         return list(self._files)

@@ -1,8 +1,14 @@
 """The contract between the models and the expert tiers.
 
-A routed expert is stored, cached and computed as ONE flat record: gate | up | down,
-each row-major in the checkpoint dtype, the record padded to 4 KiB so a record read with
-O_DIRECT lands directly in a cache slot (the store's record layout equals a compute slot).
+A routed expert is stored, cached and computed as ONE flat record in the checkpoint dtype,
+padded to 4 KiB so a record read with O_DIRECT lands directly in a cache slot (the store's
+record layout equals a compute slot). Its matrices come in one of two orders, chosen for the
+device that computes from the slot:
+  rows  gate [I,H] | up [I,H] | down [H,I], as the checkpoint holds them: the GPU kernels' order;
+  cols  the same matrices transposed, gate and up side by side: gate_up^T [H,2I] | down^T [I,H].
+        A one-token GEMV over a [in, out] matrix streams at twice the bandwidth of one over
+        [out, in] in the CPU's BLAS (bench/results/smollm2_demo_speed.json), and gate|up is one matrix.
+views() gives the same logical (gate, up, down) in both orders, so the arithmetic never changes.
 
 Models route (choose experts and weights) and hand the rest to an ExpertProvider:
   out = provider.forward(layer, x, topk_ids, topk_weights)
@@ -24,17 +30,27 @@ _DTYPE_BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+ORDERS = ("rows", "cols")
+
+
+def order_for(device) -> str:
+    """The record order a device computes fastest from: cols on the CPU, rows for the GPU kernels."""
+    return "cols" if torch.device(device).type == "cpu" else "rows"
+
+
 @dataclass(frozen=True)
 class ExpertLayout:
-    """Byte layout of one expert record: gate [I,H] | up [I,H] | down [H,I], padded to ALIGN."""
+    """Byte layout of one expert record (see the module docstring for the two orders), padded to ALIGN."""
 
     hidden: int
     intermediate: int
     dtype: torch.dtype
+    order: str = "rows"
 
     def __post_init__(self):
         assert self.hidden > 0 and self.intermediate > 0, "expert shape must be positive"
         assert self.dtype in _DTYPE_BYTES, f"unsupported expert dtype {self.dtype}"
+        assert self.order in ORDERS, f"record order {self.order!r} is not one of {ORDERS}"
 
     @property
     def itemsize(self) -> int:
@@ -57,11 +73,15 @@ class ExpertLayout:
         return self.record_bytes // self.itemsize
 
     def views(self, slot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(gate [I,H], up [I,H], down [H,I]) as views into a flat slot tensor of record_elems in self.dtype."""
-        n = self.matrix_elems
-        gate = slot[0:n].view(self.intermediate, self.hidden)
-        up = slot[n:2 * n].view(self.intermediate, self.hidden)
-        down = slot[2 * n:3 * n].view(self.hidden, self.intermediate)
+        """(gate [I,H], up [I,H], down [H,I]) as views into a flat slot tensor of record_elems in self.dtype
+        (in the cols order they are transposed views: the same values, other strides)."""
+        n, h, i = self.matrix_elems, self.hidden, self.intermediate
+        if self.order == "cols":
+            gate_up_t = slot[0:2 * n].view(h, 2 * i)
+            return gate_up_t[:, :i].t(), gate_up_t[:, i:].t(), slot[2 * n:3 * n].view(i, h).t()
+        gate = slot[0:n].view(i, h)
+        up = slot[n:2 * n].view(i, h)
+        down = slot[2 * n:3 * n].view(h, i)
         return gate, up, down
 
     def pack(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
@@ -70,10 +90,8 @@ class ExpertLayout:
         assert up.shape == (self.intermediate, self.hidden), f"up shape {tuple(up.shape)}"
         assert down.shape == (self.hidden, self.intermediate), f"down shape {tuple(down.shape)}"
         rec = torch.zeros(self.record_elems, dtype=self.dtype)
-        n = self.matrix_elems
-        rec[0:n] = gate.reshape(-1).to(self.dtype)
-        rec[n:2 * n] = up.reshape(-1).to(self.dtype)
-        rec[2 * n:3 * n] = down.reshape(-1).to(self.dtype)
+        for view, m in zip(self.views(rec), (gate, up, down)):
+            view.copy_(m)
         return rec
 
 
@@ -112,7 +130,7 @@ def moe_reference(x, topk_ids, topk_weights, get_views) -> torch.Tensor:
 
 def default_threads() -> int:
     """torch intra-op threads for the engine's CPU decode: 2 where the process may use 2 CPUs or more.
-    The work split between them is a pair of experts (or the two halves of lm_head) in one batched
+    The work split between them is a pair of experts (or two column halves of lm_head) in one batched
     matmul; bench/smollm2_demo_speed.py measured 2 > 1 on this 2-core machine, more were not measured."""
     return min(2, len(os.sched_getaffinity(0)))
 
@@ -140,11 +158,25 @@ def _as_batch(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, bool] | N
     return lo.as_strided((2, *lo.shape), (d, *lo.stride()), lo.storage_offset()), swapped
 
 
+def _gate_up_matrix(gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, bool] | None:
+    """gate and up of one record as ONE matrix that x multiplies in one matmul, and whether it is stored
+    transposed: rows order [2I, H] (up right below gate), cols order [H, 2I] (up right beside gate).
+    None when the views do not lie that way."""
+    inter, hidden = gate.shape
+    size = gate.element_size()
+    if gate.stride() == (hidden, 1) and up.data_ptr() == gate.data_ptr() + gate.numel() * size:
+        return gate.as_strided((2 * inter, hidden), gate.stride()), False
+    if gate.stride() == (1, 2 * inter) and up.stride() == gate.stride() and up.data_ptr() == gate.data_ptr() + inter * size:
+        return gate.as_strided((hidden, 2 * inter), (2 * inter, 1)), True
+    return None
+
+
 def pair_ffn(xa: torch.Tensor, xb: torch.Tensor, va, vb) -> tuple[torch.Tensor, torch.Tensor] | None:
     """expert_ffn for two experts at once — (expert_ffn(xa, *va), expert_ffn(xb, *vb)) — as batched matmuls
     over the records where they lie (gate|up read as one matrix), so torch's intra-op threads take one
     expert each: a one-token GEMV does not parallelise inside torch's BLAS, a batch of two does. Every
-    element is the same dot product as alone (tests/engine/test_speed_paths.py checks bitwise).
+    element is the same dot product as alone (tests/engine/test_speed_paths.py checks bitwise), in
+    either record order.
 
     None (compute them one by one) unless the records are views of one storage in x's dtype and rows of
     `hidden` and `intermediate` elements keep 64-byte alignment: the BLAS kernel's path, hence its
@@ -152,36 +184,57 @@ def pair_ffn(xa: torch.Tensor, xb: torch.Tensor, va, vb) -> tuple[torch.Tensor, 
     (ga, ua, da), (gb, ub, db) = va, vb
     inter, hidden = ga.shape
     size = ga.element_size()
-    if (xa.shape != xb.shape or ga.dtype != xa.dtype or (hidden * size) % 64 or (inter * size) % 64
-            or ua.data_ptr() != ga.data_ptr() + ga.numel() * size or ub.data_ptr() != gb.data_ptr() + gb.numel() * size):
+    if xa.shape != xb.shape or ga.dtype != xa.dtype or (hidden * size) % 64 or (inter * size) % 64:
         return None
-    gate_up = _as_batch(ga.as_strided((2 * inter, hidden), ga.stride()), gb.as_strided((2 * inter, hidden), gb.stride()))
-    down = _as_batch(da, db)
+    mats = _gate_up_matrix(ga, ua), _gate_up_matrix(gb, ub)
+    if None in mats or mats[0][1] != mats[1][1]:
+        return None
+    cols = mats[0][1]
+    # The batch's matrices as the GEMM's right operand, [2, K, N] (a transposed view in the rows order).
+    gate_up = _as_batch(mats[0][0], mats[1][0])
+    down = _as_batch(da.t(), db.t()) if cols else _as_batch(da, db)
     if gate_up is None or down is None or gate_up[1] != down[1]:
         return None
     swapped = down[1]
+    rhs_gu, rhs_d = (gate_up[0], down[0]) if cols else (gate_up[0].transpose(1, 2), down[0].transpose(1, 2))
     x = torch.stack((xb, xa) if swapped else (xa, xb))
-    gu = torch.bmm(x, gate_up[0].transpose(1, 2))                               # [2, M, 2I]
+    gu = torch.bmm(x, rhs_gu)                                                    # [2, M, 2I]
     # silu(gate) * up per expert on contiguous [M, I] tensors: the elementwise loops see what expert_ffn's do.
     h = torch.stack([F.silu(gu[j, :, :inter].contiguous()) * gu[j, :, inter:].contiguous() for j in range(2)])
-    y = torch.bmm(h, down[0].transpose(1, 2))                                    # [2, M, H]
+    y = torch.bmm(h, rhs_d)                                                      # [2, M, H]
     return (y[1], y[0]) if swapped else (y[0], y[1])
 
 
 SPLIT_MIN_BYTES = 256 << 10      # below this a GEMV is too short to be worth a second thread
 
 
-def linear_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """F.linear(x, weight) for ONE row x (decode) and a large weight (lm_head, q|k|v, o), as a batch of two row
-    halves so two intra-op threads share it (a one-row GEMV runs on one thread in torch's BLAS); every element is the
-    same dot product as in one call (bitwise: tests/engine/test_speed_paths.py). More rows: F.linear."""
-    rows = weight.shape[0]
-    if (x.device.type != "cpu" or x.numel() != x.shape[-1] or torch.get_num_threads() < 2
-            or (rows // 2 * weight.element_size()) % 64 or rows % 2    # the second half's outputs stay 64-byte aligned
-            or not weight.is_contiguous() or weight.numel() * weight.element_size() < SPLIT_MIN_BYTES):
-        return F.linear(x, weight)
-    y = torch.bmm(x.reshape(1, 1, -1).expand(2, 1, -1), weight.view(2, rows // 2, -1).transpose(1, 2))
-    return y.reshape(*x.shape[:-1], rows)                                    # [2, 1, rows/2] -> one row
+class Projection:
+    """One of the model's own weights, [out, in] as the checkpoint has it, held the way its device
+    multiplies fastest. On the CPU: transposed ([in, out], contiguous) — the orientation torch's BLAS
+    streams at about twice the bandwidth for a one-row GEMV — and a one-row GEMV over a large weight
+    (lm_head, q|k|v, o, a dense MLP) goes out as two column halves in one batched matmul, so two
+    intra-op threads share it (a one-row GEMV runs on one thread). Every element is the same dot product
+    as in one matmul (bitwise: tests/engine/test_speed_paths.py). Elsewhere: F.linear, as given."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        self.out_features, self.in_features = weight.shape
+        self.bias = bias
+        self.cpu = weight.device.type == "cpu"
+        self.weight = weight.t().contiguous() if self.cpu else weight      # CPU: [in, out]
+        out, size = self.out_features, weight.element_size()
+        self.halves = (self.cpu and out % 2 == 0 and (out // 2 * size) % 64 == 0     # each half's outputs 64-byte aligned
+                       and weight.numel() * size >= SPLIT_MIN_BYTES)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.cpu:
+            return F.linear(x, self.weight, self.bias)
+        if self.bias is not None:                # the bias added inside the GEMM, rounded once (as F.linear)
+            return torch.addmm(self.bias, x.reshape(-1, self.in_features), self.weight).view(*x.shape[:-1], -1)
+        if self.halves and x.numel() == x.shape[-1] and torch.get_num_threads() >= 2:
+            n = self.out_features // 2
+            y = torch.bmm(x.reshape(1, 1, -1).expand(2, 1, -1), self.weight.view(-1, 2, n).transpose(0, 1))
+            return y.reshape(*x.shape[:-1], self.out_features)               # [2, 1, out/2] -> one row
+        return torch.matmul(x, self.weight)
 
 
 @dataclass(frozen=True)
@@ -189,8 +242,8 @@ class Route:
     """The tokens routed to one expert: x rows `tokens`, each through its top-k position `ks`."""
 
     expert: int
-    tokens: torch.Tensor            # int64 [n], ascending
-    ks: torch.Tensor                # int64 [n]
+    tokens: list[int]               # ascending
+    ks: list[int]
 
 
 def group_routes(topk_ids: torch.Tensor) -> list[Route]:
@@ -203,9 +256,7 @@ def group_routes(topk_ids: torch.Tensor) -> list[Route]:
             toks, ks = by_expert.setdefault(e, ([], []))
             toks.append(t)
             ks.append(k)
-    dev = topk_ids.device
-    return [Route(e, torch.tensor(by_expert[e][0], device=dev), torch.tensor(by_expert[e][1], device=dev))
-            for e in sorted(by_expert)]
+    return [Route(e, *by_expert[e]) for e in sorted(by_expert)]
 
 
 def moe_forward(x: torch.Tensor, topk_weights: torch.Tensor, routes: list[Route],
@@ -217,8 +268,20 @@ def moe_forward(x: torch.Tensor, topk_weights: torch.Tensor, routes: list[Route]
     two or more threads, neighbours in a wave that each serve one token (a decode step) are computed as
     a pair (pair_ffn); more tokens per expert are GEMMs torch's BLAS already spreads over its threads.
     Bitwise equal to moe_reference (tests/engine/test_speed_paths.py)."""
-    out = torch.zeros_like(x)
+    one_token = x.shape[0] == 1
+    out = None if one_token else torch.zeros_like(x)
     paired = x.device.type == "cpu" and torch.get_num_threads() >= 2
+
+    def accumulate(r: Route, y: torch.Tensor):
+        nonlocal out
+        if one_token:
+            # One row: zeros + y*w + y'*w' ... in expert order, without the zeros (0 + a is a) or an index_add.
+            yw = y * topk_weights[:, r.ks[0]:r.ks[0] + 1].to(y.dtype)
+            out = yw if out is None else out + yw
+        else:
+            tokens = torch.tensor(r.tokens, device=x.device)
+            out.index_add_(0, tokens, y * topk_weights[tokens, torch.tensor(r.ks, device=x.device), None].to(y.dtype))
+
     for i in range(0, len(routes), wave):
         chunk = routes[i:i + wave]
         views = resolve([r.expert for r in chunk])
@@ -228,19 +291,14 @@ def moe_forward(x: torch.Tensor, topk_weights: torch.Tensor, routes: list[Route]
             if paired and j + 1 < len(chunk) and len(r.tokens) == len(chunk[j + 1].tokens) == 1:
                 ys = pair_ffn(x[r.tokens], x[chunk[j + 1].tokens], views[j], views[j + 1])
                 if ys is not None:
-                    _accumulate(out, r, ys[0], topk_weights)
-                    _accumulate(out, chunk[j + 1], ys[1], topk_weights)
+                    accumulate(r, ys[0])
+                    accumulate(chunk[j + 1], ys[1])
                     j += 2
                     continue
             gate, up, down = views[j]
-            _accumulate(out, r, expert_ffn(x[r.tokens], gate.to(x.dtype), up.to(x.dtype), down.to(x.dtype)),
-                        topk_weights)
+            accumulate(r, expert_ffn(x[r.tokens], gate.to(x.dtype), up.to(x.dtype), down.to(x.dtype)))
             j += 1
-    return out
-
-
-def _accumulate(out: torch.Tensor, r: Route, y: torch.Tensor, topk_weights: torch.Tensor) -> None:
-    out.index_add_(0, r.tokens, y * topk_weights[r.tokens, r.ks, None].to(y.dtype))
+    return out if out is not None else torch.zeros_like(x)
 
 
 class InMemoryExperts:

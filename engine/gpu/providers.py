@@ -45,6 +45,7 @@ class GpuResidentExperts:
     @classmethod
     def from_store(cls, store_dir: str | Path, device: torch.device) -> "GpuResidentExperts":
         m = mf.load(store_dir)
+        mf.check_order(m, device, store_dir)
         e, rec = m.experts_per_layer, m.record_bytes
         arena = torch.empty((len(m.moe_layers) * e, m.layout.record_elems), dtype=m.layout.dtype, device=device)
         staging = aligned_buffer(e * rec)
@@ -72,6 +73,7 @@ class GpuOffloadExperts:
                  ram_slots: int, readers: int = 8, reader_cpus: set[int] | None = None, policy: str = "lru"):
         self.m, self.layout = manifest, manifest.layout
         self.device = torch.device(device)
+        mf.check_order(manifest, self.device, store_dir)
         n = len(manifest.records)
         self.gpu_cache = ExpertCache("gpu", min(gpu_slots, n), make_policy(policy))
         self.ram_cache = ExpertCache("ram", min(ram_slots, n), make_policy(policy))

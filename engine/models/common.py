@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
-from engine.experts import ExpertProvider, linear_rows
+from engine.experts import ExpertProvider, Projection
 from engine.kv_cache import KVCache, select
 
 
@@ -73,12 +73,12 @@ class MLP(nn.Module):
 
     def __init__(self, w: WeightSource, prefix: str):
         super().__init__()
-        self.gate_up = torch.cat([w.get(f"{prefix}.gate_proj.weight"), w.get(f"{prefix}.up_proj.weight")])
-        self.down = w.get(f"{prefix}.down_proj.weight")
+        self.gate_up = Projection(torch.cat([w.get(f"{prefix}.gate_proj.weight"), w.get(f"{prefix}.up_proj.weight")]))
+        self.down = Projection(w.get(f"{prefix}.down_proj.weight"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down)
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
 
 
 # ---------------------------------------------------------------- routing helpers
@@ -144,15 +144,14 @@ class Attention(nn.Module):
         p = f"model.layers.{layer}.self_attn"
         self.layer, self.kv, self.cfg = layer, kv, cfg
         # q, k, v as one matrix: one matmul per layer instead of three.
-        self.wqkv = torch.cat([w.get(f"{p}.{n}_proj.weight") for n in "qkv"])
+        wqkv = torch.cat([w.get(f"{p}.{n}_proj.weight") for n in "qkv"])
         biases = [w.maybe(f"{p}.{n}_proj.bias") for n in "qkv"]
+        bqkv = None
         if any(b is not None for b in biases):
             sizes = (cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim)
-            biases = [b if b is not None else self.wqkv.new_zeros(n) for b, n in zip(biases, sizes)]
-            self.bqkv = torch.cat(biases)
-        else:
-            self.bqkv = None
-        self.wo, self.bo = w.get(f"{p}.o_proj.weight"), w.maybe(f"{p}.o_proj.bias")
+            bqkv = torch.cat([b if b is not None else wqkv.new_zeros(n) for b, n in zip(biases, sizes)])
+        self.qkv = Projection(wqkv, bqkv)
+        self.o = Projection(w.get(f"{p}.o_proj.weight"), w.maybe(f"{p}.o_proj.bias"))
         self.split = (cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim)
         self.q_norm = w.get(f"{p}.q_norm.weight") if cfg.use_qk_norm else None
         self.k_norm = w.get(f"{p}.k_norm.weight") if cfg.use_qk_norm else None
@@ -161,7 +160,7 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, s: Step) -> torch.Tensor:
         cfg = self.cfg
         b, t, _ = x.shape
-        qkv = F.linear(x, self.wqkv, self.bqkv) if self.bqkv is not None else linear_rows(x, self.wqkv)
+        qkv = self.qkv(x)
         heads = cfg.num_heads + cfg.num_kv_heads
         if self.q_norm is None:
             # q and k side by side in qkv: rotate them in one go (the same elementwise ops, half the calls)
@@ -184,7 +183,7 @@ class Attention(nn.Module):
             q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=s.mask,
             is_causal=s.mask is None and not s.decode, scale=self.scale, enable_gqa=cfg.kv_groups > 1)
         o = o.transpose(1, 2).reshape(b, t, cfg.num_heads * cfg.head_dim)
-        return F.linear(o, self.wo, self.bo) if self.bo is not None else linear_rows(o, self.wo)
+        return self.o(o)
 
 
 class DecoderLayer(nn.Module):
@@ -217,6 +216,7 @@ class MoEModel(nn.Module):
         self.norm = w.get("model.norm.weight")
         head = w.maybe("lm_head.weight")
         self.lm_head = head if head is not None else self.embed       # tie_word_embeddings
+        self.head = Projection(self.lm_head)                            # on the CPU a transposed copy (tied or not)
         moe = set(cfg.moe_layers)
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, w, l, kv, self.build_moe(w, l) if l in moe else self.build_dense(w, l))
@@ -263,7 +263,7 @@ class MoEModel(nn.Module):
                  cos=self.cos[start:kv_len].view(1, t, 1, -1), sin=self.sin[start:kv_len].view(1, t, 1, -1),
                  mask=None if plain_causal else self._mask(positions, kv_len), decode=False)
         h = self._run(ids, s)[0]
-        return linear_rows(h if all_logits else h[-1], self.lm_head)
+        return self.head(h if all_logits else h[-1])
 
     def decode_step(self, tokens, slots: list[int], positions: list[int]) -> torch.Tensor:
         """One token per sequence: tokens [B] go to (slots[b], positions[b]); logits [B, V]."""
@@ -283,4 +283,4 @@ class MoEModel(nn.Module):
         s = Step(slots=slots, sel=sel, idx=idx, positions=pos, start=0, kv_len=kv_len,
                  cos=self.cos[pos].view(b, 1, 1, -1), sin=self.sin[pos].view(b, 1, 1, -1),
                  mask=None if sees_all else self._mask(pos, kv_len), decode=True)
-        return linear_rows(self._run(ids, s)[:, 0], self.lm_head)     # lm_head's row halves on two threads
+        return self.head(self._run(ids, s)[:, 0])                       # one row: lm_head's column halves on two threads

@@ -1,7 +1,8 @@
 """What a store holds: manifest.json beside experts.bin.
 
 Records are laid out layer-major (layer l's experts 0..E-1, then the next MoE layer), each
-exactly ExpertLayout.pack(gate, up, down) in the store dtype, padded to 4 KiB.
+exactly ExpertLayout.pack(gate, up, down) in the store dtype and record order (rows or cols,
+engine.experts; a manifest without "order" is rows), padded to 4 KiB.
 
 Exit codes of the one-line reasons: 3 the store does not belong here (missing, another
 checkpoint), 8 integrity (garbled manifest, wrong file size).
@@ -14,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from engine.cli import EngineError
-from engine.experts import ALIGN, DTYPES, ExpertLayout
+from engine.experts import ALIGN, DTYPES, ORDERS, ExpertLayout
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -45,6 +46,7 @@ class Manifest:
     records: list[Record]
     created: str
     format_version: int = FORMAT_VERSION
+    order: str = "rows"
     _index: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self):
@@ -52,7 +54,7 @@ class Manifest:
 
     @property
     def layout(self) -> ExpertLayout:
-        return ExpertLayout(self.hidden, self.intermediate, DTYPES[self.dtype])
+        return ExpertLayout(self.hidden, self.intermediate, DTYPES[self.dtype], self.order)
 
     def record(self, layer: int, expert: int) -> Record:
         return self.records[self._index[(layer, expert)]]
@@ -89,6 +91,8 @@ def load(store_dir: str | os.PathLike, *, check_size: bool = True) -> Manifest:
         m = Manifest(**raw)
         if m.dtype not in DTYPES:
             raise ValueError(f"dtype {m.dtype!r}")
+        if m.order not in ORDERS:
+            raise ValueError(f"order {m.order!r}")
         if m.record_bytes != m.layout.record_bytes or m.record_bytes % ALIGN:
             raise ValueError(f"record_bytes {m.record_bytes} != {m.layout.record_bytes} for its shape")
         if len(m.records) != len(m.moe_layers) * m.experts_per_layer:
@@ -108,6 +112,13 @@ def load(store_dir: str | os.PathLike, *, check_size: bool = True) -> Manifest:
         if size != m.total_bytes:
             raise EngineError(f"{data}: {size} bytes, the manifest says {m.total_bytes}", EXIT_INTEGRITY)
     return m
+
+
+def check_order(m: Manifest, device, store_dir) -> None:
+    """The GPU kernels read rows-order records; a cols store is for CPU serving (the CPU reads either)."""
+    if m.order != "rows" and str(device).startswith("cuda"):
+        raise EngineError(f"{Path(store_dir)}: holds {m.order}-order records, the GPU kernels read rows "
+                          f"(repack with `engine pack-store --order rows`)", EXIT_BAD_MODEL)
 
 
 def check_matches(m: Manifest, checkpoint, store_dir) -> None:

@@ -56,11 +56,12 @@ class PackResult:
 
 
 def pack_store(model_dir: str | os.PathLike, store_dir: str | os.PathLike, *, dtype: torch.dtype | None = None,
-               readers: int | None = None, progress: Callable[[str, int], None] | None = None,
+               order: str = "rows", readers: int | None = None, progress: Callable[[str, int], None] | None = None,
                sample: int = SAMPLE) -> PackResult:
-    """Pack `model_dir`'s routed experts into `store_dir`. progress(phase, n_bytes): phase 'write' | 'verify'."""
+    """Pack `model_dir`'s routed experts into `store_dir` in record `order` (engine.experts: rows for the GPU,
+    cols for CPU serving). progress(phase, n_bytes): phase 'write' | 'verify'."""
     ck = Checkpoint(model_dir)
-    layout = ck.layout(dtype)
+    layout = ck.layout(dtype, order)
     store_dir = Path(os.path.abspath(store_dir))
     parent = store_dir.parent
     try:
@@ -109,7 +110,7 @@ def publish_store(staging: Path, store_dir: Path, *, config_hash: str, arch: str
                     dtype=str(layout.dtype).removeprefix("torch."), record_bytes=layout.record_bytes,
                     total_bytes=len(plan) * layout.record_bytes,
                     records=[mf.Record(l, e, o, d) for (l, e, o), d in zip(plan, digests)],
-                    created=datetime.now(timezone.utc).isoformat(timespec="seconds"))
+                    created=datetime.now(timezone.utc).isoformat(timespec="seconds"), order=layout.order)
     _write_manifest(staging / mf.MANIFEST, m)
     _fsync_dir(staging)
     _publish(staging, store_dir)

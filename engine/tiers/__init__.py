@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from engine.experts import DTYPES, ExpertProvider, InMemoryExperts
+from engine.experts import DTYPES, ExpertProvider, InMemoryExperts, order_for
 
 log = logging.getLogger("engine.tiers")
 
@@ -24,10 +24,11 @@ def _as_checkpoint(checkpoint):
     return checkpoint if isinstance(checkpoint, Checkpoint) else Checkpoint(checkpoint)
 
 
-def in_memory(checkpoint, *, device="cpu", dtype: torch.dtype | None = None) -> InMemoryExperts:
-    """Every routed expert packed into memory (the reference provider, and small models)."""
+def in_memory(checkpoint, *, device="cpu", dtype: torch.dtype | None = None, order: str | None = None) -> InMemoryExperts:
+    """Every routed expert packed into memory (the reference provider, and small models), in record
+    `order` (default: the one the device computes fastest from)."""
     ck = _as_checkpoint(checkpoint)
-    layout = ck.layout(dtype)
+    layout = ck.layout(dtype, order or order_for(device))
     records = {l: torch.stack([layout.pack(*ck.expert(l, e)) for e in range(ck.n_experts)]).to(device)
                for l in ck.moe_layers}
     return InMemoryExperts(layout, records)
@@ -64,6 +65,7 @@ def build_provider(checkpoint, store_dir, *, device="cpu", dtype: torch.dtype | 
     if dtype is not None and dtype != m.layout.dtype:
         raise EngineError(f"{Path(store_dir)}: holds {m.dtype} records, {str(dtype).removeprefix('torch.')} was "
                           f"asked for (repack with `engine pack-store --dtype`)", 3)
+    mf.check_order(m, device, store_dir)
     probe(store_dir)
     n = len(m.records)
     if ram_slots is None:

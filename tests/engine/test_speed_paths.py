@@ -1,9 +1,9 @@
 """The CPU decode's fast paths compute exactly what the plain ones do, bit for bit.
 
-pair_ffn (two experts as one batched matmul), linear_rows (a GEMV as two row halves) and moe_forward
-(one host read of the routing, experts paired) must equal expert_ffn / F.linear / moe_reference
-exactly — with torch on one thread and on two — so the thread count and the tier an expert comes
-from never change a token. Real records: a packed per-layer tensor (all in memory) and an O_DIRECT-
+pair_ffn (two experts as one batched matmul), Projection (a weight held transposed, a one-row GEMV as
+two column halves) and moe_forward (one host read of the routing, experts paired) must equal
+expert_ffn / one matmul / moe_reference exactly — with torch on one thread and on two, in both record
+orders — so the thread count and the tier an expert comes from never change a token. Real records: a packed per-layer tensor (all in memory) and an O_DIRECT-
 aligned anonymous mapping like the RAM tier's arena.
 """
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.experts import (ExpertLayout, expert_ffn, group_routes, linear_rows, moe_forward, moe_reference,
+from engine.experts import (ORDERS, ExpertLayout, Projection, expert_ffn, group_routes, moe_forward, moe_reference,
                             pair_ffn, set_compute_threads)
 from engine.store.odirect import aligned_buffer
 
@@ -45,10 +45,28 @@ def arena_records(layout: ExpertLayout, recs: torch.Tensor):
                 for s in range(len(recs))]
 
 
+@pytest.fixture(params=ORDERS)
+def order(request):
+    return request.param
+
+
+def test_both_orders_hold_the_same_matrices(order):
+    lay = ExpertLayout(40, 72, torch.float32, order)
+    g = torch.Generator().manual_seed(3)
+    gate, up, down = torch.randn(72, 40, generator=g), torch.randn(72, 40, generator=g), torch.randn(40, 72, generator=g)
+    rec = lay.pack(gate, up, down)
+    assert all(torch.equal(a, b) for a, b in zip(lay.views(rec), (gate, up, down)))
+    n = 72 * 40                                         # and where: rows as given, cols transposed side by side
+    first_row = rec[:2 * 72] if order == "cols" else rec[:40]
+    assert torch.equal(first_row, torch.cat([gate[:, 0], up[:, 0]]) if order == "cols" else gate[0])
+    assert torch.equal(rec[2 * n:3 * n], (down.t() if order == "cols" else down).reshape(-1))
+    assert not rec[3 * n:].any()                        # the padding to 4 KiB is zeros
+
+
 @pytest.mark.parametrize("hidden,inter", SHAPES)
 @pytest.mark.parametrize("where", ["packed", "arena"])
-def test_pair_ffn_is_each_expert_alone(hidden, inter, where, threads):
-    lay = ExpertLayout(hidden, inter, torch.float32)
+def test_pair_ffn_is_each_expert_alone(hidden, inter, where, order, threads):
+    lay = ExpertLayout(hidden, inter, torch.float32, order)
     recs = packed_records(lay, 5, seed=hidden)
     mm, slots = arena_records(lay, recs) if where == "arena" else (None, list(recs))
     g = torch.Generator().manual_seed(1)
@@ -74,13 +92,21 @@ def test_pair_ffn_declines_what_it_cannot_batch():
 
 
 @pytest.mark.parametrize("rows,cols", [(49152, 576), (960, 576), (576, 576), (2050, 33), (65536, 33)])
-def test_linear_rows_is_one_linear(rows, cols, threads):
+@pytest.mark.parametrize("bias", [False, True])
+def test_projection_is_one_matmul(rows, cols, bias, threads):
     g = torch.Generator().manual_seed(rows)
     w = torch.randn(rows, cols, generator=g)
+    b = torch.randn(rows, generator=g) if bias else None
+    proj = Projection(w, b)
+    assert proj.halves == (rows * cols * 4 >= 256 << 10 and (rows // 2 * 4) % 64 == 0)
     for shape in [(cols,), (1, cols), (1, 1, cols), (3, cols), (2, 1, cols)]:      # one row is split, more are not
         x = torch.randn(*shape, generator=g)
-        got = linear_rows(x, w)
-        assert got.shape == (*shape[:-1], rows) and torch.equal(got, F.linear(x, w)), shape
+        got = proj(x)
+        wt = w.t().contiguous()
+        want = torch.addmm(b, x.reshape(-1, cols), wt).view(got.shape) if bias else x @ wt
+        assert got.shape == (*shape[:-1], rows) and torch.equal(got, want), shape
+        # and the same function as transformers' nn.Linear, to fp32 rounding
+        torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-4)
 
 
 def test_group_routes_visit_experts_as_moe_reference_does():
@@ -89,14 +115,14 @@ def test_group_routes_visit_experts_as_moe_reference_does():
     assert [r.expert for r in routes] == torch.unique(ids).tolist()
     for r in routes:
         tok, k = (ids == r.expert).nonzero(as_tuple=True)
-        assert torch.equal(r.tokens, tok) and torch.equal(r.ks, k)
+        assert r.tokens == tok.tolist() and r.ks == k.tolist()
 
 
 @pytest.mark.parametrize("hidden,inter", SHAPES[1:])
 @pytest.mark.parametrize("tokens,top_k", [(1, 2), (1, 3), (1, 8), (5, 2)])
 @pytest.mark.parametrize("wave", [1, 2, 3, 8])
-def test_moe_forward_equals_moe_reference(hidden, inter, tokens, top_k, wave, threads):
-    lay = ExpertLayout(hidden, inter, torch.float32)
+def test_moe_forward_equals_moe_reference(hidden, inter, tokens, top_k, wave, order, threads):
+    lay = ExpertLayout(hidden, inter, torch.float32, order)
     recs = packed_records(lay, 8, seed=inter)
     mm, slots = arena_records(lay, recs)
     g = torch.Generator().manual_seed(tokens * 10 + top_k)

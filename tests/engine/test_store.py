@@ -84,6 +84,46 @@ def test_pack_converts_dtype(ckpt, tmp_path, capsys):
         assert data[r.offset:r.offset + m.record_bytes] == want, (r.layer, r.expert)
 
 
+def test_pack_cols_order_for_cpu_serving(ckpt, tmp_path, capsys):
+    """--order cols: every matrix transposed (the CPU's fast GEMV orientation), recorded in the manifest,
+    verified like any store; the GPU refuses it by name before touching a device."""
+    from engine.tiers import build_provider
+    s = tmp_path / "cols"
+    rc, out, err = run(["pack-store", "-q", "--model", str(ckpt), "--store", str(s), "--order", "cols"], capsys)
+    assert rc == 0, err
+    m, ck = mf.load(s), Checkpoint(ckpt)
+    assert m.order == "cols" and json.loads((s / "manifest.json").read_text())["order"] == "cols"
+    layout = ck.layout(order="cols")
+    data = (s / "experts.bin").read_bytes()
+    rows = (tmp_path / "rows")
+    pack_store(ckpt, rows)
+    assert mf.load(rows).order == "rows" and (rows / "experts.bin").read_bytes() != data
+    for r in m.records:
+        want = layout.pack(*ck.expert(r.layer, r.expert)).view(torch.uint8).numpy().tobytes()
+        assert data[r.offset:r.offset + m.record_bytes] == want, (r.layer, r.expert)
+        gate, up, down = ck.expert(r.layer, r.expert)
+        rec = torch.frombuffer(bytearray(data[r.offset:r.offset + m.record_bytes]), dtype=layout.dtype)
+        assert torch.equal(rec[:gate.numel() * 2].view(ck.hidden, -1), torch.cat([gate.t(), up.t()], dim=1))
+    rc, out, err = run(["verify-store", "-q", "--store", str(s)], capsys)
+    assert rc == 0 and "24 ok, 0 bad" in out, err
+    assert build_provider(ck, s, ram_slots=4, readers=1).layout.order == "cols"     # the CPU reads either order
+    with pytest.raises(EngineError, match=r"holds cols-order records, the GPU kernels read rows \(repack with "
+                                          r"`engine pack-store --order rows`\)") as e:
+        build_provider(ck, s, device="cuda")
+    assert e.value.exit_code == 3
+
+
+def test_a_manifest_from_before_orders_reads_as_rows(store):
+    raw = json.loads((store / "manifest.json").read_text())
+    del raw["order"]
+    (store / "manifest.json").write_text(json.dumps(raw))
+    assert mf.load(store).order == "rows"
+    raw["order"] = "diagonal"
+    (store / "manifest.json").write_text(json.dumps(raw))
+    with pytest.raises(EngineError, match="garbled .*order 'diagonal'"):
+        mf.load(store)
+
+
 def test_verify_ok(store, capsys):
     rc, out, err = run(["verify-store", "-q", "--store", str(store)], capsys)
     assert rc == 0, err

@@ -16,7 +16,7 @@ from engine.checkpoint import Checkpoint
 from engine.cli import EngineError, main
 from engine.experts import InMemoryExperts
 from engine.store.pack import pack_store
-from engine.tiers import build_provider
+from engine.tiers import build_provider, in_memory
 from engine.tiers.readers import parse_cpu_layout
 
 
@@ -25,12 +25,12 @@ def packed(tiny_checkpoint, tmp_path_factory):
     """arch -> (checkpoint dir, store dir), packed once per module."""
     cache = {}
 
-    def get(arch, **kw):
-        key = (arch, tuple(sorted(kw.items())))
+    def get(arch, order="rows", **kw):
+        key = (arch, order, tuple(sorted(kw.items())))
         if key not in cache:
             ck = tiny_checkpoint(arch, **kw)
-            store = tmp_path_factory.mktemp(f"{arch}-store") / "store"
-            pack_store(ck, store)
+            store = tmp_path_factory.mktemp(f"{arch}-{order}-store") / "store"
+            pack_store(ck, store, order=order)
             cache[key] = (ck, store)
         return cache[key]
     return get
@@ -50,12 +50,15 @@ def routed_batches(ck: Checkpoint, steps: int, tokens: int, seed: int):
 
 @pytest.mark.parametrize("arch,kw", [("qwen3_moe", {}), ("glm4_moe", {}), ("mixtral", {"dtype": "bfloat16"})])
 @pytest.mark.parametrize("ram_slots", [1, 2, None])
-def test_tiered_equals_in_memory_whatever_the_ram_tier(packed, arch, kw, ram_slots):
-    ck_dir, store = packed(arch, **kw)
+@pytest.mark.parametrize("order", ["rows", "cols"])
+def test_tiered_equals_in_memory_whatever_the_ram_tier(packed, arch, kw, ram_slots, order):
+    ck_dir, store = packed(arch, order, **kw)
     ck = Checkpoint(ck_dir)
     n = len(ck.moe_layers) * ck.n_experts
-    ref = build_provider(ck, None)
-    assert isinstance(ref, InMemoryExperts)
+    ref = in_memory(ck, order=order)          # the same records in memory: bit-equal, whatever the tiers do
+    assert isinstance(ref, InMemoryExperts) and ref.layout.order == order
+    if order == "cols":                       # what the CPU holds without a store
+        assert build_provider(ck, None).layout.order == "cols"
     tiered = build_provider(ck, store, ram_slots=ram_slots or n, readers=2)
     try:
         picks = 0
