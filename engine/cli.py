@@ -15,6 +15,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "convert": ("engine.convert", "convert"),
     "synth": ("engine.synth", "synth"),
     "simulate-cache": ("engine.tiers.simulate", "simulate_cache"),
+    "reference-decode": ("engine.reference", "reference_decode"),
 }
 
 SHORT_HELP = {
@@ -25,6 +26,7 @@ SHORT_HELP = {
     "convert": "Convert a dense GGUF model into a sparse-upcycled Mixtral checkpoint.",
     "synth": "Synthesize a random checkpoint of a given MoE shape straight into a store.",
     "simulate-cache": "Compare expert-cache eviction policies on a routing trace.",
+    "reference-decode": "Time transformers' own generate on a model (the speed gate's baseline).",
 }
 
 
