@@ -128,6 +128,61 @@ def test_stream_cut_at_the_window_is_counted_by_the_servers_tokenizer(recipe):
     assert 10 <= sp["completion_tokens"] <= 20
 
 
+BASELINE_SCRIPT = """
+import json, sys
+args = sys.argv[1:]
+opt = lambda name: args[args.index(name) + 1]
+open(sys.argv[0] + ".args", "w").write(json.dumps(args))
+mode = args[0]
+if mode == "crash":
+    print("loading the GGUF", file=sys.stderr)
+    print("OSError: no such file: /m/x.gguf", file=sys.stderr)
+    sys.exit(3)
+if mode == "garbage":
+    print("decode was quick")
+    sys.exit(0)
+print(json.dumps({"decode_tps": float(mode), "tokens": int(opt("--tokens")), "label": "ignored"}))
+"""
+
+
+def baseline_for(tmp_path, mode: str) -> dict:
+    """A plan's steps.check.baseline whose program is a script: the reference itself (engine
+    reference-decode, transformers) is tested in tests/engine/test_reference_decode.py; here the gate's
+    side of the contract — what it passes, what it reads, what it decides — against a real child process."""
+    script = tmp_path / "baseline.py"
+    script.write_text(BASELINE_SCRIPT)
+    return {"argv": [sys.executable, str(script), mode], "env": {}, "label": "the reference", "timeoutSeconds": 60}
+
+
+@pytest.mark.parametrize("mode,passed,reason", [
+    ("5.0", True, r"decode \d+\.\d tok/s ≥ the floor of 15 and \d+\.\d\d× the reference: 5\.0 tok/s on the same prompt and 11 tokens"),
+    ("100000", False, r"decode \d+\.\d tok/s is not faster than the reference: 100000\.0 tok/s on the same prompt and 11 tokens \(0\.\d\d×\)"),
+    ("crash", False, r"the baseline \(the reference\) failed: exit 3: OSError: no such file: /m/x\.gguf$"),
+    ("garbage", False, r"failed: no JSON line with decode_tps on its stdout \(last line: 'decode was quick'\)$"),
+])
+def test_a_decode_baseline_is_timed_on_the_same_prompt_and_tokens(recipe, tmp_path, mode, passed, reason):
+    import re
+    from tool.checks.speed import MESSAGES, TEMPERATURE
+    with OpenAIServer(token_delay_s=0.02) as s:
+        e = run_gates(recipe, s.url, gates=["speed"], speed_max_tokens=11, baseline=baseline_for(tmp_path, mode), **FAST)
+    sp = e["gates"]["speed"]
+    assert sp["passed"] is passed and re.search(reason, sp["reason"]), sp["reason"]
+    args = json.loads((tmp_path / "baseline.py.args").read_text())
+    assert args[1:] == ["--messages", json.dumps(MESSAGES), "--tokens", "11", "--temperature", str(TEMPERATURE)]
+    if mode == "5.0":
+        assert sp["baseline"]["label"] == "the reference" and sp["baseline_decode_tps"] == 5.0
+        assert sp["vs_baseline"] == pytest.approx(sp["decode_tps"] / 5.0, abs=2e-3) and sp["vs_baseline"] > 1
+    elif mode in ("crash", "garbage"):
+        assert "decode_tps" not in sp["baseline"] and sp["decode_tps"] > 15     # the server's own figure is kept
+
+
+def test_a_floor_failure_does_not_run_the_baseline(recipe, tmp_path):
+    with OpenAIServer(token_delay_s=0.1) as s:
+        e = run_gates(recipe, s.url, gates=["speed"], speed_max_tokens=8, baseline=baseline_for(tmp_path, "1.0"), **FAST)
+    assert "under the floor of 15" in e["gates"]["speed"]["reason"] and "baseline" not in e["gates"]["speed"]
+    assert not (tmp_path / "baseline.py.args").exists()
+
+
 def test_server_that_dies_during_load_fails_load_at_once_with_the_reason(recipe, tmp_path):
     log = tmp_path / "server.log"
     with open(log, "w") as out:

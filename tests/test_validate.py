@@ -55,6 +55,10 @@ EXPECTED: dict[str, list[tuple[str, str, str]]] = {
         ("revision-not-a-commit.json", "$.weights.revision",
          'revision "main" is not a commit: pin the 40-hex commit id (a branch or tag name can move)'),
     ],
+    "decode-baseline-on-a-container.json": [
+        ("decode-baseline-on-a-container.json", "$.checks.decode_baseline",
+         "decode_baseline runs the recipe's native program: it needs runtime.kind native"),
+    ],
     "memory-swap-below-memory.json": [
         ("memory-swap-below-memory.json", "$.runtime.container.memory_swap_bytes",
          "memory_swap_bytes 4294967296 is below memory_bytes 8589934592: it must be at least that (equal turns swap off)"),

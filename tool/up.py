@@ -197,9 +197,11 @@ class Up:
 
     def checks(self):
         from tool.checks.runner import run_checks
+        from tool.checks.baseline import from_plan
         limits = {"load_timeout_s": self.opts.load_timeout_s} if self.opts.load_timeout_s else {}
         evidence = run_checks(self.recipe, self.report.endpoint, self.opts.gates, is_alive=self.server.is_alive,
-                              evidence_dir=self.dirs.evidence, reporter=self.reporter, **limits)
+                              evidence_dir=self.dirs.evidence, reporter=self.reporter,
+                              baseline=from_plan(self.plan), **limits)
         self.report.checks = evidence
         self.report.verdict = evidence["verdict"]
         failed = evidence["failed_gates"]

@@ -244,6 +244,13 @@ def swap_not_below_memory(recipe: Recipe) -> Iterator[tuple[Where, str]]:
                "(equal turns swap off)")
 
 
+def decode_baseline_needs_native(recipe: Recipe) -> Iterator[tuple[Where, str]]:
+    """The speed gate's baseline runs the recipe's native program; a container recipe has none to run."""
+    if _get(recipe.data, "checks", "decode_baseline") is not None and _get(recipe.data, "runtime", "kind") != "native":
+        yield (("checks", "decode_baseline"),
+               "decode_baseline runs the recipe's native program: it needs runtime.kind native")
+
+
 def _under(path: str, root: str) -> bool:
     path, root = posixpath.normpath(path), posixpath.normpath(root)
     return path == root or path.startswith(root.rstrip("/") + "/")
@@ -377,6 +384,7 @@ RULES = (
     image_pinned_by_digest,
     revision_is_a_commit,
     swap_not_below_memory,
+    decode_baseline_needs_native,
     writes_only_on_writable_mounts,
     only_prepare_writes_the_store,
     mounted_files_exist,

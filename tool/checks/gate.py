@@ -52,6 +52,7 @@ class GateContext:
     is_alive: IsAlive | None = None
     rng: random.Random = field(default_factory=random.Random)
     shared: dict = field(default_factory=dict)   # found once, used by several gates (token counter, models)
+    baseline: dict | None = None                 # the speed gate's reference (tool.checks.baseline), from the plan
 
     @property
     def served_name(self) -> str:

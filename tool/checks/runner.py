@@ -53,8 +53,9 @@ def limits_for(recipe, overrides: dict) -> dict:
 
 
 def run_gates(recipe, endpoint: str, gates: list[str] | None = None, is_alive: IsAlive | None = None,
-              reporter: Reporter | None = None, api_key: str | None = None, **limits) -> dict:
-    """Run the gates and return the evidence (not written)."""
+              reporter: Reporter | None = None, api_key: str | None = None, baseline: dict | None = None,
+              **limits) -> dict:
+    """Run the gates and return the evidence (not written). baseline: the plan's steps.check.baseline."""
     reporter = reporter or NullReporter()
     selected, expected = plan(recipe, gates)
     lim = limits_for(recipe, limits)
@@ -63,7 +64,7 @@ def run_gates(recipe, endpoint: str, gates: list[str] | None = None, is_alive: I
     results: dict[str, dict] = {}
     with Client(endpoint, api_key=api_key, timeout_s=lim["request_timeout_s"]) as client:
         ctx = GateContext(recipe=recipe, client=client, limits=lim, reporter=reporter, is_alive=is_alive,
-                          rng=random.Random(lim["seed"]))
+                          rng=random.Random(lim["seed"]), baseline=baseline)
         for name in selected:
             reporter.gate_started(name)
             first_record = len(client.records)
@@ -127,10 +128,10 @@ def _kiln_version() -> str | None:
 def run_checks(recipe, endpoint: str, gates: list[str] | None = None, is_alive: IsAlive | None = None,
                evidence_dir: str | os.PathLike = "evidence", json_path: str | os.PathLike | None = None,
                record: bool = False, reporter: Reporter | None = None, api_key: str | None = None,
-               **limits) -> dict:
+               baseline: dict | None = None, **limits) -> dict:
     """Run the gates, write the evidence (and the proof line with record=True); → the evidence,
     plus "evidence_files" and "evidence_sha256" (where it went; not part of the file itself)."""
-    evidence = run_gates(recipe, endpoint, gates, is_alive, reporter, api_key, **limits)
+    evidence = run_gates(recipe, endpoint, gates, is_alive, reporter, api_key, baseline, **limits)
     when = datetime.fromisoformat(evidence["started_at"].replace("Z", "+00:00"))
     paths, sha = ev.write(evidence, recipe, evidence_dir, json_path, when)
     if record:

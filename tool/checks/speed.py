@@ -1,24 +1,30 @@
-"""speed: streamed decode tok/s ≥ the recipe's floor; prefill tok/s and TTFT reported.
+"""speed: streamed decode tok/s ≥ the recipe's floor (and above its baseline, when it names one);
+prefill tok/s and TTFT reported.
 
 decode tok/s = (completion tokens − 1) / (t_last − t_first): the first token's time is prefill's.
 Completion tokens come from the server's usage (stream_options.include_usage) or, when the stream
 was cut at the window, from the server's tokenizer; never from characters.
+A baseline (tool.checks.baseline) decodes the same prompt, as many tokens, at the same temperature,
+right after, timed the same way: the server must be faster, measured in this run.
 """
 from __future__ import annotations
 
 import secrets
 
+from tool.checks import baseline as bl
 from tool.checks import filler
 from tool.checks.client import ClientError
 from tool.checks.gate import GateContext, fail, ok
 
 PROMPT = "Write a 600-word story about a lighthouse keeper who finds a message in a bottle."
+MESSAGES = [{"role": "user", "content": PROMPT}]
+TEMPERATURE = 0.8
 
 
 def decode(ctx: GateContext, figures: dict) -> float | None:
     """Returns decode tok/s, or None with figures["decode_error"] set."""
     window = ctx.limits["speed_window_s"]
-    body = {"model": ctx.served_name, "messages": [{"role": "user", "content": PROMPT}], "temperature": 0.8,
+    body = {"model": ctx.served_name, "messages": MESSAGES, "temperature": TEMPERATURE,
             "max_tokens": min(ctx.limits["speed_max_tokens"], ctx.context_window // 4),
             "stream_options": {"include_usage": True}}
 
@@ -82,4 +88,19 @@ def run(ctx: GateContext) -> dict:
         return fail(figures["decode_error"], **figures)
     if tps < floor:
         return fail(f"decode {tps:.1f} tok/s is under the floor of {floor:g}", **figures)
-    return ok(f"decode {tps:.1f} tok/s ≥ the floor of {floor:g}", **figures)
+    if ctx.baseline is None:
+        return ok(f"decode {tps:.1f} tok/s ≥ the floor of {floor:g}", **figures)
+    label = ctx.baseline.get("label") or "the baseline"
+    ctx.reporter.progress(f"timing {label} on the same {figures['completion_tokens']} tokens")
+    try:
+        base = bl.measure(ctx.baseline, MESSAGES, figures["completion_tokens"], TEMPERATURE)
+    except bl.BaselineError as e:
+        figures["baseline"] = {"label": label, "error": str(e)}
+        return fail(f"decode {tps:.1f} tok/s, but the baseline ({label}) failed: {e}", **figures)
+    figures["baseline"] = base
+    figures["baseline_decode_tps"] = round(base["decode_tps"], 2)
+    figures["vs_baseline"] = ratio = round(tps / base["decode_tps"], 3)
+    than = f"{label}: {base['decode_tps']:.1f} tok/s on the same prompt and {figures['completion_tokens']} tokens"
+    if tps <= base["decode_tps"]:
+        return fail(f"decode {tps:.1f} tok/s is not faster than {than} ({ratio:.2f}×)", **figures)
+    return ok(f"decode {tps:.1f} tok/s ≥ the floor of {floor:g} and {ratio:.2f}× {than}", **figures)

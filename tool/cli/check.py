@@ -77,8 +77,9 @@ def figure(name: str, r: dict) -> str:
         frac = r.get("fill_fraction")
         return f"{frac:.1%} of {r.get('window', 0):,}" if isinstance(frac, float) else "–"
     if name == "speed":
+        vs = f" · {r['vs_baseline']:.2f}× baseline" if isinstance(r.get("vs_baseline"), (int, float)) else ""
         return (f"decode {num(r.get('decode_tps'), '.1f')} · prefill {num(r.get('prefill_tps'), ',.0f')} tok/s"
-                f" · TTFT {num(r.get('ttft_s'), '.2f')} s")
+                f" · TTFT {num(r.get('ttft_s'), '.2f')} s{vs}")
     return ""
 
 
@@ -96,6 +97,17 @@ def results_table(evidence: dict) -> Table:
     return t
 
 
+def _baseline(recipe) -> dict | None:
+    """The recipe's decode baseline with Kiln's paths filled in (the plan compiled for KILN_* or the defaults)."""
+    from tool.checks.baseline import resolve
+    from tool.errors import KilnError
+    try:
+        return resolve(recipe)
+    except KilnError as e:
+        raise KilnError(f"the speed gate's decode baseline needs {recipe.id}'s compiled plan: {e} "
+                        f"(--no-baseline checks the floor only)", e.exit_code) from None
+
+
 @click.command("check")
 @click.argument("recipe")
 @click.option("--endpoint", required=True, metavar="URL", help="The server's OpenAI base URL, e.g. http://127.0.0.1:8000/v1.")
@@ -108,7 +120,10 @@ def results_table(evidence: dict) -> Table:
 @click.option("--speed-window", type=float, metavar="S", help="Decode timing window, seconds (default 30).")
 @click.option("--seed", type=int, help="Seed for the context needle's code and depth (default: random).")
 @click.option("--api-key", envvar="KILN_API_KEY", help="Bearer token for the server [env KILN_API_KEY].")
-def check(recipe, endpoint, gates, json_path, record, evidence_dir, load_timeout, speed_window, seed, api_key):
+@click.option("--no-baseline", is_flag=True,
+              help="Skip the recipe's decode baseline (checks.decode_baseline): the speed gate checks the floor only.")
+def check(recipe, endpoint, gates, json_path, record, evidence_dir, load_timeout, speed_window, seed, api_key,
+          no_baseline):
     """Run the acceptance gates of RECIPE (an id or a file) against the server at --endpoint."""
     from tool.checks.runner import GATES, run_checks
 
@@ -121,10 +136,11 @@ def check(recipe, endpoint, gates, json_path, record, evidence_dir, load_timeout
                                  param_hint="--endpoint")
     r = _load_recipe(recipe)
     err = Console(stderr=True, highlight=False)
+    baseline = None if no_baseline or (only is not None and "speed" not in only) else _baseline(r)
     evidence = run_checks(r, endpoint, gates=only, evidence_dir=evidence_dir,
                           json_path=None if json_path == "-" else json_path, record=record,
-                          reporter=RichReporter(err), api_key=api_key, load_timeout_s=load_timeout,
-                          speed_window_s=speed_window, seed=seed)
+                          reporter=RichReporter(err), api_key=api_key, baseline=baseline,
+                          load_timeout_s=load_timeout, speed_window_s=speed_window, seed=seed)
     if json_path == "-":
         files = evidence.pop("evidence_files"), evidence.pop("evidence_sha256")
         click.echo(json.dumps(evidence, indent=2, ensure_ascii=False))
