@@ -63,6 +63,27 @@ def test_prepare_publishes_a_verified_store_then_skips_then_force_rebuilds(setup
     assert [p.name for p in (state / "stores").iterdir()] == [store.name]
 
 
+def test_a_store_built_from_other_inputs_is_rebuilt_not_reused(setup):
+    """The store records what it was built from; a recipe whose prepare step changed (here: the record
+    order) gets a new store even though the old one still verifies."""
+    env, state, store = setup
+    assert tool("prepare", "tiny-moe", "--state-dir", str(state), env=env).returncode == 0
+    marker = json.loads((store / ".kiln-prepared.json").read_text())
+    assert marker["recipe"] == "tiny-moe" and len(marker["inputs"]) == 64
+    assert json.loads((store / "experts" / "manifest.json").read_text())["order"] == "rows"
+
+    path = Path(env["KILN_RECIPES"]) / "cpu" / "any" / RECIPE.name
+    data = json.loads(path.read_text())
+    data["steps"]["prepare"]["commands"][-1] += ["--order", "cols"]
+    path.write_text(json.dumps(data, indent=2) + "\n")
+    r = tool("prepare", "tiny-moe", "--state-dir", str(state), env=env)
+    assert r.returncode == 0, r.stderr
+    assert "prepared, verified and published (rebuilt: the published store was built from other inputs" in r.stdout
+    assert json.loads((store / "experts" / "manifest.json").read_text())["order"] == "cols"
+    assert json.loads((store / ".kiln-prepared.json").read_text())["inputs"] != marker["inputs"]
+    assert json.loads(tool("prepare", "tiny-moe", "--state-dir", str(state), "--json", env=env).stdout)["status"] == "skipped"
+
+
 def test_a_failing_prepare_leaves_the_published_store_as_it_was(setup):
     env, state, store = setup
     assert tool("prepare", "tiny-moe", "--state-dir", str(state), env=env).returncode == 0

@@ -6,9 +6,15 @@ else changes. The plan's verify step then runs on the staged store; only a verif
 to `<stores>/<dirname>`. A failure or Ctrl-C removes the staging and leaves the published store (or
 none) as it was. A published store that no longer verifies is refused, not silently rebuilt: it was
 verified once, so something changed it (`--force` rebuilds it).
+
+Every published store holds `.kiln-prepared.json`, the sha256 of what it was built from (the recipe's
+weights, runtime and prepare step): a store built from other inputs — an older recipe, say one whose
+prepare now packs another record order — is rebuilt, not reused because it still verifies.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import shutil
 import signal
@@ -23,6 +29,7 @@ from tool.runners import Dirs, pid_alive
 from tool.store_verify import StoreReport, verify_store
 
 STAGING_PREFIX = ".staging-"
+INPUTS_MARKER = ".kiln-prepared.json"
 
 
 @dataclass
@@ -113,6 +120,20 @@ def publish(staged: Path, final: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+def inputs_hash(recipe) -> str:
+    """What a prepared store is a function of: the weights, the runtime (image, program) and the prepare step."""
+    inputs = {k: recipe.get(k) for k in ("weights", "runtime")} | {"prepare": (recipe.get("steps") or {}).get("prepare")}
+    return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()
+
+
+def built_from(store: Path) -> str | None:
+    """The inputs hash a published store records (None: none, or unreadable — a store from before markers)."""
+    try:
+        return json.loads((store / INPUTS_MARKER).read_text())["inputs"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def prepare(recipe, dirs: Dirs, force: bool = False, log=None, plan: dict | None = None) -> PrepareResult:
     """Skip, build-verify-publish, or refuse; see the module docstring. `plan`: the caller's, compiled
     for `dirs` (tool up has one); the staging plan is always compiled here."""
@@ -123,7 +144,11 @@ def prepare(recipe, dirs: Dirs, force: bool = False, log=None, plan: dict | None
     if step is None or final is None:
         return PrepareResult("none", final, "the recipe has no prepare step")
 
-    if final.exists() and not force:
+    inputs = inputs_hash(recipe)
+    rebuilt = ""
+    if final.exists() and not force and built_from(final) != inputs:
+        rebuilt = " (rebuilt: the published store was built from other inputs than the recipe's now)"
+    elif final.exists() and not force:
         report = verify_published(recipe, dirs, plan)
         if report.status in ("ok", "none"):
             return PrepareResult("skipped", final, f"{final}: already prepared and verified", time.monotonic() - t0)
@@ -158,7 +183,9 @@ def prepare(recipe, dirs: Dirs, force: bool = False, log=None, plan: dict | None
         if report.status not in ("ok", "none"):
             raise KilnError(f"{recipe.id}: the prepared store does not verify ({report.detail}); nothing published",
                             report.exit_code if report.exit_code != Exit.OK else Exit.INTEGRITY)
+        (staged / INPUTS_MARKER).write_text(json.dumps({"recipe": recipe.id, "inputs": inputs}) + "\n")
         publish(staged, final)
     finally:
         shutil.rmtree(staging_root, ignore_errors=True)
-    return PrepareResult("prepared", final, f"{final}: prepared, verified and published", time.monotonic() - t0)
+    return PrepareResult("prepared", final, f"{final}: prepared, verified and published{rebuilt}",
+                         time.monotonic() - t0)
