@@ -205,16 +205,42 @@ def pair_ffn(xa: torch.Tensor, xb: torch.Tensor, va, vb) -> tuple[torch.Tensor, 
     return (y[1], y[0]) if swapped else (y[0], y[1])
 
 
-SPLIT_MIN_BYTES = 256 << 10      # below this a GEMV is too short to be worth a second thread
+def single_ffn(x: torch.Tensor, views) -> torch.Tensor | None:
+    """expert_ffn for one expert and one token, as two batched GEMVs of two halves each (gate and up; the
+    two halves of down's outputs), so both intra-op threads work and every GEMV runs sequentially inside
+    the batch. A lone GEMV may instead be split by the BLAS itself across threads, summing in another
+    order on some CPUs (MKL on Intel Xeons does, tests/engine/test_speed_paths.py); a batch never is, so
+    a one-token expert gives the same bits alone, in a pair (pair_ffn) or on any number of threads.
+    None unless the record lies as its order says and every half starts 64-byte aligned."""
+    gate, up, down = views
+    inter, hidden = gate.shape
+    size = gate.element_size()
+    mat = _gate_up_matrix(gate, up)
+    if mat is None or gate.dtype != x.dtype or x.shape[0] != 1 or (inter * size) % 64 or hidden % 2 \
+            or (hidden // 2 * size) % 64:
+        return None
+    m, cols = mat
+    x2 = x.reshape(1, 1, hidden).expand(2, 1, hidden)
+    if cols:    # m = [gate^T | up^T] as [H, 2I]; down^T [I, H] split by output columns
+        gu = torch.bmm(x2, m.view(hidden, 2, inter).transpose(0, 1))
+        down_halves = down.t().view(inter, 2, hidden // 2).transpose(0, 1)
+    else:       # m = [gate; up] as [2I, H]; down [H, I] split by output rows
+        gu = torch.bmm(x2, m.view(2, inter, hidden).transpose(1, 2))
+        down_halves = down.view(2, hidden // 2, inter).transpose(1, 2)
+    h = F.silu(gu[0].contiguous()) * gu[1].contiguous()                          # [1, I], as expert_ffn's
+    return torch.bmm(h.reshape(1, 1, inter).expand(2, 1, inter), down_halves).reshape(1, hidden)
+
+
 
 
 class Projection:
     """One of the model's own weights, [out, in] as the checkpoint has it, held the way its device
     multiplies fastest. On the CPU: transposed ([in, out], contiguous) — the orientation torch's BLAS
-    streams at about twice the bandwidth for a one-row GEMV — and a one-row GEMV over a large weight
-    (lm_head, q|k|v, o, a dense MLP) goes out as two column halves in one batched matmul, so two
-    intra-op threads share it (a one-row GEMV runs on one thread). Every element is the same dot product
-    as in one matmul (bitwise: tests/engine/test_speed_paths.py). Elsewhere: F.linear, as given."""
+    streams at about twice the bandwidth for a one-row GEMV — and a one-row GEMV goes out as two column
+    halves in one batched matmul: two intra-op threads share it, and each half runs sequentially, so the
+    result has the same bits on one thread or several (a lone GEMV may be split by the BLAS itself, in
+    another summation order: see single_ffn). Every element is the dot product a sequential matmul
+    computes (bitwise: tests/engine/test_speed_paths.py). Elsewhere: F.linear, as given."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         self.out_features, self.in_features = weight.shape
@@ -222,8 +248,7 @@ class Projection:
         self.cpu = weight.device.type == "cpu"
         self.weight = weight.t().contiguous() if self.cpu else weight      # CPU: [in, out]
         out, size = self.out_features, weight.element_size()
-        self.halves = (self.cpu and out % 2 == 0 and (out // 2 * size) % 64 == 0     # each half's outputs 64-byte aligned
-                       and weight.numel() * size >= SPLIT_MIN_BYTES)
+        self.halves = self.cpu and out % 2 == 0 and (out // 2 * size) % 64 == 0   # each half's outputs 64-byte aligned
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if not self.cpu:
@@ -266,8 +291,9 @@ def moe_forward(x: torch.Tensor, topk_weights: torch.Tensor, routes: list[Route]
     into zeros in ascending expert order. The experts come `wave` at a time from resolve(experts) -> their
     (gate, up, down) views (a tiered provider may reuse a wave's slots for the next one). On the CPU with
     two or more threads, neighbours in a wave that each serve one token (a decode step) are computed as
-    a pair (pair_ffn); more tokens per expert are GEMMs torch's BLAS already spreads over its threads.
-    Bitwise equal to moe_reference (tests/engine/test_speed_paths.py)."""
+    a pair (pair_ffn), a one-token expert without a neighbour in halves (single_ffn); more tokens per
+    expert are GEMMs torch's BLAS already spreads over its threads. Bitwise equal to moe_reference on
+    one thread, whatever the wave (tests/engine/test_speed_paths.py)."""
     one_token = x.shape[0] == 1
     out = None if one_token else torch.zeros_like(x)
     paired = x.device.type == "cpu" and torch.get_num_threads() >= 2
@@ -295,8 +321,11 @@ def moe_forward(x: torch.Tensor, topk_weights: torch.Tensor, routes: list[Route]
                     accumulate(chunk[j + 1], ys[1])
                     j += 2
                     continue
-            gate, up, down = views[j]
-            accumulate(r, expert_ffn(x[r.tokens], gate.to(x.dtype), up.to(x.dtype), down.to(x.dtype)))
+            y = single_ffn(x[r.tokens], views[j]) if paired and len(r.tokens) == 1 else None
+            if y is None:
+                gate, up, down = views[j]
+                y = expert_ffn(x[r.tokens], gate.to(x.dtype), up.to(x.dtype), down.to(x.dtype))
+            accumulate(r, y)
             j += 1
     return out if out is not None else torch.zeros_like(x)
 
