@@ -211,3 +211,27 @@ def test_the_demo_recipes_baseline_is_compiled_for_the_hosts_directories(monkeyp
     assert b["label"] == "transformers' generate on the dense GGUF model" and b["timeoutSeconds"] == 600
     assert b["env"] == {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     assert resolve(load("glm-5.3-flash")) is None
+
+
+def test_the_check_unit_hands_tool_check_its_compiled_baseline(monkeypatch, tmp_path):
+    """The check unit's environment carries the plan's baseline as JSON (no Nix needed at run time);
+    when none can be had, the speed gate fails naming why and the other gates still run."""
+    from tool.checks.baseline import from_plan
+    from tool.cli.check import _baseline
+    from tool.plan import compile_plan
+    from tool.recipes import load
+    smol = load("smollm2-135m")
+    plan = compile_plan(smol, {"modelsDir": str(tmp_path)})
+    env = dict(plan["steps"]["check"]["env"])
+    assert json.loads(env["KILN_DECODE_BASELINE"]) == from_plan(plan)
+    monkeypatch.setenv("KILN_DECODE_BASELINE", env["KILN_DECODE_BASELINE"])
+    assert _baseline(smol) == from_plan(plan)
+
+    monkeypatch.setenv("KILN_DECODE_BASELINE", "{not json")
+    broken = _baseline(smol)
+    assert broken["error"].startswith("$KILN_DECODE_BASELINE is not JSON")
+    with OpenAIServer(token_delay_s=0.01, served_name="smollm2-135m") as s:
+        e = run_checks(smol, s.url, gates=["load", "speed"], evidence_dir=tmp_path / "ev", baseline=broken,
+                       poll_interval_s=0.05, load_timeout_s=5, speed_window_s=2, speed_max_tokens=11)
+    assert e["gates"]["load"]["passed"] and not e["gates"]["speed"]["passed"]
+    assert "the baseline (the baseline) failed: $KILN_DECODE_BASELINE is not JSON" in e["gates"]["speed"]["reason"]

@@ -20,9 +20,9 @@ let
     KILN_EVIDENCE_DIR = ctx.paths.evidence;
   };
 
-  oneshot = ctx: { argv, writes, mounts }:
+  oneshot = ctx: { argv, writes, mounts, extraEnv ? { } }:
     let
-      env = toolEnv ctx;
+      env = toolEnv ctx // extraEnv;
       sandbox = hardening.sandbox { network = true; inherit writes; userUnits = ctx.o.userUnits; };
     in
     {
@@ -51,6 +51,8 @@ rec {
     argv = [ ctx.o.toolBin "check" ctx.id "--endpoint" (endpoint ctx) ];
     writes = [ ctx.paths.evidence ];
     mounts = [{ source = "evidence"; host = ctx.paths.evidence; target = ctx.paths.evidence; readOnly = false; }];
+    # The unit's `tool check` gets the compiled baseline as it is, with no Nix to evaluate at run time.
+    extraEnv = if decodeBaseline ctx == null then { } else { KILN_DECODE_BASELINE = builtins.toJSON (decodeBaseline ctx); };
   } // {
     description = "the acceptance gates against the running server; evidence JSON";
     baseline = decodeBaseline ctx;

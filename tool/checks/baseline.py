@@ -35,6 +35,8 @@ def resolve(recipe, dirs=None) -> dict | None:
 
 def measure(baseline: dict, messages: list[dict], tokens: int, temperature: float) -> dict:
     """Run the baseline on this prompt for `tokens` tokens → its JSON (decode_tps, ...) plus label and argv."""
+    if "error" in baseline:                  # it could not be resolved (tool check says why)
+        raise BaselineError(baseline["error"])
     argv = [*baseline["argv"], "--messages", json.dumps(messages), "--tokens", str(tokens),
             "--temperature", str(temperature)]
     env = {**os.environ, **{k: str(v) for k, v in (baseline.get("env") or {}).items()}}
