@@ -1,4 +1,5 @@
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -9,6 +10,12 @@ sys.path.insert(0, str(REPO))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")          # tests never reach a hub
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# A suite started in the background by a shell without job control inherits SIGINT ignored, and so
+# would every child it spawns: the Ctrl-C tests (convert, fetch, up) would interrupt nothing. Take
+# the signal back so children start with its default disposition, as under a terminal or CI.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(scope="session")
