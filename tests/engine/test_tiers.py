@@ -154,3 +154,48 @@ def test_ram_tier_is_sized_from_memory_when_not_given(packed, caplog):
                    for r in caplog.records)
     finally:
         t.close()
+
+
+@pytest.mark.parametrize("ram_slots", [2, 3, 12, 30])
+def test_reading_ahead_changes_no_bit_and_serves_from_the_store(tiny_checkpoint, tmp_path, ram_slots):
+    """CPU decode reads the next layer's predicted experts while this layer computes (engine.tiers.predict):
+    logits stay bit-equal to the same tiers without it and to every expert in memory; what it read ahead and
+    then used is counted as served from the store; with no free slot (2: top-2 pins both) it simply waits."""
+    from engine.loader import load_model
+    from engine.store.pack import pack_store
+    src = tiny_checkpoint("mixtral", layers=6, hidden=128)
+    store = tmp_path / "store"
+    pack_store(src, store, order="cols")
+
+    def decode(model, steps=12):
+        out, tok = [], 5
+        with torch.inference_mode():
+            model.prefill([5, 17, 200, 33], 0)
+            for i in range(steps):
+                logits = model.decode_step([tok], [0], [4 + i])
+                out.append(logits.clone())
+                tok = int(logits.argmax())
+        return out
+
+    want = decode(load_model(src, max_context=64, max_batch=1))
+    runs = {}
+    for ahead in (True, False):
+        m = load_model(src, store_dir=store, ram_slots=ram_slots, readers=2, max_context=64, max_batch=1)
+        try:
+            assert m.provider.predictor is not None          # the loader wires it on the CPU
+            if not ahead:
+                m.provider.predictor = None
+            got = decode(m)
+            assert all(torch.equal(a, b) for a, b in zip(got, want)), (ahead, ram_slots)
+            runs[ahead] = m.provider.counters()
+        finally:
+            m.provider.close()
+    c, plain = runs[True], runs[False]
+    picks = 6 * 2 * (4 + 12)                                  # layers x top-2 x (prompt + decoded) tokens
+    assert sum(c["served"].values()) == sum(plain["served"].values()) == picks
+    assert c["store_read_bytes"] == c["store_reads"] * m.provider.layout.record_bytes
+    assert plain["read_ahead"] == {"reads": 0, "used": 0}
+    if ram_slots == 2:
+        assert c["read_ahead"]["reads"] == 0 and c["served"] == plain["served"]
+    else:
+        assert c["read_ahead"]["reads"] > 0 and 0 < c["read_ahead"]["used"] <= c["read_ahead"]["reads"]
