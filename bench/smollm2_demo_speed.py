@@ -6,8 +6,7 @@ Three rows, the same chat prompt, greedy, --tokens new tokens each (eos ignored)
                   generate(1) (its prefill), torch's own thread count
   engine, memory  LLM.stream on the upcycled checkpoint, every expert in RAM
   engine, store   LLM.stream as the recipe serves it: the packed O_DIRECT store behind a RAM tier of
-                  --ram-slots records (repeat the option for several sizes), reading the next layer's
-                  predicted experts ahead; --no-read-ahead-rows adds each size without that
+                  --ram-slots records (repeat the option for several sizes)
 Every row of every round runs in a fresh process, as a server would (one engine per process: a second
 OpenMP team in the process — transformers' or another engine's — makes libgomp throttle its spin-waits
 and costs the engine ~25%), and rounds are interleaved (transformers, engine, engine+store, then again)
@@ -75,24 +74,19 @@ def engine_run(llm: LLM, prompt: list[int], n: int) -> tuple[float, list[int], d
             before = llm.counters()
     after = llm.counters()
     delta = {k: after.get(k, 0) - before.get(k, 0) for k in ("store_read_bytes", "store_reads", "read_seconds")}
-    ahead = [c.get("read_ahead", {}) for c in (before, after)]
-    delta.update({f"read_ahead_{k}": ahead[1].get(k, 0) - ahead[0].get(k, 0) for k in ("reads", "used")})
     return (n - 1) / (stamps[-1] - stamps[0]), toks, delta
 
 
 def store_figures(deltas: list[dict], decoded: int, rate: float) -> dict:
-    """Per decoded token: store MB and reads; the share of decode time compute stalled on the store; and,
-    without read-ahead (every read is waited for), the store's GB/s and the rate its reads alone allow."""
-    med = lambda k: statistics.median(d.get(k, 0) for d in deltas)  # noqa: E731
-    nbytes, secs, ahead = med("store_read_bytes"), med("read_seconds"), med("read_ahead_reads")
+    nbytes = statistics.median(d["store_read_bytes"] for d in deltas)
+    secs = statistics.median(d["read_seconds"] for d in deltas)
     per_token = nbytes / decoded
-    gbps = nbytes / secs / 1e9 if secs and nbytes and not ahead else None
-    return dict(store_mb_per_token=round(per_token / 1e6, 1), store_reads_per_token=round(med("store_reads") / decoded, 2),
-                read_ahead_reads_per_token=round(ahead / decoded, 2),
-                read_ahead_used_share=round(med("read_ahead_used") / ahead, 2) if ahead else None,
-                store_read_gb_s=round(gbps, 2) if gbps else None,
-                store_read_share=round(secs / (decoded / rate), 2) if secs else 0.0,
-                store_bound_tok_s=round(gbps * 1e9 / per_token, 1) if per_token and gbps else None)
+    gbps = nbytes / secs / 1e9 if secs and nbytes else None
+    return dict(store_mb_per_token=round(per_token / 1e6, 1), store_reads_per_token=round(
+        statistics.median(d["store_reads"] for d in deltas) / decoded, 2),
+        store_read_gb_s=round(gbps, 2) if gbps else None,
+        store_read_share=round(secs / (decoded / rate), 2) if secs else 0.0,
+        store_bound_tok_s=round(gbps * 1e9 / per_token, 1) if per_token and gbps else None)
 
 
 def measure(row: str, gguf: Path, model_dir: Path, store_dir: Path, prompt: list[int], tokens: int, threads: int,
@@ -108,8 +102,6 @@ def measure(row: str, gguf: Path, model_dir: Path, store_dir: Path, prompt: list
     store, slots = (store_dir, int(row.split(":")[1])) if row.startswith("store:") else (None, None)
     with LLM.load(model_dir, store, dtype="float32", max_context=1024, max_batch=1, ram_slots=slots,
                   threads=threads) as llm:
-        if row.endswith(":no-read-ahead"):
-            llm.model.provider.predictor = None
         engine_run(llm, prompt, 8)                       # warm-up: the RAM tier's first touches, thread start
         return engine_run(llm, prompt, tokens)
 
@@ -132,14 +124,12 @@ def run_row(row: str, args: list[str]) -> tuple[float, list[int], dict]:
 @click.option("--repeats", default=3, show_default=True)
 @click.option("--ram-slots", "ram_slots", multiple=True, type=click.IntRange(min=1), default=[160], show_default=True,
               help="RAM tier sizes for the store rows (the recipe serves 160 of 240 records).")
-@click.option("--no-read-ahead-rows", "plain_rows", is_flag=True,
-              help="Also measure each RAM tier size without reading ahead (the effect of engine.tiers.predict).")
 @click.option("--threads", type=click.IntRange(min=1), default=None,
               help="Engine compute threads [default: engine.experts.default_threads()].")
 @click.option("--out", type=click.Path(dir_okay=False), default=str(ROOT / "bench/results/smollm2_demo_speed.json"),
               show_default=True)
 @click.option("--row", default=None, hidden=True, help="Internal: measure one row in this process, print JSON.")
-def main(gguf, workdir, tokens, repeats, ram_slots, plain_rows, threads, out, row):
+def main(gguf, workdir, tokens, repeats, ram_slots, threads, out, row):
     from transformers import AutoTokenizer
 
     console = Console(stderr=row is not None, width=150)
@@ -160,8 +150,6 @@ def main(gguf, workdir, tokens, repeats, ram_slots, plain_rows, threads, out, ro
         return
     args = ["--gguf", str(gguf), "--workdir", str(workdir), "--tokens", str(tokens), "--threads", str(threads)]
     names = {"transformers": "transformers", "memory": "memory"} | {f"store:{n}": f"store, RAM tier {n}" for n in ram_slots}
-    if plain_rows:
-        names |= {f"store:{n}:no-read-ahead": f"store, RAM tier {n}, no read-ahead" for n in ram_slots}
     runs: dict[str, list] = {names[r]: [] for r in names}
     for i in range(repeats):
         for r, name in names.items():
@@ -176,23 +164,20 @@ def main(gguf, workdir, tokens, repeats, ram_slots, plain_rows, threads, out, ro
         row = dict(run=name if name == "transformers" else f"engine, {name}", tok_s=round(rate, 2),
                    vs_transformers=round(rate / hf_rate, 2), tokens_identical=all(r[1] == want for r in rs))
         if name.startswith("store"):
-            row.update(ram_slots=int(name.split("RAM tier ")[1].split(",")[0]), read_ahead="no read-ahead" not in name,
-                       **store_figures([r[2] for r in rs], tokens - 1, rate))
+            row.update(ram_slots=int(name.rsplit(" ", 1)[1]), **store_figures([r[2] for r in rs], tokens - 1, rate))
         rows.append(row)
 
     table = Table(title=f"SmolLM2-135M decode on this CPU, fp32, greedy, {tokens} tokens, median of {repeats} "
                         f"(engine: upcycled 8 experts top-2, {threads} compute threads; transformers: dense, "
                         f"{hf_threads} torch threads)")
     for col in ("run", "tok/s", "vs transformers", "greedy tokens equal", "store MB/token", "store read GB/s",
-                "stalled on reads", "read ahead, used", "bound by reads, tok/s"):
+                "time reading", "bound by reads, tok/s"):
         table.add_column(col, justify="right")
     for r in rows:
         table.add_row(r["run"], f"{r['tok_s']:.1f}", f"{r['vs_transformers']:.2f}×", "yes" if r["tokens_identical"] else "NO",
-                      *(("-",) * 5 if "ram_slots" not in r else
-                        (f"{r['store_mb_per_token']:.0f}",
-                         f"{r['store_read_gb_s']:.2f}" if r["store_read_gb_s"] else "-",
+                      *(("-",) * 4 if "ram_slots" not in r else
+                        (f"{r['store_mb_per_token']:.0f}", f"{r['store_read_gb_s'] or 0:.2f}",
                          f"{r['store_read_share']:.0%}",
-                         f"{r['read_ahead_used_share']:.0%}" if r["read_ahead_used_share"] is not None else "-",
                          f"{r['store_bound_tok_s']:.1f}" if r["store_bound_tok_s"] else "-")))
     console.print(table)
 

@@ -96,8 +96,4 @@ def load_model(model_dir: str | Path, provider: ExpertProvider | None = None, *,
     if unused := weights.unused():
         raise CheckpointError(f"{ckpt.dir}: {len(unused)} tensors are not part of the {cfg.arch} model "
                               f"(unsupported variant?), e.g. {unused[0]}")
-    from engine.tiers.tiered import TieredExperts
-    if isinstance(provider, TieredExperts) and not provider.cuda:     # CPU: read the next layer's experts ahead
-        from engine.tiers.predict import layer_ahead_predictor
-        provider.predictor = layer_ahead_predictor(model)
     return model.eval()

@@ -23,11 +23,12 @@ from engine.gpu.moe_kernels import moe_from_slots
 from engine.store import manifest as mf
 from engine.store.odirect import aligned_buffer, open_direct, pread_full
 from engine.tiers.cache import ExpertCache, make_policy
-from engine.tiers.predict import Predictor, layer_ahead_predictor  # noqa: F401  (re-exported)
 from engine.tiers.ram import RamArena
 from engine.tiers.readers import StoreReaders
 
 log = logging.getLogger("engine.gpu")
+
+Predictor = Callable[[int, torch.Tensor], "tuple[int, torch.Tensor] | None"]
 
 
 def read_layer_records(fd: int, manifest: mf.Manifest, layer: int, buf) -> None:
@@ -208,3 +209,18 @@ class GpuOffloadExperts:
     def close(self):
         self.readers.close()
         self.ram.close()
+
+
+def layer_ahead_predictor(model) -> Predictor:
+    """Apply the next MoE layer's router to this layer's input (the seed's layer-ahead routing)."""
+    from engine.models.common import softmax_topk
+    moe = [l for l in range(len(model.layers)) if hasattr(model.layers[l].mlp, "gate")]
+    nxt = {a: b for a, b in zip(moe, moe[1:])}
+
+    def predict(layer: int, x: torch.Tensor):
+        if layer not in nxt:
+            return None
+        block = model.layers[nxt[layer]].mlp
+        ids, _ = softmax_topk(torch.nn.functional.linear(x, block.gate), block.top_k, False, x.dtype)
+        return nxt[layer], ids
+    return predict

@@ -10,7 +10,7 @@ import logging
 import os
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 
 from engine.cli import EngineError
 from engine.store.odirect import open_direct, pread_full
@@ -74,43 +74,16 @@ class StoreReaders:
             return
         t0 = time.perf_counter()
         futures = [self._pool.submit(pread_full, self.fd, buf, off) for off, buf in requests]
-        n = sum(self._result(f) for f in futures)
-        with self._lock:
-            self.seconds += time.perf_counter() - t0
-            self.bytes_read += n
-            self.reads += len(requests)
-
-    def read_ahead(self, offset: int, buf: memoryview) -> Future:
-        """Start one read and return at once (a prefetch); wait(future) waits for it. Its bytes are
-        counted when it lands; only the time someone waits for it counts in `seconds`."""
-        def read():
-            n = pread_full(self.fd, buf, offset)
-            with self._lock:
-                self.bytes_read += n
-                self.reads += 1
-            return n
-        return self._pool.submit(read)
-
-    def wait(self, future: Future) -> int:
-        """A read-ahead's byte count once it has landed; time spent waiting for it counts in `seconds`
-        (the time compute stalled on the store)."""
-        if future.done():
-            return self._result(future)
-        t0 = time.perf_counter()
         try:
-            return self._result(future)
-        finally:
-            with self._lock:
-                self.seconds += time.perf_counter() - t0
-
-    def _result(self, future: Future) -> int:
-        """A read's byte count, its failure as the store's one-line reason."""
-        try:
-            return future.result()
+            n = sum(f.result() for f in futures)
         except EOFError as e:
             raise EngineError(f"{self.path}: {e} (truncated store? run `engine verify-store`)", 8) from None
         except OSError as e:
             raise EngineError(f"{self.path}: read failed ({e.strerror or e})", 6) from None
+        with self._lock:
+            self.seconds += time.perf_counter() - t0
+            self.bytes_read += n
+            self.reads += len(requests)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

@@ -6,17 +6,12 @@ compute tier's slot count (in moe_reference's own sorted order), so even a RAM t
 gives the same result as every expert in memory. Within a wave the experts are pinned (never
 evicted), the wave's store misses are read in parallel, and on the CPU its experts are computed in
 pairs straight from their RAM slots (one arena, so two slots are one strided batch).
-On the CPU a decode step also reads ahead: once a layer's experts are resident, the next layer's
-predicted experts (engine.tiers.predict) that are not in the RAM tier start loading into it while
-this layer computes; the next layer waits only for what has not landed. Slots with a read in flight
-are pinned. A prefetched record counts as served from the store when it is used.
 Not thread-safe: one model step calls forward at a time.
 """
 from __future__ import annotations
 
 import json
 import logging
-from concurrent.futures import Future
 from pathlib import Path
 
 import torch
@@ -25,7 +20,6 @@ from engine.experts import ExpertLayout, group_routes, moe_forward
 from engine.store import manifest as mf
 from engine.tiers.cache import ExpertCache, ExpertKey, make_policy
 from engine.tiers.gpu import GpuArena
-from engine.tiers.predict import Predictor
 from engine.tiers.ram import RamArena
 from engine.tiers.readers import StoreReaders
 
@@ -52,10 +46,6 @@ class TieredExperts:
         self.served = {"gpu": 0, "ram": 0, "store": 0}
         self._copies_done: torch.cuda.Event | None = None
         self._trace = open(trace, "a") if trace else None
-        self.predictor: Predictor | None = None         # set by engine.loader on the CPU: read ahead
-        self._ahead: dict[ExpertKey, Future] = {}       # reads in flight into RAM slots (pinned till they land)
-        self._unused_ahead: set[ExpertKey] = set()      # landed or landing, not used yet: served from the store
-        self.ahead_reads = self.ahead_used = 0
 
     # -- ExpertProvider -------------------------------------------------------------------------
     def forward(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
@@ -64,14 +54,8 @@ class TieredExperts:
         if self._trace:
             self._trace.write(json.dumps({"layer": layer, "experts": list(picks)}) + "\n")
 
-        ahead = self.predictor(layer, x) if self.predictor and not self.cuda and x.shape[0] == 1 else None
-
         def resolve(wave: list[int]):
-            nonlocal ahead
             records = self._resolve(layer, wave, picks)
-            if ahead is not None:                       # this layer's experts are in: start the next one's
-                self._read_ahead(*ahead, pinned={ExpertKey(layer, e) for e in wave})
-                ahead = None
             return [self.layout.views(records[e]) for e in wave]
 
         return moe_forward(x, topk_weights, routes, resolve, self.wave)
@@ -85,45 +69,7 @@ class TieredExperts:
             "tiers": {name: {"slots": c.capacity, **c.stats.as_dict()}
                       for name, c in (("gpu", self.gpu_cache), ("ram", self.ram_cache))},
             "policy": self.ram_cache.policy.name,
-            "read_ahead": {"reads": self.ahead_reads, "used": self.ahead_used},
         }
-
-    # -- read-ahead (CPU) ----------------------------------------------------------------------
-    def _read_ahead(self, layer: int, ids: torch.Tensor, pinned: set) -> None:
-        """Start reading the predicted experts of `layer` that the RAM tier lacks into free or evicted slots."""
-        self._reap()
-        for e in sorted(set(ids.reshape(-1).tolist())):
-            key = ExpertKey(layer, e)
-            if key in self.ram_cache:
-                continue
-            try:
-                slot, evicted = self.ram_cache.admit(key, pinned | self._ahead.keys())
-            except LookupError:                          # every slot pinned: no room to read ahead
-                return
-            self._unused_ahead.discard(evicted)
-            self._ahead[key] = self.readers.read_ahead(self.manifest.record(layer, e).offset, self.ram.buffer(slot))
-            self._unused_ahead.add(key)
-            self.ahead_reads += 1
-
-    def _reap(self) -> None:
-        """Forget the reads that have landed (raising a failed one's reason)."""
-        for key in [k for k, f in self._ahead.items() if f.done()]:
-            self.readers.wait(self._ahead.pop(key))
-
-    def _drain(self) -> None:
-        while self._ahead:
-            self.readers.wait(self._ahead.popitem()[1])
-
-    def _landed(self, key: ExpertKey, n_picks: int) -> None:
-        """`key` was found in the RAM tier: wait for its read if one is in flight; count where it came from."""
-        if (f := self._ahead.pop(key, None)) is not None:
-            self.readers.wait(f)
-        if key in self._unused_ahead:
-            self._unused_ahead.discard(key)
-            self.ahead_used += 1
-            self.served["store"] += n_picks
-        else:
-            self.served["ram"] += n_picks
 
     # -- tiers ---------------------------------------------------------------------------------
     def _resolve(self, layer: int, wave: list[int], picks: dict[int, int]) -> dict[int, torch.Tensor]:
@@ -147,15 +93,10 @@ class TieredExperts:
             r = self.ram_cache.lookup(keys[e])
             if r is not None:
                 ram_slot[e] = r
-                self._landed(keys[e], picks[e])
+                self.served["ram"] += picks[e]
         for e in need_ram:
             if e not in ram_slot:
-                try:
-                    r, evicted = self.ram_cache.admit(keys[e], pinned | self._ahead.keys())
-                except LookupError:                      # the free slots all hold reads in flight: let them land
-                    self._drain()
-                    r, evicted = self.ram_cache.admit(keys[e], pinned)
-                self._unused_ahead.discard(evicted)
+                r, _ = self.ram_cache.admit(keys[e], pinned)
                 ram_slot[e] = r
                 rec = self.manifest.record(layer, e)
                 reads.append((rec.offset, self.ram.buffer(r)))
