@@ -6,8 +6,8 @@ record layout equals a compute slot). Its matrices come in one of two orders, ch
 device that computes from the slot:
   rows  gate [I,H] | up [I,H] | down [H,I], as the checkpoint holds them: the GPU kernels' order;
   cols  the same matrices transposed, gate and up side by side: gate_up^T [H,2I] | down^T [I,H].
-        A one-token GEMV over a [in, out] matrix streams at twice the bandwidth of one over
-        [out, in] in the CPU's BLAS (bench/results/smollm2_demo_speed.json), and gate|up is one matrix.
+        A one-token GEMV over a [in, out] matrix streams at about twice the bandwidth of one over
+        [out, in] in the CPU's BLAS (bench/results/gemv_orientation.json), and gate|up is one matrix.
 views() gives the same logical (gate, up, down) in both orders, so the arithmetic never changes.
 
 Models route (choose experts and weights) and hand the rest to an ExpertProvider:
@@ -174,9 +174,10 @@ def _gate_up_matrix(gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor,
 def pair_ffn(xa: torch.Tensor, xb: torch.Tensor, va, vb) -> tuple[torch.Tensor, torch.Tensor] | None:
     """expert_ffn for two experts at once — (expert_ffn(xa, *va), expert_ffn(xb, *vb)) — as batched matmuls
     over the records where they lie (gate|up read as one matrix), so torch's intra-op threads take one
-    expert each: a one-token GEMV does not parallelise inside torch's BLAS, a batch of two does. Every
-    element is the same dot product as alone (tests/engine/test_speed_paths.py checks bitwise), in
-    either record order.
+    expert each, each GEMV running sequentially (a lone one-token GEMV runs on one thread here, and on
+    some CPUs is split by the BLAS in another summation order: see single_ffn). Every element is the
+    dot product a sequential GEMV computes (tests/engine/test_speed_paths.py checks bitwise), in either
+    record order.
 
     None (compute them one by one) unless the records are views of one storage in x's dtype and rows of
     `hidden` and `intermediate` elements keep 64-byte alignment: the BLAS kernel's path, hence its
