@@ -38,8 +38,9 @@ let
   # [Unit]: the chain fetch → prepare → verify → serve → check, and the docker daemon for containers.
   unitSection = ctx: stepName: previous:
     let
-      # A per-user manager cannot order against the system's docker.service.
-      usesDocker = ctx.runtime == "container" && !(builtins.elem stepName [ "fetch" "check" ]) && !ctx.o.userUnits;
+      # A per-user manager cannot order against the system's docker.service; podman has no daemon.
+      usesDocker = ctx.runtime == "container" && ctx.o.containerRuntime == "docker"
+        && !(builtins.elem stepName [ "fetch" "check" ]) && !ctx.o.userUnits;
       deps = optional (previous != null) (unitName ctx.id previous) ++ optional usesDocker "docker.service";
       online = optional (stepName == "fetch") "network-online.target";
       timeout = ctx.readyTimeout;
@@ -63,7 +64,7 @@ let
       probe = toolSteps.readiness ctx;
     in
     step.service
-    // (if o.userUnits then { } else { User = o.user; Group = o.group; })
+    // (if o.userUnits || (step.runAsRoot or false) then { } else { User = o.user; Group = o.group; })
     // (if o.environmentFile == null then { } else { EnvironmentFile = "-${o.environmentFile}"; })
     // (if remainsAfterExit stepName then { RemainAfterExit = true; } else { })
     // {

@@ -3,6 +3,9 @@
 # Kiln changes only what it must: host sides of mounts are its state directories, --user is
 # the service user's uid:gid, the published port binds bindAddress, and the container is named
 # so the unit can stop it. Limits are docker flags: the container is not in the unit's cgroup.
+# The same argv drives podman (o.containerRuntime = "podman": its CLI takes these flags), and GPUs
+# are either docker's --gpus (the seeds' flag, the default) or CDI devices (o.gpuMode = "cdi", what
+# NixOS' hardware.nvidia-container-toolkit generates specs for).
 { util, hardening, units }:
 let
   inherit (util) optional optionals mapAttrsToList;
@@ -32,6 +35,12 @@ rec {
 
   envArgs = env: keys: builtins.concatMap (k: [ "-e" "${k}=${env.${k}}" ]) keys;
 
+  # docker/podman -p takes an IP literal: IPv6 in brackets; `localhost` is loopback (127.0.0.1).
+  publishHost = bind:
+    if bind == "localhost" then "127.0.0.1"
+    else if util.hasInfix ":" bind then "[${bind}]"
+    else bind;
+
   # The first published port is the serve port, so the `port` option moves it.
   portArgs = ctx: step:
     let ports = step.ports or [ ]; in
@@ -39,7 +48,7 @@ rec {
       (i:
         let p = builtins.elemAt ports i;
             hostPort = if i == 0 then ctx.o.port else p.host;
-        in [ "-p" "${ctx.o.bindAddress}:${toString hostPort}:${toString p.container}" ])
+        in [ "-p" "${publishHost ctx.o.bindAddress}:${toString hostPort}:${toString p.container}" ])
       (builtins.length ports));
 
   limits = ctx: step:
@@ -54,6 +63,17 @@ rec {
       cpus = ctx.o.cpus;
       gpus = step.gpus or null;
     };
+
+  # --gpus all | N | device=0,1 as CDI device names (nvidia.com/gpu=<index>|all).
+  cdiDevices = gpus:
+    if gpus == "all" then [ "all" ]
+    else if builtins.isInt gpus then builtins.genList toString gpus
+    else builtins.filter builtins.isString (builtins.split "," (util.removePrefix "device=" gpus));
+
+  gpuArgs = o: gpus:
+    if gpus == null then [ ]
+    else if o.gpuMode == "cdi" then builtins.concatMap (d: [ "--device" "nvidia.com/gpu=${d}" ]) (cdiDevices gpus)
+    else [ "--gpus" (toString gpus) ];
 
   limitArgs = l:
     optionals (l.memoryBytes != null) [ "--memory" (toString l.memoryBytes) ]
@@ -78,7 +98,7 @@ rec {
     # Narrowing only: no setuid escalation inside; no network for steps that only read and write disks.
     ++ [ "--security-opt" "no-new-privileges" ]
     ++ optionals (stepName != "serve") [ "--network" "none" ]
-    ++ optionals ((step.gpus or null) != null) [ "--gpus" step.gpus ]
+    ++ gpuArgs o (step.gpus or null)
     ++ portArgs ctx step
     ++ optionals ((c.ipc or null) != null) [ "--ipc" c.ipc ]
     ++ limitArgs l
@@ -96,7 +116,14 @@ rec {
       docker = args: [ o.dockerBin ] ++ args;
       isServe = stepName == "serve";
       command = argv ctx stepName recipeStep;
+      podman = o.containerRuntime == "podman";
       sandbox = hardening.sandbox { network = isServe; userUnits = o.userUnits; };
+      # Podman has no daemon: the unit's own process creates the container's namespaces, mounts and
+      # cgroups, which the docker-client sandbox forbids, and a system user would need rootless
+      # set-up (subuids, a home). As virtualisation.oci-containers does, podman runs as root,
+      # unsandboxed; the workload inside still gets --user, --security-opt no-new-privileges and
+      # every limit flag. No docker group: nothing root-equivalent is handed to the service user.
+      runAsRoot = podman && !o.userUnits;
     in
     {
       argv = command;
@@ -105,17 +132,18 @@ rec {
       mounts = mounts ctx recipeStep;
       limits = limits ctx recipeStep;
       description = recipeStep.description or null;
-      service = sandbox.service // {
+      inherit runAsRoot;
+      service = (if podman then { } else sandbox.service) // {
         Type = if isServe then "exec" else "oneshot";
         # A container left over from a crash would make `docker run --name` refuse to start.
         ExecStartPre = "-" + commandLine (docker [ "rm" "--force" name ]);
         ExecStart = commandLine command;
         ExecStop = "-" + commandLine (docker [ "stop" "--time" "60" name ]);
-      } // (if o.userUnits then { } else { SupplementaryGroups = "docker"; });
-      why = sandbox.why // (if o.userUnits then { } else {
+      } // (if o.userUnits || podman then { } else { SupplementaryGroups = "docker"; });
+      why = (if podman then { } else sandbox.why) // (if o.userUnits || podman then { } else {
         SupplementaryGroups = "the docker client needs the daemon's socket; the workload's own user is docker's --user";
       }) // {
-        ExecStart = "the limits are docker flags (--memory, --memory-swap, --ulimit, --shm-size): the container is not in this unit's cgroup";
+        ExecStart = (if runAsRoot then "podman runs as root without a sandbox (it builds the container itself; see nix/lib/docker.nix); " else "") + "the limits are docker flags (--memory, --memory-swap, --ulimit, --shm-size): the container is not in this unit's cgroup";
       };
       containerName = name;
     };

@@ -23,14 +23,22 @@ rec {
     stateDir = "/var/lib/kiln";
     user = "kiln";
     group = "kiln";
-    # Fixed ids: docker's --user needs numbers known at evaluation time, and the NixOS
-    # module creates the kiln user with exactly these.
-    uid = 960;
-    gid = 960;
+    # Fixed ids: docker's --user needs numbers known at evaluation time, and the NixOS module
+    # creates the kiln user with exactly these. Outside NixOS' static ids (0-399, ids.nix) and
+    # its dynamically allocated system range (400-999), where a fixed id could collide with an
+    # allocated one; NixOS' allocator skips ids a configuration declares.
+    uid = 2960;
+    gid = 2960;
     bindAddress = "127.0.0.1";
     toolBin = "tool";
     engineBin = "engine";
     dockerBin = "/usr/bin/docker";
+    # The container CLI dockerBin is: docker (talks to dockerd; the unit joins the docker group)
+    # or podman (daemonless; its units run it as root, see docker.nix).
+    containerRuntime = "docker";
+    # GPUs for containers: docker's --gpus (the seeds' flag; needs the NVIDIA runtime hook) or
+    # "cdi": --device nvidia.com/gpu=… (the CDI specs NixOS' nvidia-container-toolkit generates).
+    gpuMode = "gpus";
     cpus = null;
     extraEnv = { };
     # A file of KEY=VALUE lines (secrets: KILN_API_KEY, HF_TOKEN) for every unit (EnvironmentFile=)
@@ -60,6 +68,10 @@ rec {
       toolBin = o "toolBin";
       engineBin = o "engineBin";
       dockerBin = o "dockerBin";
+      containerRuntime = o "containerRuntime";
+      gpuMode = o "gpuMode";
+      # What the tool's own steps name the recipe by: its id, or the file it was compiled from.
+      recipeRef = get options "recipeRef" recipe.id;
       memorySwapBytes = get options "memorySwapBytes"
         (if memoryBytes == null then null else recipeMemorySwap recipe memoryBytes);
       cpus = o "cpus";
@@ -86,6 +98,10 @@ rec {
     then fail "memorySwapBytes (${toString o.memorySwapBytes}) is below memoryBytes (${toString o.memoryBytes}); it counts memory + swap, so it must be at least the memory cap"
     else if !(builtins.isInt o.port) || o.port < 1 || o.port > 65535
     then fail "port ${toString o.port} is not a TCP port (1-65535)"
+    else if !(builtins.elem o.containerRuntime [ "docker" "podman" ])
+    then fail "containerRuntime ${builtins.toJSON o.containerRuntime} is not docker or podman"
+    else if !(builtins.elem o.gpuMode [ "gpus" "cdi" ])
+    then fail "gpuMode ${builtins.toJSON o.gpuMode} is not gpus (docker --gpus) or cdi (--device nvidia.com/gpu=...)"
     else if !(builtins.isInt o.uid) || !(builtins.isInt o.gid)
     then fail "uid and gid must be numbers (docker's --user needs them), got ${builtins.toJSON o.uid}:${builtins.toJSON o.gid}"
     else o;

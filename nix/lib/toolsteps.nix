@@ -1,6 +1,8 @@
 # Kiln's own steps, the same for every runtime: `tool fetch <id>` before everything and
 # `tool check <id>` after the server is up, plus the readiness probe the serve unit runs.
-# The tool learns Kiln's directories from KILN_* variables, so its flags stay its own.
+# The tool learns Kiln's directories from KILN_* variables, so its flags stay its own. The recipe is
+# named by o.recipeRef: its id (a bundled recipe the tool finds itself) or the file the plan was
+# compiled from (the NixOS module passes a recipe's store path), so the tool runs exactly that recipe.
 { util, hardening, units }:
 let
   inherit (units) commandLine environmentLine;
@@ -41,14 +43,14 @@ rec {
   endpoint = ctx: "http://${probeHost ctx.o.bindAddress}:${toString ctx.o.port}/v1";
 
   fetch = ctx: oneshot ctx {
-    argv = [ ctx.o.toolBin "fetch" ctx.id ];
+    argv = [ ctx.o.toolBin "fetch" ctx.o.recipeRef ];
     # The whole models directory: downloads are staged beside the target and published by rename.
     writes = [ ctx.o.modelsDir ];
     mounts = [{ source = "models"; host = ctx.o.modelsDir; target = ctx.o.modelsDir; readOnly = false; }];
   } // { description = "download the weights at the pinned revision and verify every file"; };
 
   check = ctx: oneshot ctx {
-    argv = [ ctx.o.toolBin "check" ctx.id "--endpoint" (endpoint ctx) ];
+    argv = [ ctx.o.toolBin "check" ctx.o.recipeRef "--endpoint" (endpoint ctx) ];
     writes = [ ctx.paths.evidence ];
     mounts = [{ source = "evidence"; host = ctx.paths.evidence; target = ctx.paths.evidence; readOnly = false; }];
     # The unit's `tool check` gets the compiled baseline as it is, with no Nix to evaluate at run time.
@@ -71,7 +73,7 @@ rec {
 
   # The serve unit's ExecStartPost: the load gate (/v1/models, then a real 1-token completion).
   readiness = ctx: {
-    execLine = commandLine [ ctx.o.toolBin "check" ctx.id "--gates" "load" "--endpoint" (endpoint ctx) ];
+    execLine = commandLine [ ctx.o.toolBin "check" ctx.o.recipeRef "--gates" "load" "--endpoint" (endpoint ctx) ];
     environment = [ (environmentLine "KILN_EVIDENCE_DIR" ctx.paths.evidence) ];
   };
 }
