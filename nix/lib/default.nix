@@ -98,7 +98,7 @@ let
 in
 rec {
   inherit (units) toUnitText escapeArg commandLine;
-  inherit (recipes) recipesIn;
+  inherit (recipes) recipesIn recipeFilesIn;
   inherit stepOrder unitName;
   defaultOptions = optionsLib.defaults;
 

@@ -13,8 +13,11 @@ let
         else [ ])
       entries);
 in
-{
-  recipesIn = dir: builtins.listToAttrs (map
-    (file: let recipe = builtins.fromJSON (builtins.readFile file); in { name = recipe.id; value = recipe; })
+rec {
+  # { <id> = the file; } (the NixOS module hands a recipe's own file to the tool).
+  recipeFilesIn = dir: builtins.listToAttrs (map
+    (file: { name = (builtins.fromJSON (builtins.readFile file)).id; value = file; })
     (filesUnder dir));
+
+  recipesIn = dir: builtins.mapAttrs (_: file: builtins.fromJSON (builtins.readFile file)) (recipeFilesIn dir);
 }
