@@ -6,6 +6,10 @@ and size. Both are checked after download, so no file is taken on trust. Downloa
 `hf_hub_download(local_dir=...)`, which resumes a dropped connection mid-file (HTTP Range) and keeps
 completed files across runs, so an interrupted fetch starts again where it stopped, file by file.
 
+Works with huggingface_hub 1.x (what nixpkgs ships in 2026; HTTP through httpx) and 2.x (through
+httpx2): the one thing that differs for us is which library's HTTPError a dropped connection raises,
+and that is read off huggingface_hub's own HfHubHTTPError (`transport_errors`), never imported by name.
+
 The token is huggingface_hub's own: $HF_TOKEN or the stored `hf auth login` token. It is never an argument
 of ours, so it stays off argv, and nothing here prints headers.
 """
@@ -20,6 +24,7 @@ from tool.errors import IntegrityError, KilnError, NetworkError, StorageError
 from tool.weights import Mismatch, git_blob_sha1, sha256_file
 
 COMMIT = re.compile(r"^[0-9a-f]{40}$")
+RESUME_ATTEMPTS = 5         # connections dropped mid-file, resumed within one run
 
 
 @dataclass(frozen=True)
@@ -30,11 +35,19 @@ class RemoteFile:
     blob_id: str | None      # git object id; what non-LFS files are checked by
 
 
+def transport_errors() -> tuple[type[BaseException], ...]:
+    """The HTTPError base class of the HTTP library this huggingface_hub talks through (httpx for 1.x,
+    httpx2 for 2.x): HfHubHTTPError derives from it, and connection failures raise its other subclasses."""
+    from huggingface_hub.errors import HfHubHTTPError
+
+    bases = tuple(c for c in HfHubHTTPError.__mro__[1:] if c.__name__ == "HTTPError" and c is not OSError)
+    return bases or (HfHubHTTPError,)
+
+
 def _hub_errors(repo: str, revision: str, e: Exception) -> KilnError:
     """One line per way the Hub can refuse; the token itself never appears."""
-    from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, RepositoryNotFoundError,
-                                        RevisionNotFoundError)
-    from huggingface_hub.errors import OfflineModeIsEnabled
+    from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, OfflineModeIsEnabled,
+                                        RepositoryNotFoundError, RevisionNotFoundError)
 
     if isinstance(e, GatedRepoError):
         return NetworkError(f"{repo}: gated; accept its terms on the Hub and set HF_TOKEN (or `hf auth login`)")
@@ -52,16 +65,14 @@ def _hub_errors(repo: str, revision: str, e: Exception) -> KilnError:
 
 def remote_files(repo: str, revision: str) -> list[RemoteFile]:
     """Every file of `repo` at the commit `revision`, with the Hub's digests; the Hub must confirm the commit."""
-    import httpx2
     from huggingface_hub import HfApi
-    from huggingface_hub.errors import HfHubHTTPError
-    from huggingface_hub.errors import OfflineModeIsEnabled
+    from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
 
     if not COMMIT.match(revision):
         raise IntegrityError(f"{repo}: revision {revision!r} is not a pinned commit (40 hex digits)")
     try:
         info = HfApi().model_info(repo, revision=revision, files_metadata=True)
-    except (HfHubHTTPError, OfflineModeIsEnabled, httpx2.HTTPError, OSError) as e:
+    except (HfHubHTTPError, OfflineModeIsEnabled, *transport_errors(), OSError) as e:
         raise _hub_errors(repo, revision, e) from None
     if info.sha != revision:
         raise IntegrityError(f"{repo}: asked for commit {revision}, the Hub answered for {info.sha}")
@@ -80,13 +91,20 @@ def remote_files(repo: str, revision: str) -> list[RemoteFile]:
 
 def download(repo: str, revision: str, f: RemoteFile, local_dir: Path, bar_factory=None) -> Path:
     """One file into local_dir at the pinned commit (resumed within the run on a dropped connection)."""
-    import httpx2
     from huggingface_hub import hf_hub_download
-    from huggingface_hub.errors import HfHubHTTPError
-    from huggingface_hub.errors import OfflineModeIsEnabled
+    from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
 
+    transport = transport_errors()
     try:
-        return Path(hf_hub_download(repo, f.name, revision=revision, local_dir=local_dir, tqdm_class=bar_factory))
+        for attempt in range(1, RESUME_ATTEMPTS + 1):
+            try:
+                return Path(hf_hub_download(repo, f.name, revision=revision, local_dir=local_dir,
+                                            tqdm_class=bar_factory))
+            except transport as e:
+                # huggingface_hub 2.x resumes a dropped connection itself; 1.x raises, leaving the partial
+                # file, which the next call continues with an HTTP Range request.
+                if isinstance(e, HfHubHTTPError) or attempt == RESUME_ATTEMPTS:
+                    raise
     except OSError as e:
         if e.errno == errno.ENOSPC:
             raise StorageError(f"{local_dir}: disk full while fetching {f.name} ({f.size} bytes)") from None
@@ -96,7 +114,7 @@ def download(repo: str, revision: str, f: RemoteFile, local_dir: Path, bar_facto
             raise IntegrityError(f"{f.name}: the download ended at the wrong size (expected {f.size} bytes); "
                                  f"run again to resume") from None
         raise StorageError(f"{local_dir / f.name}: cannot write ({e.strerror or e})") from None
-    except (HfHubHTTPError, OfflineModeIsEnabled, httpx2.HTTPError) as e:
+    except (HfHubHTTPError, OfflineModeIsEnabled, *transport) as e:
         raise _hub_errors(repo, revision, e) from None
 
 
