@@ -1,7 +1,11 @@
 {
   description = "Kiln: a recipe (one JSON file) → a pinned, verified local LLM deployment";
 
-  inputs.nixpkgs.url = "github:NixOS/nixpkgs/nixos-unstable";
+  # A stable release branch: the toolchain under every pinned recipe moves only with its security
+  # fixes. flake.lock pins the commit; it is made where the network reaches GitHub (`nix flake lock`,
+  # then commit it) and moved on purpose (`nix flake update nixpkgs`). This repository's CI has no
+  # network, so it has no lock yet and evaluates with --override-input nixpkgs (see README, With Nix).
+  inputs.nixpkgs.url = "github:NixOS/nixpkgs/nixos-26.05";
 
   outputs = { self, nixpkgs }:
     let
@@ -18,7 +22,21 @@
           pkgs = nixpkgs.legacyPackages.${system};
           inherit (pkgs.callPackage ./nix/packages.nix { }) tool engine;
 
-          # A recipe as a derivation: its plan, units and mounted files, compiled for Nix-built programs.
+          lib = pkgs.lib;
+
+          # What `nix run .#<id>` runs: `tool up <id>` with the programs its steps need from nixpkgs
+          # (the container CLI for container recipes, Kiln's engine for native ones), so nothing
+          # is looked up at /usr/bin. Either may be replaced from the environment.
+          upScript = id: pkgs.writeShellScript "kiln-up-${id}" (
+            (if recipes.${id}.runtime.kind == "native" then ''
+              export KILN_ENGINE_BIN=''${KILN_ENGINE_BIN:-${engine}/bin/engine}
+            '' else ''
+              export KILN_DOCKER_BIN=''${KILN_DOCKER_BIN:-${pkgs.docker}/bin/docker}
+            '') + ''exec ${tool}/bin/tool up ${id} "$@"
+          '');
+
+          # A recipe as a derivation: its runnable (bin/kiln-<id>, meta.mainProgram) beside its plan,
+          # units and mounted files, compiled for the Nix-built programs.
           recipePackage = id: recipe:
             let
               plan = kiln.compile {
@@ -30,8 +48,10 @@
                 };
               };
             in
-            pkgs.linkFarm "kiln-${id}" (
+            # meta by `//` (linkFarm takes no meta): nix run reads meta.mainProgram off the value.
+            withMeta { mainProgram = "kiln-${id}"; description = "Kiln: ${recipe.title}"; } (pkgs.linkFarm "kiln-${id}" (
               [
+                { name = "bin/kiln-${id}"; path = upScript id; }
                 { name = "plan.json"; path = pkgs.writeText "kiln-${id}-plan.json" (builtins.toJSON plan); }
                 { name = "tmpfiles.d/kiln-${id}.conf"; path = pkgs.writeText "kiln-${id}.conf" (builtins.concatStringsSep "\n" plan.tmpfiles + "\n"); }
               ]
@@ -41,17 +61,36 @@
                   name = "files/${name}";
                   path = pkgs.writeTextFile { inherit name; text = f.content; executable = f.mode == "0555" || f.mode == "0755"; };
                 })
-                (builtins.attrNames plan.files));
+                (builtins.attrNames plan.files)));
 
-          # A native recipe's steps run Kiln's engine: the app names it (KILN_ENGINE_BIN), so the
-          # tool's Python need not hold torch. Container recipes do not pull the engine in.
-          upApp = id: {
-            type = "app";
-            program = "${pkgs.writeShellScript "kiln-up-${id}" (
-              pkgs.lib.optionalString (recipes.${id}.runtime.kind == "native") ''
-                export KILN_ENGINE_BIN=''${KILN_ENGINE_BIN:-${engine}/bin/engine}
-              '' + ''exec ${tool}/bin/tool up ${id} "$@"'')}";
-          };
+          withMeta = meta: drv: drv // { meta = (drv.meta or { }) // meta; };
+          recipePackages = builtins.mapAttrs recipePackage recipes;
+
+          upApp = id: { type = "app"; program = "${upScript id}"; };
+
+          # Nix splits an installable's attribute path on dots: `nix run .#glm-5.3-flash` looks up
+          # apps/packages/legacyPackages.<system>."glm-5"."3-flash". packages and apps must stay
+          # flat for `nix flake check`; legacyPackages may nest, so each id is also there under its
+          # dot-split path, and the id reads as typed.
+          byTypedPath = nest (map (id: { inherit id; path = builtins.filter builtins.isString (builtins.split "[.]" id); })
+            (builtins.attrNames recipes));
+          # [{ id; path; }] → nested attrsets by path (builtins only: `lib` must evaluate without nixpkgs).
+          nest = entries:
+            let heads = builtins.attrNames (builtins.listToAttrs (map (e: { name = builtins.head e.path; value = null; }) entries)); in
+            builtins.listToAttrs (map
+              (h:
+                let
+                  mine = builtins.filter (e: builtins.head e.path == h) entries;
+                  leaf = builtins.filter (e: builtins.length e.path == 1) mine;
+                in
+                {
+                  name = h;
+                  value =
+                    if leaf == [ ] then nest (map (e: e // { path = builtins.tail e.path; }) mine)
+                    else if builtins.length mine == 1 then recipePackages.${(builtins.head leaf).id}
+                    else throw "kiln: recipe ids ${builtins.concatStringsSep ", " (map (e: e.id) mine)} collide once split on dots (Nix's installable syntax); rename one";
+                })
+              heads);
 
           libTests =
             let
@@ -62,7 +101,8 @@
             else throw "nix/lib tests failed: ${builtins.concatStringsSep ", " failed}";
         in
         {
-          packages = { inherit tool engine; default = tool; } // builtins.mapAttrs recipePackage recipes;
+          packages = { inherit tool engine; default = tool; } // recipePackages;
+          legacyPackages = byTypedPath;
           apps = builtins.mapAttrs (id: _: upApp id) recipes // { default = upApp "smollm2-135m"; };
           checks = {
             nix-lib = libTests;
@@ -70,18 +110,21 @@
               tool validate $(find ${./recipes} -name '*.json' ! -name schema.json)
               touch $out
             '';
-          } // builtins.mapAttrs (id: _: self.packages.${system}.${id}) recipes;
+          } // recipePackages;
         };
       bySystem = forAllSystems perSystem;
     in
     {
       # kiln.compile, toUnitText, recipesIn, …; plus every bundled recipe's plan with default options.
+      # `lib` is the community's name for a flake's functions; `nix flake check` knows it since Nix
+      # 2.13 (NixOS/nix#7606) and warns only on older Nix, such as this CI's 2.8 (tests/test_flake.py).
       lib = kiln // {
         inherit recipes;
         plans = builtins.mapAttrs (_: recipe: kiln.compile { inherit recipe; }) recipes;
       };
       packages = builtins.mapAttrs (_: s: s.packages) bySystem;
       apps = builtins.mapAttrs (_: s: s.apps) bySystem;
+      legacyPackages = builtins.mapAttrs (_: s: s.legacyPackages) bySystem;
       checks = builtins.mapAttrs (_: s: s.checks) bySystem;
       nixosModules.default = ./nix/module.nix;
     };

@@ -1,6 +1,10 @@
 # The tool and the engine as Python applications for nixpkgs (python3Packages), from this
 # repository's one Python project. `tool plan`/`materialise` evaluate nix/lib, so the tool is
 # wrapped with Nix on its PATH and KILN_NIX_LIB / KILN_RECIPES pointing at the copies in $src.
+# Each package builds only its own Python package and console script (postPatch drops the
+# other's), so both install side by side in one profile: no file is in both. The engine imports
+# nothing of the tool's. Dependencies are pyproject.toml's, whose ranges admit nixpkgs' versions
+# (tests/test_flake.py applies pythonRuntimeDepsCheck's rule to tests/fixtures/nixpkgs-python-versions.json).
 { lib, python3Packages, nix }:
 let
   src = lib.fileset.toSource {
@@ -14,9 +18,15 @@ let
     torch safetensors transformers accelerate gguf tokenizers jinja2 numpy fastapi uvicorn
   ];
 
-  kilnApp = { pname, dependencies, mainProgram, imports }:
+  # Keep one of the project's two Python packages and its console script.
+  only = keep: drop: ''
+    rm -r ${drop}
+    sed -i '/^${drop} = "${drop}.cli:entry"$/d' pyproject.toml
+  '';
+
+  kilnApp = { pname, dependencies, mainProgram, imports, postPatch }:
     python3Packages.buildPythonApplication {
-      inherit pname src dependencies;
+      inherit pname src dependencies postPatch;
       version = "0.1.0";
       pyproject = true;
       build-system = [ python3Packages.setuptools ];
@@ -36,6 +46,13 @@ let
     };
 in
 {
-  tool = kilnApp { pname = "kiln-tool"; dependencies = toolDeps; mainProgram = "tool"; imports = [ "tool" ]; };
-  engine = kilnApp { pname = "kiln-engine"; dependencies = toolDeps ++ engineDeps; mainProgram = "engine"; imports = [ "engine" ]; };
+  tool = kilnApp {
+    pname = "kiln-tool"; dependencies = toolDeps; mainProgram = "tool"; imports = [ "tool" ];
+    postPatch = only "tool" "engine";
+  };
+  # The wheel's Requires-Dist holds the project's base dependencies too; pythonRuntimeDepsCheck wants them.
+  engine = kilnApp {
+    pname = "kiln-engine"; dependencies = toolDeps ++ engineDeps; mainProgram = "engine"; imports = [ "engine" ];
+    postPatch = only "engine" "tool";
+  };
 }

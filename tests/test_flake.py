@@ -1,6 +1,10 @@
-"""The flake's `lib` evaluated by real Nix (2.8 here) with nixpkgs replaced by an empty flake,
-since nixpkgs cannot be fetched in CI: its plans must equal what `tool plan` gets from
-nix-instantiate. Packages, apps, checks and the NixOS module need nixpkgs and are not evaluated here.
+"""The flake evaluated by real Nix (2.8 here). nixpkgs cannot be fetched in CI, so its input is replaced:
+by an empty flake for `lib` (its plans must equal what `tool plan` gets from nix-instantiate), and by
+../shared/nixpkgs (the real nixpkgs lib, a stand-in pkgs of fake derivations: nothing builds) for the
+installables as a user types them: `nix run .#glm-5.3-flash` and friends, resolved by Nix's own
+installable parser. The packages' Python side is checked against the versions nixpkgs ships
+(tests/fixtures/nixpkgs-python-versions.json) with pythonRuntimeDepsCheck's rule, and the two packages'
+wheels are built here to show that no file is in both.
 
 A flake in a git repository only sees tracked files, so the flake is evaluated from a temp
 copy (a `path:` URL) of exactly the files it reads.
@@ -11,6 +15,8 @@ import json
 import os
 import shutil
 import subprocess
+import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -66,6 +72,176 @@ def test_flake_exposes_the_module_and_recipes(flake_copy):
     proc = subprocess.run(["nix", "eval", "--raw", "--override-input", "nixpkgs", f"path:{empty}",
                            f"path:{root}#nixosModules.default"], capture_output=True, text=True, env=env)
     assert proc.returncode == 0 and proc.stdout.endswith("module.nix"), proc.stderr
+
+
+# --- installables as typed, against the stand-in nixpkgs -------------------------------------------
+def shared_nixpkgs() -> Path | None:
+    for base in (os.environ.get("KILN_SHARED_DIR"), REPO.parent / "shared"):
+        if base and (Path(base) / "nixpkgs" / "flake.nix").is_file():
+            return Path(base) / "nixpkgs"
+    return None
+
+
+NIXPKGS = shared_nixpkgs()
+needs_nixpkgs = pytest.mark.skipif(NIXPKGS is None, reason="../shared/nixpkgs is not beside the checkout")
+
+
+@pytest.fixture(scope="module")
+def standin_flake(tmp_path_factory) -> Path:
+    """The flake with what packages.nix puts in $src, and a copy of ../shared/nixpkgs (read-only in CI)."""
+    root = tmp_path_factory.mktemp("flake-full")
+    for name in ("flake.nix", "pyproject.toml"):
+        shutil.copy2(REPO / name, root / name)
+    for name in ("nix", "recipes", "tool", "engine"):
+        shutil.copytree(REPO / name, root / name, ignore=shutil.ignore_patterns("__pycache__"))
+    nixpkgs = tmp_path_factory.mktemp("nixpkgs")
+    shutil.copytree(NIXPKGS, nixpkgs, dirs_exist_ok=True)
+    for p in nixpkgs.rglob("*"):
+        p.chmod(p.stat().st_mode | 0o200)
+    return root, nixpkgs
+
+
+def nix(standin_flake, *args) -> subprocess.CompletedProcess:
+    root, nixpkgs = standin_flake
+    env = {**os.environ, "NIX_CONFIG": "experimental-features = nix-command flakes"}
+    return subprocess.run(["nix", *args, "--override-input", "nixpkgs", f"path:{nixpkgs}"],
+                          capture_output=True, text=True, env=env, cwd=root)
+
+
+TYPED = [("glm-5.3-flash", "container"), ("glm-5.3", "container"), ("smollm2-135m", "native")]
+
+
+@needs_nixpkgs
+@pytest.mark.parametrize("rid,kind", TYPED)
+def test_installable_as_typed_is_the_recipes_runnable(standin_flake, rid, kind):
+    root, _ = standin_flake
+    # `nix build .#<id>` / `nix eval .#<id>…`: Nix splits on dots and tries packages, then legacyPackages.
+    proc = nix(standin_flake, "eval", "--json", f"path:{root}#{rid}", "--apply",
+               'd: { inherit (d) name; main = d.meta.mainProgram; '
+               'bin = map (e: e.path.text) (builtins.filter (e: e.name == "bin/${d.meta.mainProgram}") d.stub.entries); }')
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(proc.stdout)
+    assert got["name"] == f"kiln-{rid}" and got["main"] == f"kiln-{rid}"
+    (script,) = got["bin"]
+    assert f"/bin/tool up {rid} \"$@\"" in script
+    if kind == "container":
+        assert "KILN_DOCKER_BIN=${KILN_DOCKER_BIN:-/nix/store/" in script and "-docker-" in script
+        assert "/usr/bin/docker" not in script and "KILN_ENGINE_BIN" not in script
+    else:
+        assert "KILN_ENGINE_BIN=${KILN_ENGINE_BIN:-/nix/store/" in script and "kiln-engine" in script
+
+
+@needs_nixpkgs
+@pytest.mark.parametrize("rid", [r for r, _ in TYPED])
+def test_nix_run_as_typed_resolves_to_the_recipe(standin_flake, rid):
+    """`nix run .#<id>` itself: resolution succeeds (no "does not provide attribute"); what stops it is the
+    stand-in: a fake derivation that cannot be built (a dotted id: legacyPackages' nested package), or an
+    app program that was never built (an id without dots hits apps.<system>.<id> first). The error names it."""
+    root, _ = standin_flake
+    proc = nix(standin_flake, "run", f"path:{root}#{rid}")
+    assert proc.returncode != 0
+    assert "does not provide attribute" not in proc.stderr, proc.stderr
+    if "." in rid:
+        drv = nix(standin_flake, "eval", "--raw", f"path:{root}#{rid}.drvPath")
+        assert drv.returncode == 0 and drv.stdout.endswith(f"-kiln-{rid}.drv")
+        assert drv.stdout.rsplit("/", 1)[1] in proc.stderr, proc.stderr
+    else:
+        app = nix(standin_flake, "eval", "--raw", f"path:{root}#apps.x86_64-linux.{rid}.program")
+        assert app.returncode == 0 and app.stdout.endswith(f"-kiln-up-{rid}")
+        assert f"unable to execute '{app.stdout}'" in proc.stderr, proc.stderr
+
+
+@needs_nixpkgs
+def test_flake_outputs_are_ones_nix_flake_check_knows(standin_flake):
+    """`lib` is the only output Nix 2.8's flake check does not know; Nix >= 2.13 lists it among the known
+    community outputs (NixOS/nix#7606), and real nixpkgs needs Nix >= 2.18 anyway."""
+    root, _ = standin_flake
+    proc = nix(standin_flake, "flake", "show", "--json", f"path:{root}")
+    known_28 = {"checks", "packages", "apps", "legacyPackages", "nixosModules", "nixosModule", "overlays",
+                "nixosConfigurations", "hydraJobs", "templates", "devShells", "formatter", "bundlers"}
+    outputs = set(json.loads(proc.stdout)) if proc.returncode == 0 else None
+    assert outputs is not None, proc.stderr
+    assert outputs - known_28 == {"lib"}
+    # packages and apps stay flat (flake check wants a derivation/app under each name); only legacyPackages nests
+    pk = nix(standin_flake, "eval", "--json", f"path:{root}#packages.x86_64-linux", "--apply",
+             "builtins.mapAttrs (_: d: d.type or null)")
+    assert pk.returncode == 0 and set(json.loads(pk.stdout).values()) == {"derivation"}, pk.stderr
+
+
+# --- the Python packages against nixpkgs -----------------------------------------------------------
+NIXPKGS_VERSIONS = json.loads((REPO / "tests/fixtures/nixpkgs-python-versions.json").read_text())["packages"]
+
+
+def wheel_metadata(tmp_path: Path) -> str:
+    """The built wheel's METADATA (setuptools' own prepare_metadata_for_build_wheel on a copy)."""
+    src = tmp_path / "src"
+    shutil.copy2(REPO / "pyproject.toml", src / "pyproject.toml") if src.exists() else None
+    src.mkdir(exist_ok=True)
+    shutil.copy2(REPO / "pyproject.toml", src / "pyproject.toml")
+    for name in ("tool", "engine"):
+        shutil.copytree(REPO / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
+    out = tmp_path / "meta"
+    out.mkdir()
+    code = ("import sys; from setuptools import build_meta as b; "
+            "print(b.prepare_metadata_for_build_wheel(sys.argv[1]))")
+    proc = subprocess.run([sys.executable, "-c", code, str(out)], capture_output=True, text=True, cwd=src)
+    assert proc.returncode == 0, proc.stderr
+    return (out / proc.stdout.strip().splitlines()[-1] / "METADATA").read_text()
+
+
+@pytest.mark.parametrize("extra", [None, "engine"])
+def test_every_requires_dist_is_satisfied_by_nixpkgs(tmp_path, extra):
+    """nixpkgs' pythonRuntimeDepsCheck: every Requires-Dist whose marker holds must be met by the
+    installed version. Applied here to the versions nixpkgs ships (the fixture names each file)."""
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    shipped = {canonicalize_name(k): v["version"] for k, v in NIXPKGS_VERSIONS.items()}
+    unmet, checked = [], 0
+    for line in wheel_metadata(tmp_path).splitlines():
+        if not line.startswith("Requires-Dist:"):
+            continue
+        req = Requirement(line.split(":", 1)[1].strip())
+        if req.marker is not None and not req.marker.evaluate({"extra": extra or ""}):
+            continue
+        name = canonicalize_name(req.name)
+        assert name in shipped, f"{req.name}: no nixpkgs version recorded in the fixture"
+        checked += 1
+        if not req.specifier.contains(shipped[name], prereleases=True):
+            unmet.append(f"{req} not satisfied by version {shipped[name]}")
+    assert unmet == [] and checked >= (9 if extra is None else 19)
+
+
+def test_the_packages_install_side_by_side(tmp_path):
+    """Each package's postPatch (taken from nix/packages.nix) run on a copy, then a real wheel built: no file
+    is in both, and each has exactly its own console script."""
+    if NIXPKGS is None:
+        pytest.skip("../shared/nixpkgs (the stand-in pkgs that evaluates nix/packages.nix) is not beside the checkout")
+    expr = (f"let pkgs = import {NIXPKGS}/pkgs-standin.nix {{ }}; p = pkgs.callPackage {REPO}/nix/packages.nix {{ }}; "
+            "in { tool = p.tool.stub.args.postPatch; engine = p.engine.stub.args.postPatch; }")
+    proc = subprocess.run(["nix-instantiate", "--eval", "--strict", "--json", "--expr", expr], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    records = {}
+    for name, script in json.loads(proc.stdout).items():
+        src = tmp_path / name / "src"
+        src.mkdir(parents=True)
+        shutil.copy2(REPO / "pyproject.toml", src / "pyproject.toml")
+        for pkg in ("tool", "engine"):
+            shutil.copytree(REPO / pkg, src / pkg, ignore=shutil.ignore_patterns("__pycache__"))
+        subprocess.run(["bash", "-euc", script], cwd=src, check=True)
+        wheels = tmp_path / name / "dist"
+        build = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                                "-w", str(wheels), str(src)], capture_output=True, text=True)
+        assert build.returncode == 0, build.stderr
+        (whl,) = wheels.glob("*.whl")
+        with zipfile.ZipFile(whl) as z:
+            files = {n for n in z.namelist() if ".dist-info/" not in n}
+            scripts = [l for l in z.read(next(n for n in z.namelist() if n.endswith("entry_points.txt"))).decode().splitlines()
+                       if "=" in l]
+        records[name] = files
+        assert [s.split("=")[0].strip() for s in scripts] == [name]
+        assert all(f.startswith(f"{name}/") for f in files), sorted(files)[:5]
+    assert records["tool"] and records["engine"] and not records["tool"] & records["engine"]
 
 
 @pytest.mark.parametrize("path", ["flake.nix", "nix/module.nix", "nix/packages.nix"])
