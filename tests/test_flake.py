@@ -249,3 +249,20 @@ def test_nixpkgs_dependent_files_parse(path):
     """What needs nixpkgs cannot be evaluated here; it must at least be valid Nix."""
     proc = subprocess.run(["nix-instantiate", "--parse", str(REPO / path)], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_the_runnables_container_cli_reaches_tool_ups_plan(monkeypatch, tmp_path):
+    """`nix run .#glm-5.3-flash` exports KILN_DOCKER_BIN=<nixpkgs' docker>; tool up compiles its plan with it
+    (not /usr/bin/docker, which NixOS does not have). Without it the default stays `tool plan`'s."""
+    from tool.plan import compile_plan, load_recipe
+    from tool.runners import Dirs
+
+    recipe = load_recipe("glm-5.3-flash")
+    monkeypatch.delenv("KILN_DOCKER_BIN", raising=False)
+    plain = compile_plan(recipe, Dirs.resolve(state_dir=tmp_path).plan_options())
+    assert plain["steps"]["serve"]["argv"][0] == "/usr/bin/docker"
+    monkeypatch.setenv("KILN_DOCKER_BIN", "/nix/store/0000000000000000000000000000dock-docker-28/bin/docker")
+    nixed = compile_plan(recipe, Dirs.resolve(state_dir=tmp_path).plan_options())
+    assert {nixed["steps"][s]["argv"][0] for s in ("prepare", "verify", "serve")} == \
+        {"/nix/store/0000000000000000000000000000dock-docker-28/bin/docker"}
+    assert "/usr/bin/docker" not in json.dumps(nixed["units"])

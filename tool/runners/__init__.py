@@ -44,9 +44,12 @@ class Dirs:
                    evidence=pick(evidence_dir, "KILN_EVIDENCE_DIR", "evidence"), run=state / "run")
 
     def plan_options(self) -> dict:
-        """The nix/lib options that put the plan's paths here, and its programs beside this Python."""
+        """The nix/lib options that put the plan's paths here, and its programs beside this Python.
+        The container CLI only where $KILN_DOCKER_BIN names one (`nix run .#<id>` sets nixpkgs' docker);
+        otherwise nix/lib's default stays, as `tool plan` prints it."""
+        docker = os.environ.get("KILN_DOCKER_BIN")
         return {"stateDir": str(self.state), "modelsDir": str(self.models), "storeDir": str(self.stores),
-                "engineBin": program("engine"), "toolBin": program("tool")}
+                "engineBin": program("engine"), "toolBin": program("tool"), **({"dockerBin": docker} if docker else {})}
 
     def env(self) -> dict[str, str]:
         """KILN_* for child processes (a unit's `tool fetch` reads the same)."""
