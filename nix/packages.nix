@@ -13,7 +13,7 @@ let
   };
 
   # pyproject.toml's [project.dependencies] and its `engine` extra, by nixpkgs attribute name.
-  toolDeps = with python3Packages; [ click jsonschema rich httpx requests huggingface-hub docker nvidia-ml-py prometheus-client ];
+  toolDeps = with python3Packages; [ click jsonschema rich requests huggingface-hub docker nvidia-ml-py prometheus-client ];
   engineDeps = with python3Packages; [
     torch safetensors transformers accelerate gguf tokenizers jinja2 numpy fastapi uvicorn
   ];

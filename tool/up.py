@@ -14,7 +14,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
-import httpx
+import requests
 
 from tool.errors import Exit, IntegrityError, KilnError, NetworkError, last_line
 from tool.plan import compile_plan
@@ -261,8 +261,8 @@ def scrape_metrics(endpoint: str | None) -> dict:
         return {}
     base = endpoint.removesuffix("/v1")
     try:
-        r = httpx.get(f"{base}/metrics", timeout=10)
-    except httpx.HTTPError as e:
+        r = requests.get(f"{base}/metrics", timeout=10)
+    except requests.RequestException as e:
         return {"error": f"{base}/metrics: {type(e).__name__}"}
     if r.status_code != 200:
         return {"error": f"{base}/metrics answered {r.status_code} (not Kiln's engine?)"}

@@ -11,7 +11,7 @@ import json
 import time
 from dataclasses import dataclass, field
 
-import httpx
+import requests
 
 # Enough of a long prompt's text to recognise it in the evidence without storing 100k tokens.
 _PREVIEW_CHARS = 160
@@ -98,8 +98,12 @@ class Client:
                  connect_timeout_s: float = 10.0):
         self.base = base_url.rstrip("/")
         self.root = server_root(self.base)
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._http = httpx.Client(headers=headers, timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s))
+        self._http = requests.Session()
+        # The endpoint is named exactly; no proxy or ~/.netrc credentials (which would replace the key) from the environment.
+        self._http.trust_env = False
+        if api_key:
+            self._http.headers["Authorization"] = f"Bearer {api_key}"
+        self._connect_s, self._timeout_s = connect_timeout_s, timeout_s
         self.records: list[dict] = []        # every exchange; gates take theirs by index
 
     def close(self) -> None:
@@ -124,8 +128,8 @@ class Client:
             rec["request"] = summarise_body(body)
         t0 = time.perf_counter()
         try:
-            kw = {"timeout": timeout_s} if timeout_s is not None else {}
-            r = self._http.request(method, url, json=body, **kw)
+            read_s = self._timeout_s if timeout_s is None else timeout_s
+            r = self._http.request(method, url, json=body, timeout=(self._connect_s, read_s))
             rec["status"] = r.status_code
             if r.status_code >= 400:
                 raise ClientError(f"{method} {url}: HTTP {r.status_code}{_error_detail(r)}")
@@ -140,7 +144,7 @@ class Client:
         except ClientError as e:
             rec["error"] = str(e)
             raise
-        except (httpx.HTTPError, httpx.InvalidURL) as e:
+        except requests.RequestException as e:
             rec["error"] = _transport_reason(method, url, e)
             raise ClientError(rec["error"]) from None
         finally:
@@ -171,17 +175,15 @@ class Client:
         done = False
         t0 = time.perf_counter()
         try:
-            with self._http.stream("POST", url, json=body) as r:
+            with self._http.post(url, json=body, stream=True, timeout=(self._connect_s, self._timeout_s)) as r:
                 rec["status"] = r.status_code
                 if r.status_code >= 400:
-                    r.read()
                     raise ClientError(f"POST {url}: HTTP {r.status_code}{_error_detail(r)}")
                 ctype = r.headers.get("content-type", "")
                 if "text/event-stream" not in ctype:
-                    r.read()
                     raise ClientError(f"POST {url}: expected an event stream, got {ctype or 'no content-type'}: "
                                       f"{_snippet(r.text)}")
-                for line in r.iter_lines():
+                for line in _sse_lines(r):
                     now = time.perf_counter()
                     if not line.startswith("data:"):
                         continue             # comments, event:, id:, blank separators
@@ -222,8 +224,9 @@ class Client:
         except ClientError as e:
             rec["error"] = str(e)
             raise
-        except (httpx.HTTPError, httpx.InvalidURL) as e:
-            rec["error"] = _transport_reason("POST", url, e, streaming=True)
+        except requests.RequestException as e:
+            # After the response began, a broken connection is the stream cut short; before, unreachable.
+            rec["error"] = _transport_reason("POST", url, e, streaming="status" in rec)
             raise ClientError(rec["error"]) from None
         finally:
             answer.tool_calls = [calls[i] for i in sorted(calls)]
@@ -276,9 +279,21 @@ def _snippet(text: str, n: int = 120) -> str:
     return text if len(text) <= n else text[:n] + "…"
 
 
-def _error_detail(r: httpx.Response) -> str:
+def _sse_lines(r: requests.Response):
+    """The stream's lines as they arrive: chunk_size=None hands over each HTTP chunk when it lands (a server
+    streaming SSE sends chunked; an unchunked body is read to its end first, timings then lost)."""
+    pending = b""
+    for chunk in r.iter_content(chunk_size=None):
+        pending += chunk
+        *lines, pending = pending.split(b"\n")
+        for line in lines:
+            yield line.rstrip(b"\r").decode("utf-8", "replace")
+    if pending:
+        yield pending.rstrip(b"\r").decode("utf-8", "replace")
+
+
+def _error_detail(r: requests.Response) -> str:
     try:
-        r.read()
         data = r.json()
         err = data.get("error", data) if isinstance(data, dict) else data
         msg = err.get("message") if isinstance(err, dict) else err
@@ -291,10 +306,10 @@ def _error_detail(r: httpx.Response) -> str:
 
 
 def _transport_reason(method: str, url: str, e: Exception, streaming: bool = False) -> str:
-    if isinstance(e, httpx.ConnectError):
-        return f"cannot reach {url}: {_snippet(str(e)) or 'connection refused'}"
-    if isinstance(e, httpx.TimeoutException):
+    if isinstance(e, requests.Timeout):        # before ConnectionError: ConnectTimeout is both
         return f"{method} {url}: timed out ({type(e).__name__})"
-    if isinstance(e, (httpx.RemoteProtocolError, httpx.ReadError)) and streaming:
+    if isinstance(e, requests.ConnectionError) and not streaming:
+        return f"cannot reach {url}: {_snippet(str(e)) or 'connection refused'}"
+    if isinstance(e, (requests.exceptions.ChunkedEncodingError, requests.ConnectionError)) and streaming:
         return f"POST {url}: the server closed the connection mid-stream ({_snippet(str(e))})"
     return f"{method} {url}: {type(e).__name__}: {_snippet(str(e)) or 'transport error'}"

@@ -135,11 +135,11 @@ def _recipe_id(ref: str) -> str:
 
 
 def _health(endpoint: str) -> str:
-    import httpx
+    import requests
     base = endpoint.removesuffix("/v1")
     try:
-        r = httpx.get(f"{base}/health", timeout=2)
-    except httpx.HTTPError as e:
+        r = requests.get(f"{base}/health", timeout=2)
+    except requests.RequestException as e:
         return f"no answer ({type(e).__name__})"
     return f"{r.status_code}"
 
