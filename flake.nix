@@ -126,6 +126,8 @@
       apps = builtins.mapAttrs (_: s: s.apps) bySystem;
       legacyPackages = builtins.mapAttrs (_: s: s.legacyPackages) bySystem;
       checks = builtins.mapAttrs (_: s: s.checks) bySystem;
-      nixosModules.default = ./nix/module.nix;
+      # An attribute-set module (not the bare path): `nix flake check` wants a function or an attrset,
+      # and `imports` keeps the file's name in NixOS' error messages.
+      nixosModules.default = { imports = [ ./nix/module.nix ]; };
     };
 }

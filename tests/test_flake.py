@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -69,9 +70,9 @@ def test_flake_exposes_the_module_and_recipes(flake_copy):
     assert sorted(nix_eval(flake_copy, "lib.recipes")) == sorted(index())
     root, empty = flake_copy
     env = {**os.environ, "NIX_CONFIG": "experimental-features = nix-command flakes"}
-    proc = subprocess.run(["nix", "eval", "--raw", "--override-input", "nixpkgs", f"path:{empty}",
-                           f"path:{root}#nixosModules.default"], capture_output=True, text=True, env=env)
-    assert proc.returncode == 0 and proc.stdout.endswith("module.nix"), proc.stderr
+    proc = subprocess.run(["nix", "eval", "--json", "--override-input", "nixpkgs", f"path:{empty}",
+                           f"path:{root}#nixosModules.default.imports"], capture_output=True, text=True, env=env)
+    assert proc.returncode == 0 and [p.rsplit("-", 1)[1] for p in json.loads(proc.stdout)] == ["module.nix"], proc.stderr
 
 
 # --- installables as typed, against the stand-in nixpkgs -------------------------------------------
@@ -131,41 +132,73 @@ def test_installable_as_typed_is_the_recipes_runnable(standin_flake, rid, kind):
         assert "KILN_ENGINE_BIN=${KILN_ENGINE_BIN:-/nix/store/" in script and "kiln-engine" in script
 
 
-@needs_nixpkgs
-@pytest.mark.parametrize("rid", [r for r, _ in TYPED])
-def test_nix_run_as_typed_resolves_to_the_recipe(standin_flake, rid):
-    """`nix run .#<id>` itself: resolution succeeds (no "does not provide attribute"); what stops it is the
-    stand-in: a fake derivation that cannot be built (a dotted id: legacyPackages' nested package), or an
-    app program that was never built (an id without dots hits apps.<system>.<id> first). The error names it."""
+# --- nix run / nix build / nix flake check for real, against a buildable stand-in --------------------
+BUILDABLE = REPO / "tests" / "fixtures" / "nixpkgs-buildable"
+
+
+@pytest.fixture(scope="module")
+def buildable(standin_flake, tmp_path_factory) -> Path:
+    """tests/fixtures/nixpkgs-buildable over a copy of ../shared/nixpkgs: the same lib, packages that build."""
+    d = tmp_path_factory.mktemp("nixpkgs-buildable")
+    for f in BUILDABLE.iterdir():
+        shutil.copy2(f, d / f.name)
+    _, nixpkgs = standin_flake
+    shutil.copytree(nixpkgs, d / "standin")
+    return d
+
+
+def nix_build(standin_flake, buildable, *args, program_args=()) -> subprocess.CompletedProcess:
     root, _ = standin_flake
-    proc = nix(standin_flake, "run", f"path:{root}#{rid}")
-    assert proc.returncode != 0
-    assert "does not provide attribute" not in proc.stderr, proc.stderr
-    if "." in rid:
-        drv = nix(standin_flake, "eval", "--raw", f"path:{root}#{rid}.drvPath")
-        assert drv.returncode == 0 and drv.stdout.endswith(f"-kiln-{rid}.drv")
-        assert drv.stdout.rsplit("/", 1)[1] in proc.stderr, proc.stderr
+    # Offline, as root, no nixbld users: MACHINE.md's recipe for building a derivation that needs nothing.
+    env = {**os.environ, "NIX_CONFIG": "experimental-features = nix-command flakes\nsandbox = false\n"
+                                       "substituters =\nbuild-users-group =\n"}
+    return subprocess.run(["nix", *args, "--override-input", "nixpkgs", f"path:{buildable}", *program_args],
+                          capture_output=True, text=True, env=env, cwd=root, timeout=300)
+
+
+@needs_nixpkgs
+@pytest.mark.parametrize("rid,kind", TYPED)
+def test_nix_run_as_typed_runs_tool_up(standin_flake, buildable, rid, kind):
+    """`nix run .#<id> -- --once`, exactly as typed: Nix resolves the id, builds the runnable and runs it;
+    the stand-in `tool` prints the argv and KILN_* environment it got."""
+    root, _ = standin_flake
+    proc = nix_build(standin_flake, buildable, "run", f"path:{root}#{rid}", program_args=("--", "--once"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.splitlines()
+    assert lines[0] == f"tool up {rid} --once"
+    env = dict(line.split("=", 1) for line in lines[1:])
+    if kind == "container":
+        assert re.fullmatch(r"/nix/store/[0-9a-z]{32}-docker-[^/]+/bin/docker", env["KILN_DOCKER_BIN"]), env
+        assert "KILN_ENGINE_BIN" not in env
     else:
-        app = nix(standin_flake, "eval", "--raw", f"path:{root}#apps.x86_64-linux.{rid}.program")
-        assert app.returncode == 0 and app.stdout.endswith(f"-kiln-up-{rid}")
-        assert f"unable to execute '{app.stdout}'" in proc.stderr, proc.stderr
+        assert re.fullmatch(r"/nix/store/[0-9a-z]{32}-kiln-engine-[^/]+/bin/engine", env["KILN_ENGINE_BIN"]), env
 
 
 @needs_nixpkgs
-def test_flake_outputs_are_ones_nix_flake_check_knows(standin_flake):
-    """`lib` is the only output Nix 2.8's flake check does not know; Nix >= 2.13 lists it among the known
-    community outputs (NixOS/nix#7606), and real nixpkgs needs Nix >= 2.18 anyway."""
+def test_nix_build_as_typed_gives_the_plan_units_and_runnable(standin_flake, buildable):
     root, _ = standin_flake
-    proc = nix(standin_flake, "flake", "show", "--json", f"path:{root}")
-    known_28 = {"checks", "packages", "apps", "legacyPackages", "nixosModules", "nixosModule", "overlays",
-                "nixosConfigurations", "hydraJobs", "templates", "devShells", "formatter", "bundlers"}
-    outputs = set(json.loads(proc.stdout)) if proc.returncode == 0 else None
-    assert outputs is not None, proc.stderr
-    assert outputs - known_28 == {"lib"}
-    # packages and apps stay flat (flake check wants a derivation/app under each name); only legacyPackages nests
-    pk = nix(standin_flake, "eval", "--json", f"path:{root}#packages.x86_64-linux", "--apply",
-             "builtins.mapAttrs (_: d: d.type or null)")
-    assert pk.returncode == 0 and set(json.loads(pk.stdout).values()) == {"derivation"}, pk.stderr
+    proc = nix_build(standin_flake, buildable, "build", "--json", "--no-link", f"path:{root}#glm-5.3-flash")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = Path(json.loads(proc.stdout)[0]["outputs"]["out"])
+    plan = json.loads((out / "plan.json").read_text())
+    assert sorted(p.name for p in (out / "units").iterdir()) == sorted(plan["units"])
+    for name, text in plan["units"].items():
+        assert (out / "units" / name).read_text() == text
+    assert (out / "bin" / "kiln-glm-5.3-flash").is_file()
+    assert re.fullmatch(r"/nix/store/[0-9a-z]{32}-docker-[^/]+/bin/docker", plan["steps"]["serve"]["argv"][0])
+    assert (out / "tmpfiles.d" / "kiln-glm-5.3-flash.conf").read_text() == "\n".join(plan["tmpfiles"]) + "\n"
+
+
+@needs_nixpkgs
+def test_nix_flake_check_passes_with_only_the_lib_warning_of_nix_2_8(standin_flake, buildable):
+    """Every output checked and every check built. `lib` is the one output Nix 2.8 calls unknown; Nix >= 2.13
+    lists it among the known community outputs (NixOS/nix#7606), and real nixpkgs needs Nix >= 2.18 anyway."""
+    root, _ = standin_flake
+    proc = nix_build(standin_flake, buildable, "flake", "check", f"path:{root}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    warnings = [l for l in proc.stderr.splitlines() if l.startswith("warning:")
+                and "lock file" not in l and "build-users-group" not in l]
+    assert warnings == ["warning: unknown flake output 'lib'"]
 
 
 # --- the Python packages against nixpkgs -----------------------------------------------------------
