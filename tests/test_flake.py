@@ -299,3 +299,44 @@ def test_the_runnables_container_cli_reaches_tool_ups_plan(monkeypatch, tmp_path
     assert {nixed["steps"][s]["argv"][0] for s in ("prepare", "verify", "serve")} == \
         {"/nix/store/0000000000000000000000000000dock-docker-28/bin/docker"}
     assert "/usr/bin/docker" not in json.dumps(nixed["units"])
+
+
+def test_nixpkgs_follows_a_release_branch_and_the_lock_workflow_is_written_down():
+    proc = subprocess.run(["nix-instantiate", "--eval", "--json", "--expr", f"(import {REPO}/flake.nix).inputs.nixpkgs.url"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert re.fullmatch(r"github:NixOS/nixpkgs/nixos-\d\d\.(05|11)", json.loads(proc.stdout))
+    readme = (REPO / "README.md").read_text()
+    assert "nix flake lock" in readme and 'inputs.kiln.inputs.nixpkgs.follows = "nixpkgs"' in readme
+
+
+def _third_party_imports(package: str) -> set[str]:
+    """Top-level modules imported anywhere under `package` (any depth, also inside functions)."""
+    import ast
+    names = set()
+    for path in (REPO / package).rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names.add(node.module.split(".")[0])
+    return {n for n in names if n not in sys.stdlib_module_names and n not in ("tool", "engine", "__future__")}
+
+
+def test_every_import_of_the_tool_is_declared_and_every_declared_dependency_used():
+    """pyproject's [project] dependencies are exactly the distributions tool/ imports (no undeclared
+    httpx2, no unused requests): the Nix package gets these and nothing else."""
+    import importlib.metadata as md
+    import tomllib
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    declared = {canonicalize_name(Requirement(r).name)
+                for r in tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]}
+    dists = md.packages_distributions()
+    imported = {canonicalize_name(dists[m][0]) for m in _third_party_imports("tool") if m in dists}
+    unknown = {m for m in _third_party_imports("tool") if m not in dists}
+    assert unknown == set(), f"imported but not installed (undeclared): {unknown}"
+    assert imported - declared == set(), "imported, not declared"
+    assert declared - imported == set(), "declared, never imported"
