@@ -378,3 +378,36 @@ def test_the_tool_is_installed_system_wide():
     mods = [enable("smollm2-135m")]
     assert len(evaluate(mods, "config.environment.systemPackages")) == 1
     assert evaluate(mods, "config.environment.systemPackages.0.name") == "kiln-tool-0.1.0"
+
+
+# --- the module's units pass real systemd-analyze verify ------------------------------------------------
+def fake_package(tmp_path: Path, name: str, programs: list[str]) -> str:
+    """A derivation-shaped attrset whose outPath is a real directory with bin/<program> scripts, so that
+    systemd-analyze verify finds the executables the units name (the stand-in pkgs' paths do not exist)."""
+    out = tmp_path / name
+    (out / "bin").mkdir(parents=True, exist_ok=True)
+    for p in programs:
+        (out / "bin" / p).write_text("#!/bin/sh\nexit 0\n")
+        (out / "bin" / p).chmod(0o755)
+    return f'{{ type = "derivation"; name = "{name}"; outPath = "{out}"; meta.mainProgram = "{programs[0]}"; }}'
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")
+@pytest.mark.parametrize("rid,runtime", [(r, "docker") for r in sorted(index())] + [("glm-5.3-flash", "podman")])
+def test_module_units_pass_systemd_analyze_verify(tmp_path, rid, runtime):
+    pkgs = (f'{{ services.kiln.package = {fake_package(tmp_path, "tool", ["tool"])};'
+            f'  services.kiln.enginePackage = {fake_package(tmp_path, "engine", ["engine"])};'
+            f'  virtualisation.{runtime}.enable = true; hardware.nvidia-container-toolkit.enable = true;'
+            f'  virtualisation.{runtime}.package = {fake_package(tmp_path, runtime, [runtime])}; }}')
+    units = kiln_units([pkgs, enable(rid)])
+    d = tmp_path / "units"
+    d.mkdir()
+    for name, text in units.items():
+        (d / name).write_text(text)
+    proc = subprocess.run(["systemd-analyze", "verify", "--man=no", *sorted(str(p) for p in d.iterdir())],
+                          capture_output=True, text=True)
+    lines = [l for l in (proc.stdout + proc.stderr).splitlines() if l.strip()]
+    # The one program that is not here: NixOS' /run/current-system/sw/bin/systemctl, which the starter names.
+    starter = f"kiln-{rid}-start.service"
+    lines = [l for l in lines if not (starter in l and "/run/current-system/sw/bin/systemctl" in l)]
+    assert lines == [], lines
