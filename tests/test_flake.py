@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.fixtures.shared_nixpkgs import shared_nixpkgs
 from tool import nixeval
 from tool.recipes import index
 
@@ -76,13 +77,6 @@ def test_flake_exposes_the_module_and_recipes(flake_copy):
 
 
 # --- installables as typed, against the stand-in nixpkgs -------------------------------------------
-def shared_nixpkgs() -> Path | None:
-    for base in (os.environ.get("KILN_SHARED_DIR"), REPO.parent / "shared"):
-        if base and (Path(base) / "nixpkgs" / "flake.nix").is_file():
-            return Path(base) / "nixpkgs"
-    return None
-
-
 NIXPKGS = shared_nixpkgs()
 needs_nixpkgs = pytest.mark.skipif(NIXPKGS is None, reason="../shared/nixpkgs is not beside the checkout")
 

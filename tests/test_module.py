@@ -18,18 +18,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.fixtures.shared_nixpkgs import shared_nixpkgs
 from tool.recipes import index
 
 REPO = Path(__file__).resolve().parent.parent
 MORE_OPTIONS = REPO / "tests" / "fixtures" / "nixos" / "more-options.nix"
-
-
-def shared_nixpkgs() -> Path | None:
-    """../shared/nixpkgs beside the checkout (CI), or $KILN_SHARED_DIR/nixpkgs (a worktree elsewhere)."""
-    for base in (os.environ.get("KILN_SHARED_DIR"), REPO.parent / "shared"):
-        if base and (Path(base) / "nixpkgs" / "eval-nixos.nix").is_file():
-            return Path(base) / "nixpkgs"
-    return None
 
 
 NIXPKGS = shared_nixpkgs()
