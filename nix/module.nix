@@ -14,12 +14,13 @@
 #
 # * Not restarted by a switch, while a real change still takes effect. Every chain unit has
 #   restartIfChanged = false: a new Kiln or nixpkgs changes their store paths, and that alone
-#   must not re-run prepare and reload the model. The starter's restartTriggers is the recipe
-#   and the chain's rendered units with every /nix/store path masked; it changes when the recipe
-#   or an option or override of these units changes, and then the switch restarts the starter,
-#   which re-queues the chain (each step skips what is already published and verified). The
-#   starter names systemctl by /run/current-system/sw/bin so that its own text carries no store
-#   path that would restart it.
+#   must not re-run prepare and reload the model. The starter's [Unit] X-Kiln-Chain= is a hash
+#   of the recipe and of the chain's rendered units with every /nix/store path masked; it changes
+#   when the recipe or an option or override of these units changes, and then the switch (which
+#   restarts a unit whose file changed) restarts the starter, which re-queues the chain (each step
+#   skips what is already published and verified). The starter's text carries no store path at
+#   all, which restartTriggers would not give (its file is a derivation built with nixpkgs'
+#   stdenv, so a nixpkgs bump moves it): no default PATH, and systemctl by /run/current-system.
 #
 # * Ids. docker's and podman's --user need the numbers at evaluation time, so the kiln user has
 #   static ids, 2960: outside NixOS' static table (0-399, ids.nix) and outside the range NixOS
@@ -169,12 +170,12 @@ let
   starter = name: {
     description = "Kiln ${name}: queue the chain (fetch, prepare, verify, serve, check) without waiting for it";
     wantedBy = [ "multi-user.target" ];
-    restartTriggers = [
-      (builtins.hashString "sha256" (builtins.toJSON {
-        recipe = info.${name}.recipe;
-        units = map (u: maskStorePaths config.systemd.units.${u}.text) (chainUnits name);
-      }))
-    ];
+    unitConfig.X-Kiln-Chain = builtins.hashString "sha256" (builtins.toJSON {
+      recipe = info.${name}.recipe;
+      units = map (u: maskStorePaths config.systemd.units.${u}.text) (chainUnits name);
+    });
+    # NixOS' default PATH names store paths; the starter runs one absolute command and needs none.
+    enableDefaultPath = false;
     serviceConfig = {
       Type = "oneshot";
       RemainAfterExit = true;
