@@ -457,6 +457,9 @@ OPERATOR_ENV = {"HF_TOKEN": "a secret", "HUGGING_FACE_HUB_TOKEN": "a secret",
                 "PATH": "the program search path", "PYTHONPATH": "an interpreter search path",
                 "PYTHONHOME": "an interpreter search path", "PYTHONSTARTUP": "code run at start",
                 "PYTHONUSERBASE": "an interpreter search path", "BASH_ENV": "code run at start", "ENV": "code run at start"}
+# A secret in a recipe would sit in world-readable unit files and argv, and for a container a recipe's -e
+# wins over the operator's --env-file (docker applies -e last): no recipe names one.
+SECRET_ENV = re.compile(r"(^|_)(API_KEY|TOKEN|SECRET|PASSWORD)$")
 OPERATOR_ENV_PREFIXES = {"KILN_": "Kiln's own settings (the API key, its directories)",
                          "LD_": "the dynamic loader's (code loaded into the process)"}
 
@@ -511,7 +514,8 @@ def operator_knobs_stay_the_operators(recipe: Recipe) -> Iterator[tuple[Where, s
         for key in env:
             if not isinstance(key, str):
                 continue
-            why = OPERATOR_ENV.get(key) or next((w for p, w in OPERATOR_ENV_PREFIXES.items() if key.startswith(p)), None)
+            why = (OPERATOR_ENV.get(key) or next((w for p, w in OPERATOR_ENV_PREFIXES.items() if key.startswith(p)), None)
+                   or ("a secret" if SECRET_ENV.search(key) else None))
             if why:
                 yield where + (key,), (f"{key} is {why}: the operator's, not the recipe's (set it in the operator's "
                                        "environment file or the module's extraEnv)")
