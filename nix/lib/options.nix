@@ -86,6 +86,9 @@ rec {
     then fail "memorySwapBytes (${toString o.memorySwapBytes}) is below memoryBytes (${toString o.memoryBytes}); it counts memory + swap, so it must be at least the memory cap"
     else if !(builtins.isInt o.port) || o.port < 1 || o.port > 65535
     then fail "port ${toString o.port} is not a TCP port (1-65535)"
+    # An IP literal only (the module's option is a free string): it reaches docker's -p and unit files.
+    else if !(builtins.isString o.bindAddress) || builtins.match "[0-9.]+|[0-9A-Fa-f:.]*:[0-9A-Fa-f:.]*" o.bindAddress == null
+    then fail "bindAddress ${builtins.toJSON o.bindAddress} is not an IP address (e.g. 127.0.0.1, 0.0.0.0, ::1)"
     else if !(builtins.isInt o.uid) || !(builtins.isInt o.gid)
     then fail "uid and gid must be numbers (docker's --user needs them), got ${builtins.toJSON o.uid}:${builtins.toJSON o.gid}"
     else o;
