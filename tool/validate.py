@@ -432,7 +432,7 @@ def text_is_plain(recipe: Recipe) -> Iterator[tuple[Where, str]]:
             bad = _CONTROL.search(value)
             if bad:
                 yield where, (f"{what} holds control character {_char(bad.group())}: recipe text reaches unit files, "
-                              "command lines and terminals, where it would start a line of its own")
+                              "command lines and terminals, and none belongs there")
 
 
 INT64 = (-(2**63), 2**63 - 1)
@@ -454,14 +454,15 @@ OPERATOR_FLAGS = {"--bind": "the bind address", "--api-key": "the API key", "--a
 # Environment that belongs to the operator (Kiln's own settings and secrets) or that would turn a recipe's
 # data into code in the process (loader and interpreter search paths).
 OPERATOR_ENV = {"HF_TOKEN": "a secret", "HUGGING_FACE_HUB_TOKEN": "a secret",
-                "PATH": "the program search path", "PYTHONPATH": "an interpreter search path",
-                "PYTHONHOME": "an interpreter search path", "PYTHONSTARTUP": "code run at start",
-                "PYTHONUSERBASE": "an interpreter search path", "BASH_ENV": "code run at start", "ENV": "code run at start"}
+                "PATH": "the program search path", "PYTHONPATH": "an interpreter search path (it loads code)",
+                "PYTHONHOME": "an interpreter search path (it loads code)", "PYTHONSTARTUP": "code run at start",
+                "PYTHONUSERBASE": "an interpreter search path (it loads code)", "BASH_ENV": "code run at start",
+                "ENV": "code run at start"}
 # A secret in a recipe would sit in world-readable unit files and argv, and for a container a recipe's -e
 # wins over the operator's --env-file (docker applies -e last): no recipe names one.
 SECRET_ENV = re.compile(r"(^|_)(API_KEY|TOKEN|SECRET|PASSWORD)$")
-OPERATOR_ENV_PREFIXES = {"KILN_": "Kiln's own settings (the API key, its directories)",
-                         "LD_": "the dynamic loader's (code loaded into the process)"}
+OPERATOR_ENV_PREFIXES = {"KILN_": "one of Kiln's own settings (the API key, its directories)",
+                         "LD_": "a dynamic-loader variable (it loads code into the process)"}
 
 
 def _argv_words(step: dict) -> Iterator[tuple[Where, list]]:
@@ -482,7 +483,7 @@ def _flag_problems(words: list, native: bool) -> Iterator[tuple[int, str]]:
         flag, eq, inline = word.partition("=")
         if flag in OPERATOR_FLAGS:
             yield i, (f"{flag} sets {OPERATOR_FLAGS[flag]}, which is the operator's, not the recipe's "
-                      "(secrets go in the environment file: KILN_API_KEY)")
+                      "(a secret goes in the operator's environment file)")
         elif native and flag in PLACEHOLDER_FLAGS:
             want = PLACEHOLDER_FLAGS[flag]
             value = inline if eq else (words[i + 1] if i + 1 < len(words) else None)
@@ -517,8 +518,8 @@ def operator_knobs_stay_the_operators(recipe: Recipe) -> Iterator[tuple[Where, s
             why = (OPERATOR_ENV.get(key) or next((w for p, w in OPERATOR_ENV_PREFIXES.items() if key.startswith(p)), None)
                    or ("a secret" if SECRET_ENV.search(key) else None))
             if why:
-                yield where + (key,), (f"{key} is {why}: the operator's, not the recipe's (set it in the operator's "
-                                       "environment file or the module's extraEnv)")
+                yield where + (key,), (f"{key} is {why}: the operator sets it (the environment file, or the NixOS "
+                                       "module's extraEnv), never a recipe")
 
 
 RULES = (
