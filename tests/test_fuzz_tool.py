@@ -169,7 +169,7 @@ VALUES = [None, True, False, 0, -1, 1, 2**31, 2**63, -(2**63) - 1, 10**40, 1.5, 
           {"a": {}}, ["x"] * 1000]
 
 
-def nodes(data, where=()):
+def nodes(data):
     """(parent, key) of every value, depth-first, in document order."""
     out = []
     if isinstance(data, dict):
@@ -282,3 +282,21 @@ def test_a_few_mutants_through_the_real_console_script(mutants):
                                env={**os.environ, "PYTHONPATH": str(REPO)})
             assert r.returncode in EXITS and "Traceback" not in r.stderr, (p.name, cmd, r.stderr)
             assert r.stderr.count("\n") == (1 if r.returncode or cmd == "validate" else 0), (p.name, cmd, r.stderr)
+
+
+def test_a_file_name_that_is_not_utf8_prints_as_one_printable_line(tmp_path):
+    """Through the real console script, whose stdout is a strict UTF-8 pipe: a lone surrogate would crash it."""
+    good = os.fsdecode(bytes(tmp_path) + b"/good\xff.json")
+    bad = os.fsdecode(bytes(tmp_path) + b"/bad\xfe.json")
+    shutil.copy(SMOL, good)
+    Path(bad).write_bytes(b"{")
+    for extra in ([], ["--json"]):
+        r = subprocess.run([TOOL, "validate", *extra, good, bad], capture_output=True, cwd=tmp_path, timeout=60,
+                           env={**os.environ, "PYTHONPATH": str(REPO)})
+        assert r.returncode == Exit.BAD_RECIPE and b"Traceback" not in r.stderr, r.stderr
+        out = r.stdout.decode("utf-8")                                   # strict: valid UTF-8 throughout
+        if extra:
+            assert json.loads(out)["files"] == ["good\\udcff.json", "bad\\udcfe.json"]
+        else:
+            assert out == "bad\\udcfe.json::$: not valid JSON: Expecting property name enclosed in double quotes (line 1, column 2)\n"
+        assert r.stderr == b"2 recipes, 1 error\n"
