@@ -57,8 +57,8 @@ def hostile_files(d: Path) -> dict[str, tuple[Path, str]]:
     put("not-utf8", good.replace('"title": "', '"title": "\xff').encode("latin-1", "replace"), "not UTF-8: byte 0xff")
     put("lone-surrogate-id", good.replace('"id": "smollm2-135m"', '"id": "\\ud800"').encode(),
         "$.id: string holds a lone surrogate U+D800")
-    put("deep-1000", b'{"a": ' + b"[" * 1000 + b"]" * 1000 + b"}", "nested too deeply")
-    put("deep-100", b'{"a": ' + b"[" * 100 + b"]" * 100 + b"}", "nested more than 64 levels deep")
+    put("deep-1000", b'{"a": ' + b"[" * 1000 + b"]" * 1000 + b"}", "nested more than 64 levels deep (a recipe is at most 64)")
+    put("deep-100", b'{"a": ' + b"[" * 100 + b"]" * 100 + b"}", "nested more than 64 levels deep (a recipe is at most 64)")
     put("int-5000-digits", b'{"a": ' + b"9" * 5000 + b"}", "an integer of 5000 digits is out of range")
     put("nan", good.replace('"context": 8192', '"context": NaN').encode(), "NaN is not JSON")
     put("duplicate-key", good.replace('"id": "smollm2-135m"', '"id": "a", "id": "smollm2-135m"').encode(),

@@ -70,6 +70,7 @@ class Recipe:
 # room for files carried inline and stop a hostile file long before it costs memory or a stack.
 MAX_RECIPE_BYTES = 4 * 2**20
 MAX_DEPTH = 64
+TOO_DEEP = f"nested more than {MAX_DEPTH} levels deep (a recipe is at most {MAX_DEPTH})"
 
 _KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
           (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
@@ -102,8 +103,9 @@ def read_recipe_bytes(path: Path) -> bytes:
     except OSError as e:
         raise RecipeError(f"{path}: cannot read ({e.strerror or e})") from None
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise RecipeError(f"{path}: is {_kind(os.fstat(fd).st_mode)}, not a recipe file (a regular JSON file)")
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise RecipeError(f"{path}: is {_kind(mode)}, not a recipe file (a regular JSON file)")
         chunks, size = [], 0
         while size <= MAX_RECIPE_BYTES:
             chunk = os.read(fd, MAX_RECIPE_BYTES + 1 - size)
@@ -166,8 +168,8 @@ def decode(raw: bytes, where: str) -> dict:
         raise RecipeError(f"{where}: not valid JSON: {e.msg} (line {e.lineno}, column {e.colno})") from None
     except _Refused as e:
         raise RecipeError(f"{where}: not valid JSON for a recipe: {e}") from None
-    except RecursionError:
-        raise RecipeError(f"{where}: nested too deeply; a recipe is at most {MAX_DEPTH} levels deep") from None
+    except RecursionError:  # deeper than the parser's stack: far past the limit
+        raise RecipeError(f"{where}: {TOO_DEEP}") from None
     except ValueError as e:  # an integer beyond Python's int_max_str_digits
         digits = re.search(r"has (\d+) digits", str(e))
         size = f"an integer of {digits.group(1)} digits" if digits else "a number"
@@ -176,7 +178,7 @@ def decode(raw: bytes, where: str) -> dict:
     if not isinstance(data, dict):
         raise RecipeError(f"{where}: a recipe is a JSON object, not {type(data).__name__}")
     if _depth(data) > MAX_DEPTH:
-        raise RecipeError(f"{where}: nested more than {MAX_DEPTH} levels deep; a recipe is at most that")
+        raise RecipeError(f"{where}: {TOO_DEEP}")
     return data
 
 
