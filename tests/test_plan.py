@@ -17,6 +17,7 @@ import pytest
 
 from tool import plan as plans
 from tool.cli import main
+from tool.errors import printable
 from tool.recipes import index
 
 REPO = Path(__file__).resolve().parent.parent
@@ -249,3 +250,30 @@ def test_compiler_refuses_swap_below_memory():
     with pytest.raises(Exception) as e:
         compiled("glm-5.3-flash", memoryBytes=2000, memorySwapBytes=1000)
     assert "glm-5.3-flash: memorySwapBytes (1000) is below memoryBytes (2000)" in str(e.value)
+
+
+@pytest.mark.parametrize("bind", ["not an address", "0.0.0.0 --privileged", "127.0.0.1\nUser=root", "localhost", ""])
+@pytest.mark.parametrize("command", ["plan", "materialise"])
+def test_cli_bind_must_be_an_ip_address(bind, command, capsys, tmp_path):
+    extra = ["--root", str(tmp_path / "root")] if command == "materialise" else []
+    code, out, err = run_cli(capsys, command, "smollm2-135m", "--bind", bind, *extra)
+    assert code == 2 and out == ""
+    reason = [line for line in err.splitlines() if line.startswith("Error:")]
+    assert reason == [f"Error: Invalid value for '--bind': {printable(repr(bind))} is not an IP address "
+                      "(e.g. 127.0.0.1, 0.0.0.0, ::1)"]
+    assert not (tmp_path / "root").exists()
+
+
+@pytest.mark.parametrize("bind,probe", [("0.0.0.0", "http://127.0.0.1:8000/v1"), ("::1", "http://[::1]:8000/v1"),
+                                        ("192.168.1.5", "http://192.168.1.5:8000/v1")])
+def test_cli_bind_takes_ip_literals(bind, probe, capsys):
+    code, out, _ = run_cli(capsys, "plan", "smollm2-135m", "--json", "--bind", bind)
+    assert code == 0 and json.loads(out)["endpoint"] == probe
+
+
+@pytest.mark.parametrize("bind", ["not an address", "1.2.3.4\nUser=root", "0.0.0.0 -v /:/host"])
+def test_compiler_refuses_a_bind_address_that_is_not_an_ip(bind):
+    """The NixOS module's bindAddress reaches nix/lib without the CLI's check."""
+    with pytest.raises(Exception) as e:
+        compiled("glm-5.3-flash", bindAddress=bind)
+    assert f"glm-5.3-flash: bindAddress {json.dumps(bind)} is not an IP address" in str(e.value)

@@ -7,8 +7,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -121,3 +123,127 @@ def test_no_weights_is_one_line(setup):
     assert r.stderr == (f"tool: {state / 'models' / TINY['weights']['dirname']}: no weights to prepare from "
                         f"(run `tool fetch tiny-moe`)\n")
     assert not store.exists()
+
+
+# ---------------------------------------------------------------- killed outright: no orphan, never no store
+
+def alive(pid: int) -> bool:
+    """Running, not a zombie (an orphan killed in a container whose init does not reap stays a zombie)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def test_sigkill_of_prepare_kills_its_child(setup, tmp_path):
+    """A real `tool prepare`, SIGKILLed while its step runs: the step's process dies with it. The step is the
+    real engine behind a 60-second sleep (KILN_ENGINE_BIN), so without PR_SET_PDEATHSIG it would surely still
+    be running when we look."""
+    env, state, store = setup
+    pidfile = tmp_path / "child.pid"
+    wrapper = tmp_path / "engine"
+    wrapper.write_text(f"#!{sys.executable}\nimport os, sys, time\n"
+                       f"open({str(pidfile)!r}, 'w').write(str(os.getpid()))\n"
+                       f"time.sleep(60)\nos.execv({str(Path(sys.executable).parent / 'engine')!r}, sys.argv)\n")
+    wrapper.chmod(0o755)
+    proc = subprocess.Popen([TOOL, "prepare", "tiny-moe", "--state-dir", str(state)], cwd=REPO,
+                            env={**env, "KILN_ENGINE_BIN": str(wrapper)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 120
+        while not pidfile.exists() or not pidfile.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.1)
+        child = int(pidfile.read_text())
+        assert alive(child)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        gone_by = time.monotonic() + 5
+        while alive(child) and time.monotonic() < gone_by:
+            time.sleep(0.05)
+        assert not alive(child), "the step's process outlived the killed tool"
+    finally:
+        proc.kill()
+        proc.communicate()
+        if pidfile.exists() and pidfile.read_text() and alive(int(pidfile.read_text())):
+            os.kill(int(pidfile.read_text()), signal.SIGKILL)
+    assert not store.exists()                               # nothing published by a killed run
+
+
+# publish() killed by a real SIGKILL at each point between its steps, in a process of its own, on real
+# directories. `exchange` is renameat2(RENAME_EXCHANGE) on this filesystem; "aside-*" make it refuse (EINVAL,
+# as on a filesystem without it) to reach the move-aside way.
+KILLER = r"""
+import errno, os, signal, sys
+from pathlib import Path
+import tool.prepare as p
+stores, point = Path(sys.argv[1]), sys.argv[2]
+staged = stores / f"{p.STAGING_PREFIX}{os.getpid()}" / "store"
+staged.mkdir(parents=True)
+(staged / "data").write_text("new")
+die = lambda: os.kill(os.getpid(), signal.SIGKILL)
+real_exchange, real_rename, renames = p.exchange, os.rename, []
+def exchange(a, b):
+    if point.startswith("aside"):
+        raise OSError(errno.EINVAL, "no RENAME_EXCHANGE here")
+    real_exchange(a, b)
+    if point == "after-exchange":
+        die()
+def rename(a, b):
+    real_rename(a, b)
+    renames.append(b)
+    if point == f"aside-after-rename-{len(renames)}":
+        die()
+p.exchange, os.rename = exchange, rename
+if point == "before-publish":
+    die()
+p.publish(staged, stores / "store")
+"""
+
+
+@pytest.mark.parametrize("point,after_kill", [
+    ("before-publish", "old"), ("after-exchange", "new"), ("aside-after-rename-1", None), ("aside-after-rename-2", "new"),
+    ("completes", "new"),
+])
+def test_a_kill_at_each_point_of_publish_leaves_a_whole_store(point, after_kill, tmp_path):
+    from tool.prepare import remove_stale_staging, restore_aside
+    stores = tmp_path / "stores"
+    final = stores / "store"
+    final.mkdir(parents=True)
+    (final / "data").write_text("old")
+    r = subprocess.run([sys.executable, "-c", KILLER, str(stores), point], capture_output=True, text=True,
+                       cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=60)
+    assert r.returncode == (0 if point == "completes" else -signal.SIGKILL), r.stderr
+    # right after the kill: a whole store at `final`, old or new, except in the middle of the move-aside way
+    assert ((final / "data").read_text() if final.exists() else None) == after_kill
+    # what the next `tool prepare` does first: the old store back if it was aside, the leftovers gone
+    restore_aside(final)
+    remove_stale_staging(stores)
+    assert (final / "data").read_text() == ("old" if after_kill in ("old", None) else "new")
+    assert [q.name for q in stores.iterdir()] == ["store"]
+
+
+def test_exchange_swaps_two_directories_in_one_step(tmp_path):
+    from tool.prepare import exchange
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "x").write_text("a")
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "x").write_text("b")
+    exchange(tmp_path / "a", tmp_path / "b")
+    assert [(tmp_path / n / "x").read_text() for n in "ab"] == ["b", "a"]
+    with pytest.raises(OSError):
+        exchange(tmp_path / "a", tmp_path / "missing")
+
+
+def test_prepare_restores_a_store_left_aside_by_a_killed_run(setup):
+    """The move-aside way killed between its renames left no store, only `.<name>.old-<pid>`: the next
+    prepare puts it back (verified, skipped) instead of rebuilding, and sweeps the dead run's staging."""
+    env, state, store = setup
+    assert tool("prepare", "tiny-moe", "--state-dir", str(state), env=env).returncode == 0
+    inode = (store / "experts" / "experts.bin").stat().st_ino
+    dead = subprocess.run(["sh", "-c", "echo $$"], capture_output=True, text=True).stdout.strip()
+    store.rename(store.with_name(f".{store.name}.old-{dead}"))
+    (state / "stores" / f".staging-{dead}" / store.name).mkdir(parents=True)
+    r = tool("prepare", "tiny-moe", "--state-dir", str(state), "--json", env=env)
+    assert r.returncode == 0 and json.loads(r.stdout)["status"] == "skipped", r.stderr
+    assert (store / "experts" / "experts.bin").stat().st_ino == inode
+    assert [p.name for p in (state / "stores").iterdir()] == [store.name]

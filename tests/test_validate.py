@@ -40,6 +40,10 @@ def placed(at: str, says: str) -> str:
             "(vendor/card/<model>.<engine>.<context/1024>k[.<gpu_count>x].json)")
 
 
+PLAIN = "recipe text reaches unit files, command lines and terminals, and none belongs there"
+OPERATOR_SETS = "the operator sets it (the environment file, or the NixOS module's extraEnv), never a recipe"
+SECRET_FLAG = "which is the operator's, not the recipe's (a secret goes in the operator's environment file)"
+
 # invalid/<entry> -> every (file under invalid/, JSON path, message) it must produce, and nothing else
 EXPECTED: dict[str, list[tuple[str, str, str]]] = {
     # rules beyond the schema
@@ -165,6 +169,54 @@ EXPECTED: dict[str, list[tuple[str, str, str]]] = {
     "native-step-with-args-and-commands.json": [
         ("native-step-with-args-and-commands.json", "$.steps.prepare",
          "a native step runs args (one command) or commands (several), exactly one of them"),
+    ],
+    # hostile text, numbers and knobs (tool/validate.py: text_is_plain, numbers_fit, operator_knobs_stay_the_operators)
+    "text-with-control-characters.json": [
+        ("text-with-control-characters.json", path, f"string holds control character {char}: {PLAIN}")
+        for path, char in [("$.env.X", "U+000A (newline)"), ("$.serve.served_name", "U+0009 (tab)"),
+                           ("$.steps.serve.env.Y", "U+000D (carriage return)"), ("$.title", "U+000A (newline)")]
+    ],
+    "text-with-lone-surrogate.json": [
+        ("text-with-lone-surrogate.json", "$.id",
+         "string holds a lone surrogate U+D800, which is not Unicode text (no file or unit can hold it)"),
+    ],
+    "integer-beyond-64-bits.json": [
+        ("integer-beyond-64-bits.json", "$.runtime.native.memory_max_bytes",
+         "integer of 20 digits is out of range: integers fit in 64 bits (at most 9223372036854775807)"),
+    ],
+    "native-serve-sets-operator-flags.json": [
+        ("native-serve-sets-operator-flags.json", "$.steps.serve.args[7]",
+         "step serve: --host \"0.0.0.0\": the bind address is the operator's (tool plan --bind, the NixOS module's "
+         "options); write --host @host@"),
+        ("native-serve-sets-operator-flags.json", "$.steps.serve.args[9]",
+         "step serve: --port \"9999\": the port is the operator's (tool plan --port, the NixOS module's options); "
+         "write --port @port@"),
+        ("native-serve-sets-operator-flags.json", "$.steps.serve.args[19]", f"step serve: --api-key sets the API key, {SECRET_FLAG}"),
+    ],
+    "env-sets-operator-variables.json": [
+        ("env-sets-operator-variables.json", "$.env.KILN_API_KEY",
+         f"KILN_API_KEY is one of Kiln's own settings (the API key, its directories): {OPERATOR_SETS}"),
+        ("env-sets-operator-variables.json", "$.env.LD_PRELOAD",
+         f"LD_PRELOAD is a dynamic-loader variable (it loads code into the process): {OPERATOR_SETS}"),
+        ("env-sets-operator-variables.json", "$.steps.serve.env.HF_TOKEN", f"HF_TOKEN is a secret: {OPERATOR_SETS}"),
+        ("env-sets-operator-variables.json", "$.steps.serve.env.PYTHONPATH",
+         f"PYTHONPATH is an interpreter search path (it loads code): {OPERATOR_SETS}"),
+    ],
+    "container-recipe-carries-a-secret.json": [
+        ("container-recipe-carries-a-secret.json", "$.env.VLLM_API_KEY", f"VLLM_API_KEY is a secret: {OPERATOR_SETS}"),
+        ("container-recipe-carries-a-secret.json", "$.steps.serve.args[16]", f"step serve: --api-key sets the API key, {SECRET_FLAG}"),
+    ],
+    # JSON a recipe may not be (tool/recipes.py: decode)
+    "duplicate-key.json": [
+        ("duplicate-key.json", "$",
+         'not valid JSON for a recipe: key "id" appears twice in one object (which one counts is ambiguous)'),
+    ],
+    "not-utf-8.json": [
+        ("not-utf-8.json", "$", "not UTF-8: byte 0xff at offset 100 (line 5)"),
+    ],
+    "number-not-finite.json": [
+        ("number-not-finite.json", "$",
+         "not valid JSON for a recipe: number 1e999 is out of range (a recipe's numbers are finite)"),
     ],
     # not a recipe at all
     "malformed-json.json": [

@@ -6,6 +6,7 @@ stderr and the exit code below. No traceback ever reaches the user.
 from __future__ import annotations
 
 import enum
+import re
 
 
 class Exit(enum.IntEnum):
@@ -18,6 +19,7 @@ class Exit(enum.IntEnum):
     IO = 6              # filesystem refused (O_DIRECT, disk full, read-only)
     NETWORK = 7         # download / server unreachable
     INTEGRITY = 8       # hash / size / digest mismatch
+    INTERNAL = 70       # a bug in Kiln (EX_SOFTWARE): the one line says so; KILN_DEBUG=1 shows the traceback
     INTERRUPTED = 130   # Ctrl-C
 
 
@@ -64,3 +66,19 @@ def last_line(text: str | None, limit: int = 300) -> str:
     """The last non-empty line of a program's output: the one-line reason a failed child gives."""
     lines = [l.strip() for l in (text or "").splitlines() if l.strip()]
     return lines[-1][:limit] if lines else "no output"
+
+
+# What may not reach a terminal or a log as it is: C0/C1 controls and DEL (a newline would start a line the
+# program never wrote; an escape sequence would restyle the terminal), the Unicode line and paragraph
+# separators, and lone surrogates (from JSON's "\ud800", or a file name that is not UTF-8), which no
+# encoder can write.
+_UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\ud800-\udfff]")
+
+
+def printable(text: str) -> str:
+    """text as one printable line: each character above written as a Python-style escape (\\n, \\x1b, \\ud800)."""
+    def escape(m: re.Match) -> str:
+        c = m.group()
+        return {"\n": "\\n", "\r": "\\r", "\t": "\\t"}.get(c) or (
+            f"\\x{ord(c):02x}" if ord(c) < 0x100 else f"\\u{ord(c):04x}")
+    return _UNPRINTABLE.sub(escape, text)

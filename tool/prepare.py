@@ -13,12 +13,15 @@ prepare now packs another record order — is rebuilt, not reused because it sti
 """
 from __future__ import annotations
 
+import ctypes
+import errno
 import hashlib
 import json
 import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +32,9 @@ from tool.runners import Dirs, pid_alive
 from tool.store_verify import StoreReport, verify_store
 
 STAGING_PREFIX = ".staging-"
+PR_SET_PDEATHSIG = 1    # <linux/prctl.h>
+AT_FDCWD = -100         # <fcntl.h>
+RENAME_EXCHANGE = 2     # <linux/fs.h>
 INPUTS_MARKER = ".kiln-prepared.json"
 
 
@@ -41,13 +47,34 @@ class PrepareResult:
 
 
 
+def _die_with_parent(parent: int):
+    """preexec_fn: the child gets SIGKILL when the tool dies, however it dies (SIGKILL included), so a
+    killed `tool prepare` leaves no pack-store writing into a staging directory nobody will publish.
+    PR_SET_PDEATHSIG fires when the spawning thread exits: run_command is called from the main thread."""
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def preexec() -> None:
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent:  # the parent died between fork and prctl: nobody will wait for us
+            os._exit(1)
+    return preexec
+
+
 def run_command(argv: list[str], env: dict, log, what: str, container: str | None = None) -> None:
     """Run one step command, output appended to `log`; a one-line KilnError when it fails.
 
     Ctrl-C stops the child too (it may sit in another process group when the tool runs under a test or a
-    unit), and a container it started is removed, so an interrupt leaves nothing running."""
+    unit), and a container it started is removed, so an interrupt leaves nothing running. If the tool is
+    killed outright the child is killed with it (PR_SET_PDEATHSIG); a container, which lives in the docker
+    daemon, is removed by the next run before it starts its own."""
+    if container:
+        try:
+            subprocess.run([argv[0], "rm", "--force", container], capture_output=True, stdin=subprocess.DEVNULL)
+        except OSError:
+            pass  # no docker client: the Popen below says so
     try:
-        proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                preexec_fn=_die_with_parent(os.getpid()) if sys.platform == "linux" else None)
     except OSError as e:
         raise MissingDependency(f"{what}: cannot run {argv[0]} ({e.strerror or e})") from None
     try:
@@ -103,21 +130,70 @@ def verify_published(recipe, dirs: Dirs, plan: dict | None = None) -> StoreRepor
     return verify_store(recipe, dirs.models, dirs.stores, plan)
 
 
+def exchange(a: Path, b: Path) -> None:
+    """Swap two paths in one step: renameat2(RENAME_EXCHANGE). OSError (EINVAL, ENOSYS) where the kernel,
+    the filesystem or the C library cannot."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    renameat2 = getattr(libc, "renameat2", None)  # glibc >= 2.28
+    if renameat2 is None:
+        raise OSError(errno.ENOSYS, "renameat2 is not in this C library", str(a))
+    if renameat2(AT_FDCWD, os.fsencode(a), AT_FDCWD, os.fsencode(b), RENAME_EXCHANGE) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), str(a))
+
+
+def _aside(final: Path, pid: int) -> Path:
+    return final.with_name(f".{final.name}.old-{pid}")
+
+
 def publish(staged: Path, final: Path) -> None:
-    """Rename staged → final; an older final is moved aside first and removed only once the new one is in."""
-    old = final.with_name(f".{final.name}.old-{os.getpid()}")
+    """Put the staged store at `final` so that a kill at any instant leaves a whole store there.
+
+    No store yet: one rename. A store there: exchanged with the staged one in one step (renameat2), so
+    `final` is the old store until the instant it is the new one; the old one, now at the staged path,
+    is removed with the staging directory (or, after a kill, by the next run's stale-staging sweep).
+    Where the filesystem cannot exchange, the old store is moved aside, the new renamed in, the old
+    removed: a kill between the two renames leaves the old one aside, and `restore_aside` (run first by
+    every prepare) puts it back."""
     try:
-        if final.exists():
-            os.replace(final, old)
+        if not os.path.lexists(final):
+            os.rename(staged, final)
+            return
         try:
-            os.replace(staged, final)
+            exchange(staged, final)
+            return
+        except OSError as e:
+            if e.errno not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP):
+                raise
+        old = _aside(final, os.getpid())
+        os.rename(final, old)
+        try:
+            os.rename(staged, final)
         except OSError:
-            if old.exists():
-                os.replace(old, final)
+            os.rename(old, final)
             raise
     except OSError as e:
         raise NotWritable(f"{final}: cannot publish ({e.strerror or e})") from None
     shutil.rmtree(old, ignore_errors=True)
+
+
+def restore_aside(final: Path) -> None:
+    """After a kill mid-publish (the move-aside way): the old store back where it was if no store is there,
+    and left-over old stores of dead runs removed."""
+    for old in sorted(final.parent.glob(f".{final.name}.old-*")):
+        try:
+            pid = int(old.name.rsplit("-", 1)[1])
+        except ValueError:
+            continue
+        if pid == os.getpid() or pid_alive(pid):
+            continue
+        if not os.path.lexists(final):
+            try:
+                os.rename(old, final)
+                continue
+            except OSError:
+                pass
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def inputs_hash(recipe) -> str:
@@ -144,6 +220,10 @@ def prepare(recipe, dirs: Dirs, force: bool = False, log=None, plan: dict | None
     if step is None or final is None:
         return PrepareResult("none", final, "the recipe has no prepare step")
 
+    # what a run killed outright left: an old store aside (put back), staging dirs (removed)
+    if final.parent.is_dir():
+        restore_aside(final)
+    remove_stale_staging(dirs.stores)
     inputs = inputs_hash(recipe)
     rebuilt = ""
     if final.exists() and not force and built_from(final) != inputs:
@@ -157,7 +237,6 @@ def prepare(recipe, dirs: Dirs, force: bool = False, log=None, plan: dict | None
                                  f"`tool prepare {recipe.id} --force` rebuilds it")
         raise KilnError(f"{final}: cannot verify the published store: {report.detail}", report.exit_code or Exit.FAILED)
 
-    remove_stale_staging(dirs.stores)
     staging_root = dirs.stores / f"{STAGING_PREFIX}{os.getpid()}"
     staged_plan = compile_plan(recipe, {**dirs.plan_options(), "storeDir": str(staging_root)})
     staged = Path(staged_plan["paths"]["store"])

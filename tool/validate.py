@@ -29,8 +29,8 @@ from jsonschema import Draft202012Validator
 from jsonschema.exceptions import ValidationError, best_match
 
 from tool import REPO_ROOT
-from tool.errors import RecipeError
-from tool.recipes import Recipe, parse, recipe_files, recipes_dirs
+from tool.errors import RecipeError, printable
+from tool.recipes import Recipe, parse, real_path, recipe_files, recipes_dirs
 
 SCHEMA_PATH = REPO_ROOT / "recipes" / "schema.json"
 
@@ -48,7 +48,8 @@ class Problem:
         return json_path(self.where)
 
     def __str__(self) -> str:
-        return f"{self.file}::{self.path}: {self.message}"
+        # one line whatever the recipe held: a key or a value may carry a newline or a lone surrogate
+        return printable(f"{self.file}::{self.path}: {self.message}")
 
     def sort_key(self):
         # document order would need the parser's positions; key order with numeric
@@ -56,7 +57,7 @@ class Problem:
         return (self.file, tuple((isinstance(p, str), p) for p in self.where), self.message)
 
     def as_dict(self) -> dict:
-        return {"file": self.file, "path": self.path, "message": self.message}
+        return {"file": printable(self.file), "path": printable(self.path), "message": printable(self.message)}
 
 
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -84,7 +85,7 @@ def _show(value, limit: int = 60) -> str:
 def display_path(path: Path) -> str:
     """Paths under the working directory print relative to it (as the user typed them)."""
     try:
-        return str(path.resolve().relative_to(Path.cwd().resolve()))
+        return str(real_path(path).relative_to(real_path(Path.cwd())))
     except ValueError:
         return str(path)
 
@@ -349,10 +350,10 @@ _MODEL_PART = re.compile(r"^[a-z0-9][a-z0-9.-]*$")
 
 def _place_in_tree(path: Path) -> Path | None:
     """The path relative to the recipes tree that holds it, or None for a loose file."""
-    resolved = path.resolve()
+    resolved = real_path(path)
     for d in recipes_dirs():
         try:
-            return resolved.relative_to(d.resolve())
+            return resolved.relative_to(real_path(d))
         except (ValueError, OSError):
             continue
     return None
@@ -380,7 +381,151 @@ def file_name_matches_recipe(recipe: Recipe) -> Iterator[tuple[Where, str]]:
                    "(vendor/card/<model>.<engine>.<context/1024>k[.<gpu_count>x].json)")
 
 
+# ---------------------------------------------------------------- hostile text, numbers and knobs
+
+def _walk(data, where: Where = ()) -> Iterator[tuple[Where, object, bool]]:
+    """Every value and every key of the document: (where, value, is_key). Iterative; parse() bounds the depth."""
+    stack = [(where, data)]
+    while stack:
+        where, value = stack.pop()
+        yield where, value, False
+        if isinstance(value, dict):
+            for k, v in value.items():
+                yield where + (k,), k, True
+                stack.append((where + (k,), v))
+        elif isinstance(value, list):
+            stack += [(where + (i,), v) for i, v in enumerate(value)]
+
+
+_NAMES = {"\n": "newline", "\r": "carriage return", "\t": "tab", "\x00": "NUL", "\x1b": "escape",
+          "\u2028": "line separator", "\u2029": "paragraph separator", "\x85": "next line"}
+# Recipe text reaches unit files (systemd ends a line at \n, \r and NUL; it has no escape for them in
+# Description=), command lines and terminals; no control character there is ever meant.
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _is_file_content(where: Where) -> bool:
+    return len(where) == 3 and where[0] == "files" and where[2] == "content"
+
+
+def _char(c: str) -> str:
+    name = _NAMES.get(c)
+    return f"U+{ord(c):04X}" + (f" ({name})" if name else "")
+
+
+def text_is_plain(recipe: Recipe) -> Iterator[tuple[Where, str]]:
+    """Strings are valid Unicode everywhere, and free of control characters everywhere but a carried
+    file's content (a script has newlines; it is written to its own file, never into a unit)."""
+    for where, value, is_key in _walk(recipe.data):
+        if not isinstance(value, str):
+            continue
+        what = "key" if is_key else "string"
+        bad = _SURROGATE.search(value)
+        if bad:
+            yield where, (f"{what} holds a lone surrogate {_char(bad.group())}, which is not Unicode text "
+                          "(no file or unit can hold it)")
+        elif _is_file_content(where) and not is_key:
+            if "\x00" in value:
+                yield where, "content holds U+0000 (NUL), which Nix strings cannot carry (the file would be cut short)"
+        else:
+            bad = _CONTROL.search(value)
+            if bad:
+                yield where, (f"{what} holds control character {_char(bad.group())}: recipe text reaches unit files, "
+                              "command lines and terminals, and none belongs there")
+
+
+INT64 = (-(2**63), 2**63 - 1)
+
+
+def numbers_fit(recipe: Recipe) -> Iterator[tuple[Where, str]]:
+    """Nix (the compiler) holds integers in 64 bits; a larger one cannot reach a plan as written."""
+    for where, value, is_key in _walk(recipe.data):
+        if _is_int(value) and not is_key and not INT64[0] <= value <= INT64[1]:
+            digits = len(str(abs(value)))
+            yield where, f"integer of {digits} digits is out of range: integers fit in 64 bits (at most {INT64[1]})"
+
+
+# Knobs that are the operator's, never the recipe's (README, Reliability). The bind address and port come
+# from `tool plan --bind/--port` or the NixOS module, reaching native args only as @host@/@port@; a
+# secret lives in the operator's environment file, never in a unit file or an argv anyone can read.
+PLACEHOLDER_FLAGS = {"--host": "@host@", "--port": "@port@"}
+OPERATOR_FLAGS = {"--bind": "the bind address", "--api-key": "the API key", "--api-key-file": "the API key"}
+# Environment that belongs to the operator (Kiln's own settings and secrets) or that would turn a recipe's
+# data into code in the process (loader and interpreter search paths).
+OPERATOR_ENV = {"HF_TOKEN": "a secret", "HUGGING_FACE_HUB_TOKEN": "a secret",
+                "PATH": "the program search path", "PYTHONPATH": "an interpreter search path (it loads code)",
+                "PYTHONHOME": "an interpreter search path (it loads code)", "PYTHONSTARTUP": "code run at start",
+                "PYTHONUSERBASE": "an interpreter search path (it loads code)", "BASH_ENV": "code run at start",
+                "ENV": "code run at start"}
+# A secret in a recipe would sit in world-readable unit files and argv, and for a container a recipe's -e
+# wins over the operator's --env-file (docker applies -e last): no recipe names one.
+SECRET_ENV = re.compile(r"(^|_)(API_KEY|TOKEN|SECRET|PASSWORD)$")
+OPERATOR_ENV_PREFIXES = {"KILN_": "one of Kiln's own settings (the API key, its directories)",
+                         "LD_": "a dynamic-loader variable (it loads code into the process)"}
+
+
+def _argv_words(step: dict) -> Iterator[tuple[Where, list]]:
+    args = step.get("args")
+    if isinstance(args, list):
+        yield ("args",), args
+    commands = step.get("commands")
+    if isinstance(commands, list):
+        for i, cmd in enumerate(commands):
+            if isinstance(cmd, list):
+                yield ("commands", i), cmd
+
+
+def _flag_problems(words: list, native: bool) -> Iterator[tuple[int, str]]:
+    for i, word in enumerate(words):
+        if not isinstance(word, str) or not word.startswith("--"):
+            continue
+        flag, eq, inline = word.partition("=")
+        if flag in OPERATOR_FLAGS:
+            yield i, (f"{flag} sets {OPERATOR_FLAGS[flag]}, which is the operator's, not the recipe's "
+                      "(a secret goes in the operator's environment file)")
+        elif native and flag in PLACEHOLDER_FLAGS:
+            want = PLACEHOLDER_FLAGS[flag]
+            value = inline if eq else (words[i + 1] if i + 1 < len(words) else None)
+            if value != want:
+                knob = "--bind" if flag == "--host" else "--port"
+                yield i, (f"{flag} {_show(value)}: the {'bind address' if flag == '--host' else 'port'} is the "
+                          f"operator's (tool plan {knob}, the NixOS module's options); write {flag} {want}")
+
+
+def operator_knobs_stay_the_operators(recipe: Recipe) -> Iterator[tuple[Where, str]]:
+    """A recipe cannot widen where the server listens, turn off its auth or load code through its args or env.
+
+    Container args are the words after the image, read by the server inside: its --host is the
+    container's own interface, and the host side is docker's -p, bound to the operator's address."""
+    # (a "native" recipe without its runtime.native object is refused by the schema already)
+    native = _get(recipe.data, "runtime", "kind") == "native" and isinstance(_get(recipe.data, "runtime", "native"), dict)
+    for name, step in _steps(recipe.data):
+        for where, words in _argv_words(step):
+            for i, message in _flag_problems(words, native):
+                yield ("steps", name) + where + (i,), f"step {name}: {message}"
+    baseline = _get(recipe.data, "checks", "decode_baseline", "args")
+    if isinstance(baseline, list):
+        for i, message in _flag_problems(baseline, native):
+            yield ("checks", "decode_baseline", "args", i), f"decode_baseline: {message}"
+    envs = [(("env",), _get(recipe.data, "env"))] + [(("steps", n, "env"), s.get("env")) for n, s in _steps(recipe.data)]
+    for where, env in envs:
+        if not isinstance(env, dict):
+            continue
+        for key in env:
+            if not isinstance(key, str):
+                continue
+            why = (OPERATOR_ENV.get(key) or next((w for p, w in OPERATOR_ENV_PREFIXES.items() if key.startswith(p)), None)
+                   or ("a secret" if SECRET_ENV.search(key) else None))
+            if why:
+                yield where + (key,), (f"{key} is {why}: the operator sets it (the environment file, or the NixOS "
+                                       "module's extraEnv), never a recipe")
+
+
 RULES = (
+    text_is_plain,
+    numbers_fit,
+    operator_knobs_stay_the_operators,
     image_pinned_by_digest,
     revision_is_a_commit,
     swap_not_below_memory,
@@ -421,7 +566,7 @@ def expand(paths: Iterable[str | os.PathLike]) -> list[Path]:
     out, seen = [], set()
     for p in map(Path, paths):
         for f in recipe_files([p]) if p.is_dir() else [p]:
-            key = f.resolve()
+            key = real_path(f)
             if key not in seen:
                 seen.add(key)
                 out.append(f)

@@ -46,7 +46,7 @@ let
       timeout = ctx.readyTimeout;
     in
     {
-      Description = units.escapePercent "Kiln ${ctx.id}: ${stepName} (${ctx.recipe.title})";
+      Description = units.unitString "Description" "Kiln ${ctx.id}: ${stepName} (${ctx.recipe.title})";
       Requires = if deps == [ ] then null else deps;
       Wants = if online == [ ] then null else online;
       After = if deps ++ online == [ ] then null else deps ++ online;
@@ -102,7 +102,9 @@ rec {
   inherit stepOrder unitName;
   defaultOptions = optionsLib.defaults;
 
-  compile = { recipe, options ? { } }:
+  # Every recipe is checked for hostile text first (units.plainRecipe), validated or not.
+  compile = { recipe, options ? { } }: compileChecked { recipe = units.plainRecipe recipe; inherit options; };
+  compileChecked = { recipe, options ? { } }:
     let
       o0 = optionsLib.resolve recipe options;
       o = optionsLib.check recipe o0;

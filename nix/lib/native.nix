@@ -8,6 +8,33 @@ let
   sources = [ "weights" "store" ];
 in
 rec {
+  # Where the server listens and how it authenticates are the operator's options: a recipe names the
+  # bind address and port only as @host@/@port@, and never an API key (tool/validate.py says the same,
+  # with the located message; this is for recipes that never met it, e.g. through the NixOS module).
+  placeholderFlags = { "--host" = "@host@"; "--port" = "@port@"; };
+  operatorFlags = [ "--bind" "--api-key" "--api-key-file" ];
+  checkArgs = ctx: stepName: words:
+    let
+      n = builtins.length words;
+      fail = msg: throw "kiln: ${ctx.id}: step ${stepName}: ${msg}";
+      ok = i:
+        let
+          word = builtins.elemAt words i;
+          parts = builtins.match "(--[^=]*)(=(.*))?" word;
+          flag = if parts == null then null else builtins.head parts;
+          value = if parts == null then null
+            else if builtins.elemAt parts 1 != null then builtins.elemAt parts 2
+            else if i + 1 < n then builtins.elemAt words (i + 1) else null;
+        in
+        if flag == null then true
+        else if builtins.elem flag operatorFlags
+        then fail "${flag} is the operator's option, not the recipe's (secrets go in the environment file)"
+        else if placeholderFlags ? ${flag} && value != placeholderFlags.${flag}
+        then fail "${flag} ${builtins.toJSON value}: the bind address and port are the operator's options; write ${flag} ${placeholderFlags.${flag}}"
+        else true;
+    in
+    builtins.all ok (builtins.genList (i: i) n);
+
   # A recipe step has either `args` (one command) or `commands` (several, run in order).
   commands = ctx: step:
     map (args: [ ctx.o.engineBin ] ++ map ctx.substitute args)
@@ -52,7 +79,8 @@ rec {
     let
       o = ctx.o;
       isServe = stepName == "serve";
-      cmds = commands ctx recipeStep;
+      # checked before the placeholders are filled in: @host@ is what the recipe must have written
+      cmds = assert builtins.all (checkArgs ctx stepName) (recipeStep.commands or [ recipeStep.args ]); commands ctx recipeStep;
       ms = mounts ctx recipeStep;
       l = limits ctx;
       env = (ctx.recipe.env or { }) // (recipeStep.env or { }) // o.extraEnv;

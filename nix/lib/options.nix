@@ -102,6 +102,9 @@ rec {
     then fail "containerRuntime ${builtins.toJSON o.containerRuntime} is not docker or podman"
     else if !(builtins.elem o.gpuMode [ "gpus" "cdi" ])
     then fail "gpuMode ${builtins.toJSON o.gpuMode} is not gpus (docker --gpus) or cdi (--device nvidia.com/gpu=...)"
+    # An IP literal or `localhost` only (the module's option is a free string): it reaches docker's -p and unit files.
+    else if !(builtins.isString o.bindAddress) || o.bindAddress != "localhost" && builtins.match "[0-9.]+|[0-9A-Fa-f:.]*:[0-9A-Fa-f:.]*" o.bindAddress == null
+    then fail "bindAddress ${builtins.toJSON o.bindAddress} is not an IP address or localhost (e.g. 127.0.0.1, 0.0.0.0, ::1)"
     else if !(builtins.isInt o.uid) || !(builtins.isInt o.gid)
     then fail "uid and gid must be numbers (docker's --user needs them), got ${builtins.toJSON o.uid}:${builtins.toJSON o.gid}"
     else o;

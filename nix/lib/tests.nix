@@ -18,6 +18,7 @@ let
   # A native GPU recipe: the smollm2 recipe moved to CUDA, for the device rules.
   gpuNative = smol // { id = "gpu-native"; runtime = smol.runtime // { native = smol.runtime.native // { device = "cuda"; }; }; };
   serveOf = p: p.unitSections."kiln-${p.id}.service".Service;
+  esc = builtins.fromJSON ''"\u001b"'';
 in
 {
   testEscapePlainWord = { expr = units.escapeArg "--max-batch-size"; expected = "--max-batch-size"; };
@@ -147,5 +148,33 @@ in
   testUnitNames = {
     expr = builtins.attrNames (plan flash { }).units;
     expected = [ "kiln-glm-5.3-flash-check.service" "kiln-glm-5.3-flash-fetch.service" "kiln-glm-5.3-flash-prepare.service" "kiln-glm-5.3-flash-verify.service" "kiln-glm-5.3-flash.service" ];
+  };
+
+  # Hostile text: escaped where systemd has an escape, refused (naming the key) where it has none.
+  testEscapeNewlineAndControls = { expr = units.escapeArg "a\nb\tc${esc}d"; expected = ''"a\nb\tc\x1bd"''; };
+  testEnvironmentLineEscapesNewline = {
+    expr = units.environmentLine "X" "1\nExecStartPre=+/bin/touch /tmp/PWNED";
+    expected = ''"X=1\nExecStartPre=+/bin/touch /tmp/PWNED"'';
+  };
+  testEnvironmentNameMustBeAName = { expr = throws (units.environmentLine "A\nB" "1"); expected = true; };
+  testDescriptionRefusesNewline = { expr = throws (units.unitString "Description" "a\nUser=root"); expected = true; };
+  testUnitTextRefusesARawNewline = { expr = throws (units.toUnitText { sections.Service.X = "1\nUser=root"; }); expected = true; };
+  testUnitTextRefusesACarriageReturn = { expr = throws (units.toUnitText { sections.Service.X = "1\rUser=root"; }); expected = true; };
+  testUnitTextRefusesATrailingBackslash = { expr = throws (units.toUnitText { sections.Unit.Description = "a\\"; }); expected = true; };
+  testCompileRefusesANewlineInTheTitle = { expr = throws (plan (smol // { title = "t\nUser=root"; }) { }); expected = true; };
+  testCompileRefusesANewlineInStepEnv = {
+    expr = throws (plan (smol // { steps = smol.steps // { serve = smol.steps.serve // { env.X = "1\nUser=root"; }; }; }) { });
+    expected = true;
+  };
+  testCompileRefusesADirnameThatClimbs = { expr = throws (plan (smol // { store = smol.store // { dirname = "../x"; }; }) { }); expected = true; };
+  testCompileKeepsNewlinesInCarriedFiles = { expr = builtins.length (builtins.attrNames (plan big { }).files); expected = 1; };
+  testNativeHostIsThePlaceholder = {
+    expr = let args = map (a: if a == "@host@" then "0.0.0.0" else a) smol.steps.serve.args; in
+      throws (plan (smol // { steps = smol.steps // { serve = smol.steps.serve // { inherit args; }; }; }) { });
+    expected = true;
+  };
+  testNativeApiKeyIsTheOperators = {
+    expr = throws (plan (smol // { steps = smol.steps // { serve = smol.steps.serve // { args = smol.steps.serve.args ++ [ "--api-key=k" ]; }; }; }) { });
+    expected = true;
   };
 }

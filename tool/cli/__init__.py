@@ -6,11 +6,13 @@ dependency of one command cannot break the others.
 from __future__ import annotations
 
 import importlib
+import os
 import sys
+import traceback
 
 import click
 
-from tool.errors import Exit, KilnError
+from tool.errors import Exit, KilnError, printable
 
 # command name -> (module, attribute). Each module owns one command group's job.
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -72,25 +74,40 @@ def cli():
     """Kiln: a recipe (one JSON file) → a pinned, verified, running model server."""
 
 
+def _say(text: str) -> None:
+    click.echo(f"tool: {printable(text)}", err=True)
+
+
 def main(argv=None) -> int:
-    """Entry point: domain errors become one line on stderr and an exit code from tool.errors.Exit."""
+    """Entry point: domain errors become one line on stderr and an exit code from tool.errors.Exit.
+
+    Whatever a command is given, the user sees one line, never a traceback: anything unexpected is a
+    bug, reported as one (exit 70) with the traceback left to KILN_DEBUG=1."""
     try:
         rv = cli.main(args=argv, prog_name="tool", standalone_mode=False)
         return int(rv or 0)
     except KilnError as e:
-        click.echo(f"tool: {e.message}", err=True)
+        _say(e.message)
         return int(e.exit_code)
     except click.exceptions.Abort:
-        click.echo("tool: interrupted", err=True)
+        _say("interrupted")
         return int(Exit.INTERRUPTED)
     except click.ClickException as e:
-        e.show()
+        e.show()  # click's usage line and its one-line error
         return int(e.exit_code)
     except KeyboardInterrupt:
-        click.echo("tool: interrupted", err=True)
+        _say("interrupted")
         return int(Exit.INTERRUPTED)
     except click.exceptions.Exit as e:
         return int(e.exit_code)
+    except BrokenPipeError:  # `tool list | head`: the reader left; nothing more to say
+        return int(Exit.OK)
+    except Exception as e:  # noqa: BLE001 — the contract is one line, even for Kiln's own bugs
+        if os.environ.get("KILN_DEBUG"):
+            traceback.print_exc()
+        _say(f"internal error ({type(e).__name__}: {e}); this is a bug in Kiln: rerun with KILN_DEBUG=1 "
+             "for the traceback and report it")
+        return int(Exit.INTERNAL)
 
 
 if __name__ == "__main__":

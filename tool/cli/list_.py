@@ -57,6 +57,21 @@ def row(recipe, host) -> dict:
     }
 
 
+def valid_recipes() -> list:
+    """Every recipe that validates; each one that does not is named on stderr (one line) and left out,
+    so one broken file in $KILN_RECIPES does not hide the others."""
+    from tool.errors import RecipeError, printable
+    from tool.recipes import index, load
+
+    out = []
+    for path in index().values():
+        try:
+            out.append(load(str(path)))
+        except RecipeError as e:
+            click.echo(f"tool: left out an invalid recipe: {printable(e.message)}", err=True)
+    return out
+
+
 @click.command("list")
 @click.option("--fits", "only_fits", is_flag=True, help="Only the recipes that fit this host.")
 @click.option("--json", "as_json", is_flag=True, help="Print the rows as a JSON list on stdout.")
@@ -66,10 +81,9 @@ def row(recipe, host) -> dict:
 def list_(only_fits, as_json, models_dir, store_dir, host_root):
     """List the recipes and whether each fits this host (GPU count and VRAM, RAM, CPUs, disk)."""
     from tool import preflight as pf
-    from tool.recipes import all_recipes
 
     host = pf.host_from_env(models_dir, store_dir, host_root)
-    rows = [row(r, host) for r in sorted(all_recipes(), key=lambda r: r.id)]
+    rows = [row(r, host) for r in sorted(valid_recipes(), key=lambda r: r.id)]
     if only_fits:
         rows = [x for x in rows if x["fits"]]
     if as_json:
@@ -79,6 +93,7 @@ def list_(only_fits, as_json, models_dir, store_dir, host_root):
 
     from rich import box
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     t = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
@@ -87,5 +102,6 @@ def list_(only_fits, as_json, models_dir, store_dir, host_root):
     for x in rows:
         card = f"{x['gpus']}× {x['card']}" if x["gpus"] > 1 else x["card"]
         why = "[green]yes[/]" if x["fits"] else "[red]no[/]: " + why_not_text([f["id"] for f in x["why_not"]])
-        t.add_row(x["id"], x["model"], card, x["runtime"], f"{x['context'] // 1024}K", proof_text(x["proof"]), why)
+        # recipe text is data: "[red]" in a model name is printed, not styled
+        t.add_row(*map(escape, (x["id"], x["model"], card, x["runtime"], f"{x['context'] // 1024}K", proof_text(x["proof"]))), why)
     Console(highlight=False, width=None if sys.stdout.isatty() else 200).print(t)

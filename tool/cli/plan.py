@@ -1,11 +1,26 @@
 """`tool plan RECIPE`: the recipe compiled by nix/lib: each step's command and limits, or the whole plan as JSON."""
 from __future__ import annotations
 
+import ipaddress
 import json
 
 import click
 
 from tool import plan as plans
+from tool.errors import printable
+
+
+class BindAddress(click.ParamType):
+    """An IP address literal (IPv4 or IPv6): docker's -p and the engine's --host take nothing else, and a
+    unit file or argv must never receive a word the operator did not mean as an address."""
+
+    name = "ADDRESS"
+
+    def convert(self, value, param, ctx):
+        try:
+            return str(ipaddress.ip_address(value))
+        except ValueError:
+            self.fail(f"{printable(repr(value))} is not an IP address (e.g. 127.0.0.1, 0.0.0.0, ::1)", param, ctx)
 
 
 def plan_options(f):
@@ -15,7 +30,8 @@ def plan_options(f):
         (("--models-dir", "modelsDir"), dict(type=click.Path(), help="Where weights live (default STATE_DIR/models).")),
         (("--store-dir", "storeDir"), dict(type=click.Path(), help="Where prepared stores live (default STATE_DIR/stores).")),
         (("--port", "port"), dict(type=click.IntRange(1, 65535), help="Host port the server publishes (default: the recipe's).")),
-        (("--bind", "bindAddress"), dict(help="Address the server binds on the host (default 127.0.0.1).")),
+        (("--bind", "bindAddress"), dict(type=BindAddress(), help="IP address the server binds on the host "
+                                          "(default 127.0.0.1); the operator's, never the recipe's.")),
         (("--uid", "uid"), dict(type=click.IntRange(0), help="Service user's uid (default: the kiln user's, else yours).")),
         (("--gid", "gid"), dict(type=click.IntRange(0), help="Service user's gid (default: the kiln user's, else yours).")),
         (("--tool-bin", "toolBin"), dict(help="The `tool` program units run (default: tool).")),

@@ -26,11 +26,12 @@ def validate(paths: tuple[Path, ...], as_json: bool) -> None:
 
     Exit status: 0 when every recipe is valid, 3 otherwise.
     """
+    from tool.errors import printable
     from tool.validate import check_paths, display_path  # imported here: `tool --help` stays fast
 
     files, problems = check_paths(paths or None)
     if as_json:
-        click.echo(json.dumps({"files": [display_path(f) for f in files],
+        click.echo(json.dumps({"files": [printable(display_path(f)) for f in files],
                                "errors": [p.as_dict() for p in problems]}, indent=2, ensure_ascii=False))
     else:
         for p in problems:

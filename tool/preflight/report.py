@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from rich import box
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from tool.preflight.checks import FAIL, PASS, WARN, CheckResult, fails_first, verdict
@@ -23,11 +24,11 @@ def table(results: list[CheckResult]) -> Table:
     t.add_column("check", no_wrap=True)
     t.add_column("detail", overflow="fold")
     for r in fails_first(results):
-        t.add_row(f"[{STYLE[r.status]}]{r.status}[/]", r.id, r.detail)
+        t.add_row(f"[{STYLE[r.status]}]{r.status}[/]", escape(r.id), escape(r.detail))  # details quote recipe text
     return t
 
 
 def render(recipe_id: str, results: list[CheckResult], console: Console) -> None:
     console.print(table(results))
     style = STYLE[FAIL] if verdict(results) == "no-go" else STYLE[PASS]
-    console.print(f"[{style}]{summary(recipe_id, results)}[/]", highlight=False)
+    console.print(f"[{style}]{escape(summary(recipe_id, results))}[/]", highlight=False)
