@@ -6,7 +6,7 @@ import time
 
 import click
 
-from engine.cli import EngineError
+from engine.errors import EngineError, Exit
 
 
 @click.command("generate")
@@ -33,11 +33,11 @@ def generate(model_dir, store_dir, prompt, chat, max_tokens, temperature, top_p,
     try:
         llm = LLM.load(model_dir, store_dir, device=device, dtype=dtype, max_context=max_context, max_batch=1)
     except CheckpointError as e:
-        raise EngineError(str(e), 3) from None
+        raise EngineError(str(e), Exit.BAD_MODEL) from None
     except ValueError as e:
-        raise EngineError(str(e), 2) from None
+        raise EngineError(str(e), Exit.USAGE) from None
     except OSError as e:
-        raise EngineError(f"{model_dir}: {e.strerror or e}", 3) from None
+        raise EngineError(f"{model_dir}: {e.strerror or e}", Exit.BAD_MODEL) from None
     try:
         tok = llm.tokenizer
         if chat:
@@ -49,7 +49,7 @@ def generate(model_dir, store_dir, prompt, chat, max_tokens, temperature, top_p,
         try:
             stream = llm.stream(ids, params)
         except ValueError as e:
-            raise EngineError(str(e), 2) from None
+            raise EngineError(str(e), Exit.USAGE) from None
         out, shown, finish = [], "", None
         t0 = time.perf_counter()
         first = None

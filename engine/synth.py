@@ -18,7 +18,7 @@ from pathlib import Path
 import click
 import torch
 
-from engine.cli import EngineError
+from engine.errors import EngineError, Exit
 from engine.experts import ExpertLayout
 from engine.store import manifest as mf
 from engine.store.odirect import aligned_buffer, open_direct, probe, pwrite_full
@@ -99,7 +99,7 @@ def synth_store(cfg: dict, store_dir: Path, config_hash: str, gen: torch.Generat
         reread = hash_records(data, [o for _, _, o in plan], layout.record_bytes)
         bad = [plan[i] for i, (a, b) in enumerate(zip(digests, reread)) if a != b]
         if bad:
-            raise EngineError(f"{data}: layer {bad[0][0]} expert {bad[0][1]} reads back differently than written", 8)
+            raise EngineError(f"{data}: layer {bad[0][0]} expert {bad[0][1]} reads back differently than written", Exit.INTEGRITY)
         publish_store(staging, store_dir, config_hash=config_hash, arch="qwen3_moe", layout=layout, experts=e,
                       plan=plan, digests=digests)
     except BaseException:

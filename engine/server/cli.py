@@ -9,11 +9,7 @@ from pathlib import Path
 
 import click
 
-from engine.cli import EngineError
-
-EXIT_MODEL = 3                          # model directory missing / not a checkpoint
-EXIT_IO = 6                             # the store's filesystem refuses O_DIRECT
-EXIT_ADDRESS = 7                        # port in use / address not available
+from engine.errors import EngineError, Exit
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -26,7 +22,7 @@ def bind(host: str, port: int) -> socket.socket:
     except OSError as e:
         sock.close()
         why = "is in use" if e.errno == errno.EADDRINUSE else f"cannot be bound ({e.strerror})"
-        raise EngineError(f"{host}:{port} {why}", EXIT_ADDRESS) from None
+        raise EngineError(f"{host}:{port} {why}", Exit.ADDRESS) from None
     sock.listen(2048)
     sock.set_inheritable(True)
     return sock
@@ -78,14 +74,14 @@ def serve(model_dir, store_dir, host, port, device, dtype, served_name, max_cont
     /v1/chat/completions, /v1/completions, /tokenize, /health, /metrics.
     """
     if not model_dir.is_dir():
-        raise EngineError(f"{model_dir}: no such model directory", EXIT_MODEL)
+        raise EngineError(f"{model_dir}: no such model directory", Exit.BAD_MODEL)
     try:
         fp = fingerprint_of(model_dir)
         json.loads((model_dir / "config.json").read_text())
     except FileNotFoundError:
-        raise EngineError(f"{model_dir}: no config.json (not a Hugging Face checkpoint)", EXIT_MODEL) from None
+        raise EngineError(f"{model_dir}: no config.json (not a Hugging Face checkpoint)", Exit.BAD_MODEL) from None
     except (OSError, ValueError) as e:
-        raise EngineError(f"{model_dir / 'config.json'}: unreadable ({e})", EXIT_MODEL) from None
+        raise EngineError(f"{model_dir / 'config.json'}: unreadable ({e})", Exit.BAD_MODEL) from None
     if cpu_layout:
         from engine.tiers.readers import parse_cpu_layout
         parse_cpu_layout(cpu_layout)    # a bad layout is a usage error now, not a failed load later

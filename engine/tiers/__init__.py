@@ -45,7 +45,7 @@ def build_provider(checkpoint, store_dir, *, device="cpu", dtype: torch.dtype | 
     gpu_slots / ram_slots None: sized from free VRAM / the memory cgroup (logged).
     cpu_layout: e.g. "readers=26-39" pins the reader threads. trace: append routing (JSON lines).
     """
-    from engine.cli import EngineError
+    from engine.errors import EngineError, Exit
     ck = _as_checkpoint(checkpoint)
     if isinstance(dtype, str):
         dtype = DTYPES[dtype]
@@ -64,7 +64,7 @@ def build_provider(checkpoint, store_dir, *, device="cpu", dtype: torch.dtype | 
     mf.check_matches(m, ck, store_dir)
     if dtype is not None and dtype != m.layout.dtype:
         raise EngineError(f"{Path(store_dir)}: holds {m.dtype} records, {str(dtype).removeprefix('torch.')} was "
-                          f"asked for (repack with `engine pack-store --dtype`)", 3)
+                          f"asked for (repack with `engine pack-store --dtype`)", Exit.BAD_MODEL)
     mf.check_order(m, device, store_dir)
     probe(store_dir)
     n = len(m.records)
@@ -74,11 +74,11 @@ def build_provider(checkpoint, store_dir, *, device="cpu", dtype: torch.dtype | 
         if gpu_slots is None:
             gpu_slots = default_gpu_slots(device, m.record_bytes, n)
         if gpu_slots < 1:
-            raise EngineError(f"GPU tier: no room for one {m.record_bytes}-byte expert slot on {device}", 6)
+            raise EngineError(f"GPU tier: no room for one {m.record_bytes}-byte expert slot on {device}", Exit.IO)
     else:
         gpu_slots = 0                  # the CPU computes straight from the RAM tier
     if ram_slots < 1:
-        raise EngineError("RAM tier: no room for one expert slot (set --ram-slots)", 6)
+        raise EngineError("RAM tier: no room for one expert slot (set --ram-slots)", Exit.IO)
     reader_cpus = parse_cpu_layout(cpu_layout).get("readers")
     readers = readers or max(1, min(16, len(reader_cpus or os.sched_getaffinity(0))))
     log.info("expert tiers: %d GPU slots, %d RAM slots, %d store readers%s, policy %s", gpu_slots, ram_slots,

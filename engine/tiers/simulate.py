@@ -12,7 +12,7 @@ from pathlib import Path
 
 import click
 
-from engine.cli import EngineError
+from engine.errors import EngineError, Exit
 from engine.tiers.cache import POLICIES, Belady, EvictionPolicy, ExpertCache, ExpertKey, TierStats
 
 
@@ -21,7 +21,7 @@ def read_trace(path: str | Path) -> list[ExpertKey]:
     try:
         lines = Path(path).read_text().splitlines()
     except OSError as e:
-        raise EngineError(f"{path}: cannot read ({e.strerror})", 2) from None
+        raise EngineError(f"{path}: cannot read ({e.strerror})", Exit.USAGE) from None
     for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -31,7 +31,7 @@ def read_trace(path: str | Path) -> list[ExpertKey]:
             accesses.extend(ExpertKey(layer, int(e)) for e in step["experts"])
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
             raise EngineError(f"{path} line {n}: not a routing step {{\"layer\": L, \"experts\": [..]}} "
-                              f"({type(e).__name__})", 2) from None
+                              f"({type(e).__name__})", Exit.USAGE) from None
     return accesses
 
 
@@ -58,7 +58,7 @@ def simulate_cache(trace_path, slots, as_json):
     """Compare expert-cache eviction policies (LRU, LFU) with Belady's optimum on a routing trace."""
     accesses = read_trace(trace_path)
     if not accesses:
-        raise EngineError(f"{trace_path}: holds no routing steps", 2)
+        raise EngineError(f"{trace_path}: holds no routing steps", Exit.USAGE)
     results = compare(accesses, slots)
     if as_json:
         click.echo(json.dumps({"trace": str(trace_path), "accesses": len(accesses), "slots": slots,
