@@ -10,14 +10,14 @@ from engine.errors import EngineError, Exit
 
 # command name -> (module, attribute)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "pack-store": ("engine.store.cli", "pack_store"),
-    "verify-store": ("engine.store.cli", "verify_store"),
-    "serve": ("engine.server.cli", "serve"),
-    "generate": ("engine.generate_cli", "generate"),
+    "pack-store": ("engine.cli.store", "pack_store"),
+    "verify-store": ("engine.cli.store", "verify_store"),
+    "serve": ("engine.cli.serve", "serve"),
+    "generate": ("engine.cli.generate", "generate"),
     "convert": ("engine.convert", "convert"),
     "synth": ("engine.synth", "synth"),
     "simulate-cache": ("engine.tiers.simulate", "simulate_cache"),
-    "reference-decode": ("engine.reference", "reference_decode"),
+    "reference-decode": ("engine.cli.reference_decode", "reference_decode"),
 }
 
 SHORT_HELP = {
