@@ -14,9 +14,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "verify-store": ("engine.cli.store", "verify_store"),
     "serve": ("engine.cli.serve", "serve"),
     "generate": ("engine.cli.generate", "generate"),
-    "convert": ("engine.convert", "convert"),
-    "synth": ("engine.synth", "synth"),
-    "simulate-cache": ("engine.tiers.simulate", "simulate_cache"),
+    "convert": ("engine.cli.convert", "convert"),
+    "synth": ("engine.cli.synth", "synth"),
+    "simulate-cache": ("engine.cli.simulate_cache", "simulate_cache"),
     "reference-decode": ("engine.cli.reference_decode", "reference_decode"),
 }
 
