@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from engine.experts import DTYPES, ExpertProvider, InMemoryExperts, order_for
+from engine.runtime import EngineConfig
 
 log = logging.getLogger("engine.tiers")
 
@@ -34,22 +35,23 @@ def in_memory(checkpoint, *, device="cpu", dtype: torch.dtype | None = None, ord
     return InMemoryExperts(layout, records)
 
 
-def build_provider(checkpoint, store_dir, *, device="cpu", dtype: torch.dtype | str | None = None,
-                   gpu_slots: int | None = None, ram_slots: int | None = None, readers: int | None = None,
-                   cpu_layout: str | None = None, policy: str = "lru", trace: str | os.PathLike | None = None
-                   ) -> ExpertProvider:
-    """The expert provider for `checkpoint` (a Checkpoint or its directory).
+def build_provider(checkpoint, store_dir, config: EngineConfig | None = None, *,
+                   trace: str | os.PathLike | None = None, **knobs) -> ExpertProvider:
+    """The expert provider for `checkpoint` (a Checkpoint or its directory), as `config` (or keyword
+    knobs: EngineConfig's fields) says.
 
     store_dir None: all experts in memory. Else a TieredExperts over the packed store, which must
-    come from this checkpoint; `dtype` (the record dtype) must then be None or the store's.
+    come from this checkpoint; config.dtype (the record dtype) must then be None or the store's.
     gpu_slots / ram_slots None: sized from free VRAM / the memory cgroup (logged).
     cpu_layout: e.g. "readers=26-39" pins the reader threads. trace: append routing (JSON lines).
     """
     from engine.errors import EngineError, Exit
+    config = EngineConfig.of(config, **knobs)
+    gpu_slots, ram_slots, readers = config.gpu_slots, config.ram_slots, config.readers
+    cpu_layout, policy = config.cpu_layout, config.policy
     ck = _as_checkpoint(checkpoint)
-    if isinstance(dtype, str):
-        dtype = DTYPES[dtype]
-    device = torch.device(device)
+    dtype = DTYPES[config.dtype] if config.dtype else None
+    device = torch.device(config.device)
     if store_dir is None:
         return in_memory(ck, device=device, dtype=dtype)
 
