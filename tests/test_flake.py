@@ -282,7 +282,7 @@ def test_the_runnables_container_cli_reaches_tool_ups_plan(monkeypatch, tmp_path
     """`nix run .#glm-5.3-flash` exports KILN_DOCKER_BIN=<nixpkgs' docker>; tool up compiles its plan with it
     (not /usr/bin/docker, which NixOS does not have). Without it the default stays `tool plan`'s."""
     from tool.plan import compile_plan, load_recipe
-    from tool.runners import Dirs
+    from tool.state import Dirs
 
     recipe = load_recipe("glm-5.3-flash")
     monkeypatch.delenv("KILN_DOCKER_BIN", raising=False)
