@@ -83,7 +83,8 @@ class LLM:
 
     @classmethod
     def load(cls, model_dir, store_dir=None, *, device="cpu", dtype=None, max_context=None, max_batch=8,
-             gpu_slots=None, ram_slots=None, readers=None, cpu_layout=None, threads=None) -> "LLM":
+             gpu_slots=None, ram_slots=None, readers=None, cpu_layout=None, threads=None, experts="auto",
+             cuda_graphs=True) -> "LLM":
         """threads: CPU compute threads (engine.experts.set_compute_threads; None: its default), which the
         scheduler thread takes up when it starts. The loading runs on one torch thread so the calling thread
         keeps no OpenMP team of its own: with a second team alive, libgomp throttles its spin-waits and every
@@ -95,7 +96,7 @@ class LLM:
         try:
             model = load_model(model_dir, store_dir=store_dir, device=device, dtype=dtype, max_context=max_context,
                                max_batch=max_batch, gpu_slots=gpu_slots, ram_slots=ram_slots, readers=readers,
-                               cpu_layout=cpu_layout)
+                               cpu_layout=cpu_layout, experts=experts, cuda_graphs=cuda_graphs)
         finally:
             torch.set_num_threads(before)
         if torch.device(device).type == "cpu":

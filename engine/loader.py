@@ -1,6 +1,6 @@
 """Build a ready model from a Hugging Face checkpoint directory: non-expert weights on the device,
 a KV cache allocated once, and an ExpertProvider for the routed experts (engine.tiers: all in
-memory, or the tiered store when `store_dir` is given)."""
+memory, all on the GPU, or the tiered store: engine.tiers.build_provider chooses and logs why)."""
 from __future__ import annotations
 
 import re
@@ -67,8 +67,11 @@ class CheckpointWeights:
 def load_model(model_dir: str | Path, provider: ExpertProvider | None = None, *, store_dir: str | Path | None = None,
                device: str | torch.device = "cpu", dtype: str | torch.dtype | None = None,
                max_context: int | None = None, max_batch: int = 8, gpu_slots: int | None = None,
-               ram_slots: int | None = None, readers: int | None = None, cpu_layout=None) -> MoEModel:
-    """A model ready for prefill/decode_step. Raises CheckpointError (bad checkpoint) or ValueError (bad argument)."""
+               ram_slots: int | None = None, readers: int | None = None, cpu_layout=None, experts: str = "auto",
+               cuda_graphs: bool = True) -> MoEModel:
+    """A model ready for prefill/decode_step. Raises CheckpointError (bad checkpoint) or ValueError (bad argument).
+    experts: auto | resident | tiered (engine.tiers.choose_placement). cuda_graphs: decode steps replay CUDA
+    graphs where the device and the provider allow it (engine.gpu.graphs)."""
     ckpt = Checkpoint(model_dir)
     cfg = ModelConfig.from_checkpoint(ckpt)
     dtype = resolve_dtype(device, dtype, ckpt.dtype)
@@ -84,7 +87,7 @@ def load_model(model_dir: str | Path, provider: ExpertProvider | None = None, *,
         # No store: every expert in memory (engine.tiers.in_memory); else the GPU ← RAM ← O_DIRECT store tiers.
         from engine.tiers import build_provider
         provider = build_provider(ckpt, store_dir, device=device, dtype=dtype, gpu_slots=gpu_slots,
-                                  ram_slots=ram_slots, readers=readers, cpu_layout=cpu_layout)
+                                  ram_slots=ram_slots, readers=readers, cpu_layout=cpu_layout, experts=experts)
     lay = provider.layout
     if (lay.hidden, lay.intermediate) != (cfg.hidden, cfg.moe_intermediate):
         raise CheckpointError(f"{ckpt.dir}: expert provider holds [{lay.intermediate}x{lay.hidden}] experts, "
@@ -96,4 +99,9 @@ def load_model(model_dir: str | Path, provider: ExpertProvider | None = None, *,
     if unused := weights.unused():
         raise CheckpointError(f"{ckpt.dir}: {len(unused)} tensors are not part of the {cfg.arch} model "
                               f"(unsupported variant?), e.g. {unused[0]}")
+    if getattr(provider, "predictor", False) is None:     # a tiered provider: prefetch by layer-ahead routing
+        from engine.tiers.tiered import layer_ahead_predictor
+        provider.predictor = layer_ahead_predictor(model)
+    if cuda_graphs:
+        model.use_cuda_graphs()
     return model.eval()

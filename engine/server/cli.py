@@ -55,6 +55,11 @@ def fingerprint_of(model_dir: Path) -> str:
                    "capped by the model's).")
 @click.option("--max-batch", type=click.IntRange(min=1), default=8, show_default=True,
               help="Streams decoded together; more requests wait their turn.")
+@click.option("--experts", type=click.Choice(["auto", "resident", "tiered"]), default="auto", show_default=True,
+              help="Where the routed experts live on a GPU: auto = all on the GPU when they fit its budget "
+                   "(free VRAM minus a reserve, or --gpu-slots), else tiered (GPU slots <- RAM <- store).")
+@click.option("--cuda-graphs/--no-cuda-graphs", default=True, show_default=True,
+              help="Replay decode steps from CUDA graphs on a GPU (per batch size and context bucket).")
 @click.option("--gpu-slots", type=click.IntRange(min=0), default=None, help="Expert slots on the GPU (default: from free VRAM).")
 @click.option("--ram-slots", type=click.IntRange(min=0), default=None,
               help="Experts held in RAM (default: from the cgroup's memory limit).")
@@ -70,7 +75,7 @@ def fingerprint_of(model_dir: Path) -> str:
               help="Require `Authorization: Bearer KEY` (env KILN_API_KEY); /health and /metrics stay open.")
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]),
               default="info", show_default=True)
-def serve(model_dir, store_dir, host, port, device, dtype, served_name, max_context, max_batch, gpu_slots,
+def serve(model_dir, store_dir, host, port, device, dtype, served_name, max_context, max_batch, experts, cuda_graphs, gpu_slots,
           ram_slots, readers, cpu_layout, threads, temperature, top_p, api_key, log_level):
     """Serve a model over an OpenAI-compatible HTTP API.
 
@@ -103,7 +108,7 @@ def serve(model_dir, store_dir, host, port, device, dtype, served_name, max_cont
         from engine.llm import LLM
         return LLM.load(model_dir, store_dir, device=device, dtype=dtype, max_context=max_context,
                         max_batch=max_batch, gpu_slots=gpu_slots, ram_slots=ram_slots, readers=readers,
-                        cpu_layout=cpu_layout, threads=threads)
+                        cpu_layout=cpu_layout, threads=threads, experts=experts, cuda_graphs=cuda_graphs)
 
     from engine.server.app import sampling_defaults
     app = create_app(loader=load, served_name=served_name or model_dir.resolve().name, api_key=api_key,

@@ -53,12 +53,12 @@ def test_slot_kernels_equal_reference(dtype, tol):
 
 def test_resident_provider_matches_the_tiered_store(synth_model):
     from engine.checkpoint import Checkpoint
-    from engine.gpu.providers import GpuResidentExperts
+    from engine.tiers.resident import ResidentExperts
     from engine.loader import load_model
     from engine.tiers import build_provider
     model_dir, store = synth_model
     dtype = "bfloat16"
-    res = load_model(model_dir, provider=GpuResidentExperts.from_store(store, DEV), device=DEV, dtype=dtype, max_context=64)
+    res = load_model(model_dir, provider=ResidentExperts.from_store(store, DEV), device=DEV, dtype=dtype, max_context=64)
     ref_dev = "cpu"
     ref = load_model(model_dir, provider=build_provider(Checkpoint(model_dir), store, device=ref_dev, ram_slots=5),
                      device=ref_dev, dtype=dtype, max_context=64)
@@ -77,12 +77,12 @@ def test_resident_provider_matches_the_tiered_store(synth_model):
 @needs_cuda
 def test_offload_never_changes_a_token_and_graphs_match_eager(synth_model):
     from engine.gpu.graphs import GraphDecoder
-    from engine.gpu.providers import GpuOffloadExperts, GpuResidentExperts, layer_ahead_predictor
+    from engine.gpu.providers import GpuOffloadExperts, ResidentExperts, layer_ahead_predictor
     from engine.loader import load_model
     from engine.store import manifest as mf
     model_dir, store = synth_model
     m = mf.load(store)
-    res = load_model(model_dir, provider=GpuResidentExperts.from_store(store, DEV), device=DEV, dtype="bfloat16",
+    res = load_model(model_dir, provider=ResidentExperts.from_store(store, DEV), device=DEV, dtype="bfloat16",
                      max_context=256)
     prov = GpuOffloadExperts(m, store, device=DEV, gpu_slots=6, ram_slots=9, readers=4)   # 48 records: misses galore
     off = load_model(model_dir, provider=prov, device=DEV, dtype="bfloat16", max_context=256)
