@@ -1,4 +1,5 @@
-"""The CUDA fast path (engine/gpu): slot kernels, resident and offload providers, graph decode.
+"""The CUDA path: slot kernels, the resident and tiered providers, graph decode, and what `engine serve
+--device cuda` builds from them.
 
 On a CUDA machine (the H200 bench machine) everything runs for real, bf16, against transformers.
 Without a GPU, the Triton kernels still run for real through Triton's interpreter
@@ -74,19 +75,94 @@ def test_resident_provider_matches_the_tiered_store(synth_model):
             tok = int(b.argmax())
 
 
+@pytest.fixture(scope="module")
+def tiny_store(tiny_checkpoint, tmp_path_factory):
+    """A tiny qwen3_moe checkpoint with its tokenizer (what `engine serve` loads) and its rows-order store."""
+    from engine.store.pack import pack_store
+    ck = tiny_checkpoint("qwen3_moe", experts=16, top_k=4, layers=3)
+    store = tmp_path_factory.mktemp("tiny-store") / "store"
+    pack_store(ck, store)
+    return ck, store
+
+
+PROMPTS = [[5, 17, 200, 42, 99, 7, 311, 64, 128, 3, 250, 19], [8, 9, 10, 11], [300, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10]]
+
+
+def _streams(llm, prompts, n=24):
+    """Greedy tokens of every prompt, all streaming at once (continuous batching: 1..3 sequences a step)."""
+    from engine.llm import SamplingParams
+    its = [llm.stream(p, SamplingParams(max_tokens=n, ignore_eos=True)) for p in prompts]
+    out = [[] for _ in prompts]
+    live = list(range(len(prompts)))
+    while live:
+        for i in list(live):
+            t = next(its[i])
+            out[i].append(t.id)
+            if t.finish is not None:
+                live.remove(i)
+    return out
+
+
+@needs_cuda
+def test_served_engine_is_graph_captured_and_equals_eager(tiny_store, caplog):
+    """What `engine serve --device cuda` builds (LLM.load, defaults): every expert resident, decode from CUDA
+    graphs, per batch size as streams join and leave, with the tokens of eager decode."""
+    import logging
+    from engine.llm import LLM
+    from engine.tiers.resident import ResidentExperts
+    ck, store = tiny_store
+    with caplog.at_level(logging.INFO, logger="engine.tiers"):
+        served = LLM.load(ck, store, device="cuda", max_context=256, max_batch=3)
+    with served, LLM.load(ck, store, device="cuda", max_context=256, max_batch=3, cuda_graphs=False) as eager:
+        assert isinstance(served.model.provider, ResidentExperts) and served.model.graphs is not None
+        assert eager.model.graphs is None
+        assert any("experts: resident" in r.message and "fit the GPU budget" in r.message for r in caplog.records)
+        got, want = _streams(served, PROMPTS), _streams(eager, PROMPTS)
+        assert got == want
+        g = served.model.graphs
+        assert {b for b, _ in g.graphs} >= {1, 3} and g.replays >= 24 and g.pieces_per_step == 1
+        assert served.counters()["decode_graph_replays"] == g.replays
+
+
+@needs_cuda
+def test_tiered_engine_decodes_from_graph_pieces_with_the_resident_tokens(tiny_store, caplog):
+    """Under a small GPU budget auto picks the tiered provider; its decode replays graph pieces between the
+    routing reads and gives the resident engine's tokens, misses and all."""
+    import logging
+    from engine.llm import LLM
+    from engine.tiers.tiered import TieredExperts
+    ck, store = tiny_store
+    with caplog.at_level(logging.INFO, logger="engine.tiers"):
+        tiered = LLM.load(ck, store, device="cuda", max_context=256, max_batch=3, gpu_slots=16, ram_slots=9)
+    with tiered, LLM.load(ck, store, device="cuda", max_context=256, max_batch=3, cuda_graphs=False) as ref:
+        p = tiered.model.provider
+        assert isinstance(p, TieredExperts) and tiered.model.graphs is not None and p.predictor is not None
+        assert any("experts: tiered" in r.message and "exceed the GPU budget" in r.message for r in caplog.records)
+        got, want = _streams(tiered, PROMPTS), _streams(ref, PROMPTS)
+        assert got == want
+        g = tiered.model.graphs
+        assert g.replays >= 24 and g.pieces_per_step == 3 + 1        # cut at each of the 3 MoE layers
+        c = p.counters()
+        assert c["store_read_bytes"] > 0 and c["served"]["store"] > 0 and c["pcie_bytes"] > 0
+        forced = LLM.load(ck, store, device="cuda", max_context=256, max_batch=3, experts="tiered")
+        with forced:
+            assert isinstance(forced.model.provider, TieredExperts)
+            assert _streams(forced, PROMPTS[:1]) == want[:1]
+
+
 @needs_cuda
 def test_offload_never_changes_a_token_and_graphs_match_eager(synth_model):
-    from engine.gpu.graphs import GraphDecoder
-    from engine.gpu.providers import GpuOffloadExperts, ResidentExperts, layer_ahead_predictor
     from engine.loader import load_model
+    from engine.tiers.resident import ResidentExperts
+    from engine.tiers.tiered import TieredExperts, layer_ahead_predictor
     from engine.store import manifest as mf
     model_dir, store = synth_model
     m = mf.load(store)
     res = load_model(model_dir, provider=ResidentExperts.from_store(store, DEV), device=DEV, dtype="bfloat16",
-                     max_context=256)
-    prov = GpuOffloadExperts(m, store, device=DEV, gpu_slots=6, ram_slots=9, readers=4)   # 48 records: misses galore
-    off = load_model(model_dir, provider=prov, device=DEV, dtype="bfloat16", max_context=256)
-    prov.predictor = layer_ahead_predictor(off)
+                     max_context=256, cuda_graphs=False)
+    prov = TieredExperts(m, store, device=DEV, gpu_slots=6, ram_slots=9, readers=4)   # 48 records: misses galore
+    off = load_model(model_dir, provider=prov, device=DEV, dtype="bfloat16", max_context=256, cuda_graphs=False)
+    assert prov.predictor is not None
     ids = torch.randint(0, 512, (20,), generator=torch.Generator().manual_seed(2))
     with torch.inference_mode():
         a, b = res.prefill(ids, 0), off.prefill(ids, 0)
@@ -98,9 +174,11 @@ def test_offload_never_changes_a_token_and_graphs_match_eager(synth_model):
         assert toks_res == toks_off
         c = prov.counters()
         assert c["store_read_bytes"] > 0 and c["served"]["store"] > 0
-        res.prefill(ids, 0)
-        dec = GraphDecoder(res, 1, bucket=64)
-        dec.start(torch.tensor([toks_res[0]], device=DEV), torch.tensor([20], device=DEV))
-        graph_toks = [toks_res[0]] + [int(t[0, 0]) for t in dec.run(24, 20)]
-        assert graph_toks == toks_res
+        for model in (res, off):                  # the same steps again, from graphs
+            assert model.use_cuda_graphs()
+            model.prefill(ids, 0)
+            toks = [toks_res[0]]
+            for i in range(24):
+                toks.append(int(model.decode_step([toks[-1]], [0], [20 + i]).argmax()))
+            assert toks == toks_res and model.graphs.replays == 24
     prov.close()
