@@ -94,7 +94,7 @@ class DecodeGraphs:
         self.host[0, :b] = torch.as_tensor(tokens, dtype=torch.long).view(-1)
         self.host[1, :b] = torch.as_tensor(positions, dtype=torch.long)
         self.host[2, :b] = torch.as_tensor(slots, dtype=torch.long)
-        self.static[:, :b].copy_(self.host[:, :b], non_blocking=True)
+        self.static.copy_(self.host, non_blocking=True)     # the whole (contiguous) staging: rows past b unused
         self.copied.record()
         entry = self.graphs.get((b, kv_len))
         if entry is None:

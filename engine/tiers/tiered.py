@@ -142,8 +142,6 @@ class TieredExperts:
         keys = {ExpertKey(layer, e) for e in uniq}
         self.gpu.load(layer, uniq, self.ram, keys)
         self.gpu.wait_copies()
-        for e in uniq:
-            self.origin.pop(ExpertKey(layer, e), None)
         staging, dev = table
         staging[:n] = torch.tensor([self.gpu.slot(layer, e) for e in ids], dtype=torch.int32)
         dev[:n].copy_(staging[:n], non_blocking=True)
@@ -161,7 +159,7 @@ class TieredExperts:
         """Where each pick is served from, before anything is loaded (prefetched ones by their origin)."""
         for e in ids:
             key = ExpertKey(layer, e)
-            if key in self.origin:
+            if key in self.origin and key in self.gpu.cache:
                 self.served[self.origin[key]] += 1
             elif key in self.gpu.cache:
                 self.served["gpu"] += 1
@@ -170,6 +168,7 @@ class TieredExperts:
             else:
                 self.served["store"] += 1
         for e in set(ids):
+            self.origin.pop(ExpertKey(layer, e), None)
             self.gpu.cache.lookup(ExpertKey(layer, e))       # hit/miss counters and recency of the GPU tier
 
     # -- prefill on CUDA, and everything on the CPU: moe_forward over waves -----------------------
