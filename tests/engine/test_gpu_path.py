@@ -81,7 +81,7 @@ def tiny_store(tiny_checkpoint, tmp_path_factory):
     from engine.store.pack import pack_store
     ck = tiny_checkpoint("qwen3_moe", experts=16, top_k=4, layers=3)
     store = tmp_path_factory.mktemp("tiny-store") / "store"
-    pack_store(ck, store)
+    pack_store(ck, store, dtype=torch.bfloat16)          # the CUDA compute dtype: records are computed as stored
     return ck, store
 
 
@@ -250,7 +250,9 @@ def test_engine_serve_on_cuda_streams_from_graphs(tiny_store, tmp_path, flags, p
         while True:
             assert proc.poll() is None, (tmp_path / "serve.log").read_text()
             try:
-                if requests.get(f"{base}/health", timeout=2).status_code == 200:
+                h = requests.get(f"{base}/health", timeout=2)
+                assert h.status_code != 500, h.text              # loading failed: say why at once
+                if h.status_code == 200:
                     break
             except requests.RequestException:
                 pass
