@@ -311,7 +311,8 @@ def gguf_convert(model_dir: Path, store: Path, llama: Path, out: Path) -> dict:
 
 
 def llama_bench(llama: Path, gguf: Path, extra: list[str]) -> dict:
-    env = dict(os.environ, LD_LIBRARY_PATH=f"{llama / 'bin'}:{os.environ.get('LD_LIBRARY_PATH', '')}")
+    libs = [str(llama / "bin"), "/usr/local/cuda/lib64", "/usr/local/cuda-13.0/lib64", os.environ.get("LD_LIBRARY_PATH", "")]
+    env = dict(os.environ, LD_LIBRARY_PATH=":".join(filter(None, libs)))
     cmd = [str(llama / "bin" / "llama-bench"), "-m", str(gguf), "-ngl", "99", "-p", "512,8192", "-n", "128", "-r", "3",
            "-o", "json", *extra]
     t0 = time.perf_counter()
@@ -431,7 +432,8 @@ def main():
             s["fraction_of_bound"] = round(s["decode_tps"] / s["bound_tps"], 3)
             if "inprocess" in run:
                 s["served_over_inprocess"] = {k: round(s[k] / run["inprocess"][k], 3) for k in
-                                              ("decode_tps", "decode_tps_4_streams_aggregate", "prefill_tps")}
+                                              ("decode_tps", "decode_tps_4_streams_aggregate", "prefill_tps")
+                                              if s.get(k) and run["inprocess"].get(k)}
             run["served"] = s
             result["runs"][name] = run
             save()
@@ -469,7 +471,7 @@ def main():
     res_, tie, peer = runs.get("resident", {}), runs.get("tiered_24gb", {}), runs.get("llama_cpp", {})
     for name, r in (("resident", res_), ("tiered_24gb", tie)):
         if "served" in r and "inprocess" in r:
-            t[f"{name}_served_over_inprocess_decode"] = r["served"]["served_over_inprocess"]["decode_tps"]
+            t[f"{name}_served_over_inprocess_decode"] = r["served"]["served_over_inprocess"].get("decode_tps")
     if "inprocess" in tie:
         t["tiered_inprocess_fraction_of_bound_gpu_lane_measured"] = round(
             tie["inprocess"]["decode_tps"] / tie["inprocess"].get("bound_tps_gpu_lane_measured", tie["inprocess"]["bound_tps"]), 3)

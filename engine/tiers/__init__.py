@@ -1,7 +1,7 @@
 """Expert tiers: where routed experts live while a model runs.
 
 The providers, one per placement (build_provider picks one and logs why):
-  in_memory — InMemoryExperts: every expert in memory (the CPU; the reference)
+  memory    — InMemoryExperts: every expert in memory (the CPU; the reference); in_memory() builds it
   resident  — ResidentExperts: every expert on the GPU, slots computed on the device (graph-capturable)
   tiered    — TieredExperts: GPU slots ← page-locked RAM ← O_DIRECT store (CPU: RAM ← store)
 and the tiers they are built from:
@@ -20,7 +20,9 @@ from pathlib import Path
 
 import torch
 
-from engine.experts import DTYPES, ExpertProvider, InMemoryExperts, order_for
+from engine.experts import DTYPES, ExpertProvider, order_for
+from engine.runtime import EXPERTS, EngineConfig
+from engine.tiers.memory import InMemoryExperts
 
 log = logging.getLogger("engine.tiers")
 GIB = 1 << 30
@@ -41,9 +43,6 @@ def in_memory(checkpoint, *, device="cpu", dtype: torch.dtype | None = None, ord
     return InMemoryExperts(layout, records)
 
 
-EXPERTS = ("auto", "resident", "tiered")
-
-
 @dataclass(frozen=True)
 class ExpertPlacement:
     """Which provider serves the experts, and why (logged at load)."""
@@ -58,12 +57,12 @@ def choose_placement(mode: str, device_type: str, *, has_store: bool, expert_byt
     VRAM minus a reserve, or the --gpu-slots cap), else tiered; on the CPU all in memory without a
     store, tiered with one. resident / tiered force the choice. Raises EngineError for a choice that
     cannot be made (tiered without a store)."""
-    from engine.cli import EngineError
+    from engine.errors import EngineError, Exit
     if mode not in EXPERTS:
-        raise EngineError(f"--experts {mode!r} is not one of {', '.join(EXPERTS)}", 2)
+        raise EngineError(f"--experts {mode!r} is not one of {', '.join(EXPERTS)}", Exit.USAGE)
     gib = lambda n: f"{n / GIB:.2f} GiB"          # noqa: E731
     if mode == "tiered" and not has_store:
-        raise EngineError("--experts tiered needs a packed expert store (--store; engine pack-store)", 2)
+        raise EngineError("--experts tiered needs a packed expert store (--store; engine pack-store)", Exit.USAGE)
     if device_type != "cuda":
         if mode == "resident" or (mode == "auto" and not has_store):
             return ExpertPlacement("memory", f"every expert in memory ({gib(expert_bytes)})")
@@ -84,23 +83,24 @@ def choose_placement(mode: str, device_type: str, *, has_store: bool, expert_byt
                                      f"{gib(gpu_budget_bytes or 0)}: tiered")
 
 
-def build_provider(checkpoint, store_dir, *, device="cpu", dtype: torch.dtype | str | None = None,
-                   gpu_slots: int | None = None, ram_slots: int | None = None, readers: int | None = None,
-                   cpu_layout: str | None = None, policy: str = "lru", trace: str | os.PathLike | None = None,
-                   experts: str = "auto") -> ExpertProvider:
-    """The expert provider for `checkpoint` (a Checkpoint or its directory), chosen by choose_placement
-    and logged with the sizes: InMemoryExperts, ResidentExperts (CUDA) or TieredExperts.
+def build_provider(checkpoint, store_dir, config: EngineConfig | None = None, *,
+                   trace: str | os.PathLike | None = None, **knobs) -> ExpertProvider:
+    """The expert provider for `checkpoint` (a Checkpoint or its directory), as `config` (or keyword
+    knobs: EngineConfig's fields) says: InMemoryExperts, ResidentExperts (CUDA) or TieredExperts, chosen
+    by choose_placement from config.experts and logged with the sizes.
 
-    store_dir: the packed store (it must come from this checkpoint; `dtype`, the record dtype, must
-    then be None or the store's). gpu_slots / ram_slots None: sized from free VRAM / the memory
-    cgroup (logged); on CUDA a gpu_slots below the store's records also makes `auto` tier.
+    store_dir: the packed store (it must come from this checkpoint; config.dtype, the record dtype, must
+    then be None or the store's). gpu_slots / ram_slots None: sized from free VRAM / the memory cgroup
+    (logged); on CUDA a gpu_slots below the store's records also makes `auto` tier.
     cpu_layout: e.g. "readers=26-39" pins the reader threads. trace: append routing (JSON lines).
     """
-    from engine.cli import EngineError
+    from engine.errors import EngineError, Exit
+    config = EngineConfig.of(config, **knobs)
+    gpu_slots, ram_slots, readers = config.gpu_slots, config.ram_slots, config.readers
+    cpu_layout, policy, experts = config.cpu_layout, config.policy, config.experts
     ck = _as_checkpoint(checkpoint)
-    if isinstance(dtype, str):
-        dtype = DTYPES[dtype]
-    device = torch.device(device)
+    dtype = DTYPES[config.dtype] if config.dtype else None
+    device = torch.device(config.device)
     m = None
     if store_dir is not None:
         from engine.store import manifest as mf
@@ -109,7 +109,7 @@ def build_provider(checkpoint, store_dir, *, device="cpu", dtype: torch.dtype | 
         mf.check_matches(m, ck, store_dir)
         if dtype is not None and dtype != m.layout.dtype:
             raise EngineError(f"{Path(store_dir)}: holds {m.dtype} records, {str(dtype).removeprefix('torch.')} was "
-                              f"asked for (repack with `engine pack-store --dtype`)", 3)
+                              f"asked for (repack with `engine pack-store --dtype`)", Exit.BAD_MODEL)
         mf.check_order(m, device, store_dir)
         probe(store_dir)
         n, record_bytes = len(m.records), m.record_bytes
@@ -147,11 +147,11 @@ def build_provider(checkpoint, store_dir, *, device="cpu", dtype: torch.dtype | 
         if gpu_slots is None:
             gpu_slots = default_gpu_slots(device, m.record_bytes, n)
         if gpu_slots < 1:
-            raise EngineError(f"GPU tier: no room for one {m.record_bytes}-byte expert slot on {device}", 6)
+            raise EngineError(f"GPU tier: no room for one {m.record_bytes}-byte expert slot on {device}", Exit.IO)
     else:
         gpu_slots = 0                  # the CPU computes straight from the RAM tier
     if ram_slots < 1:
-        raise EngineError("RAM tier: no room for one expert slot (set --ram-slots)", 6)
+        raise EngineError("RAM tier: no room for one expert slot (set --ram-slots)", Exit.IO)
     reader_cpus = parse_cpu_layout(cpu_layout).get("readers")
     readers = readers or max(1, min(16, len(reader_cpus or os.sched_getaffinity(0))))
     log.info("expert tiers: %d GPU slots, %d RAM slots, %d store readers%s, policy %s", gpu_slots, ram_slots,

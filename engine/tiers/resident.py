@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from engine.experts import ExpertLayout, group_routes, moe_forward
-from engine.gpu.moe_kernels import GEMV_MAX_PAIRS, slot_moe, triton_available
+from engine.kernels.triton_moe import GEMV_MAX_PAIRS, slot_moe, triton_available
 from engine.store import manifest as mf
 from engine.store.odirect import aligned_buffer, open_direct, pread_full
 

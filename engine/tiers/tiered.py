@@ -24,7 +24,7 @@ from typing import Callable
 import torch
 
 from engine.experts import ExpertLayout, group_routes, moe_forward
-from engine.gpu.moe_kernels import GEMV_MAX_PAIRS, slot_moe, triton_available
+from engine.kernels.triton_moe import GEMV_MAX_PAIRS, slot_moe, triton_available
 from engine.store import manifest as mf
 from engine.tiers.cache import ExpertCache, ExpertKey
 from engine.tiers.gpu import GpuTier

@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from engine.cli import EngineError
+from engine.errors import EngineError
 from engine.models.common import MIN_KV_BUCKET, kv_bucket
 from engine.tiers import choose_placement
 
