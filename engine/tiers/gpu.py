@@ -57,7 +57,9 @@ class GpuTier:
         step = max(1, ram.cache.capacity)
         for i in range(0, len(need), step):
             chunk = need[i:i + step]
-            ram_slots, missed = ram.fetch(layer, chunk, pinned)
+            # The RAM tier holds only this chunk for its copies (a refill waits for them), so it pins only the
+            # chunk: pinning every GPU-pinned key there too could pin all of a small RAM tier.
+            ram_slots, missed = ram.fetch(layer, chunk, ())
             from_store |= missed
             compute = torch.cuda.current_stream(self.device)
             self.copy_stream.wait_stream(compute)

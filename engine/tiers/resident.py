@@ -2,7 +2,7 @@
 
 slot = layer base + expert id, computed on the device, so a decode step never reads back to the
 host and the whole step is CUDA-graph capturable (engine.gpu.graphs). Decode (few pairs) runs the
-slot-indexed GEMV kernels; prefill runs per-expert GEMMs in moe_reference's order (moe_forward).
+slot-indexed GEMV kernels; prefill runs per-expert GEMMs in moe_reference's order.
 """
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import torch
 
-from engine.experts import ExpertLayout, group_routes, moe_forward
-from engine.kernels.triton_moe import GEMV_MAX_PAIRS, slot_moe, triton_available
+from engine.experts import ExpertLayout
+from engine.kernels.triton_moe import moe_from_slots
 from engine.store import manifest as mf
 from engine.store.odirect import aligned_buffer, open_direct, pread_full
 
@@ -59,13 +59,10 @@ class ResidentExperts:
 
     def forward(self, layer, x, topk_ids, topk_weights):
         self.picks += topk_ids.numel()          # a Python int: no device read
-        base = self.bases[layer]
-        if topk_ids.numel() <= GEMV_MAX_PAIRS and triton_available(x.device):
-            return slot_moe(x, self.arena, topk_ids + base, topk_weights, self.layout)
-        # Prefill: per-expert GEMMs in moe_reference's order from one host read of the routing (moe_forward),
-        # not a device read per expert; the same arithmetic as the tiered provider's prefill, bit for bit.
-        return moe_forward(x, topk_weights, group_routes(topk_ids),
-                           lambda wave: [self.layout.views(self.arena[base + e]) for e in wave], self.arena.shape[0])
+        # Decode: the slot GEMV kernels. Prefill: per-expert GEMMs in expert order (moe_reference's arithmetic,
+        # the tiered provider's bit for bit). moe_forward's host-side grouping was tried here: 8k prefill fell
+        # from 6,575 to 2,729 tok/s on the H200 (bench/results/2026-12-01-h200-served.json), so not that.
+        return moe_from_slots(x, self.arena, topk_ids + self.bases[layer], topk_weights, self.layout, topk_ids)
 
     def counters(self) -> dict:
         return {"provider": "resident", "served": {"gpu": self.picks, "ram": 0, "store": 0}, "store_read_bytes": 0,
