@@ -297,6 +297,18 @@ def tiered_bound(bytes_tok: dict, tb: dict, lanes: dict, resident_step_s: float 
     return out
 
 
+def attach_bound(res: dict, tiered: bool, served_side: bool, tb: dict, lanes: dict, resident_step_s) -> None:
+    """A run's lane bound and its fraction of it: tiered from the timed window's bytes per token, resident
+    from the HBM bytes alone."""
+    if tiered:
+        res["bytes_per_token"] = window_bytes(res, served_side)
+        res.update(tiered_bound(res["bytes_per_token"], tb, lanes, resident_step_s))
+    else:
+        res.pop("window_1_stream", None)
+        res.update(resident_bound(tb, lanes))
+    res["fraction_of_bound"] = round(res["decode_tps"] / res["bound_tps"], 3)
+
+
 # ------------------------------------------------------------------ llama.cpp
 
 def gguf_convert(model_dir: Path, store: Path, llama: Path, out: Path) -> dict:
@@ -408,28 +420,17 @@ def main():
         run: dict = {}
         if "inprocess" not in skip:
             r, c = inprocess(model_dir, store, kw, vocab, args.steps, args.prefill, sampled)
-            if sampled:
-                r["bytes_per_token"] = window_bytes(r, False)
-                r.update(tiered_bound(r["bytes_per_token"], tb, lanes, resident_step))
-            else:
-                r.pop("window_1_stream", None)
-                r.update(resident_bound(tb, lanes))
+            attach_bound(r, sampled, False, tb, lanes, resident_step)
+            if not sampled:
                 resident_step = 1 / r["decode_tps"]
             r["counters_end"] = c
-            r["fraction_of_bound"] = round(r["decode_tps"] / r["bound_tps"], 3)
             run["inprocess"] = r
             result["runs"][name] = run
             save()
             log(f"{name} in-process:", {k: v for k, v in r.items() if k not in ("counters_end",)})
         if "served" not in skip:
             s = served(model_dir, store, flags, vocab, args.steps, args.prefill, sampled, work / f"serve-{name}.log")
-            if sampled:
-                s["bytes_per_token"] = window_bytes(s, True)
-                s.update(tiered_bound(s["bytes_per_token"], tb, lanes, resident_step))
-            else:
-                s.pop("window_1_stream", None)
-                s.update(resident_bound(tb, lanes))
-            s["fraction_of_bound"] = round(s["decode_tps"] / s["bound_tps"], 3)
+            attach_bound(s, sampled, True, tb, lanes, resident_step)
             if "inprocess" in run:
                 s["served_over_inprocess"] = {k: round(s[k] / run["inprocess"][k], 3) for k in
                                               ("decode_tps", "decode_tps_4_streams_aggregate", "prefill_tps")
