@@ -72,3 +72,11 @@ def test_cpu_decode_stays_eager(tiny_checkpoint):
     from engine.loader import load_model
     model = load_model(tiny_checkpoint("qwen3_moe"), max_context=64)
     assert model.graphs is None and model.use_cuda_graphs() is False and model.graphs is None
+
+
+def test_engine_config_carries_the_placement_and_refuses_an_unknown_one():
+    from engine.runtime import EngineConfig
+    assert EngineConfig().experts == "auto" and EngineConfig().cuda_graphs is True
+    assert EngineConfig(experts="tiered", cuda_graphs=False).experts == "tiered"
+    with pytest.raises(ValueError, match=r"experts 'gpu' is not one of auto, resident, tiered"):
+        EngineConfig(experts="gpu")
