@@ -39,8 +39,8 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from engine.gpu.graphs import GraphDecoder  # noqa: E402
-from engine.gpu.providers import GpuOffloadExperts, GpuResidentExperts, layer_ahead_predictor  # noqa: E402
+from engine.tiers.resident import ResidentExperts  # noqa: E402
+from engine.tiers.tiered import TieredExperts  # noqa: E402
 from engine.loader import load_model  # noqa: E402
 from engine.store import manifest as mf  # noqa: E402
 from engine.store.odirect import aligned_buffer, open_direct, pread_full  # noqa: E402
@@ -139,21 +139,9 @@ def prompts(batch: int, length: int, vocab: int) -> list[torch.Tensor]:
 
 
 def engine_decode_graph(model, batch: int, steps: int, vocab: int, prompt_len: int = 128) -> dict:
-    ps = prompts(batch, prompt_len, vocab)
-    with torch.inference_mode():
-        firsts = torch.stack([model.prefill(p, slot).argmax() for slot, p in enumerate(ps)])
-        dec = GraphDecoder(model, batch, bucket=256)
-        dec.start(firsts, torch.full((batch,), prompt_len, device=DEV))
-        dec.run(8, prompt_len)                                   # capture + warm
-        dec.start(firsts, torch.full((batch,), prompt_len, device=DEV))
-        sync()
-        t0 = time.perf_counter()
-        toks = dec.run(steps, prompt_len)
-        sync()
-    dt = time.perf_counter() - t0
-    return {"streams": batch, "steps": steps, "decode_s": round(dt, 4), "decode_tps": round(steps / dt, 1),
-            "aggregate_tps": round(batch * steps / dt, 1),
-            "tokens": [int(firsts[0])] + torch.cat(toks, dim=1)[0].tolist()[:32]}
+    """model.decode_step as the server runs it: replayed from the model's own CUDA graphs (greedy)."""
+    assert model.graphs is not None, "the model decodes eagerly: its provider is not graph-capturable"
+    return engine_decode_eager(model, batch, steps, vocab, prompt_len, warm=8)
 
 
 def engine_decode_eager(model, batch: int, steps: int, vocab: int, prompt_len: int = 128, warm: int = 16,
@@ -241,19 +229,38 @@ class UniformRouting:
         return torch.tensor(rows, dtype=topk_ids.dtype).to(topk_ids.device, non_blocking=True)
 
 
+class RoutedBy:
+    """Bench only: the tiered provider fed a labelled synthetic routing trace instead of the model's router.
+    The trace is drawn on the host, so such a run decodes eagerly (not graph-capturable)."""
+
+    graph_capturable = False
+
+    def __init__(self, inner: TieredExperts, trace):
+        self.inner, self.trace, self.layout = inner, trace, inner.layout
+        self.predictor = None            # the model's router cannot predict a synthetic trace
+
+    def forward(self, layer, x, topk_ids, topk_weights):
+        return self.inner.forward(layer, x, self.trace(layer, topk_ids), topk_weights)
+
+    def counters(self) -> dict:
+        return self.inner.counters()
+
+    def close(self) -> None:
+        self.inner.close()
+
+
 TRACES = {"zipf": ("zipf s=1.1 over experts, reuse 0.5 (synthetic trace, labelled)", ZipfRouting),
           "uniform": ("uniform top-k per token (synthetic trace, labelled)", UniformRouting)}
 
 
 def offload_run(model_dir, store, m, budget, lanes, all_gpu_step_s, *, trace: str | None, steps: int, vocab: int,
                 prefill_tokens: int) -> dict:
-    prov = GpuOffloadExperts(m, store, device=DEV, gpu_slots=budget["gpu_slots"], ram_slots=budget["ram_slots"],
-                             readers=16, policy="lru")
-    model = load_model(model_dir, provider=prov, device="cuda", dtype="bfloat16", max_context=prefill_tokens + 512,
+    prov = TieredExperts(m, store, device=DEV, gpu_slots=budget["gpu_slots"], ram_slots=budget["ram_slots"],
+                         readers=16, policy="lru")
+    top_k = json.loads((Path(model_dir) / "config.json").read_text())["num_experts_per_tok"]
+    routed = RoutedBy(prov, TRACES[trace][1](m.experts_per_layer, top_k)) if trace else prov
+    model = load_model(model_dir, provider=routed, device="cuda", dtype="bfloat16", max_context=prefill_tokens + 512,
                        max_batch=4)
-    prov.predictor = layer_ahead_predictor(model)
-    if trace:
-        prov.override = TRACES[trace][1](m.experts_per_layer, model.cfg.top_k)
     res: dict = {"routing": TRACES[trace][0] if trace
                  else "the model's own router (on random weights it may concentrate: see served_fraction)"}
     # warm the tiers with a few hundred tokens of decode, then measure
@@ -479,7 +486,7 @@ def main():
     log("lanes:", lanes)
 
     # --- engine, all on the GPU
-    prov = GpuResidentExperts.from_store(store, DEV)
+    prov = ResidentExperts.from_store(store, DEV)
     model = load_model(model_dir, provider=prov, device="cuda", dtype="bfloat16", max_context=args.prefill + 512,
                        max_batch=4)
     ag = {"gpu_expert_bytes": prov.arena.numel() * 2}
@@ -487,7 +494,9 @@ def main():
     d4 = engine_decode_graph(model, 4, args.steps, vocab)
     ag.update({"decode_tps": d1["decode_tps"], "decode_tps_4_streams_aggregate": d4["aggregate_tps"],
                "tokens": d1["tokens"], "cuda_graphs": True})
+    graphs, model.graphs = model.graphs, None           # the same steps without graphs
     eager = engine_decode_eager(model, 1, 16, vocab, warm=4)
+    model.graphs = graphs
     ag["decode_tps_eager"] = eager["decode_tps"]
     ag.update(engine_prefill(model, args.prefill, vocab))
     all_gpu_step_s = 1 / d1["decode_tps"]

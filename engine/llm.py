@@ -149,6 +149,8 @@ class LLM:
 
     def counters(self) -> dict:
         out = dict(self.model.provider.counters())
+        if (graphs := self.model.graphs) is not None:
+            out.update(decode_graph_replays=graphs.replays, decode_graph_captures=graphs.captures)
         with self._cv:
             out.update(prompt_tokens_total=self._prompt_tokens, generation_tokens_total=self._generation_tokens,
                        active_streams=len(self._active), queued_streams=len(self._pending))

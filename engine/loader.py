@@ -1,6 +1,7 @@
 """Build a ready model from a Hugging Face checkpoint directory: non-expert weights on the device,
 a KV cache allocated once, and an ExpertProvider for the routed experts (engine.tiers: all in
-memory, or the tiered store when `store_dir` is given)."""
+memory, all on the GPU, or the tiered store: engine.tiers.build_provider chooses and logs why), and
+on CUDA decode steps replayed from CUDA graphs (config.cuda_graphs; engine.gpu.graphs)."""
 from __future__ import annotations
 
 import re
@@ -97,4 +98,9 @@ def load_model(model_dir: str | Path, provider: ExpertProvider | None = None, *,
     if unused := weights.unused():
         raise CheckpointError(f"{ckpt.dir}: {len(unused)} tensors are not part of the {cfg.arch} model "
                               f"(unsupported variant?), e.g. {unused[0]}")
+    if getattr(provider, "predictor", False) is None:     # a tiered provider: prefetch by layer-ahead routing
+        from engine.tiers.tiered import layer_ahead_predictor
+        provider.predictor = layer_ahead_predictor(model)
+    if config.cuda_graphs:
+        model.use_cuda_graphs()
     return model.eval()

@@ -12,7 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DEVICE_KINDS = ("cpu", "cuda")
-DTYPE_NAMES = ("float32", "bfloat16", "float16")      # engine.experts.DTYPES' keys (torch-free here)
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+EXPERTS = ("auto", "resident", "tiered")              # engine.tiers.choose_placement's modes      # engine.experts.DTYPES' keys (torch-free here)
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,8 @@ class EngineConfig:
     cpu_layout: str | None = None       # NAME=CPULIST entries pinning threads, e.g. "readers=26-39"
     threads: int | None = None          # CPU compute threads; None: engine.kernels.cpu.default_threads()
     policy: str = "lru"                 # expert-cache eviction policy
+    experts: str = "auto"               # auto | resident | tiered: where a GPU's experts live (tiers.choose_placement)
+    cuda_graphs: bool = True            # decode steps replay CUDA graphs where device and provider allow
 
     def __post_init__(self):
         # ValueError, not assert: these come from users and must fail the same way under `python -O`.
@@ -44,6 +47,8 @@ class EngineConfig:
         for name in ("gpu_slots", "ram_slots"):
             if (n := getattr(self, name)) is not None and n < 0:
                 raise ValueError(f"{name} is {n}; it must be 0 or more")
+        if self.experts not in EXPERTS:
+            raise ValueError(f"experts {self.experts!r} is not one of {', '.join(EXPERTS)}")
         for name in ("readers", "threads"):
             if (n := getattr(self, name)) is not None and n < 1:
                 raise ValueError(f"{name} is {n}; it must be at least 1")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import click
 
 from engine.errors import EngineError, Exit
-from engine.runtime import DTYPE_NAMES, EngineConfig
+from engine.runtime import DTYPE_NAMES, EXPERTS, EngineConfig
 from engine.tiers.cache import POLICIES
 
 device = click.option("--device", default=EngineConfig.device, show_default=True, help="cpu, cuda or cuda:N.")
@@ -32,11 +32,17 @@ threads = click.option("--threads", type=click.IntRange(min=1), default=None,
 policy = click.option("--policy", type=click.Choice(sorted(POLICIES)), default=EngineConfig.policy, show_default=True,
                       help="Expert-cache eviction policy (compare them with `engine simulate-cache`).")
 
+experts = click.option("--experts", type=click.Choice(EXPERTS), default=EngineConfig.experts, show_default=True,
+                       help="Where the routed experts live on a GPU: auto = all on the GPU when they fit its budget "
+                            "(free VRAM minus a reserve, or --gpu-slots), else tiered (GPU slots <- RAM <- store).")
+cuda_graphs = click.option("--cuda-graphs/--no-cuda-graphs", default=EngineConfig.cuda_graphs, show_default=True,
+                           help="Replay decode steps from CUDA graphs on a GPU (per batch size and context bucket).")
+
 
 def tiers(f):
-    """Where the routed experts live and who reads them: --gpu-slots, --ram-slots, --readers, --cpu-layout,
-    --threads, --policy."""
-    for option in reversed((gpu_slots, ram_slots, readers, cpu_layout, threads, policy)):
+    """Where the routed experts live and who reads them: --experts, --gpu-slots, --ram-slots, --readers,
+    --cpu-layout, --threads, --policy, and whether a GPU decodes from graphs (--cuda-graphs)."""
+    for option in reversed((experts, gpu_slots, ram_slots, readers, cpu_layout, threads, policy, cuda_graphs)):
         f = option(f)
     return f
 

@@ -1,66 +1,138 @@
-"""CUDA-graph decode: one captured graph per (batch, KV-length bucket) replays a whole decode step
-— every layer, the lm_head and the greedy pick — with no launches from Python and no host reads.
+"""CUDA-graph decode: what MoEModel.decode_step replays on a CUDA device whose expert provider is
+graph-capturable (engine.tiers: ResidentExperts, TieredExperts on CUDA).
 
-Needs a graph-safe expert provider (GpuResidentExperts: slots computed on the device). Sequences
-sit in KV slots 0..B-1; positions and next tokens live in static device tensors that the graph
-itself advances, so a run of N steps is N replays and one synchronisation at the end.
+One graph chain per (batch size, KV-length bucket), captured on first use and replayed from then on,
+so continuous batching (the batch grows and shrinks by a stream at a time) keeps working: each exact
+batch size gets its own graphs (padding a batch would route the padding rows to real experts, and
+every padded row costs top_k expert reads). Tokens, slots and positions are copied into static device
+tensors before each replay; the step's logits are cloned out of the graph's memory.
+
+A provider that needs host work inside a step (the tiered provider reads each MoE layer's routing to
+copy the experts it lacks) does it between graph pieces: while the Recorder captures, the provider
+calls recorder.cut(host_step), which ends the current piece and begins the next; at replay the host
+steps run between the pieces. A resident provider never cuts, so its whole step is one graph.
 """
 from __future__ import annotations
 
+import logging
+from typing import Callable
+
 import torch
-import torch.nn.functional as F
 
-from engine.models.common import MoEModel, Step
+from engine.models.common import Step, kv_bucket
+
+log = logging.getLogger("engine.gpu")
 
 
-class GraphDecoder:
-    def __init__(self, model: MoEModel, batch: int, bucket: int = 1024):
-        self.model, self.b, self.bucket = model, batch, bucket
+class Recorder:
+    """A decode step captured as a chain of graphs with host steps between them."""
+
+    def __init__(self, pool):
+        self.pool = pool
+        self.pieces: list[torch.cuda.CUDAGraph] = []
+        self.hooks: list[Callable[[], None]] = []
+        self._graph: torch.cuda.CUDAGraph | None = None
+
+    def begin(self) -> None:
+        self._graph = torch.cuda.CUDAGraph()
+        # thread_local: the server's other threads may make CUDA calls that are not part of this capture.
+        self._graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+
+    def cut(self, hook: Callable[[], None]) -> None:
+        """End the current piece; `hook` runs after it at every replay, before the next piece."""
+        self._graph.capture_end()
+        self.pieces.append(self._graph)
+        self.hooks.append(hook)
+        self.begin()
+
+    def end(self) -> None:
+        self._graph.capture_end()
+        self.pieces.append(self._graph)
+        self._graph = None
+
+    def abort(self) -> None:
+        if self._graph is not None:
+            try:
+                self._graph.capture_end()
+            except RuntimeError:
+                pass
+            self._graph = None
+
+    def replay(self) -> None:
+        for i, g in enumerate(self.pieces):
+            g.replay()
+            if i < len(self.hooks):
+                self.hooks[i]()
+
+
+class DecodeGraphs:
+    def __init__(self, model):
+        self.model = model
         dev = model.device
-        self.ids = torch.zeros(batch, 1, dtype=torch.long, device=dev)
-        self.pos = torch.zeros(batch, 1, dtype=torch.long, device=dev)
-        self.idx = torch.arange(batch, device=dev)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.pool = None
+        self.max_batch = model.kv.slots
+        self.static = torch.zeros(3, self.max_batch, dtype=torch.long, device=dev)      # ids, positions, slots
+        self.host = torch.zeros(3, self.max_batch, dtype=torch.long, pin_memory=True)
+        self.copied = torch.cuda.Event()
+        self.stream = torch.cuda.Stream(dev)          # captures run on a side stream, as torch requires
+        self.pool = torch.cuda.graph_pool_handle()    # one pool: chains replay one at a time
+        self.graphs: dict[tuple[int, int], tuple[Recorder, torch.Tensor]] = {}
+        self.captures = 0
+        self.replays = 0
 
-    def _step(self, kv_len: int) -> None:
-        m, b = self.model, self.b
-        s = Step(slots=list(range(b)), sel=slice(0, b), idx=self.idx, positions=self.pos, start=0, kv_len=kv_len,
-                 cos=m.cos[self.pos].view(b, 1, 1, -1), sin=m.sin[self.pos].view(b, 1, 1, -1),
-                 mask=m._mask(self.pos, kv_len), decode=True)
-        logits = F.linear(m._run(self.ids, s)[:, 0], m.lm_head)
-        self.ids.copy_(logits.argmax(dim=-1, keepdim=True))
-        self.pos.add_(1)
+    @property
+    def pieces_per_step(self) -> int:
+        return max((len(r.pieces) for r, _ in self.graphs.values()), default=0)
 
-    def _graph(self, kv_len: int) -> torch.cuda.CUDAGraph:
-        if kv_len not in self.graphs:
-            ids, pos = self.ids.clone(), self.pos.clone()
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):           # warm up (Triton compiles, cuBLAS picks) off the graph
-                for _ in range(2):
-                    self._step(kv_len)
-            torch.cuda.current_stream().wait_stream(s)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=self.pool):
-                self._step(kv_len)
-            self.pool = g.pool()
-            self.graphs[kv_len] = g
-            self.ids.copy_(ids)
-            self.pos.copy_(pos)
-        return self.graphs[kv_len]
+    def usable(self, batch: int) -> bool:
+        ok = getattr(self.model.provider, "graph_pairs_ok", None)
+        return batch <= self.max_batch and (ok is None or ok(batch * self.model.cfg.top_k))
 
-    def start(self, first_tokens: torch.Tensor, positions: torch.Tensor) -> None:
-        """first_tokens [B] (the token after each prompt), positions [B] (each prompt's length)."""
-        self.ids.copy_(first_tokens.view(-1, 1))
-        self.pos.copy_(positions.view(-1, 1))
+    def decode(self, tokens, slots: list[int], positions: list[int]) -> torch.Tensor:
+        b = len(slots)
+        kv_len = kv_bucket(max(positions) + 1, self.model.max_len)
+        self.copied.synchronize()                     # the staging row is free again
+        self.host[0, :b] = torch.as_tensor(tokens, dtype=torch.long).view(-1)
+        self.host[1, :b] = torch.as_tensor(positions, dtype=torch.long)
+        self.host[2, :b] = torch.as_tensor(slots, dtype=torch.long)
+        self.static.copy_(self.host, non_blocking=True)     # the whole (contiguous) staging: rows past b unused
+        self.copied.record()
+        entry = self.graphs.get((b, kv_len))
+        if entry is None:
+            entry = self.graphs[(b, kv_len)] = self._capture(b, kv_len)
+        rec, logits = entry
+        rec.replay()
+        self.replays += 1
+        return logits.clone()
 
-    def run(self, steps: int, max_pos: int) -> list[torch.Tensor]:
-        """`steps` greedy tokens per sequence; max_pos = the largest position at the start (host-known)."""
-        out = []
-        for i in range(steps):
-            need = max_pos + i + 1
-            kv_len = min(self.model.max_len, -(-need // self.bucket) * self.bucket)
-            self._graph(kv_len).replay()
-            out.append(self.ids.clone())
-        return out
+    def _forward(self, b: int, kv_len: int) -> torch.Tensor:
+        m = self.model
+        ids, pos, idx = self.static[0, :b].view(b, 1), self.static[1, :b].view(b, 1), self.static[2, :b]
+        s = Step(slots=[], sel=idx, idx=idx, positions=pos, start=0, kv_len=kv_len,
+                 cos=m.cos[pos].view(b, 1, 1, -1), sin=m.sin[pos].view(b, 1, 1, -1),
+                 mask=m._mask(pos, kv_len), decode=True)
+        return m.head(m._run(ids, s)[:, 0])
+
+    def _capture(self, b: int, kv_len: int) -> tuple[Recorder, torch.Tensor]:
+        provider = self.model.provider
+        current = torch.cuda.current_stream(self.model.device)
+        self.stream.wait_stream(current)
+        rec = Recorder(self.pool)
+        with torch.cuda.stream(self.stream):
+            # Eager first, on this step's own inputs (it writes the same KV entries the replay will):
+            # Triton compiles, cuBLAS picks its kernels, a provider makes its slot tables.
+            self._forward(b, kv_len)
+            self.stream.synchronize()
+            provider.recorder = rec
+            try:
+                rec.begin()
+                logits = self._forward(b, kv_len)
+                rec.end()
+            except BaseException:
+                rec.abort()
+                raise
+            finally:
+                provider.recorder = None
+        current.wait_stream(self.stream)
+        self.captures += 1
+        log.info("decode graph captured: batch %d, %d keys, %d piece(s)", b, kv_len, len(rec.pieces))
+        return rec, logits

@@ -35,8 +35,10 @@ class WeightSource(Protocol):
 # ---------------------------------------------------------------- norms, rotary, linear
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """As transformers' *RMSNorm: statistics in fp32, the product in the input dtype."""
-    if x.dtype == torch.float32:          # the fused kernel computes the same thing, in fewer ops
+    """As transformers' *RMSNorm: statistics in fp32, the product in the input dtype. On CUDA, torch's fused
+    kernel (fp32 statistics; the weight applied before the one rounding, so within a bf16 ulp of the
+    two-rounding form): one launch instead of seven, which a decode step of ~100 norms notices."""
+    if x.dtype == torch.float32 or x.is_cuda:
         return F.rms_norm(x, weight.shape, weight, eps)
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
@@ -117,7 +119,15 @@ def sigmoid_grouped_topk(logits: torch.Tensor, bias: torch.Tensor, *, top_k: int
 
 # ---------------------------------------------------------------- attention over the KV cache
 
-KV_BUCKET = 256
+MIN_KV_BUCKET = 256
+
+
+def kv_bucket(need: int, max_len: int) -> int:
+    """Keys a CUDA decode step attends over when `need` are live: the next power of two (at least
+    MIN_KV_BUCKET), capped at the KV cache's length. Few buckets, so few decode graphs (and few cuDNN
+    plans in eager decode); the mask hides the keys past each sequence's position."""
+    assert 0 < need <= max_len, f"{need} keys do not fit a KV cache of {max_len}"
+    return min(max_len, max(MIN_KV_BUCKET, 1 << (need - 1).bit_length()))
 
 
 @dataclass
@@ -223,6 +233,7 @@ class MoEModel(nn.Module):
             DecoderLayer(cfg, w, l, kv, self.build_moe(w, l) if l in moe else self.build_dense(w, l))
             for l in range(cfg.num_layers))
         self.cos, self.sin = rotary_tables(cfg, kv.max_len, dtype, self.device)
+        self.graphs = None              # engine.gpu.graphs.DecodeGraphs once use_cuda_graphs() is on
 
     # per-architecture blocks
     def build_moe(self, w: WeightSource, layer: int) -> nn.Module:
@@ -266,21 +277,32 @@ class MoEModel(nn.Module):
         h = self._run(ids, s)[0]
         return self.head(h if all_logits else h[-1])
 
+    def use_cuda_graphs(self) -> bool:
+        """Replay decode steps from CUDA graphs (engine.gpu.graphs) where the device and the expert provider
+        allow it: a CUDA device and a graph-capturable provider. → whether decode_step now does."""
+        if self.device.type != "cuda" or not getattr(self.provider, "graph_capturable", False):
+            return False
+        from engine.gpu.graphs import DecodeGraphs
+        self.graphs = DecodeGraphs(self)
+        return True
+
     def decode_step(self, tokens, slots: list[int], positions: list[int]) -> torch.Tensor:
         """One token per sequence: tokens [B] go to (slots[b], positions[b]); logits [B, V]."""
         b = len(slots)
         assert b == len(positions) and max(positions) < self.max_len, "decode position beyond the KV cache"
+        if self.graphs is not None and self.graphs.usable(b):
+            return self.graphs.decode(tokens, slots, positions)
         ids = torch.as_tensor(tokens, dtype=torch.long, device=self.device).view(b, 1)
         pos = torch.tensor(positions, device=self.device).view(b, 1)
         sel, idx = select(slots, self.device)
         kv_len = max(positions) + 1
-        if self.device.type == "cuda":
+        cuda = self.device.type == "cuda"
+        if cuda:
             # A new key length every step would make cuDNN attention build a plan per step (~ms each):
-            # round up to a bucket; the mask hides the extra keys.
-            kv_len = min(self.max_len, -(-kv_len // KV_BUCKET) * KV_BUCKET)
-        # One sequence sees every key read (unless a bucket or a sliding window hides some): no mask to apply.
-        sees_all = (b == 1 and kv_len == positions[0] + 1
-                    and not (self.cfg.sliding_window and kv_len > self.cfg.sliding_window))
+            # the graphs' buckets, and always a mask, so eager and graph decode compute the same thing.
+            kv_len = kv_bucket(kv_len, self.max_len)
+        # One sequence sees every key read (unless a sliding window hides some): no mask to apply.
+        sees_all = (not cuda and b == 1 and not (self.cfg.sliding_window and kv_len > self.cfg.sliding_window))
         s = Step(slots=slots, sel=sel, idx=idx, positions=pos, start=0, kv_len=kv_len,
                  cos=self.cos[pos].view(b, 1, 1, -1), sin=self.sin[pos].view(b, 1, 1, -1),
                  mask=None if sees_all else self._mask(pos, kv_len), decode=True)

@@ -33,9 +33,16 @@ class _EngineCollector:
         yield served
         for key, name, doc in (
                 ("store_read_bytes", "kiln_store_read_bytes", "Bytes read from the expert store"),
+                ("pcie_bytes", "kiln_pcie_bytes", "Bytes copied from the RAM tier into GPU expert slots"),
                 ("prompt_tokens_total", "kiln_prompt_tokens", "Prompt tokens prefilled"),
-                ("generation_tokens_total", "kiln_generation_tokens", "Tokens generated")):
+                ("generation_tokens_total", "kiln_generation_tokens", "Tokens generated"),
+                ("decode_graph_replays", "kiln_decode_graph_replays", "Decode steps replayed from CUDA graphs")):
             yield CounterMetricFamily(name, doc, value=float(c.get(key, 0)))
+        if c.get("provider"):
+            kind = GaugeMetricFamily("kiln_expert_provider", "1 for the provider that serves the routed experts",
+                                     labels=["provider"])
+            kind.add_metric([c["provider"]], 1.0)
+            yield kind
 
 
 class Metrics:

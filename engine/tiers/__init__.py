@@ -1,25 +1,31 @@
 """Expert tiers: where routed experts live while a model runs.
 
-memory    — InMemoryExperts, every expert held in memory (no store)
-cache     — ExpertCache, eviction policies (LRU, LFU; Belady for the simulator), counters
-ram/gpu   — the RAM arena (cudaHostRegister'ed on CUDA) and the GPU slot arena
-readers   — O_DIRECT store readers (threads, optionally pinned to CPUs)
-tiered    — TieredExperts, the ExpertProvider over GPU ← RAM ← store
+The providers, one per placement (build_provider picks one and logs why):
+  memory    — InMemoryExperts: every expert in memory (the CPU; the reference); in_memory() builds it
+  resident  — ResidentExperts: every expert on the GPU, slots computed on the device (graph-capturable)
+  tiered    — TieredExperts: GPU slots ← page-locked RAM ← O_DIRECT store (CPU: RAM ← store)
+and the tiers they are built from:
+  cache     — ExpertCache, eviction policies (LRU, LFU; Belady for the simulator), counters
+  ram       — the RAM arena (cudaHostRegister'ed on CUDA) and RamTier (arena + cache + store readers)
+  gpu       — GpuTier: GPU slots filled from the RAM tier on a side stream
+  readers   — O_DIRECT store readers (threads, optionally pinned to CPUs)
 simulate  — `engine simulate-cache`: policies vs Belady on a recorded routing trace
 """
 from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from engine.experts import DTYPES, ExpertProvider, order_for
-from engine.runtime import EngineConfig
+from engine.runtime import EXPERTS, EngineConfig
 from engine.tiers.memory import InMemoryExperts
 
 log = logging.getLogger("engine.tiers")
+GIB = 1 << 30
 
 
 def _as_checkpoint(checkpoint):
@@ -37,41 +43,104 @@ def in_memory(checkpoint, *, device="cpu", dtype: torch.dtype | None = None, ord
     return InMemoryExperts(layout, records)
 
 
+@dataclass(frozen=True)
+class ExpertPlacement:
+    """Which provider serves the experts, and why (logged at load)."""
+
+    kind: str                # "memory" (CPU, all in memory), "resident" (all on the GPU), "tiered"
+    reason: str
+
+
+def choose_placement(mode: str, device_type: str, *, has_store: bool, expert_bytes: int,
+                     gpu_budget_bytes: int | None) -> ExpertPlacement:
+    """auto: on a CUDA device every expert on the GPU when they fit its budget (gpu_budget_bytes: free
+    VRAM minus a reserve, or the --gpu-slots cap), else tiered; on the CPU all in memory without a
+    store, tiered with one. resident / tiered force the choice. Raises EngineError for a choice that
+    cannot be made (tiered without a store)."""
+    from engine.errors import EngineError, Exit
+    if mode not in EXPERTS:
+        raise EngineError(f"--experts {mode!r} is not one of {', '.join(EXPERTS)}", Exit.USAGE)
+    gib = lambda n: f"{n / GIB:.2f} GiB"          # noqa: E731
+    if mode == "tiered" and not has_store:
+        raise EngineError("--experts tiered needs a packed expert store (--store; engine pack-store)", Exit.USAGE)
+    if device_type != "cuda":
+        if mode == "resident" or (mode == "auto" and not has_store):
+            return ExpertPlacement("memory", f"every expert in memory ({gib(expert_bytes)})")
+        return ExpertPlacement("tiered", f"RAM tier over the store ({gib(expert_bytes)} of experts)")
+    if mode == "resident":
+        return ExpertPlacement("resident", f"--experts resident: {gib(expert_bytes)} of experts on the GPU")
+    if mode == "tiered":
+        return ExpertPlacement("tiered", f"--experts tiered: {gib(expert_bytes)} of experts over "
+                                         f"GPU slots <- RAM <- store")
+    if gpu_budget_bytes is not None and expert_bytes <= gpu_budget_bytes:
+        return ExpertPlacement("resident", f"{gib(expert_bytes)} of experts fit the GPU budget of "
+                                           f"{gib(gpu_budget_bytes)}: all resident")
+    if not has_store:
+        return ExpertPlacement("resident", f"{gib(expert_bytes)} of experts exceed the GPU budget of "
+                                           f"{gib(gpu_budget_bytes or 0)}, but there is no store to tier "
+                                           f"them from: all resident")
+    return ExpertPlacement("tiered", f"{gib(expert_bytes)} of experts exceed the GPU budget of "
+                                     f"{gib(gpu_budget_bytes or 0)}: tiered")
+
+
 def build_provider(checkpoint, store_dir, config: EngineConfig | None = None, *,
                    trace: str | os.PathLike | None = None, **knobs) -> ExpertProvider:
     """The expert provider for `checkpoint` (a Checkpoint or its directory), as `config` (or keyword
-    knobs: EngineConfig's fields) says.
+    knobs: EngineConfig's fields) says: InMemoryExperts, ResidentExperts (CUDA) or TieredExperts, chosen
+    by choose_placement from config.experts and logged with the sizes.
 
-    store_dir None: all experts in memory. Else a TieredExperts over the packed store, which must
-    come from this checkpoint; config.dtype (the record dtype) must then be None or the store's.
-    gpu_slots / ram_slots None: sized from free VRAM / the memory cgroup (logged).
+    store_dir: the packed store (it must come from this checkpoint; config.dtype, the record dtype, must
+    then be None or the store's). gpu_slots / ram_slots None: sized from free VRAM / the memory cgroup
+    (logged); on CUDA a gpu_slots below the store's records also makes `auto` tier.
     cpu_layout: e.g. "readers=26-39" pins the reader threads. trace: append routing (JSON lines).
     """
     from engine.errors import EngineError, Exit
     config = EngineConfig.of(config, **knobs)
     gpu_slots, ram_slots, readers = config.gpu_slots, config.ram_slots, config.readers
-    cpu_layout, policy = config.cpu_layout, config.policy
+    cpu_layout, policy, experts = config.cpu_layout, config.policy, config.experts
     ck = _as_checkpoint(checkpoint)
     dtype = DTYPES[config.dtype] if config.dtype else None
     device = torch.device(config.device)
-    if store_dir is None:
-        return in_memory(ck, device=device, dtype=dtype)
+    m = None
+    if store_dir is not None:
+        from engine.store import manifest as mf
+        from engine.store.odirect import probe
+        m = mf.load(store_dir)
+        mf.check_matches(m, ck, store_dir)
+        if dtype is not None and dtype != m.layout.dtype:
+            raise EngineError(f"{Path(store_dir)}: holds {m.dtype} records, {str(dtype).removeprefix('torch.')} was "
+                              f"asked for (repack with `engine pack-store --dtype`)", Exit.BAD_MODEL)
+        mf.check_order(m, device, store_dir)
+        probe(store_dir)
+        n, record_bytes = len(m.records), m.record_bytes
+    else:
+        lay = ck.layout(dtype)
+        n, record_bytes = len(ck.moe_layers) * ck.n_experts, lay.record_bytes
+    budget = None
+    if device.type == "cuda":
+        from engine.tiers.gpu import gpu_reserve
+        if gpu_slots is not None:
+            budget = gpu_slots * record_bytes
+        else:
+            free, total = torch.cuda.mem_get_info(device)
+            budget = max(0, free - gpu_reserve(total))
+    placement = choose_placement(experts, device.type, has_store=m is not None, expert_bytes=n * record_bytes,
+                                 gpu_budget_bytes=budget)
+    log.info("experts: %s (%d records of %.1f MiB on %s): %s", placement.kind, n, record_bytes / (1 << 20),
+             device, placement.reason)
 
-    from engine.store import manifest as mf
-    from engine.store.odirect import probe
+    if placement.kind == "memory":
+        return in_memory(ck, device=device, dtype=dtype)
+    if placement.kind == "resident":
+        from engine.tiers.resident import ResidentExperts
+        if m is not None:
+            return ResidentExperts.from_store(store_dir, device)
+        return ResidentExperts.from_checkpoint(ck, device, dtype)
+
     from engine.tiers.gpu import default_gpu_slots
     from engine.tiers.ram import default_ram_slots
     from engine.tiers.readers import parse_cpu_layout
     from engine.tiers.tiered import TieredExperts
-
-    m = mf.load(store_dir)
-    mf.check_matches(m, ck, store_dir)
-    if dtype is not None and dtype != m.layout.dtype:
-        raise EngineError(f"{Path(store_dir)}: holds {m.dtype} records, {str(dtype).removeprefix('torch.')} was "
-                          f"asked for (repack with `engine pack-store --dtype`)", Exit.BAD_MODEL)
-    mf.check_order(m, device, store_dir)
-    probe(store_dir)
-    n = len(m.records)
     if ram_slots is None:
         ram_slots = default_ram_slots(m.record_bytes, n)
     if device.type == "cuda":
@@ -91,4 +160,4 @@ def build_provider(checkpoint, store_dir, config: EngineConfig | None = None, *,
                          readers=readers, reader_cpus=reader_cpus, policy=policy, trace=trace)
 
 
-__all__ = ["build_provider", "in_memory"]
+__all__ = ["EXPERTS", "ExpertPlacement", "build_provider", "choose_placement", "in_memory"]

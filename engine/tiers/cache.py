@@ -178,6 +178,10 @@ class ExpertCache:
     def __len__(self) -> int:
         return len(self._slot)
 
+    def slot_of(self, key) -> int | None:
+        """The key's slot, or None when it is not resident; a peek: no counter, no policy touch."""
+        return self._slot.get(key)
+
     def lookup(self, key) -> int | None:
         """The key's slot (a hit, counted and touched) or None (a miss, counted)."""
         slot = self._slot.get(key)

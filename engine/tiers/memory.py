@@ -23,4 +23,4 @@ class InMemoryExperts:
                            lambda experts: [self.layout.views(recs[e]) for e in experts], len(recs))
 
     def counters(self) -> dict:
-        return {"served": {"gpu": 0, "ram": self._served, "store": 0}, "store_read_bytes": 0}
+        return {"provider": "memory", "served": {"gpu": 0, "ram": self._served, "store": 0}, "store_read_bytes": 0}

@@ -150,3 +150,46 @@ def default_ram_slots(record_bytes: int, records: int) -> int:
     slots = max(1, min(records, budget // record_bytes))
     log.info("RAM tier: %d of %d expert records (%.2f GiB); %s", slots, records, slots * record_bytes / GIB, why)
     return slots
+
+
+class RamTier:
+    """The RAM tier as a whole: which experts sit in which RamArena slot (an ExpertCache), and the store
+    readers that fill a slot on a miss. `before_refill` is called before slots are overwritten: a GPU
+    tier whose copies may still be reading them waits there."""
+
+    def __init__(self, manifest, store_dir, *, slots: int, readers: int, reader_cpus: set[int] | None,
+                 policy: str, pin_cuda: bool):
+        from engine.tiers.cache import ExpertCache, make_policy
+        from engine.tiers.readers import StoreReaders
+        from engine.store import manifest as mf
+        self.manifest = manifest
+        self.cache = ExpertCache("ram", slots, make_policy(policy))
+        self.arena = RamArena(slots, manifest.record_bytes, pin_cuda=pin_cuda)
+        self.readers = StoreReaders(Path(store_dir) / mf.DATA, readers, reader_cpus)
+        self.before_refill = lambda: None
+
+    def fetch(self, layer: int, experts: list[int], pinned) -> tuple[dict[int, int], set[int]]:
+        """Make every expert of `experts` (at most `cache.capacity` of them) resident in RAM, reading the
+        misses from the store all at once → ({expert: RAM slot}, the experts that came from the store).
+        Keys in `pinned` (and these experts) are never evicted."""
+        from engine.tiers.cache import ExpertKey
+        keys = {e: ExpertKey(layer, e) for e in experts}
+        keep = set(pinned) | set(keys.values())
+        slots: dict[int, int] = {}
+        for e in experts:
+            r = self.cache.lookup(keys[e])
+            if r is not None:
+                slots[e] = r
+        missing = [e for e in experts if e not in slots]
+        if missing:
+            self.before_refill()
+            reads = []
+            for e in missing:
+                slots[e], _ = self.cache.admit(keys[e], keep)
+                reads.append((self.manifest.record(layer, e).offset, self.arena.buffer(slots[e])))
+            self.readers.read_batch(reads)
+        return slots, set(missing)
+
+    def close(self) -> None:
+        self.readers.close()
+        self.arena.close()

@@ -1,4 +1,5 @@
-"""The CUDA fast path (engine/gpu): slot kernels, resident and offload providers, graph decode.
+"""The CUDA path: slot kernels, the resident and tiered providers, graph decode, and what `engine serve
+--device cuda` builds from them.
 
 On a CUDA machine (the H200 bench machine) everything runs for real, bf16, against transformers.
 Without a GPU, the Triton kernels still run for real through Triton's interpreter
@@ -53,12 +54,12 @@ def test_slot_kernels_equal_reference(dtype, tol):
 
 def test_resident_provider_matches_the_tiered_store(synth_model):
     from engine.checkpoint import Checkpoint
-    from engine.gpu.providers import GpuResidentExperts
+    from engine.tiers.resident import ResidentExperts
     from engine.loader import load_model
     from engine.tiers import build_provider
     model_dir, store = synth_model
     dtype = "bfloat16"
-    res = load_model(model_dir, provider=GpuResidentExperts.from_store(store, DEV), device=DEV, dtype=dtype, max_context=64)
+    res = load_model(model_dir, provider=ResidentExperts.from_store(store, DEV), device=DEV, dtype=dtype, max_context=64)
     ref_dev = "cpu"
     ref = load_model(model_dir, provider=build_provider(Checkpoint(model_dir), store, device=ref_dev, ram_slots=5),
                      device=ref_dev, dtype=dtype, max_context=64)
@@ -74,19 +75,136 @@ def test_resident_provider_matches_the_tiered_store(synth_model):
             tok = int(b.argmax())
 
 
+@pytest.fixture(scope="module")
+def tiny_store(tiny_checkpoint, tmp_path_factory):
+    """A tiny qwen3_moe checkpoint with its tokenizer (what `engine serve` loads) and its rows-order store."""
+    from engine.store.pack import pack_store
+    ck = tiny_checkpoint("qwen3_moe", experts=16, top_k=4, layers=3)
+    store = tmp_path_factory.mktemp("tiny-store") / "store"
+    pack_store(ck, store, dtype=torch.bfloat16)          # the CUDA compute dtype: records are computed as stored
+    return ck, store
+
+
+PROMPTS = [[5, 17, 200, 42, 99, 7, 311, 64, 128, 3, 250, 19], [8, 9, 10, 11], [300, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10]]
+
+
+def _one_by_one(llm, prompts, n=24):
+    """Greedy tokens of each prompt alone (batch 1: the same batches whatever the timing)."""
+    from engine.llm import SamplingParams
+    return [[t.id for t in llm.generate(p, SamplingParams(max_tokens=n, ignore_eos=True))] for p in prompts]
+
+
+def _streams(llm, prompts, n=24):
+    """Greedy tokens of every prompt, all streaming at once (continuous batching: 1..3 sequences a step;
+    which steps batch which sequences depends on timing, so these are not compared token for token)."""
+    from engine.llm import SamplingParams
+    its = [llm.stream(p, SamplingParams(max_tokens=n, ignore_eos=True)) for p in prompts]
+    out = [[] for _ in prompts]
+    live = list(range(len(prompts)))
+    while live:
+        for i in list(live):
+            t = next(its[i])
+            out[i].append(t.id)
+            if t.finish is not None:
+                live.remove(i)
+    return out
+
+
+@needs_cuda
+def test_served_engine_is_graph_captured_and_equals_eager(tiny_store, caplog):
+    """What `engine serve --device cuda` builds (LLM.load, defaults): every expert resident, decode from CUDA
+    graphs, per batch size as streams join and leave, with the tokens of eager decode."""
+    import logging
+    from engine.llm import LLM
+    from engine.tiers.resident import ResidentExperts
+    ck, store = tiny_store
+    with caplog.at_level(logging.INFO, logger="engine.tiers"):
+        served = LLM.load(ck, store, device="cuda", max_context=256, max_batch=3)
+    with served, LLM.load(ck, store, device="cuda", max_context=256, max_batch=3, cuda_graphs=False) as eager:
+        assert isinstance(served.model.provider, ResidentExperts) and served.model.graphs is not None
+        assert eager.model.graphs is None
+        assert any("experts: resident" in r.message and "fit the GPU budget" in r.message for r in caplog.records)
+        assert _one_by_one(served, PROMPTS) == _one_by_one(eager, PROMPTS)
+        assert [len(t) for t in _streams(served, PROMPTS)] == [24] * 3
+        g = served.model.graphs
+        assert {b for b, _ in g.graphs} >= {1, 2} and g.replays >= 3 * 23 and g.pieces_per_step == 1
+        assert served.counters()["decode_graph_replays"] == g.replays
+
+
+@needs_cuda
+def test_tiered_engine_decodes_from_graph_pieces_with_the_resident_tokens(tiny_store, caplog):
+    """Under a small GPU budget auto picks the tiered provider; its decode replays graph pieces between the
+    routing reads and gives the resident engine's tokens, misses and all."""
+    import logging
+    from engine.llm import LLM
+    from engine.tiers.tiered import TieredExperts
+    ck, store = tiny_store
+    with caplog.at_level(logging.INFO, logger="engine.tiers"):
+        tiered = LLM.load(ck, store, device="cuda", max_context=256, max_batch=3, gpu_slots=16, ram_slots=9)
+    with tiered, LLM.load(ck, store, device="cuda", max_context=256, max_batch=3, cuda_graphs=False) as ref:
+        p = tiered.model.provider
+        assert isinstance(p, TieredExperts) and tiered.model.graphs is not None and p.predictor is not None
+        assert any("experts: tiered" in r.message and "exceed the GPU budget" in r.message for r in caplog.records)
+        want = _one_by_one(ref, PROMPTS)
+        assert _one_by_one(tiered, PROMPTS) == want
+        assert [len(t) for t in _streams(tiered, PROMPTS)] == [24] * 3
+        g = tiered.model.graphs
+        assert g.replays >= 24 and g.pieces_per_step == 3 + 1        # cut at each of the 3 MoE layers
+        c = p.counters()
+        assert c["store_read_bytes"] > 0 and c["served"]["store"] > 0 and c["pcie_bytes"] > 0
+        forced = LLM.load(ck, store, device="cuda", max_context=256, max_batch=3, experts="tiered")
+        with forced:
+            assert isinstance(forced.model.provider, TieredExperts)
+            assert _one_by_one(forced, PROMPTS[:1]) == want[:1]
+
+
+@needs_cuda
+@pytest.mark.parametrize("placement", ["resident", "tiered"])
+def test_graph_decode_equals_eager_as_the_batch_grows_and_shrinks(tiny_store, placement):
+    """decode_step from graphs against eager decode over the same batches: slots joining and leaving,
+    non-contiguous slots, a KV bucket crossed (positions past 256)."""
+    from engine.loader import load_model
+    ck, store = tiny_store
+    kw = {"experts": placement, "gpu_slots": 16 if placement == "tiered" else None}
+    models = [load_model(ck, store_dir=store, device=DEV, max_context=512, max_batch=4, cuda_graphs=g, **kw)
+              for g in (True, False)]
+    assert models[0].graphs is not None and models[1].graphs is None
+    schedule = [[0], [0, 2], [0, 2, 3], [2, 3], [3], [0, 3]]
+    start = 250
+    with torch.inference_mode():
+        runs = []
+        for m in models:
+            toks = {s: int(m.prefill(torch.tensor(PROMPTS[s % 3]) + s, s, start=start - len(PROMPTS[s % 3])).argmax())
+                    for s in (0, 2, 3)}
+            pos = {s: start for s in toks}
+            out = []
+            for step in range(12):
+                batch = schedule[step % len(schedule)]
+                logits = m.decode_step([toks[s] for s in batch], batch, [pos[s] for s in batch]).float()
+                for s, row in zip(batch, logits):
+                    toks[s], pos[s] = int(row.argmax()), pos[s] + 1
+                out.append(logits.cpu())
+            runs.append(out)
+    for a, b in zip(*runs):
+        assert float((a - b).norm() / b.norm()) < 1e-2
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
+    g = models[0].graphs
+    assert {b for b, _ in g.graphs} == {1, 2, 3} and {k for _, k in g.graphs} == {256, 512}
+
+
 @needs_cuda
 def test_offload_never_changes_a_token_and_graphs_match_eager(synth_model):
-    from engine.gpu.graphs import GraphDecoder
-    from engine.gpu.providers import GpuOffloadExperts, GpuResidentExperts, layer_ahead_predictor
     from engine.loader import load_model
+    from engine.tiers.resident import ResidentExperts
+    from engine.tiers.tiered import TieredExperts, layer_ahead_predictor
     from engine.store import manifest as mf
     model_dir, store = synth_model
     m = mf.load(store)
-    res = load_model(model_dir, provider=GpuResidentExperts.from_store(store, DEV), device=DEV, dtype="bfloat16",
-                     max_context=256)
-    prov = GpuOffloadExperts(m, store, device=DEV, gpu_slots=6, ram_slots=9, readers=4)   # 48 records: misses galore
-    off = load_model(model_dir, provider=prov, device=DEV, dtype="bfloat16", max_context=256)
-    prov.predictor = layer_ahead_predictor(off)
+    res = load_model(model_dir, provider=ResidentExperts.from_store(store, DEV), device=DEV, dtype="bfloat16",
+                     max_context=256, cuda_graphs=False)
+    prov = TieredExperts(m, store, device=DEV, gpu_slots=6, ram_slots=9, readers=4)   # 48 records: misses galore
+    off = load_model(model_dir, provider=prov, device=DEV, dtype="bfloat16", max_context=256, cuda_graphs=False)
+    assert prov.predictor is not None
     ids = torch.randint(0, 512, (20,), generator=torch.Generator().manual_seed(2))
     with torch.inference_mode():
         a, b = res.prefill(ids, 0), off.prefill(ids, 0)
@@ -98,9 +216,68 @@ def test_offload_never_changes_a_token_and_graphs_match_eager(synth_model):
         assert toks_res == toks_off
         c = prov.counters()
         assert c["store_read_bytes"] > 0 and c["served"]["store"] > 0
-        res.prefill(ids, 0)
-        dec = GraphDecoder(res, 1, bucket=64)
-        dec.start(torch.tensor([toks_res[0]], device=DEV), torch.tensor([20], device=DEV))
-        graph_toks = [toks_res[0]] + [int(t[0, 0]) for t in dec.run(24, 20)]
-        assert graph_toks == toks_res
+        for model in (res, off):                  # the same steps again, from graphs
+            assert model.use_cuda_graphs()
+            model.prefill(ids, 0)
+            toks = [toks_res[0]]
+            for i in range(24):
+                toks.append(int(model.decode_step([toks[-1]], [0], [20 + i]).argmax()))
+            assert toks == toks_res and model.graphs.replays == 24
     prov.close()
+
+
+@needs_cuda
+@pytest.mark.parametrize("flags,provider", [([], "resident"), (["--experts", "tiered", "--gpu-slots", "16"], "tiered")])
+def test_engine_serve_on_cuda_streams_from_graphs(tiny_store, tmp_path, flags, provider):
+    """A real `engine serve --device cuda` subprocess: the streamed completion's tokens come from CUDA-graph
+    replays of the provider its /metrics names, and equal the in-process engine's greedy tokens."""
+    import json
+    import socket
+    import time
+    import requests
+    from engine.llm import LLM, SamplingParams
+    ck, store = tiny_store
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = open(tmp_path / "serve.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "engine", "serve", "--model", str(ck), "--store", str(store),
+                             "--device", "cuda", "--port", str(port), "--ctx", "256", "--max-batch", "2", *flags],
+                            stdout=log, stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parents[2])
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert proc.poll() is None, (tmp_path / "serve.log").read_text()
+            try:
+                h = requests.get(f"{base}/health", timeout=2)
+                assert h.status_code != 500, h.text              # loading failed: say why at once
+                if h.status_code == 200:
+                    break
+            except requests.RequestException:
+                pass
+            assert time.monotonic() < deadline, "engine serve did not become ready"
+            time.sleep(0.2)
+        body = {"model": ck.name, "prompt": PROMPTS[0], "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+                "stream": True, "stream_options": {"include_usage": True}}
+        usage, text = None, ""
+        with requests.post(f"{base}/v1/completions", json=body, stream=True, timeout=60) as r:
+            assert r.status_code == 200, r.text
+            for line in r.iter_lines():
+                if line.startswith(b"data: ") and line != b"data: [DONE]":
+                    ev = json.loads(line[6:])
+                    usage = ev.get("usage") or usage
+                    if ev.get("choices"):
+                        text += ev["choices"][0].get("text") or ""
+        assert usage["completion_tokens"] == 12 and usage["prompt_tokens"] == len(PROMPTS[0])
+        metrics = requests.get(f"{base}/metrics", timeout=10).text
+        assert f'kiln_expert_provider{{provider="{provider}"}} 1.0' in metrics
+        replays = [float(l.split()[-1]) for l in metrics.splitlines() if l.startswith("kiln_decode_graph_replays_total")]
+        assert replays and replays[0] >= 11          # the first token comes from prefill, the rest from graphs
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        log.close()
+    with LLM.load(ck, store, device="cuda", max_context=256, max_batch=2, cuda_graphs=False) as eager:
+        want = eager.generate(PROMPTS[0], SamplingParams(max_tokens=12, ignore_eos=True))
+    assert text == eager.tokenizer.decode([t.id for t in want])

@@ -304,6 +304,8 @@ def test_metrics_move_with_requests(qwen):
     served = sum(metric(c, "kiln_expert_served_total", {"tier": t}) for t in ("gpu", "ram", "store"))
     assert served > served_before
     assert metric(c, "kiln_store_read_bytes_total") >= 0 and metric(c, "kiln_model_ready") == 1
+    assert metric(c, "kiln_expert_provider", {"provider": "memory"}) == 1     # which provider serves the experts
+    assert metric(c, "kiln_decode_graph_replays_total") == 0                   # the CPU decodes eagerly
 
 
 # ---- errors ------------------------------------------------------------------------------------
@@ -445,6 +447,8 @@ def test_serve_command_end_to_end(qwen_dir, tmp_path):
             assert a["usage"]["completion_tokens"] == 3 and a["model"] == "cli-tiny"
             assert metric(c, "kiln_store_read_bytes_total") > 0
             assert metric(c, "kiln_expert_served_total", {"tier": "store"}) > 0
+            assert metric(c, "kiln_expert_provider", {"provider": "tiered"}) == 1
+            assert metric(c, "kiln_pcie_bytes_total") == 0                     # no GPU: nothing crosses PCIe
     finally:
         p.terminate()
         _, err = p.communicate(timeout=30)
