@@ -281,10 +281,11 @@ def test_nixpkgs_dependent_files_parse(path):
 def test_the_runnables_container_cli_reaches_tool_ups_plan(monkeypatch, tmp_path):
     """`nix run .#glm-5.3-flash` exports KILN_DOCKER_BIN=<nixpkgs' docker>; tool up compiles its plan with it
     (not /usr/bin/docker, which NixOS does not have). Without it the default stays `tool plan`'s."""
-    from tool.plan import compile_plan, load_recipe
+    from tool.plan import compile_plan
+    from tool.recipes import load
     from tool.state import Dirs
 
-    recipe = load_recipe("glm-5.3-flash")
+    recipe = load("glm-5.3-flash")
     monkeypatch.delenv("KILN_DOCKER_BIN", raising=False)
     plain = compile_plan(recipe, Dirs.resolve(state_dir=tmp_path).plan_options())
     assert plain["steps"]["serve"]["argv"][0] == "/usr/bin/docker"
