@@ -10,6 +10,7 @@ import click
 COMMANDS: dict[str, tuple[str, str]] = {
     "pack-store": ("engine.store.cli", "pack_store"),
     "verify-store": ("engine.store.cli", "verify_store"),
+    "verify-model": ("engine.store.cli", "verify_model"),
     "serve": ("engine.server.cli", "serve"),
     "generate": ("engine.generate_cli", "generate"),
     "convert": ("engine.convert", "convert"),
@@ -21,6 +22,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
 SHORT_HELP = {
     "pack-store": "Pack a checkpoint's routed experts into an O_DIRECT store, verified.",
     "verify-store": "Re-read every store record with O_DIRECT and check its sha256.",
+    "verify-model": "Re-hash every file of a converted model against its manifest.",
     "serve": "Serve a model over an OpenAI-compatible HTTP API.",
     "generate": "Generate from a prompt on the command line (greedy or sampled).",
     "convert": "Convert a dense GGUF model into a sparse-upcycled Mixtral checkpoint.",

@@ -2,7 +2,8 @@
 
 The plan (compiled by nix/lib) holds the step's argv and env: `engine verify-store --store …` for native
 recipes, a `docker run …` for container ones. A container step runs only when a docker engine answers;
-otherwise the report says it was not run and why, rather than pretending.
+otherwise the report says it was not run and why, rather than pretending. A store `tool prepare` published
+also has its manifests checked against the sha256 its marker recorded then (tool.store_marker).
 """
 from __future__ import annotations
 
@@ -12,9 +13,11 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from tool import store_marker
 from tool.errors import Exit, KilnError, last_line
 
-# How the engine's exit codes read here (engine --help: 1 bad record, 6 filesystem, 8 sha256 mismatch).
+# How the engine's exit codes read here (engine --help: 1 bad record, 3 no manifest / not this model's,
+# 6 filesystem, 8 sha256 mismatch or a lying manifest).
 ENGINE_EXIT = {8: Exit.INTEGRITY, 6: Exit.IO, 3: Exit.INTEGRITY, 1: Exit.INTEGRITY}
 
 
@@ -67,6 +70,12 @@ def verify_store(recipe, models: Path, stores: Path, plan: dict | None = None) -
         return StoreReport("none", "the recipe has no prepared store")
     if not Path(store).is_dir():
         return StoreReport("not prepared", f"{store}: not prepared (run `tool prepare {recipe.id}`)", Exit.FAILED)
+    # First, cheaply: the manifests as `tool prepare` verified them (a store the units prepared has no marker).
+    marker = store_marker.read(Path(store))
+    problems = store_marker.check(Path(store), marker) if marker else []
+    if problems:
+        more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
+        return StoreReport("failed", problems[0] + more, Exit.INTEGRITY)
     env = {**os.environ, **{k: str(v) for k, v in (step.get("env") or {}).items()}}
     for argv in step["commands"]:
         if plan["runtime"] == "container":
@@ -78,5 +87,6 @@ def verify_store(recipe, models: Path, stores: Path, plan: dict | None = None) -
         except OSError as e:
             return StoreReport("not run", f"{argv[0]}: cannot run ({e.strerror or e})", Exit.MISSING_DEP)
         if r.returncode != 0:
-            return StoreReport("failed", last_line(r.stderr or r.stdout), ENGINE_EXIT.get(r.returncode, Exit.FAILED))
+            why = last_line(r.stderr or r.stdout).removeprefix("engine: ")      # the reason, not who said it
+            return StoreReport("failed", why, ENGINE_EXIT.get(r.returncode, Exit.FAILED))
     return StoreReport("ok", f"{store}: {last_line(r.stdout) if r.stdout.strip() else 'verified'}")

@@ -1,4 +1,4 @@
-"""`engine pack-store` and `engine verify-store`: data on stdout, progress and reasons on stderr."""
+"""`engine pack-store`, `engine verify-store` and `engine verify-model`: data on stdout, progress and reasons on stderr."""
 from __future__ import annotations
 
 import json
@@ -131,3 +131,30 @@ def verify_store(store_dir, model_dir, readers, quiet, as_json):
     if r.bad:
         raise EngineError(f"{r.store}: {len(r.bad)} record(s) fail their sha256 "
                           f"(first: {r.bad[0]})", mf.EXIT_INTEGRITY)
+
+
+@click.command("verify-model")
+@click.option("--model", "model_dir", required=True, type=click.Path(file_okay=False),
+              help="A model directory written by `engine convert` or `engine synth` (it holds kiln-files.json).")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+def verify_model(model_dir, as_json):
+    """Re-hash every file of a converted model against its kiln-files.json; exit 8 naming each file that is
+    missing, extra, truncated or changed (and when the manifest itself was edited: kiln-files.sha256)."""
+    import time
+    from engine.store import model_manifest as mm
+
+    t0 = time.perf_counter()
+    m = mm.load(model_dir)
+    problems = mm.verify(m)
+    dt = time.perf_counter() - t0
+    total = sum(e.bytes for e in m.files)
+    if as_json:
+        click.echo(json.dumps({"model": str(m.dir), "files": len(m.files), "bytes": total, "seconds": dt,
+                               "manifest_sha256": m.sha256, "bad": [p.__dict__ for p in problems]}))
+    else:
+        for p in problems:
+            click.echo(f"bad file: {p}", err=True)
+        click.echo(f"verified {len(m.files)} files ({total / 1e9:.3f} GB) in {m.dir}: "
+                   f"{len(m.files) - len(problems)} ok, {len(problems)} bad, {dt:.2f} s")
+    if problems:
+        raise mm.refusal(m, problems)
