@@ -69,7 +69,8 @@ def _sigterm_as_interrupt():
 def pack_store(model_dir, store_dir, dtype, order, readers, quiet, as_json):
     """Pack a checkpoint's routed experts into one O_DIRECT store file of 4 KiB-aligned records.
 
-    Writes experts.bin + manifest.json in a staging directory beside STORE, re-reads every record
+    Writes experts.bin + manifest.json (+ manifest.sha256, its own sha256) in a staging directory beside
+    STORE, re-reads every record
     with O_DIRECT and checks its sha256, byte-compares a sample with the checkpoint, then publishes
     by rename. An interrupted pack leaves the old store (or none) untouched.
     """
@@ -107,7 +108,11 @@ def pack_store(model_dir, store_dir, dtype, order, readers, quiet, as_json):
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def verify_store(store_dir, model_dir, readers, quiet, as_json):
-    """Re-read every store record with O_DIRECT and check its sha256; exit 8 naming each bad record."""
+    """Re-read every store record with O_DIRECT and check its sha256; exit 8 naming each bad record.
+
+    The manifest is checked first and believed only then: its own sha256 (manifest.sha256), every field's
+    type and range, and every record exactly where the layer-major order puts it (offset = index x
+    record_bytes). A manifest that fails any of it is exit 8 with the reason."""
     from engine.store import manifest as mf
     from engine.store.verify import verify_store as verify
 
