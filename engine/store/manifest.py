@@ -80,8 +80,10 @@ def plan_offsets(moe_layers: list[int], experts: int, record_bytes: int) -> list
 
 
 # The manifest's fields and what each must be, checked exactly (a bool is not an int, 8.0 is not 8) before
-# anything is built from them. A new field (a record `quant` scheme, say) is one entry here and one
-# attribute on Manifest; a field not listed is refused, so a manifest cannot carry what nothing checks.
+# anything is built from them. A new field (a record `quant` scheme, say) is one entry here (plus OPTIONAL
+# if older manifests lack it) and one attribute on Manifest; what it implies for another field (a quantized
+# store's dtype) belongs where the layout is built, below. A field not listed is refused, so a manifest
+# cannot carry what nothing checks.
 MAX_RECORDS = 1 << 20
 MAX_MANIFEST_BYTES = 128 << 20          # ~110 bytes a record: room for MAX_RECORDS
 _HEX64 = re.compile(r"[0-9a-f]{64}")
@@ -224,8 +226,12 @@ def load(store_dir: str | os.PathLike, *, check_size: bool = True) -> Manifest:
             raise EngineError(f"{data}: missing (the manifest names {raw['total_bytes']} bytes)", EXIT_INTEGRITY) from None
     records = _check_records(path, raw, size)
     m = Manifest(**{**raw, "records": records}, sha256=digest)
-    if m.record_bytes != m.layout.record_bytes:
-        raise _garbled(path, f"record_bytes {m.record_bytes} != {m.layout.record_bytes} for its shape")
+    try:
+        layout = m.layout               # a layout refuses combinations no single field shows (its asserts)
+    except (AssertionError, ValueError) as e:
+        raise _garbled(path, f"no record layout for these fields ({e})") from None
+    if m.record_bytes != layout.record_bytes:
+        raise _garbled(path, f"record_bytes {m.record_bytes} != {layout.record_bytes} for its shape")
     if m.total_bytes != len(m.records) * m.record_bytes:
         raise _garbled(path, f"total_bytes {m.total_bytes} != {len(m.records)} records x {m.record_bytes}")
     if size is not None and size != m.total_bytes:
