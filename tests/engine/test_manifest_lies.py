@@ -15,21 +15,9 @@ import pytest
 from engine.cli import main
 from engine.store import manifest as mf
 from engine.store import manifest_file
-from engine.store.pack import pack_store
+from tests.engine.test_store import ckpt, store  # noqa: F401 (fixtures: a freshly packed 24-record store)
 
 RECORDS = 24                                   # tiny qwen3_moe: 3 MoE layers x 8 experts
-
-
-@pytest.fixture(scope="module")
-def ckpt(tiny_checkpoint) -> Path:
-    return tiny_checkpoint("qwen3_moe")
-
-
-@pytest.fixture()
-def store(ckpt, tmp_path) -> Path:
-    s = tmp_path / "store"
-    pack_store(ckpt, s)
-    return s
 
 
 def raw(store: Path) -> dict:
