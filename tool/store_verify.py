@@ -14,11 +14,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tool import store_marker
-from tool.errors import Exit, KilnError, last_line
+from tool.errors import Exit, KilnError, child_exit, last_line
 
-# How the engine's exit codes read here (engine --help: 1 bad record, 3 no manifest / not this model's,
-# 6 filesystem, 8 sha256 mismatch or a lying manifest).
-ENGINE_EXIT = {8: Exit.INTEGRITY, 6: Exit.IO, 3: Exit.INTEGRITY, 1: Exit.INTEGRITY}
+
+def verify_exit(returncode: int) -> Exit:
+    """A verify step's exit status read as ours (tool.errors.child_exit), except that a step saying no about
+    the store itself (1: a bad record; 3: no manifest, or one of another model) is an integrity failure of
+    the store, not a failed run or a bad recipe. A status outside the enum (docker's 125) stays a failure."""
+    return Exit.INTEGRITY if returncode in (Exit.FAILED, Exit.BAD_RECIPE) else child_exit(returncode)
 
 
 @dataclass
@@ -88,5 +91,5 @@ def verify_store(recipe, models: Path, stores: Path, plan: dict | None = None) -
             return StoreReport("not run", f"{argv[0]}: cannot run ({e.strerror or e})", Exit.MISSING_DEP)
         if r.returncode != 0:
             why = last_line(r.stderr or r.stdout).removeprefix("engine: ")      # the reason, not who said it
-            return StoreReport("failed", why, ENGINE_EXIT.get(r.returncode, Exit.FAILED))
+            return StoreReport("failed", why, verify_exit(r.returncode))
     return StoreReport("ok", f"{store}: {last_line(r.stdout) if r.stdout.strip() else 'verified'}")

@@ -18,7 +18,7 @@ import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from engine.cli import EngineError
+from engine.errors import EngineError, Exit
 from engine.experts import ALIGN, DTYPES, ORDERS, ExpertLayout
 from engine.store import manifest_file
 
@@ -26,8 +26,6 @@ FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 SIDECAR = "manifest.sha256"         # the manifest's own sha256 (engine.store.manifest_file)
 DATA = "experts.bin"
-EXIT_BAD_MODEL = 3
-EXIT_INTEGRITY = 8
 
 
 @dataclass(frozen=True)
@@ -149,7 +147,7 @@ OPTIONAL = {"order": "rows"}          # manifests from before record orders are 
 
 
 def _garbled(path: Path, why: str) -> EngineError:
-    return EngineError(f"{path}: garbled ({why}; repack with `engine pack-store`)", EXIT_INTEGRITY)
+    return EngineError(f"{path}: garbled ({why}; repack with `engine pack-store`)", Exit.INTEGRITY)
 
 
 def _check_fields(path: Path, raw) -> dict:
@@ -157,7 +155,7 @@ def _check_fields(path: Path, raw) -> dict:
         raise _garbled(path, f"a JSON {type(raw).__name__}, not an object")
     if "format_version" in raw and raw["format_version"] != FORMAT_VERSION and type(raw["format_version"]) is int:
         raise EngineError(f"{path}: format_version {raw['format_version']} is not {FORMAT_VERSION} "
-                          f"(repack with this engine)", EXIT_BAD_MODEL)
+                          f"(repack with this engine)", Exit.BAD_MODEL)
     unknown = sorted(set(raw) - set(FIELDS))
     if unknown:
         raise _garbled(path, f"unknown field {unknown[0][:64]!r}")
@@ -213,7 +211,7 @@ def load(store_dir: str | os.PathLike, *, check_size: bool = True) -> Manifest:
     store_dir = Path(store_dir)
     path = store_dir / MANIFEST
     if not store_dir.is_dir():
-        raise EngineError(f"{store_dir}: no such store directory (run `engine pack-store`)", EXIT_BAD_MODEL)
+        raise EngineError(f"{store_dir}: no such store directory (run `engine pack-store`)", Exit.BAD_MODEL)
     raw, digest = manifest_file.read_checked(path, max_bytes=MAX_MANIFEST_BYTES, repair="repack with `engine pack-store`",
                                              missing="not a Kiln expert store; run `engine pack-store`")
     raw = _check_fields(path, raw)
@@ -223,7 +221,7 @@ def load(store_dir: str | os.PathLike, *, check_size: bool = True) -> Manifest:
         try:
             size = data.stat().st_size
         except FileNotFoundError:
-            raise EngineError(f"{data}: missing (the manifest names {raw['total_bytes']} bytes)", EXIT_INTEGRITY) from None
+            raise EngineError(f"{data}: missing (the manifest names {raw['total_bytes']} bytes)", Exit.INTEGRITY) from None
     records = _check_records(path, raw, size)
     m = Manifest(**{**raw, "records": records}, sha256=digest)
     try:
@@ -235,7 +233,7 @@ def load(store_dir: str | os.PathLike, *, check_size: bool = True) -> Manifest:
     if m.total_bytes != len(m.records) * m.record_bytes:
         raise _garbled(path, f"total_bytes {m.total_bytes} != {len(m.records)} records x {m.record_bytes}")
     if size is not None and size != m.total_bytes:
-        raise EngineError(f"{data}: {size} bytes, the manifest says {m.total_bytes}", EXIT_INTEGRITY)
+        raise EngineError(f"{data}: {size} bytes, the manifest says {m.total_bytes}", Exit.INTEGRITY)
     return m
 
 
@@ -243,11 +241,11 @@ def check_order(m: Manifest, device, store_dir) -> None:
     """The GPU kernels read rows-order records; a cols store is for CPU serving (the CPU reads either)."""
     if m.order != "rows" and str(device).startswith("cuda"):
         raise EngineError(f"{Path(store_dir)}: holds {m.order}-order records, the GPU kernels read rows "
-                          f"(repack with `engine pack-store --order rows`)", EXIT_BAD_MODEL)
+                          f"(repack with `engine pack-store --order rows`)", Exit.BAD_MODEL)
 
 
 def check_matches(m: Manifest, checkpoint, store_dir) -> None:
     """A store packed from another checkpoint must not be served with this one."""
     if m.config_hash != checkpoint.config_hash():
         raise EngineError(f"{Path(store_dir) / MANIFEST}: packed from another checkpoint (config hash "
-                          f"{m.config_hash[:12]}, {checkpoint.dir} has {checkpoint.config_hash()[:12]})", EXIT_BAD_MODEL)
+                          f"{m.config_hash[:12]}, {checkpoint.dir} has {checkpoint.config_hash()[:12]})", Exit.BAD_MODEL)

@@ -17,10 +17,8 @@ import os
 import re
 from pathlib import Path
 
-from engine.cli import EngineError
+from engine.errors import EngineError, Exit
 
-EXIT_BAD_MODEL = 3
-EXIT_INTEGRITY = 8
 MAX_INT_DIGITS = 20                 # every count, size and offset fits in 64 bits
 _LINE = re.compile(r"([0-9a-f]{64})  (\S+)\n?")
 
@@ -55,14 +53,14 @@ def read_checked(path: Path, *, max_bytes: int, repair: str, missing: str) -> tu
         with open(path, "rb") as f:
             data = f.read(max_bytes + 1)
     except FileNotFoundError:
-        raise EngineError(f"{path}: missing ({missing})", EXIT_BAD_MODEL) from None
+        raise EngineError(f"{path}: missing ({missing})", Exit.BAD_MODEL) from None
     except IsADirectoryError:
-        raise EngineError(f"{path}: a directory, not a manifest ({repair})", EXIT_INTEGRITY) from None
+        raise EngineError(f"{path}: a directory, not a manifest ({repair})", Exit.INTEGRITY) from None
     except OSError as e:
-        raise EngineError(f"{path}: unreadable ({e.strerror or e})", EXIT_INTEGRITY) from None
+        raise EngineError(f"{path}: unreadable ({e.strerror or e})", Exit.INTEGRITY) from None
     if len(data) > max_bytes:
         raise EngineError(f"{path}: larger than {max_bytes} bytes, more than any manifest this engine writes "
-                          f"({repair})", EXIT_INTEGRITY)
+                          f"({repair})", Exit.INTEGRITY)
     digest = check_sidecar(path, data, repair)
     return parse_bounded(path, data, repair), digest
 
@@ -75,16 +73,16 @@ def check_sidecar(path: Path, data: bytes, repair: str) -> str:
             text = f.read(200).decode("ascii")
     except FileNotFoundError:
         raise EngineError(f"{side}: missing, so nothing proves {path.name} is as written ({repair})",
-                          EXIT_INTEGRITY) from None
+                          Exit.INTEGRITY) from None
     except (OSError, UnicodeDecodeError) as e:
-        raise EngineError(f"{side}: unreadable ({getattr(e, 'strerror', None) or e}; {repair})", EXIT_INTEGRITY) from None
+        raise EngineError(f"{side}: unreadable ({getattr(e, 'strerror', None) or e}; {repair})", Exit.INTEGRITY) from None
     m = _LINE.fullmatch(text)
     if m is None or m.group(2) != path.name:
-        raise EngineError(f"{side}: not one sha256 line for {path.name} ({repair})", EXIT_INTEGRITY)
+        raise EngineError(f"{side}: not one sha256 line for {path.name} ({repair})", Exit.INTEGRITY)
     digest = hashlib.sha256(data).hexdigest()
     if digest != m.group(1):
         raise EngineError(f"{path}: sha256 {digest[:16]}… is not the {m.group(1)[:16]}… recorded in {side.name} "
-                          f"(edited after it was written; {repair})", EXIT_INTEGRITY)
+                          f"(edited after it was written; {repair})", Exit.INTEGRITY)
     return digest
 
 
@@ -113,11 +111,11 @@ def parse_bounded(path: Path, data: bytes, repair: str):
         return json.loads(data.decode("utf-8"), parse_int=_bounded_int, parse_constant=_no_constant,
                           object_pairs_hook=_unique_keys)
     except RecursionError:
-        raise EngineError(f"{path}: garbled (nested deeper than JSON parsing allows; {repair})", EXIT_INTEGRITY) from None
+        raise EngineError(f"{path}: garbled (nested deeper than JSON parsing allows; {repair})", Exit.INTEGRITY) from None
     except UnicodeDecodeError as e:
-        raise EngineError(f"{path}: garbled (not UTF-8 at byte {e.start}; {repair})", EXIT_INTEGRITY) from None
+        raise EngineError(f"{path}: garbled (not UTF-8 at byte {e.start}; {repair})", Exit.INTEGRITY) from None
     except json.JSONDecodeError as e:
         raise EngineError(f"{path}: garbled ({e.msg} at line {e.lineno} column {e.colno}; {repair})",
-                          EXIT_INTEGRITY) from None
+                          Exit.INTEGRITY) from None
     except ValueError as e:
-        raise EngineError(f"{path}: garbled ({e}; {repair})", EXIT_INTEGRITY) from None
+        raise EngineError(f"{path}: garbled ({e}; {repair})", Exit.INTEGRITY) from None

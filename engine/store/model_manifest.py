@@ -21,13 +21,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-from engine.cli import EngineError
+from engine.errors import EngineError, Exit
 from engine.store import manifest_file
 
 NAME = "kiln-files.json"
 SIDECAR = "kiln-files.sha256"
 FORMAT_VERSION = 1
-EXIT_INTEGRITY = 8
 MAX_FILES = 10_000
 MAX_BYTES = 16 << 20
 _HEX64 = re.compile(r"[0-9a-f]{64}")
@@ -74,7 +73,7 @@ def write(model_dir: str | os.PathLike, *, threads: int = 4) -> ModelManifest:
     root = Path(model_dir)
     files, odd = _walk(root)
     if odd:
-        raise EngineError(f"{root / odd[0]}: not a regular file; a model directory holds only files", EXIT_INTEGRITY)
+        raise EngineError(f"{root / odd[0]}: not a regular file; a model directory holds only files", Exit.INTEGRITY)
     with ThreadPoolExecutor(max(1, min(threads, len(files)))) as pool:          # hashlib drops the GIL
         digests = list(pool.map(lambda p: _sha256(root / p), files))
     entries = [Entry(p, (root / p).stat().st_size, d) for p, d in zip(files, digests)]
@@ -84,7 +83,7 @@ def write(model_dir: str | os.PathLike, *, threads: int = 4) -> ModelManifest:
 
 
 def _garbled(path: Path, why: str) -> EngineError:
-    return EngineError(f"{path}: garbled ({why}; {REPAIR})", EXIT_INTEGRITY)
+    return EngineError(f"{path}: garbled ({why}; {REPAIR})", Exit.INTEGRITY)
 
 
 def load(model_dir: str | os.PathLike) -> ModelManifest:
@@ -93,7 +92,7 @@ def load(model_dir: str | os.PathLike) -> ModelManifest:
     root = Path(model_dir)
     path = root / NAME
     if not root.is_dir():
-        raise EngineError(f"{root}: no such model directory", 3)
+        raise EngineError(f"{root}: no such model directory", Exit.BAD_MODEL)
     raw, digest = manifest_file.read_checked(path, max_bytes=MAX_BYTES, repair=REPAIR,
                                              missing="no manifest of this model's files: not converted by "
                                                      "this engine, or converted before it wrote one; " + REPAIR)
@@ -171,7 +170,7 @@ def verify(m: ModelManifest, *, threads: int = 4) -> list[Problem]:
 def refusal(m: ModelManifest, problems: list[Problem]) -> EngineError:
     """One line naming the first problem (all of them are printed above it by the CLI)."""
     more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
-    return EngineError(f"{m.dir / problems[0].path}: {problems[0].what}{more}; {REPAIR}", EXIT_INTEGRITY)
+    return EngineError(f"{m.dir / problems[0].path}: {problems[0].what}{more}; {REPAIR}", Exit.INTEGRITY)
 
 
 def check_for_serving(model_dir: str | os.PathLike) -> ModelManifest | None:
