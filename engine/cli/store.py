@@ -140,11 +140,11 @@ def verify_store(store_dir, model_dir, readers, quiet, as_json):
 
 @click.command("verify-model")
 @click.option("--model", "model_dir", required=True, type=click.Path(file_okay=False),
-              help="A model directory written by `engine convert` or `engine synth` (it holds kiln-files.json).")
+              help="A model directory written by `engine convert` or `engine synth`.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def verify_model(model_dir, as_json):
-    """Re-hash every file of a converted model against its kiln-files.json; exit 8 naming each file that is
-    missing, extra, truncated or changed (and when the manifest itself was edited: kiln-files.sha256)."""
+    """Re-hash every file of a converted model against the manifest written with it (kiln-files.json);
+    exit 8 naming each file that is missing, extra, truncated or changed, or the manifest if it was edited."""
     import time
     from engine.store import model_manifest as mm
 
