@@ -178,30 +178,40 @@ def _check_records(path: Path, raw: dict, data_size: int | None) -> list[Record]
         raise _garbled(path, f"{len(layers)} layers x {e} experts is more than {MAX_RECORDS} records")
     if len(rows) != len(layers) * e:
         raise _garbled(path, f"{len(rows)} records for {len(layers)} layers x {e} experts")
+    # One pass with the cheap tests inline; _why_row words the first failure only.
+    ok_hex = _HEX64.fullmatch
     records = []
+    add = records.append
     for i, row in enumerate(rows):
-        if type(row) is not list or len(row) != 4:
-            raise _garbled(path, f"record {i} is {_short(row)}, not [layer, expert, offset, sha256]")
-        l, x, o, h = row
-        for what, v in (("layer", l), ("expert", x), ("offset", o)):
-            if type(v) is not int:
-                raise _garbled(path, f"record {i}'s {what} is {type(v).__name__} {_short(v)}, not an integer")
-        if type(h) is not str or not _HEX64.fullmatch(h):
-            raise _garbled(path, f"record {i}'s sha256 is {_short(h)}, not 64 lowercase hex digits")
-        want = (layers[i // e], i % e, i * rb)
-        if (l, x, o) != want:
-            if o < 0:
-                why = f"offset {o} is negative"
-            elif o % ALIGN:
-                why = f"offset {o} is not a multiple of {ALIGN}"
-            elif data_size is not None and o + rb > data_size:
-                why = f"offset {o} + {rb} runs past the end of {DATA} ({data_size} bytes)"
-            else:
-                why = "out of the documented order"
-            raise _garbled(path, f"record {i} is layer {l} expert {x} at offset {o}: {why}; record {i} must be "
-                                 f"layer {want[0]} expert {want[1]} at offset {want[2]}")
-        records.append(Record(l, x, o, h))
+        if (type(row) is list and len(row) == 4 and type(row[0]) is int and type(row[1]) is int
+                and type(row[2]) is int and type(row[3]) is str and row[2] == i * rb and row[1] == i % e
+                and row[0] == layers[i // e] and ok_hex(row[3])):
+            add(Record(*row))
+            continue
+        raise _garbled(path, _why_row(i, row, layers, e, rb, data_size))
     return records
+
+
+def _why_row(i: int, row, layers: list[int], e: int, rb: int, data_size: int | None) -> str:
+    if type(row) is not list or len(row) != 4:
+        return f"record {i} is {_short(row)}, not [layer, expert, offset, sha256]"
+    l, x, o, h = row
+    for what, v in (("layer", l), ("expert", x), ("offset", o)):
+        if type(v) is not int:
+            return f"record {i}'s {what} is {type(v).__name__} {_short(v)}, not an integer"
+    if type(h) is not str or not _HEX64.fullmatch(h):
+        return f"record {i}'s sha256 is {_short(h)}, not 64 lowercase hex digits"
+    want = (layers[i // e], i % e, i * rb)
+    if o < 0:
+        why = f"offset {o} is negative"
+    elif o % ALIGN:
+        why = f"offset {o} is not a multiple of {ALIGN}"
+    elif data_size is not None and o + rb > data_size:
+        why = f"offset {o} + {rb} runs past the end of {DATA} ({data_size} bytes)"
+    else:
+        why = "out of the documented order"
+    return (f"record {i} is layer {l} expert {x} at offset {o}: {why}; record {i} must be "
+            f"layer {want[0]} expert {want[1]} at offset {want[2]}")
 
 
 def load(store_dir: str | os.PathLike, *, check_size: bool = True) -> Manifest:
