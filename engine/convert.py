@@ -8,7 +8,8 @@ real MoE (routing, expert records, a store to read them from).
 Tensors are dequantized here with the `gguf` package and mapped by llama.cpp's own names, undoing the Q/K
 row permutation llama.cpp applies for its rotary layout. The tokenizer and chat template come from the
 GGUF through transformers' GGUF tokenizer converter. Everything is written to a staging directory beside
---out and renamed into place at the end, so an interrupted convert publishes nothing.
+--out, hashed into kiln-files.json (engine.store.model_manifest: what `engine verify-model` and `engine
+serve` check) and renamed into place at the end, so an interrupted convert publishes nothing.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from pathlib import Path
 
 from engine.errors import EngineError, Exit
 from engine.experts import DTYPES
+from engine.store import model_manifest
 
 SHARD_BYTES = 1 << 30           # shards of ≤ ~1 GiB: bounded memory while writing, a few files to read
 
@@ -282,6 +284,7 @@ def convert_gguf(gguf: Path, out: Path, experts: int, top_k: int, seed: int, dty
         (staging / "config.json").write_text(json.dumps(mixtral_config(dense, experts, top_k, dtype), indent=2) + "\n")
         write_tokenizer(gguf, staging, dense)
         write_checkpoint(reader, dense, staging, experts, seed, DTYPES[dtype])
+        model_manifest.write(staging)           # every file the server reads, hashed before it is published
         _make_durable(staging)
         _publish(staging, out)
     except OSError as e:

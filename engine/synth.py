@@ -21,6 +21,7 @@ from engine.errors import EngineError, Exit
 from engine.experts import ExpertLayout
 from engine.store import manifest as mf
 from engine.store.odirect import aligned_buffer, open_direct, probe, pwrite_full
+from engine.store import model_manifest
 from engine.store.pack import publish_store
 from engine.store.verify import hash_records
 
@@ -125,6 +126,7 @@ def synthesize(out: Path, store: Path, *, seed: int = 0, std: float = 0.02, devi
     try:
         (staging / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
         save_file(non_expert_tensors(cfg, gen, std, dev), str(staging / "model.safetensors"), metadata={"format": "pt"})
+        model_manifest.write(staging)
         for p in (staging, *staging.iterdir()):          # mkdtemp/save_file make them private; services read them
             os.chmod(p, 0o755 if p.is_dir() else 0o644)
         if out.exists():

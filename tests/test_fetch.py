@@ -297,8 +297,12 @@ def test_verify_runs_the_plans_store_step_and_catches_a_tampered_record(tmp_path
     assert missing.returncode == 1 and "not prepared" in missing.stderr
 
     store = stores / SMOL["store"]["dirname"] / "experts"
+    model = store.parent / "model"                 # the recipe's verify step checks the model it serves too
+    shutil.copytree(tiny_checkpoint("mixtral"), model)
+    from engine.store import model_manifest
+    model_manifest.write(model)                    # as `engine convert` does before publishing
     engine = str(Path(sys.executable).parent / "engine")
-    pack = subprocess.run([engine, "pack-store", "--model", str(tiny_checkpoint("mixtral")), "--store", str(store)],
+    pack = subprocess.run([engine, "pack-store", "--model", str(model), "--store", str(store)],
                           capture_output=True, text=True)
     assert pack.returncode == 0, pack.stderr
     ok = tool("verify", "tiny-pypi", env=env)

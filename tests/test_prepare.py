@@ -48,7 +48,7 @@ def test_prepare_publishes_a_verified_store_then_skips_then_force_rebuilds(setup
     r = tool("prepare", "tiny-moe", "--state-dir", str(state), env=env)
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith(f"tiny-moe: prepared: {store}: prepared, verified and published (")
-    assert sorted(p.name for p in (store / "experts").iterdir()) == ["experts.bin", "manifest.json"]
+    assert sorted(p.name for p in (store / "experts").iterdir()) == ["experts.bin", "manifest.json", "manifest.sha256"]
     assert [p.name for p in (state / "stores").iterdir()] == [store.name]        # no staging left
     first = snapshot(store)
 
@@ -247,3 +247,25 @@ def test_prepare_restores_a_store_left_aside_by_a_killed_run(setup):
     assert r.returncode == 0 and json.loads(r.stdout)["status"] == "skipped", r.stderr
     assert (store / "experts" / "experts.bin").stat().st_ino == inode
     assert [p.name for p in (state / "stores").iterdir()] == [store.name]
+
+
+def test_the_marker_records_the_manifests_sha256_and_an_edited_manifest_is_not_skipped(setup):
+    """Issue 12 (7): the store manifest's own sha256 is kept beside the inputs hash. A manifest edited with its
+    sidecar rewritten to match (here: the record order relabelled, which no hash of the records can see)
+    passes `engine verify-store`, but not the skip."""
+    import hashlib
+    env, state, store = setup
+    assert tool("prepare", "tiny-moe", "--state-dir", str(state), env=env).returncode == 0
+    manifest = store / "experts" / "manifest.json"
+    marker = json.loads((store / ".kiln-prepared.json").read_text())
+    assert marker["metadata"] == {"experts/manifest.json": hashlib.sha256(manifest.read_bytes()).hexdigest()}
+
+    doc = json.loads(manifest.read_text())
+    doc["order"] = "cols"
+    text = (json.dumps(doc) + "\n").encode()
+    manifest.write_bytes(text)
+    (store / "experts" / "manifest.sha256").write_text(f"{hashlib.sha256(text).hexdigest()}  manifest.json\n")
+    r = tool("prepare", "tiny-moe", "--state-dir", str(state), env=env)
+    assert r.returncode == 8 and r.stderr.count("\n") == 1, r.stdout + r.stderr
+    assert r.stderr.startswith(f"tool: {store}: the published store no longer verifies ({manifest}: sha256 ")
+    assert "recorded in .kiln-prepared.json when the store was prepared (edited since)" in r.stderr

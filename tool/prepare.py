@@ -7,9 +7,12 @@ to `<stores>/<dirname>`. A failure or Ctrl-C removes the staging and leaves the 
 none) as it was. A published store that no longer verifies is refused, not silently rebuilt: it was
 verified once, so something changed it (`--force` rebuilds it).
 
-Every published store holds `.kiln-prepared.json`, the sha256 of what it was built from (the recipe's
-weights, runtime and prepare step): a store built from other inputs — an older recipe, say one whose
-prepare now packs another record order — is rebuilt, not reused because it still verifies.
+Every published store holds `.kiln-prepared.json` (tool.store_marker), the sha256 of what it was built from
+(the recipe's weights, runtime and prepare step): a store built from other inputs — an older recipe, say
+one whose prepare now packs another record order — is rebuilt, not reused because it still verifies. The
+marker also records the sha256 of the store's manifests (every JSON file in it) as they were verified,
+and `tool verify` (so this skip too) checks them: a manifest edited since, even one that agrees with its
+own sidecar, fails like a corrupted record. A store whose marker predates that record is rebuilt.
 """
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ from pathlib import Path
 
 from tool.errors import Exit, IntegrityError, KilnError, MissingDependency, NotWritable, child_exit, last_line
 from tool.plan import compile_plan
+from tool import store_marker
 from tool.state import Dirs, pid_alive
 from tool.store_verify import StoreReport, verify_store
 
@@ -35,7 +39,7 @@ STAGING_PREFIX = ".staging-"
 PR_SET_PDEATHSIG = 1    # <linux/prctl.h>
 AT_FDCWD = -100         # <fcntl.h>
 RENAME_EXCHANGE = 2     # <linux/fs.h>
-INPUTS_MARKER = ".kiln-prepared.json"
+INPUTS_MARKER = store_marker.NAME
 
 
 @dataclass
@@ -202,14 +206,6 @@ def inputs_hash(recipe) -> str:
     return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()
 
 
-def built_from(store: Path) -> str | None:
-    """The inputs hash a published store records (None: none, or unreadable — a store from before markers)."""
-    try:
-        return json.loads((store / INPUTS_MARKER).read_text())["inputs"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
 def prepare(recipe, dirs: Dirs, force: bool = False, log=None, plan: dict | None = None) -> PrepareResult:
     """Skip, build-verify-publish, or refuse; see the module docstring. `plan`: the caller's, compiled
     for `dirs` (tool up has one); the staging plan is always compiled here."""
@@ -225,9 +221,12 @@ def prepare(recipe, dirs: Dirs, force: bool = False, log=None, plan: dict | None
         restore_aside(final)
     remove_stale_staging(dirs.stores)
     inputs = inputs_hash(recipe)
+    marker = store_marker.read(final) if final.exists() else None
     rebuilt = ""
-    if final.exists() and not force and built_from(final) != inputs:
+    if final.exists() and not force and (marker is None or marker.inputs != inputs):
         rebuilt = " (rebuilt: the published store was built from other inputs than the recipe's now)"
+    elif final.exists() and not force and marker.metadata is None:
+        rebuilt = " (rebuilt: the published store was prepared before its manifests' sha256 were recorded)"
     elif final.exists() and not force:
         report = verify_published(recipe, dirs, plan)
         if report.status in ("ok", "none"):
@@ -262,7 +261,7 @@ def prepare(recipe, dirs: Dirs, force: bool = False, log=None, plan: dict | None
         if report.status not in ("ok", "none"):
             raise KilnError(f"{recipe.id}: the prepared store does not verify ({report.detail}); nothing published",
                             report.exit_code if report.exit_code != Exit.OK else Exit.INTEGRITY)
-        (staged / INPUTS_MARKER).write_text(json.dumps({"recipe": recipe.id, "inputs": inputs}) + "\n")
+        store_marker.write(staged, recipe.id, inputs)      # the manifests' sha256 as verified, beside the inputs
         publish(staged, final)
     finally:
         shutil.rmtree(staging_root, ignore_errors=True)

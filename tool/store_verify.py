@@ -2,7 +2,8 @@
 
 The plan (compiled by nix/lib) holds the step's argv and env: `engine verify-store --store …` for native
 recipes, a `docker run …` for container ones. A container step runs only when a docker engine answers;
-otherwise the report says it was not run and why, rather than pretending.
+otherwise the report says it was not run and why, rather than pretending. A store `tool prepare` published
+also has its manifests checked against the sha256 its marker recorded then (tool.store_marker).
 """
 from __future__ import annotations
 
@@ -12,7 +13,15 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from tool import store_marker
 from tool.errors import Exit, KilnError, child_exit, last_line
+
+
+def verify_exit(returncode: int) -> Exit:
+    """A verify step's exit status read as ours (tool.errors.child_exit), except that a step saying no about
+    the store itself (1: a bad record; 3: no manifest, or one of another model) is an integrity failure of
+    the store, not a failed run or a bad recipe. A status outside the enum (docker's 125) stays a failure."""
+    return Exit.INTEGRITY if returncode in (Exit.FAILED, Exit.BAD_RECIPE) else child_exit(returncode)
 
 
 @dataclass
@@ -64,6 +73,12 @@ def verify_store(recipe, models: Path, stores: Path, plan: dict | None = None) -
         return StoreReport("none", "the recipe has no prepared store")
     if not Path(store).is_dir():
         return StoreReport("not prepared", f"{store}: not prepared (run `tool prepare {recipe.id}`)", Exit.FAILED)
+    # First, cheaply: the manifests as `tool prepare` verified them (a store the units prepared has no marker).
+    marker = store_marker.read(Path(store))
+    problems = store_marker.check(Path(store), marker) if marker else []
+    if problems:
+        more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
+        return StoreReport("failed", problems[0] + more, Exit.INTEGRITY)
     env = {**os.environ, **{k: str(v) for k, v in (step.get("env") or {}).items()}}
     for argv in step["commands"]:
         if plan["runtime"] == "container":
@@ -75,5 +90,6 @@ def verify_store(recipe, models: Path, stores: Path, plan: dict | None = None) -
         except OSError as e:
             return StoreReport("not run", f"{argv[0]}: cannot run ({e.strerror or e})", Exit.MISSING_DEP)
         if r.returncode != 0:
-            return StoreReport("failed", last_line(r.stderr or r.stdout), child_exit(r.returncode))
+            why = last_line(r.stderr or r.stdout).removeprefix("engine: ")      # the reason, not who said it
+            return StoreReport("failed", why, verify_exit(r.returncode))
     return StoreReport("ok", f"{store}: {last_line(r.stdout) if r.stdout.strip() else 'verified'}")

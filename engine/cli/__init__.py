@@ -18,6 +18,7 @@ from engine.errors import EngineError, Exit
 COMMANDS: dict[str, tuple[str, str]] = {
     "pack-store": ("engine.cli.store", "pack_store"),
     "verify-store": ("engine.cli.store", "verify_store"),
+    "verify-model": ("engine.cli.store", "verify_model"),
     "serve": ("engine.cli.serve", "serve"),
     "generate": ("engine.cli.generate", "generate"),
     "convert": ("engine.cli.convert", "convert"),
@@ -29,6 +30,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
 SHORT_HELP = {
     "pack-store": "Pack a checkpoint's routed experts into an O_DIRECT store, verified.",
     "verify-store": "Re-read every store record with O_DIRECT and check its sha256.",
+    "verify-model": "Re-hash every file of a converted model against its manifest.",
     "serve": "Serve a model over an OpenAI-compatible HTTP API.",
     "generate": "Generate from a prompt on the command line (greedy or sampled).",
     "convert": "Convert a dense GGUF model into a sparse-upcycled Mixtral checkpoint.",

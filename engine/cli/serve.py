@@ -35,7 +35,8 @@ def fingerprint_of(model_dir: Path) -> str:
 
 
 @click.command(epilog="Exit codes: 2 usage (e.g. a bad --cpu-layout), 3 the model directory is missing or not a checkpoint, 6 the store's "
-                      "filesystem refuses O_DIRECT, 7 the address is in use or cannot be bound. "
+                      "filesystem refuses O_DIRECT, 7 the address is in use or cannot be bound, 8 a converted model's "
+                      "files (kiln-files.json) or the store's manifest fail their check. "
                       "/health answers 503 while the model loads, 500 with the reason if loading failed.")
 @click.option("--model", "model_dir", required=True, type=click.Path(path_type=Path),
               help="Hugging Face checkpoint directory (config.json, safetensors, tokenizer, chat template).")
@@ -73,9 +74,12 @@ def serve(model_dir, store_dir, host, port, served_name, temperature, top_p, api
     except (OSError, ValueError) as e:
         raise EngineError(f"{model_dir / 'config.json'}: unreadable ({e})", Exit.BAD_MODEL) from None
     config = options.engine_config(**knobs)     # a bad knob is a usage error now, not a failed load later
+    from engine.store import manifest, model_manifest
+    model_manifest.check_for_serving(model_dir)     # files there at their sizes, nothing extra (exit 8)
     if store_dir is not None:
         from engine.store import odirect
         odirect.probe(store_dir)        # EngineError (exit 6) with the reason when refused
+        manifest.load(store_dir)        # its sha256, structure and size, before listening (exit 8)
 
     sock = bind(host, port)
 

@@ -1,4 +1,4 @@
-"""`engine pack-store` and `engine verify-store`: data on stdout, progress and reasons on stderr."""
+"""`engine pack-store`, `engine verify-store` and `engine verify-model`: data on stdout, progress and reasons on stderr."""
 from __future__ import annotations
 
 import json
@@ -69,7 +69,8 @@ def _sigterm_as_interrupt():
 def pack_store(model_dir, store_dir, dtype, order, readers, quiet, as_json):
     """Pack a checkpoint's routed experts into one O_DIRECT store file of 4 KiB-aligned records.
 
-    Writes experts.bin + manifest.json in a staging directory beside STORE, re-reads every record
+    Writes experts.bin + manifest.json (+ manifest.sha256, its own sha256) in a staging directory beside
+    STORE, re-reads every record
     with O_DIRECT and checks its sha256, byte-compares a sample with the checkpoint, then publishes
     by rename. An interrupted pack leaves the old store (or none) untouched.
     """
@@ -107,7 +108,11 @@ def pack_store(model_dir, store_dir, dtype, order, readers, quiet, as_json):
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def verify_store(store_dir, model_dir, readers, quiet, as_json):
-    """Re-read every store record with O_DIRECT and check its sha256; exit 8 naming each bad record."""
+    """Re-read every store record with O_DIRECT and check its sha256; exit 8 naming each bad record.
+
+    The manifest is checked first and believed only then: its own sha256 (manifest.sha256), every field's
+    type and range, and every record exactly where the layer-major order puts it (offset = index x
+    record_bytes). A manifest that fails any of it is exit 8 with the reason."""
     from engine.store import manifest as mf
     from engine.store.verify import verify_store as verify
 
@@ -131,3 +136,30 @@ def verify_store(store_dir, model_dir, readers, quiet, as_json):
     if r.bad:
         raise EngineError(f"{r.store}: {len(r.bad)} record(s) fail their sha256 "
                           f"(first: {r.bad[0]})", Exit.INTEGRITY)
+
+
+@click.command("verify-model")
+@click.option("--model", "model_dir", required=True, type=click.Path(file_okay=False),
+              help="A model directory written by `engine convert` or `engine synth`.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+def verify_model(model_dir, as_json):
+    """Re-hash every file of a converted model against the manifest written with it (kiln-files.json);
+    exit 8 naming each file that is missing, extra, truncated or changed, or the manifest if it was edited."""
+    import time
+    from engine.store import model_manifest as mm
+
+    t0 = time.perf_counter()
+    m = mm.load(model_dir)
+    problems = mm.verify(m)
+    dt = time.perf_counter() - t0
+    total = sum(e.bytes for e in m.files)
+    if as_json:
+        click.echo(json.dumps({"model": str(m.dir), "files": len(m.files), "bytes": total, "seconds": dt,
+                               "manifest_sha256": m.sha256, "bad": [p.__dict__ for p in problems]}))
+    else:
+        for p in problems:
+            click.echo(f"bad file: {p}", err=True)
+        click.echo(f"verified {len(m.files)} files ({total / 1e9:.3f} GB) in {m.dir}: "
+                   f"{len(m.files) - len(problems)} ok, {len(problems)} bad, {dt:.2f} s")
+    if problems:
+        raise mm.refusal(m, problems)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import ctypes
 import errno
 import hashlib
-import json
 import os
 import queue
 import random
@@ -30,6 +29,7 @@ import torch
 from engine.checkpoint import Checkpoint
 from engine.errors import EngineError, Exit
 from engine.store import manifest as mf
+from engine.store import manifest_file
 from engine.store.odirect import aligned_buffer, open_direct, pread_full, probe, pwrite_full
 from engine.store.verify import hash_records
 
@@ -103,15 +103,15 @@ def pack_store(model_dir: str | os.PathLike, store_dir: str | os.PathLike, *, dt
 
 def publish_store(staging: Path, store_dir: Path, *, config_hash: str, arch: str, layout, experts: int,
                   plan: list[tuple[int, int, int]], digests: list[str]) -> mf.Manifest:
-    """The last step of every store build (pack-store, engine synth): the manifest into the verified
-    staging dir, fsync, then publish by rename."""
+    """The last step of every store build (pack-store, engine synth): the manifest and its sha256 sidecar
+    into the verified staging dir, fsync, then publish by rename."""
     m = mf.Manifest(config_hash=config_hash, arch=arch, moe_layers=sorted({l for l, _, _ in plan}),
                     experts_per_layer=experts, hidden=layout.hidden, intermediate=layout.intermediate,
                     dtype=str(layout.dtype).removeprefix("torch."), record_bytes=layout.record_bytes,
                     total_bytes=len(plan) * layout.record_bytes,
                     records=[mf.Record(l, e, o, d) for (l, e, o), d in zip(plan, digests)],
                     created=datetime.now(timezone.utc).isoformat(timespec="seconds"), order=layout.order)
-    _write_manifest(staging / mf.MANIFEST, m)
+    m.sha256 = manifest_file.write_with_sidecar(staging / mf.MANIFEST, m.to_json())
     _fsync_dir(staging)
     _publish(staging, store_dir)
     return m
@@ -212,14 +212,6 @@ def _compare_sample(ck: Checkpoint, layout, plan, data: Path, n: int) -> int:
         buf.close()
         os.close(fd)
     return len(picks)
-
-
-def _write_manifest(path: Path, m: mf.Manifest) -> None:
-    with open(path, "w") as f:
-        json.dump(m.to_json(), f, separators=(",", ":"))
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
 
 
 def _fsync_dir(path: Path) -> None:

@@ -92,6 +92,21 @@ def test_checkpoint_is_what_the_recipe_and_the_engine_expect(converted):
     assert [p.name for p in converted.parent.iterdir()] == ["model"]
 
 
+def test_the_converted_model_lists_every_file_the_server_reads_with_its_sha256(converted):
+    """Issue 12 (3): kiln-files.json is written in staging, before publishing, and covers every file there:
+    the shards, their index, config, tokenizer files, generation config and chat template."""
+    from engine.store import model_manifest as mm
+
+    m = mm.load(converted)
+    listed = [e.path for e in m.files]
+    on_disk = sorted(p.name for p in converted.iterdir() if p.name not in (mm.NAME, mm.SIDECAR))
+    assert listed == on_disk
+    assert {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+            "model.safetensors.index.json"} <= set(listed)
+    assert any(p.endswith(".safetensors") for p in listed)
+    assert mm.verify(m) == []
+
+
 def test_a_file_that_is_not_gguf_is_refused_in_one_line(tmp_path):
     bad = tmp_path / "model.gguf"
     bad.write_bytes(b"not a gguf" * 100)

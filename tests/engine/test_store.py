@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import shutil
@@ -19,6 +20,7 @@ from engine.checkpoint import Checkpoint
 from engine.cli import main
 from engine.errors import EngineError
 from engine.store import manifest as mf
+from engine.store import manifest_file
 from engine.store.pack import pack_store
 from engine.store.verify import verify_store
 
@@ -55,7 +57,7 @@ def test_pack_writes_aligned_records_equal_to_the_layout(ckpt, tmp_path, capsys)
     rc, out, err = run(["pack-store", "--model", str(ckpt), "--store", str(s)], capsys)
     assert rc == 0, err
     assert out.startswith("packed 24 records") and "GB/s" in out
-    assert sorted(os.listdir(s)) == ["experts.bin", "manifest.json"]
+    assert sorted(os.listdir(s)) == ["experts.bin", "manifest.json", "manifest.sha256"]
     ck = Checkpoint(ckpt)
     m = mf.load(s)
     layout = ck.layout()
@@ -114,14 +116,19 @@ def test_pack_cols_order_for_cpu_serving(ckpt, tmp_path, capsys):
     assert e.value.exit_code == 3
 
 
-def test_a_manifest_from_before_orders_reads_as_rows(store):
+def rewrite_manifest(store: Path, raw) -> None:
+    """Write a manifest together with a matching sidecar: what the structure checks must catch on their own."""
+    manifest_file.write_with_sidecar(store / "manifest.json", raw)
+
+
+def test_a_manifest_without_order_reads_as_rows(store):
     raw = json.loads((store / "manifest.json").read_text())
     del raw["order"]
-    (store / "manifest.json").write_text(json.dumps(raw))
+    rewrite_manifest(store, raw)
     assert mf.load(store).order == "rows"
     raw["order"] = "diagonal"
-    (store / "manifest.json").write_text(json.dumps(raw))
-    with pytest.raises(EngineError, match="garbled .*order 'diagonal'"):
+    rewrite_manifest(store, raw)
+    with pytest.raises(EngineError, match="garbled .*order: 'diagonal' is not one of rows, cols"):
         mf.load(store)
 
 
@@ -153,9 +160,13 @@ def test_wrong_size_missing_and_garbled_manifest(store, capsys):
     rc, _, err = run(["verify-store", "--store", str(store)], capsys)
     assert (rc, err.count("\n")) == (8, 1) and "bytes, the manifest says" in err
 
-    (store / "manifest.json").write_text('{"format_version": 1, "records": [')
+    garbled = b'{"format_version": 1, "records": ['
+    (store / "manifest.json").write_bytes(garbled)
     rc, _, err = run(["verify-store", "--store", str(store)], capsys)
-    assert (rc, err.count("\n")) == (8, 1) and "manifest.json: garbled" in err
+    assert (rc, err.count("\n")) == (8, 1) and "manifest.json: sha256 " in err and "(edited after it was written" in err
+    (store / "manifest.sha256").write_text(f"{hashlib.sha256(garbled).hexdigest()}  manifest.json\n")
+    rc, _, err = run(["verify-store", "--store", str(store)], capsys)
+    assert (rc, err.count("\n")) == (8, 1) and "manifest.json: garbled (Expecting value at line 1" in err
 
     (store / "manifest.json").unlink()
     rc, _, err = run(["verify-store", "--store", str(store)], capsys)

@@ -17,11 +17,13 @@ from tool.errors import Exit, IntegrityError, KilnError
 @click.option("--json", "as_json", is_flag=True, help="Print {recipe, weights, store} as JSON on stdout.")
 @click.pass_context
 def verify(ctx, recipe, models_dir, store_dir, weights_only, as_json):
-    """Re-hash RECIPE's weights against the fetch marker and the recipe's pins, then run the plan's store
-    verify step (the engine's O_DIRECT re-read; a container step only when docker answers).
+    """Re-hash RECIPE's weights against the fetch marker and the recipe's pins, check the prepared store's
+    manifests against the sha256 `tool prepare` recorded, then run the plan's store verify step (the
+    engine's O_DIRECT re-read of every record and, for a converted model, the sha256 of every file it
+    serves; a container step only when docker answers).
 
     A file that no longer matches is named with both digests and its marker removed. Exit codes: 0 ok,
-    1 not fetched / not prepared, 6 filesystem refused, 8 mismatch.
+    1 not fetched / not prepared, 6 filesystem refused, 8 mismatch (a record, a model file, a manifest).
     """
     from tool.recipes import load as load_recipe
     from tool.weights import models_dir as resolve_models, verify_offline
