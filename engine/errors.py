@@ -21,6 +21,7 @@ class Exit(enum.IntEnum):
     IO = 6              # filesystem refused (O_DIRECT, disk full, read-only), or no memory for a tier
     NETWORK = 7         # the tool's name; the engine says ADDRESS below
     INTEGRITY = 8       # sha256 / size mismatch, a garbled manifest
+    INTERNAL = 70       # a bug in Kiln (EX_SOFTWARE), as the tool numbers it
     INTERRUPTED = 130   # Ctrl-C / SIGTERM
 
     # The engine's words for the shared numbers (aliases: same members, so `Exit(3) is Exit.BAD_MODEL`).
