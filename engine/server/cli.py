@@ -4,13 +4,16 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
+import os
 import socket
+import threading
 from pathlib import Path
 
 import click
 
 from engine.cli import EngineError
 
+EXIT_USAGE = 2                          # a bad flag value (e.g. an empty --api-key)
 EXIT_MODEL = 3                          # model directory missing / not a checkpoint
 EXIT_IO = 6                             # the store's filesystem refuses O_DIRECT
 EXIT_ADDRESS = 7                        # port in use / address not available
@@ -37,7 +40,32 @@ def fingerprint_of(model_dir: Path) -> str:
     return hashlib.sha256((model_dir / "config.json").read_bytes()).hexdigest()
 
 
-@click.command(epilog="Exit codes: 2 usage (e.g. a bad --cpu-layout), 3 the model directory is missing or not a checkpoint, 6 the store's "
+def api_key_of(flag: str | None) -> str | None:
+    """The key to require, or None. An empty key is refused (exit 2), never taken to mean "no auth":
+    click reads an empty KILN_API_KEY as unset, so the environment is looked at here."""
+    env = os.environ.get("KILN_API_KEY")
+    if flag is not None and not flag.strip() and flag != env:
+        raise EngineError("--api-key is empty; give a key, or leave the flag out to serve without one", EXIT_USAGE)
+    if env is not None and not env.strip() and flag in (None, env):
+        raise EngineError("KILN_API_KEY is set but empty; give a key, or unset it to serve without one", EXIT_USAGE)
+    return flag
+
+
+def drain_on_exit(server, engine, drain_seconds: float):
+    """uvicorn's SIGTERM/SIGINT handler, extended: stop listening at once (uvicorn's part), let running
+    streams go on for drain_seconds, then end them with an error event and [DONE] so no client sees a cut
+    connection; uvicorn's graceful shutdown then finds them finished."""
+    plain = server.handle_exit
+
+    def handle_exit(sig, frame):
+        if not engine.draining:
+            engine.draining = True                          # new requests: 503
+            threading.Timer(drain_seconds, engine.drain).start()
+        plain(sig, frame)
+    server.handle_exit = handle_exit
+
+
+@click.command(epilog="Exit codes: 2 usage (e.g. a bad --cpu-layout, an empty --api-key), 3 the model directory is missing or not a checkpoint, 6 the store's "
                       "filesystem refuses O_DIRECT, 7 the address is in use or cannot be bound. "
                       "/health answers 503 while the model loads, 500 with the reason if loading failed.")
 @click.option("--model", "model_dir", required=True, type=click.Path(path_type=Path),
@@ -54,7 +82,17 @@ def fingerprint_of(model_dir: Path) -> str:
               help="Context window in tokens; the KV cache is preallocated for it (default: the engine's, "
                    "capped by the model's).")
 @click.option("--max-batch", type=click.IntRange(min=1), default=8, show_default=True,
-              help="Streams decoded together; more requests wait their turn.")
+              help="Streams decoded together (the KV cache's slots; a recipe's serve.max_batch_size); more "
+                   "requests wait their turn.")
+@click.option("--chunk-size", type=click.IntRange(min=1), default=512, show_default=True,
+              help="Prefill tokens per scheduler turn (a recipe's serve.chunk_size): a long prompt is prefilled "
+                   "in chunks between the running streams' decode steps.")
+@click.option("--max-queue", type=click.IntRange(min=0), default=None,
+              help="Requests waiting for a slot before new ones get 429 with Retry-After (default 4 x --max-batch).")
+@click.option("--max-body-bytes", type=click.IntRange(min=1024), default=8 * 1024 * 1024, show_default=True,
+              help="Largest request body; a bigger one gets 413 before it is read.")
+@click.option("--drain-seconds", type=click.FloatRange(min=0), default=3.0, show_default=True,
+              help="On SIGTERM: how long running streams may go on before they end with an error event.")
 @click.option("--gpu-slots", type=click.IntRange(min=0), default=None, help="Expert slots on the GPU (default: from free VRAM).")
 @click.option("--ram-slots", type=click.IntRange(min=0), default=None,
               help="Experts held in RAM (default: from the cgroup's memory limit).")
@@ -70,13 +108,15 @@ def fingerprint_of(model_dir: Path) -> str:
               help="Require `Authorization: Bearer KEY` (env KILN_API_KEY); /health and /metrics stay open.")
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]),
               default="info", show_default=True)
-def serve(model_dir, store_dir, host, port, device, dtype, served_name, max_context, max_batch, gpu_slots,
-          ram_slots, readers, cpu_layout, threads, temperature, top_p, api_key, log_level):
+def serve(model_dir, store_dir, host, port, device, dtype, served_name, max_context, max_batch, chunk_size, max_queue,
+          max_body_bytes, drain_seconds, gpu_slots, ram_slots, readers, cpu_layout, threads, temperature, top_p,
+          api_key, log_level):
     """Serve a model over an OpenAI-compatible HTTP API.
 
     Listens at once and loads the model in the background. Endpoints: /v1/models,
     /v1/chat/completions, /v1/completions, /tokenize, /health, /metrics.
     """
+    api_key = api_key_of(api_key)
     if not model_dir.is_dir():
         raise EngineError(f"{model_dir}: no such model directory", EXIT_MODEL)
     try:
@@ -103,16 +143,17 @@ def serve(model_dir, store_dir, host, port, device, dtype, served_name, max_cont
         from engine.llm import LLM
         return LLM.load(model_dir, store_dir, device=device, dtype=dtype, max_context=max_context,
                         max_batch=max_batch, gpu_slots=gpu_slots, ram_slots=ram_slots, readers=readers,
-                        cpu_layout=cpu_layout, threads=threads)
+                        cpu_layout=cpu_layout, threads=threads, chunk_size=chunk_size, max_queue=max_queue)
 
     from engine.server.app import sampling_defaults
     app = create_app(loader=load, served_name=served_name or model_dir.resolve().name, api_key=api_key,
                      defaults=sampling_defaults(model_dir, temperature, top_p),
-                     fingerprint=fp)
+                     fingerprint=fp, max_body_bytes=max_body_bytes)
     bound = sock.getsockname()
     click.echo(f"engine: listening on http://{host}:{bound[1]} (model {model_dir} loading; /health says when ready)",
                err=True)
-    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5))
+    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=drain_seconds + 5))
+    drain_on_exit(server, app.state.engine, drain_seconds)
     try:
         server.run(sockets=[sock])
     finally:
