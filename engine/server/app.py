@@ -232,6 +232,23 @@ def sse(obj: dict) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
+@dataclass
+class Chunks:
+    """The streamed bodies of one answer: each choice under the answer's head; with include_usage every
+    chunk says usage null and a last one, without choices, carries it (OpenAI's stream_options)."""
+
+    head: dict
+    object: str
+    include_usage: bool
+
+    def chunk(self, choice: dict) -> dict:
+        body = {**self.head, "object": self.object, "choices": [{"index": 0, **choice}]}
+        return {**body, "usage": None} if self.include_usage else body
+
+    def usage(self, counts: dict) -> dict:
+        return {**self.head, "object": self.object, "choices": [], "usage": counts}
+
+
 def event_stream(s: ServerState, endpoint: str, t0: float, rid: str, chunks: AsyncIterator[dict]) -> "EventStream":
     """THE SSE framing of chat and completions: each chunk a `data:` event; a failure after the headers is an
     error event; always `data: [DONE]` last."""
@@ -349,12 +366,10 @@ async def chat_completions(req: ChatRequest, request: Request):
                              "finish_reason": finish_reason(bool(msg.tool_calls))}],
                 "usage": usage(len(ids), outcome.completion_tokens)}
 
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    frame = Chunks(head, "chat.completion.chunk", bool(req.stream_options and req.stream_options.include_usage))
 
     def chunk(delta: dict, finish: str | None = None) -> dict:
-        body = {**head, "object": "chat.completion.chunk",
-                "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
-        return {**body, "usage": None} if include_usage else body
+        return frame.chunk({"delta": delta, "logprobs": None, "finish_reason": finish})
 
     async def chunks():
         calls = 0
@@ -368,9 +383,8 @@ async def chat_completions(req: ChatRequest, request: Request):
             yield chunk(delta_of(p, calls))
             calls += p.kind == "tool_call"
         yield chunk({}, finish_reason(calls > 0))
-        if include_usage:
-            yield {**head, "object": "chat.completion.chunk", "choices": [],
-                   "usage": usage(len(ids), outcome.completion_tokens)}
+        if frame.include_usage:
+            yield frame.usage(usage(len(ids), outcome.completion_tokens))
 
     return event_stream(s, "chat", t0, request_id(request), chunks())
 
@@ -424,20 +438,18 @@ async def completions(req: CompletionRequest, request: Request):
                 "usage": usage(sum(map(len, prompts)), sum(o.completion_tokens for o, _ in runs))}
 
     (outcome, text), n_prompt = runs[0], len(prompts[0])
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    frame = Chunks(head, "text_completion", bool(req.stream_options and req.stream_options.include_usage))
 
     def chunk(piece: str, finish: str | None = None) -> dict:
-        body = {**head, "object": "text_completion",
-                "choices": [{"index": 0, "text": piece, "logprobs": None, "finish_reason": finish}]}
-        return {**body, "usage": None} if include_usage else body
+        return frame.chunk({"text": piece, "logprobs": None, "finish_reason": finish})
 
     async def chunks():
         async with aclosing(text):
             async for piece in text:
                 yield chunk(piece)
         yield chunk("", outcome.finish_reason)
-        if include_usage:
-            yield {**head, "object": "text_completion", "choices": [], "usage": usage(n_prompt, outcome.completion_tokens)}
+        if frame.include_usage:
+            yield frame.usage(usage(n_prompt, outcome.completion_tokens))
 
     return event_stream(s, "completions", t0, request_id(request), chunks())
 
