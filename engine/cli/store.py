@@ -8,7 +8,7 @@ from contextlib import contextmanager
 import click
 
 from engine.checkpoint import CheckpointError
-from engine.cli import EngineError
+from engine.errors import EngineError, Exit
 from engine.experts import DTYPES
 
 
@@ -81,13 +81,13 @@ def pack_store(model_dir, store_dir, dtype, order, readers, quiet, as_json):
         ck = Checkpoint(model_dir)
         layout = ck.layout(DTYPES[dtype] if dtype else None, order)
     except CheckpointError as e:
-        raise EngineError(str(e), 3) from None
+        raise EngineError(str(e), Exit.BAD_MODEL) from None
     total = len(plan_offsets(ck.moe_layers, ck.n_experts, layout.record_bytes)) * layout.record_bytes
     try:
         with _sigterm_as_interrupt(), _progress(total, ["write", "verify"], quiet) as advance:
             r = pack(model_dir, store_dir, dtype=layout.dtype, order=order, readers=readers, progress=advance)
     except CheckpointError as e:
-        raise EngineError(str(e), 3) from None
+        raise EngineError(str(e), Exit.BAD_MODEL) from None
     if as_json:
         click.echo(json.dumps({"store": str(r.store), "records": r.records, "bytes": r.bytes,
                                "write_seconds": r.write_seconds, "write_gbps": r.write_gbps,
@@ -117,7 +117,7 @@ def verify_store(store_dir, model_dir, readers, quiet, as_json):
         try:
             mf.check_matches(m, Checkpoint(model_dir), store_dir)
         except CheckpointError as e:
-            raise EngineError(str(e), 3) from None
+            raise EngineError(str(e), Exit.BAD_MODEL) from None
     with _progress(m.total_bytes, ["verify"], quiet) as advance:
         r = verify(store_dir, readers=readers, progress=(lambda n: advance("verify", n)) if advance else None)
     if as_json:
@@ -130,4 +130,4 @@ def verify_store(store_dir, model_dir, readers, quiet, as_json):
                    f"{r.records - len(r.bad)} ok, {len(r.bad)} bad, {r.gbps:.2f} GB/s")
     if r.bad:
         raise EngineError(f"{r.store}: {len(r.bad)} record(s) fail their sha256 "
-                          f"(first: {r.bad[0]})", mf.EXIT_INTEGRITY)
+                          f"(first: {r.bad[0]})", Exit.INTEGRITY)

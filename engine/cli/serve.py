@@ -11,12 +11,8 @@ from pathlib import Path
 
 import click
 
-from engine.cli import EngineError
-
-EXIT_USAGE = 2                          # a bad flag value (e.g. an empty --api-key)
-EXIT_MODEL = 3                          # model directory missing / not a checkpoint
-EXIT_IO = 6                             # the store's filesystem refuses O_DIRECT
-EXIT_ADDRESS = 7                        # port in use / address not available
+from engine.cli import options
+from engine.errors import EngineError, Exit
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -29,7 +25,7 @@ def bind(host: str, port: int) -> socket.socket:
     except OSError as e:
         sock.close()
         why = "is in use" if e.errno == errno.EADDRINUSE else f"cannot be bound ({e.strerror})"
-        raise EngineError(f"{host}:{port} {why}", EXIT_ADDRESS) from None
+        raise EngineError(f"{host}:{port} {why}", Exit.ADDRESS) from None
     sock.listen(2048)
     sock.set_inheritable(True)
     return sock
@@ -45,9 +41,9 @@ def api_key_of(flag: str | None) -> str | None:
     click reads an empty KILN_API_KEY as unset, so the environment is looked at here."""
     env = os.environ.get("KILN_API_KEY")
     if flag is not None and not flag.strip() and flag != env:
-        raise EngineError("--api-key is empty; give a key, or leave the flag out to serve without one", EXIT_USAGE)
+        raise EngineError("--api-key is empty; give a key, or leave the flag out to serve without one", Exit.USAGE)
     if env is not None and not env.strip() and flag in (None, env):
-        raise EngineError("KILN_API_KEY is set but empty; give a key, or unset it to serve without one", EXIT_USAGE)
+        raise EngineError("KILN_API_KEY is set but empty; give a key, or unset it to serve without one", Exit.USAGE)
     return flag
 
 
@@ -74,16 +70,11 @@ def drain_on_exit(server, engine, drain_seconds: float):
               help="Packed expert store (engine pack-store); without it the experts are read from the checkpoint.")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (loopback unless told).")
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535))
-@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None,
-              help="Compute dtype (default: the engine's choice for the device).")
+@options.device
+@options.dtype
 @click.option("--served-name", default=None, help="Model name in the API (default: the model directory's name).")
-@click.option("--ctx", "max_context", type=click.IntRange(min=16), default=None,
-              help="Context window in tokens; the KV cache is preallocated for it (default: the engine's, "
-                   "capped by the model's).")
-@click.option("--max-batch", type=click.IntRange(min=1), default=8, show_default=True,
-              help="Streams decoded together (the KV cache's slots; a recipe's serve.max_batch_size); more "
-                   "requests wait their turn.")
+@options.context
+@options.max_batch
 @click.option("--chunk-size", type=click.IntRange(min=1), default=512, show_default=True,
               help="Prefill tokens per scheduler turn (a recipe's serve.chunk_size): a long prompt is prefilled "
                    "in chunks between the running streams' decode steps.")
@@ -93,13 +84,7 @@ def drain_on_exit(server, engine, drain_seconds: float):
               help="Largest request body; a bigger one gets 413 before it is read.")
 @click.option("--drain-seconds", type=click.FloatRange(min=0), default=3.0, show_default=True,
               help="On SIGTERM: how long running streams may go on before they end with an error event.")
-@click.option("--gpu-slots", type=click.IntRange(min=0), default=None, help="Expert slots on the GPU (default: from free VRAM).")
-@click.option("--ram-slots", type=click.IntRange(min=0), default=None,
-              help="Experts held in RAM (default: from the cgroup's memory limit).")
-@click.option("--readers", type=click.IntRange(min=1), default=None, help="O_DIRECT store reader threads.")
-@click.option("--cpu-layout", default=None, help="Pin threads to CPUs, NAME=CPULIST entries, e.g. readers=26-39.")
-@click.option("--threads", type=click.IntRange(min=1), default=None,
-              help="CPU compute threads (default: 2 where 2 CPUs are available, as measured on 2 cores).")
+@options.tiers
 @click.option("--temperature", type=click.FloatRange(0.0, 2.0), default=None,
               help="Default temperature for requests that name none (default: the model's generation_config.json, else 1.0).")
 @click.option("--top-p", "top_p", type=click.FloatRange(0.0, 1.0, min_open=True), default=None,
@@ -108,9 +93,8 @@ def drain_on_exit(server, engine, drain_seconds: float):
               help="Require `Authorization: Bearer KEY` (env KILN_API_KEY); /health and /metrics stay open.")
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]),
               default="info", show_default=True)
-def serve(model_dir, store_dir, host, port, device, dtype, served_name, max_context, max_batch, chunk_size, max_queue,
-          max_body_bytes, drain_seconds, gpu_slots, ram_slots, readers, cpu_layout, threads, temperature, top_p,
-          api_key, log_level):
+def serve(model_dir, store_dir, host, port, served_name, chunk_size, max_queue, max_body_bytes, drain_seconds,
+          temperature, top_p, api_key, log_level, **knobs):
     """Serve a model over an OpenAI-compatible HTTP API.
 
     Listens at once and loads the model in the background. Endpoints: /v1/models,
@@ -118,17 +102,15 @@ def serve(model_dir, store_dir, host, port, device, dtype, served_name, max_cont
     """
     api_key = api_key_of(api_key)
     if not model_dir.is_dir():
-        raise EngineError(f"{model_dir}: no such model directory", EXIT_MODEL)
+        raise EngineError(f"{model_dir}: no such model directory", Exit.BAD_MODEL)
     try:
         fp = fingerprint_of(model_dir)
         json.loads((model_dir / "config.json").read_text())
     except FileNotFoundError:
-        raise EngineError(f"{model_dir}: no config.json (not a Hugging Face checkpoint)", EXIT_MODEL) from None
+        raise EngineError(f"{model_dir}: no config.json (not a Hugging Face checkpoint)", Exit.BAD_MODEL) from None
     except (OSError, ValueError) as e:
-        raise EngineError(f"{model_dir / 'config.json'}: unreadable ({e})", EXIT_MODEL) from None
-    if cpu_layout:
-        from engine.tiers.readers import parse_cpu_layout
-        parse_cpu_layout(cpu_layout)    # a bad layout is a usage error now, not a failed load later
+        raise EngineError(f"{model_dir / 'config.json'}: unreadable ({e})", Exit.BAD_MODEL) from None
+    config = options.engine_config(**knobs)     # a bad knob is a usage error now, not a failed load later
     if store_dir is not None:
         from engine.store import odirect
         odirect.probe(store_dir)        # EngineError (exit 6) with the reason when refused
@@ -141,9 +123,7 @@ def serve(model_dir, store_dir, host, port, device, dtype, served_name, max_cont
 
     def load():
         from engine.llm import LLM
-        return LLM.load(model_dir, store_dir, device=device, dtype=dtype, max_context=max_context,
-                        max_batch=max_batch, gpu_slots=gpu_slots, ram_slots=ram_slots, readers=readers,
-                        cpu_layout=cpu_layout, threads=threads, chunk_size=chunk_size, max_queue=max_queue)
+        return LLM.load(model_dir, store_dir, config, chunk_size=chunk_size, max_queue=max_queue)
 
     from engine.server.app import sampling_defaults
     app = create_app(loader=load, served_name=served_name or model_dir.resolve().name, api_key=api_key,

@@ -1,0 +1,6 @@
+"""Compute kernels, one room per device: the experts' arithmetic is engine.experts' (moe_reference), these
+compute it faster where they run.
+
+cpu         — batched GEMVs over records where they lie (pair_ffn, single_ffn) and the compute-thread policy
+triton_moe  — slot-indexed Triton kernels for CUDA (their interpreter runs them on CPU tensors in the tests)
+"""
