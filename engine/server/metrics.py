@@ -34,7 +34,9 @@ class _EngineCollector:
         for key, name, doc in (
                 ("store_read_bytes", "kiln_store_read_bytes", "Bytes read from the expert store"),
                 ("prompt_tokens_total", "kiln_prompt_tokens", "Prompt tokens prefilled"),
-                ("generation_tokens_total", "kiln_generation_tokens", "Tokens generated")):
+                ("generation_tokens_total", "kiln_generation_tokens", "Tokens generated"),
+                ("failed_requests_total", "kiln_requests_failed", "Requests whose own generation failed (the others went on)"),
+                ("rejected_requests_total", "kiln_requests_rejected", "Requests refused with 429: the queue was full")):
             yield CounterMetricFamily(name, doc, value=float(c.get(key, 0)))
 
 

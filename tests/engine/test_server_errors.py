@@ -161,6 +161,7 @@ def test_a_full_queue_is_a_429_with_retry_after(served):
         assert int(r.headers["retry-after"]) >= 1
         assert (err["type"], err["code"]) == ("rate_limit_error", "queue_full")
         assert err["message"].startswith("the queue is full (1 requests waiting for 2 running; the limit is 1)")
+        assert "kiln_requests_rejected_total 1.0" in served.client.get("/metrics").text
     finally:
         for cm in opened:
             cm.__exit__(None, None, None)
