@@ -56,7 +56,9 @@ def drain_on_exit(server, engine, drain_seconds: float):
     def handle_exit(sig, frame):
         if not engine.draining:
             engine.draining = True                          # new requests: 503
-            threading.Timer(drain_seconds, engine.drain).start()
+            timer = threading.Timer(drain_seconds, engine.drain)
+            timer.daemon = True                             # never what keeps the process alive
+            timer.start()
         plain(sig, frame)
     server.handle_exit = handle_exit
 

@@ -187,6 +187,14 @@ def state_of(request: Request) -> ServerState:
     return request.app.state.server
 
 
+def serving(request: Request, model: str | None):
+    """(state, llm) for a request naming `model`: 503 while loading or draining, 400 for another model."""
+    s = state_of(request)
+    llm = s.engine.require()
+    s.check_model(model)
+    return s, llm
+
+
 def request_id(request: Request) -> str:
     return request.scope.get("state", {}).get("request_id", "-")
 
@@ -317,9 +325,7 @@ async def model(model_id: str, request: Request):
 
 @router.post("/tokenize")
 async def tokenize(req: TokenizeRequest, request: Request):
-    s = state_of(request)
-    llm = s.engine.require()
-    s.check_model(req.model)
+    s, llm = serving(request, req.model)
     if req.messages is not None:
         _, ids = await run_in_threadpool(chat_prompt, llm, req.messages, req.tools, req.chat_template_kwargs,
                                          req.add_generation_prompt)
@@ -331,9 +337,7 @@ async def tokenize(req: TokenizeRequest, request: Request):
 @router.post("/v1/chat/completions")
 async def chat_completions(req: ChatRequest, request: Request):
     t0 = time.perf_counter()
-    s = state_of(request)
-    llm = s.engine.require()
-    s.check_model(req.model)
+    s, llm = serving(request, req.model)
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
     prompt, ids = await run_in_threadpool(chat_prompt, llm, req.messages, req.tools, req.chat_template_kwargs)
     check_length(llm, len(ids), "messages")
@@ -392,9 +396,7 @@ async def chat_completions(req: ChatRequest, request: Request):
 @router.post("/v1/completions")
 async def completions(req: CompletionRequest, request: Request):
     t0 = time.perf_counter()
-    s = state_of(request)
-    llm = s.engine.require()
-    s.check_model(req.model)
+    s, llm = serving(request, req.model)
     texts_or_ids = req.prompts()
     if len(texts_or_ids) > llm.max_batch:
         raise ApiError(400, f"prompt: {len(texts_or_ids)} prompts in one request; this server takes at most "
