@@ -17,17 +17,8 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from tool.cli import options
 from tool.errors import Exit
-
-
-def _load_recipe(ref: str):
-    from tool import recipes
-    try:
-        return recipes.load(ref)
-    except ModuleNotFoundError as e:      # tool.validate not installed yet: parse only
-        if e.name != "tool.validate":
-            raise
-        return recipes.load(ref, validate=False)
 
 
 class RichReporter:
@@ -118,7 +109,7 @@ def _baseline(recipe) -> dict | None:
 @click.command("check")
 @click.argument("recipe")
 @click.option("--endpoint", required=True, metavar="URL", help="The server's OpenAI base URL, e.g. http://127.0.0.1:8000/v1.")
-@click.option("--gates", metavar="G1,G2", help="Run only these gates (load,chat,reasoning,tools,context,speed).")
+@options.gates
 @click.option("--json", "json_path", metavar="PATH", help="Also write the evidence JSON here ('-': print it instead of the table).")
 @click.option("--record", is_flag=True, help="Append a proof line to the recipe file.")
 @click.option("--evidence-dir", default="evidence", show_default=True, type=click.Path(file_okay=False),
@@ -132,19 +123,16 @@ def _baseline(recipe) -> dict | None:
 def check(recipe, endpoint, gates, json_path, record, evidence_dir, load_timeout, speed_window, seed, api_key,
           no_baseline):
     """Run the acceptance gates of RECIPE (an id or a file) against the server at --endpoint."""
-    from tool.checks.runner import GATES, run_checks
+    from tool.checks.runner import run_checks
+    from tool.recipes import load
 
-    only = [g.strip() for g in gates.split(",") if g.strip()] if gates else None
-    if only is not None and (unknown := [g for g in only if g not in GATES]):
-        raise click.BadParameter(f"unknown gate {', '.join(unknown)}; gates are {', '.join(GATES)}",
-                                 param_hint="--gates")
     if not re.match(r"https?://[^/\s]+", endpoint):
         raise click.BadParameter(f"{endpoint!r} is not an http(s) URL like http://127.0.0.1:8000/v1",
                                  param_hint="--endpoint")
-    r = _load_recipe(recipe)
+    r = load(recipe)
     err = Console(stderr=True, highlight=False)
-    baseline = None if no_baseline or (only is not None and "speed" not in only) else _baseline(r)
-    evidence = run_checks(r, endpoint, gates=only, evidence_dir=evidence_dir,
+    baseline = None if no_baseline or (gates is not None and "speed" not in gates) else _baseline(r)
+    evidence = run_checks(r, endpoint, gates=gates, evidence_dir=evidence_dir,
                           json_path=None if json_path == "-" else json_path, record=record,
                           reporter=RichReporter(err), api_key=api_key, baseline=baseline,
                           load_timeout_s=load_timeout, speed_window_s=speed_window, seed=seed)
