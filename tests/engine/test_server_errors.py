@@ -33,7 +33,7 @@ def qwen_dir(tiny_checkpoint):
 
 @pytest.fixture(scope="module")
 def served(qwen_dir):
-    with LLM.load(qwen_dir, max_context=256, max_batch=2, max_queue=1) as llm, \
+    with LLM.load(qwen_dir, max_context=2048, max_batch=2, max_queue=1) as llm, \
             Served(create_app(llm, served_name="tiny", max_body_bytes=64 * 1024)) as s, \
             httpx.Client(base_url=s.url, timeout=120) as c:
         s.llm, s.client = llm, c
@@ -139,7 +139,7 @@ def test_a_body_over_the_limit_is_refused_before_it_is_read(served):
 
 def test_a_full_queue_is_a_429_with_retry_after(served):
     """max_batch 2, max_queue 1: two running and one waiting, the fourth is refused at once."""
-    body = {"prompt": "Once", "max_tokens": 200, "ignore_eos": True, "stream": True}
+    body = {"prompt": "Once", "max_tokens": 2000, "ignore_eos": True, "stream": True}   # still running when checked
     opened = []
     try:
         for _ in range(2):
