@@ -1,19 +1,27 @@
 """LLM: the generation API the server builds on — many callers stream at once, one scheduler thread
 runs the model.
 
-Continuous batching in the manner of nano-vllm: each scheduler turn admits at most one waiting
-request (its prefill) and then runs ONE decode step for every active sequence, so a long queue
-cannot starve the running streams and a new stream waits at most one step per request ahead of it.
+Continuous batching in the manner of nano-vllm, with chunked prefill: each scheduler turn runs at most
+ONE prefill chunk (of the one request being prefilled; `chunk_size` tokens) and then ONE decode step
+for every running sequence. A long prompt therefore interleaves with the running streams instead of
+freezing them: a running stream waits at most one chunk and one step between its tokens.
+
+Every request is its own failure domain: an exception in its prefill, in its sampling (NaN logits) or
+in a decode step it took part in ends that request with RequestFailed and the others go on (a failed
+batched step is retried one sequence at a time to find whose it was). The queue is bounded: past
+`max_queue` waiting requests a new one is refused at once with Overloaded (the server's 429).
+
 Callers never touch the model; they read their tokens from a queue. Closing a stream early frees
 its KV slot at the next turn.
 """
 from __future__ import annotations
 
+import math
 import queue
 import threading
+import time
 import weakref
 from collections import deque
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -24,30 +32,45 @@ from engine.kernels.cpu import set_compute_threads
 from engine.loader import load_model
 from engine.models.common import MoEModel
 from engine.runtime import EngineConfig
-from engine.sampling import choose, make_generator
+from engine.sampling import SamplingError, check_params, choose, is_greedy, make_generator
+
+DEFAULT_CHUNK = 512            # prefill tokens per scheduler turn (engine serve --chunk-size)
 
 
 @dataclass
 class SamplingParams:
     max_tokens: int = 256
-    temperature: float = 0.0      # 0 → greedy
+    temperature: float = 0.0      # 0 (or below engine.sampling.GREEDY_BELOW) → greedy
     top_p: float = 1.0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()   # in addition to the model's eos ids
     ignore_eos: bool = False
 
     def check(self) -> None:
-        if self.max_tokens < 1:
+        if not (isinstance(self.max_tokens, int) and self.max_tokens >= 1):
             raise ValueError(f"max_tokens is {self.max_tokens}; it must be at least 1")
-        if not self.temperature >= 0.0:
-            raise ValueError(f"temperature is {self.temperature}; it must be >= 0")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p is {self.top_p}; it must be in (0, 1]")
+        check_params(self.temperature, self.top_p, self.seed)
 
 
 class Token(NamedTuple):
     id: int
     finish: str | None            # None, or "stop" (this token is an eos/stop id; do not show it) or "length"
+
+
+class RequestFailed(RuntimeError):
+    """This request's generation failed (its own fault, or the engine closing); other requests go on."""
+
+    def __init__(self, message: str, code: str = "generation_failed"):
+        super().__init__(message)
+        self.code = code
+
+
+class Overloaded(RuntimeError):
+    """The wait queue is full; retry_after: seconds until a seat is likely free (the server's Retry-After)."""
+
+    def __init__(self, message: str, retry_after: int):
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 class _Request:
@@ -56,26 +79,75 @@ class _Request:
         self.out: queue.SimpleQueue = queue.SimpleQueue()
         self.cancelled = False     # set by the caller's thread; the scheduler frees the slot
         self.slot = -1
-        self.length = 0            # tokens in the KV cache
+        self.length = 0            # tokens in the KV cache (during prefill: the prompt tokens run so far)
         self.generated = 0
         self.last = -1             # the latest token, fed at the next decode step
+        self.submitted = time.monotonic()
+
+
+class Stream:
+    """One request's tokens, as they are generated; the last one carries finish. Iterating raises
+    RequestFailed if the request fails. close() (or dropping it) before the end cancels the request."""
+
+    def __init__(self, llm: "LLM", req: _Request):
+        self._llm, self._req, self._done = llm, req, False
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> Token:
+        if self._done:
+            raise StopIteration
+        item = self._req.out.get()
+        if isinstance(item, BaseException):
+            self._done = True
+            raise item
+        if item.finish is not None:
+            self._done = True
+        return item
+
+    def close(self) -> None:
+        if not self._done:
+            self._done = True
+            self._req.cancelled = True
+            with self._llm._cv:
+                self._llm._cv.notify()
+
+    def __del__(self):
+        if not getattr(self, "_done", True):
+            self._req.cancelled = True      # no lock here: the scheduler sees it at its next turn
 
 
 class LLM:
-    def __init__(self, model: MoEModel, tokenizer, model_dir: str | Path | None = None):
+    def __init__(self, model: MoEModel, tokenizer, model_dir: str | Path | None = None, *,
+                 chunk_size: int = DEFAULT_CHUNK, max_queue: int | None = None):
+        """chunk_size: prefill tokens per scheduler turn. max_queue: requests waiting for a slot before new
+        ones are refused with Overloaded (default 4 × the KV cache's slots)."""
+        if chunk_size < 1:
+            raise ValueError(f"chunk_size {chunk_size} must be at least 1")
         self.model, self.tokenizer = model, tokenizer
         self.model_dir = Path(model_dir) if model_dir else None
         self.model_type: str = model.cfg.arch
         self.max_context: int = model.max_len
+        self.max_batch: int = model.kv.slots
+        self.chunk_size = chunk_size
+        self.max_queue = 4 * self.max_batch if max_queue is None else max_queue
+        if self.max_queue < 0:
+            raise ValueError(f"max_queue {self.max_queue} must be >= 0")
         self.eos_token_ids: set[int] = set(model.cfg.eos_token_ids)
         if getattr(tokenizer, "eos_token_id", None) is not None:
             self.eos_token_ids.add(int(tokenizer.eos_token_id))
         self._cv = threading.Condition()
         self._pending: deque[_Request] = deque()
-        self._active: list[_Request] = []        # the scheduler thread's own
+        self._prefilling: _Request | None = None   # the scheduler thread's own, as is _active
+        self._active: list[_Request] = []
         self._closed = False
+        self._abort: str | None = None             # set by abort(): fail everything at the next turn
         self._prompt_tokens = 0
         self._generation_tokens = 0
+        self._failed = 0
+        self._rejected = 0
+        self._request_seconds = 1.0                # running mean of a request's time in the engine
         self._thread = threading.Thread(target=self._loop, name="engine-scheduler", daemon=True)
         self._thread.start()
         # An engine nobody closed still stops its scheduler at interpreter exit: a daemon thread that ran
@@ -83,8 +155,10 @@ class LLM:
         weakref.finalize(self, _stop_scheduler, self.__dict__)
 
     @classmethod
-    def load(cls, model_dir, store_dir=None, config: EngineConfig | None = None, **knobs) -> "LLM":
-        """The engine as `config` (or keyword knobs: EngineConfig's fields) says. config.threads: CPU compute
+    def load(cls, model_dir, store_dir=None, config: EngineConfig | None = None, *, chunk_size: int = DEFAULT_CHUNK,
+             max_queue: int | None = None, **knobs) -> "LLM":
+        """The engine as `config` (or keyword knobs: EngineConfig's fields) says; chunk_size and max_queue are
+        the scheduler's (see LLM). config.threads: CPU compute
         threads (engine.kernels.cpu.set_compute_threads; None: its default), which the scheduler thread takes up
         when it starts. The loading runs on one torch thread so the calling thread keeps no OpenMP team of its
         own: with a second team alive, libgomp throttles its spin-waits and every parallel region of the
@@ -100,12 +174,14 @@ class LLM:
             torch.set_num_threads(before)
         if config.device_kind == "cpu":
             set_compute_threads(config.threads)  # here, not in the scheduler: a daemon thread that set them aborts the exit
-        return cls(model, AutoTokenizer.from_pretrained(model_dir), model_dir)
+        return cls(model, AutoTokenizer.from_pretrained(model_dir), model_dir, chunk_size=chunk_size,
+                   max_queue=max_queue)
 
     # ------------------------------------------------------------ callers' side (any thread)
 
-    def stream(self, prompt_ids: list[int], params: SamplingParams | None = None) -> Iterator[Token]:
-        """Tokens as they are generated; the last one carries finish. Checks eagerly, submits on first next()."""
+    def stream(self, prompt_ids: list[int], params: SamplingParams | None = None) -> Stream:
+        """Submit a request; its tokens as they are generated. Checks eagerly (ValueError: the caller's input;
+        Overloaded: the queue is full; RuntimeError: the engine is closed)."""
         params = params or SamplingParams()
         prompt = [int(t) for t in prompt_ids]
         if not prompt:
@@ -116,33 +192,21 @@ class LLM:
         if (bad := next((t for t in prompt if not 0 <= t < vocab), None)) is not None:
             raise ValueError(f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
         params.check()
-        if self._closed:
-            raise RuntimeError("the engine is closed")
-        return self._stream(prompt, params)
-
-    def _stream(self, prompt: list[int], params: SamplingParams) -> Iterator[Token]:
         stops = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else frozenset(self.eos_token_ids))
-        gen = make_generator(params.seed, self.model.device) if params.temperature > 0 else None
+        gen = None if is_greedy(params.temperature) else make_generator(params.seed, self.model.device)
         req = _Request(prompt, params, stops, gen)
         with self._cv:
+            if self._closed:
+                raise RuntimeError("the engine is closed")
+            if len(self._pending) >= self.max_queue:
+                self._rejected += 1
+                wait = self._request_seconds * (len(self._pending) + 1) / self.max_batch
+                raise Overloaded(f"the queue is full ({len(self._pending)} requests waiting for {self.max_batch} "
+                                 f"running; the limit is {self.max_queue}); retry later",
+                                 retry_after=max(1, min(600, math.ceil(wait))))
             self._pending.append(req)
             self._cv.notify()
-        done = False
-        try:
-            while True:
-                item = req.out.get()
-                if isinstance(item, BaseException):
-                    done = True
-                    raise RuntimeError(f"generation failed: {item}") from item
-                yield item
-                if item.finish is not None:
-                    done = True
-                    return
-        finally:
-            if not done:                       # closed early (or the caller's thread died): free the slot
-                req.cancelled = True
-                with self._cv:
-                    self._cv.notify()
+        return Stream(self, req)
 
     def generate(self, prompt_ids: list[int], params: SamplingParams | None = None) -> list[Token]:
         return list(self.stream(prompt_ids, params))
@@ -153,8 +217,17 @@ class LLM:
             out.update(decode_graph_replays=graphs.replays, decode_graph_captures=graphs.captures)
         with self._cv:
             out.update(prompt_tokens_total=self._prompt_tokens, generation_tokens_total=self._generation_tokens,
-                       active_streams=len(self._active), queued_streams=len(self._pending))
+                       active_streams=len(self._active) + (self._prefilling is not None),
+                       queued_streams=len(self._pending), failed_requests_total=self._failed,
+                       rejected_requests_total=self._rejected)
         return out
+
+    def abort(self, message: str, code: str = "shutting_down") -> None:
+        """End every request, running or waiting, with RequestFailed(message) at the scheduler's next turn
+        (the server's drain on SIGTERM); requests submitted afterwards run as usual."""
+        with self._cv:
+            self._abort = (message, code)
+            self._cv.notify()
 
     def close(self) -> None:
         with self._cv:
@@ -176,42 +249,78 @@ class LLM:
         with torch.inference_mode():
             while True:
                 with self._cv:
-                    while not (self._closed or self._pending or self._active):
+                    while not (self._closed or self._abort or self._pending or self._active or self._prefilling):
                         self._cv.wait()
                     if self._closed:
                         break
+                    abort, self._abort = self._abort, None
                     for r in [r for r in self._pending if r.cancelled]:
                         self._pending.remove(r)
-                    new = self._pending.popleft() if self._pending and self.model.kv.free_slots() else None
-                for r in [r for r in self._active if r.cancelled]:
+                    waiting = list(self._pending) if abort else []
+                    if abort:
+                        self._pending.clear()
+                    new = None
+                    if not abort and self._prefilling is None and self._pending and self.model.kv.free_slots():
+                        new = self._pending.popleft()
+                if abort:
+                    for r in self._running() + waiting:
+                        self._fail(r, RequestFailed(*abort))
+                    continue
+                for r in [r for r in self._running() if r.cancelled]:
                     self._retire(r)
-                try:
-                    if new is not None:
-                        self._prefill(new)
-                    if self._active:
-                        self._decode()
-                except Exception as e:          # a failed step fails its streams, not the engine
-                    for r in list(self._active) + ([new] if new is not None and new.slot < 0 else []):
-                        r.out.put(e)
-                        if r.slot >= 0:
-                            self._retire(r)
-        gone = RuntimeError("the engine is closed")
-        for r in list(self._active) + list(self._pending):
+                if new is not None:
+                    new.slot = self.model.kv.alloc()
+                    self._prefilling = new
+                if self._prefilling is not None:
+                    self._prefill_chunk(self._prefilling)
+                if self._active:
+                    self._decode()
+        gone = RequestFailed("the engine is closed", "engine_closed")
+        for r in self._running() + list(self._pending):
             r.out.put(gone)
 
-    def _prefill(self, r: _Request) -> None:
-        r.slot = self.model.kv.alloc()
-        self._active.append(r)
-        logits = self.model.prefill(r.prompt, r.slot)
-        r.length = len(r.prompt)
+    def _running(self) -> list[_Request]:
+        return self._active + ([self._prefilling] if self._prefilling is not None else [])
+
+    def _prefill_chunk(self, r: _Request) -> None:
+        """The next chunk of r's prompt into its slot; after the last, its first token and it joins the batch."""
+        done = r.length
+        chunk = r.prompt[done:done + self.chunk_size]
+        try:
+            logits = self.model.prefill(chunk, r.slot, start=done)
+        except Exception as e:              # its own prompt failed: it alone ends
+            self._fail(r, RequestFailed(f"generation failed: prefill: {e}"))
+            return
+        r.length = done + len(chunk)
         with self._cv:
-            self._prompt_tokens += r.length
-        p = r.params
-        self._emit(r, choose(logits[None], [p.temperature], [p.top_p], [r.generator])[0])
+            self._prompt_tokens += len(chunk)
+        if r.length < len(r.prompt):
+            return
+        self._prefilling = None
+        self._active.append(r)
+        token = choose(logits[None], [r.params.temperature], [r.params.top_p], [r.generator])[0]
+        self._emit(r, token)
 
     def _decode(self) -> None:
         batch = sorted(self._active, key=lambda r: r.slot)     # ascending slots: usually one contiguous view
-        logits = self.model.decode_step([r.last for r in batch], [r.slot for r in batch], [r.length for r in batch])
+        try:
+            logits = self._step(batch)
+        except Exception:
+            # Whose was it? The same step, one sequence at a time (it rewrites the same KV positions).
+            for r in batch:
+                try:
+                    row = self._step([r])
+                except Exception as e:
+                    self._fail(r, RequestFailed(f"generation failed: decode: {e}"))
+                else:
+                    self._finish_step([r], row)
+            return
+        self._finish_step(batch, logits)
+
+    def _step(self, batch: list[_Request]) -> torch.Tensor:
+        return self.model.decode_step([r.last for r in batch], [r.slot for r in batch], [r.length for r in batch])
+
+    def _finish_step(self, batch: list[_Request], logits: torch.Tensor) -> None:
         for r in batch:
             r.length += 1
         tokens = choose(logits, [r.params.temperature for r in batch], [r.params.top_p for r in batch],
@@ -220,7 +329,10 @@ class LLM:
             if not r.cancelled:
                 self._emit(r, t)
 
-    def _emit(self, r: _Request, token: int) -> None:
+    def _emit(self, r: _Request, token: int | SamplingError) -> None:
+        if isinstance(token, SamplingError):
+            self._fail(r, RequestFailed(f"generation failed: sampling: {token}"))
+            return
         r.generated += 1
         r.last = token
         with self._cv:
@@ -235,10 +347,22 @@ class LLM:
         if finish is not None:
             self._retire(r)
 
+    def _fail(self, r: _Request, e: RequestFailed) -> None:
+        r.out.put(e)
+        with self._cv:
+            self._failed += 1
+        if r.slot >= 0:
+            self._retire(r)
+
     def _retire(self, r: _Request) -> None:
-        self._active.remove(r)
+        if r is self._prefilling:
+            self._prefilling = None
+        else:
+            self._active.remove(r)
         self.model.kv.release(r.slot)
         r.slot = -1
+        with self._cv:
+            self._request_seconds += 0.2 * (time.monotonic() - r.submitted - self._request_seconds)
 
 
 def _stop_scheduler(state: dict) -> None:

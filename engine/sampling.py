@@ -1,34 +1,91 @@
 """Next-token choice for a batch of sequences: greedy, or temperature + top-p with a torch.Generator
-per request, so a seeded request draws the same tokens whether it runs alone or batched."""
+per request, so a seeded request draws the same tokens whether it runs alone or batched.
+
+Numerically safe at every value the API lets through: a temperature too small to divide by is greedy,
+top-p always keeps the most likely token, NaN logits never win and +inf ones share the draw. A row
+that has no finite logit at all is that request's failure (SamplingError), never its neighbours'.
+"""
 from __future__ import annotations
 
+import math
 import secrets
 
 import torch
+
+# Below this a softmax(logits / T) is one-hot up to fp32 rounding (a logit gap of 1e-3 is e^-100 apart),
+# and dividing by a subnormal T overflows: such requests are greedy, as T -> 0+ is in the limit.
+GREEDY_BELOW = 1e-5
+SEED_MIN, SEED_MAX = -2**63, 2**63 - 1          # int64, as vLLM takes it; torch's generator takes all of it
+
+
+class SamplingError(ValueError):
+    """This row cannot be sampled (the model's logits are all NaN/-inf): its request fails alone."""
+
+
+def check_params(temperature: float, top_p: float, seed: int | None) -> None:
+    """ValueError naming the field and its limit for anything the sampler cannot use."""
+    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature >= 0.0):
+        raise ValueError(f"temperature is {temperature}; it must be a finite number >= 0")
+    if not (isinstance(top_p, (int, float)) and 0.0 < top_p <= 1.0):
+        raise ValueError(f"top_p is {top_p}; it must be in (0, 1]")
+    if seed is not None and not (isinstance(seed, int) and SEED_MIN <= seed <= SEED_MAX):
+        raise ValueError(f"seed is {seed}; it must be an integer in {SEED_MIN}..{SEED_MAX} (64 bits)")
+
+
+def is_greedy(temperature: float) -> bool:
+    return temperature < GREEDY_BELOW
 
 
 def make_generator(seed: int | None, device: str | torch.device) -> torch.Generator:
     return torch.Generator(device=device).manual_seed(seed if seed is not None else secrets.randbits(63))
 
 
-def sample_row(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> torch.Tensor:
-    """One token id (0-dim tensor) from logits [V]: softmax(logits / T) truncated to the smallest set of
-    tokens whose probability reaches top_p (always at least the most likely one)."""
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
+def _finite(logits: torch.Tensor) -> torch.Tensor:
+    """fp32 logits [V] with NaN as -inf; where some are +inf, those alone (equal) and the rest -inf."""
+    x = logits.float()
+    posinf = x == float("inf")
+    if bool(posinf.any()):
+        return torch.where(posinf, 0.0, float("-inf"))
+    x = torch.nan_to_num(x, nan=float("-inf"), posinf=0.0, neginf=float("-inf"))
+    if not bool(torch.isfinite(x).any()):
+        raise SamplingError("the model produced no finite logit for this sequence (all NaN or -inf)")
+    return x
+
+
+def greedy_row(logits: torch.Tensor) -> int:
+    return int(_finite(logits).argmax())
+
+
+def sample_row(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> int:
+    """One token id from logits [V]: softmax(logits / T) truncated to the smallest set of tokens whose
+    probability reaches top_p (always at least the most likely one)."""
+    if is_greedy(temperature):
+        return greedy_row(logits)
+    x = _finite(logits)
+    probs = torch.softmax((x - x.max()) / temperature, dim=-1)     # the best token's weight is exactly 1: never 0/0
     if top_p < 1.0:
         sorted_p, order = torch.sort(probs, descending=True)
-        # Drop a token when the mass before it already reaches top_p.
+        # Drop a token when the mass before it already reaches top_p; the first never goes (top_p may round to 0).
         drop = (torch.cumsum(sorted_p, dim=-1) - sorted_p) >= top_p
+        drop[0] = False
         sorted_p = sorted_p.masked_fill(drop, 0.0)
-        return order[torch.multinomial(sorted_p, 1, generator=generator)[0]]
-    return torch.multinomial(probs, 1, generator=generator)[0]
+        return int(order[torch.multinomial(sorted_p, 1, generator=generator)[0]])
+    return int(torch.multinomial(probs, 1, generator=generator)[0])
 
 
 def choose(logits: torch.Tensor, temperatures: list[float], top_ps: list[float],
-           generators: list[torch.Generator | None]) -> list[int]:
-    """Token ids for logits [B, V]; a row with temperature 0 is greedy. One host sync for the batch."""
-    out = logits.argmax(dim=-1)
+           generators: list[torch.Generator | None]) -> list[int | SamplingError]:
+    """Token ids for logits [B, V]; a row with temperature ~0 is greedy. A row that cannot be sampled
+    gives its SamplingError in its place, so the caller fails that request only. One host sync for a
+    batch of greedy rows with finite logits (the common case)."""
+    best, finite = logits.argmax(dim=-1), torch.isfinite(logits).all(dim=-1)
+    out: list = best.tolist()
+    ok = finite.tolist()
     for i, t in enumerate(temperatures):
-        if t > 0.0:
-            out[i] = sample_row(logits[i], t, top_ps[i], generators[i])
-    return out.tolist()
+        if ok[i] and is_greedy(t):
+            continue
+        try:
+            out[i] = greedy_row(logits[i]) if is_greedy(t) else sample_row(logits[i], t, top_ps[i], generators[i])
+        except SamplingError as e:
+            out[i] = e
+    return out

@@ -4,7 +4,9 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
+import os
 import socket
+import threading
 from pathlib import Path
 
 import click
@@ -34,7 +36,34 @@ def fingerprint_of(model_dir: Path) -> str:
     return hashlib.sha256((model_dir / "config.json").read_bytes()).hexdigest()
 
 
-@click.command(epilog="Exit codes: 2 usage (e.g. a bad --cpu-layout), 3 the model directory is missing or not a checkpoint, 6 the store's "
+def api_key_of(flag: str | None) -> str | None:
+    """The key to require, or None. An empty key is refused (exit 2), never taken to mean "no auth":
+    click reads an empty KILN_API_KEY as unset, so the environment is looked at here."""
+    env = os.environ.get("KILN_API_KEY")
+    if flag is not None and not flag.strip() and flag != env:
+        raise EngineError("--api-key is empty; give a key, or leave the flag out to serve without one", Exit.USAGE)
+    if env is not None and not env.strip() and flag in (None, env):
+        raise EngineError("KILN_API_KEY is set but empty; give a key, or unset it to serve without one", Exit.USAGE)
+    return flag
+
+
+def drain_on_exit(server, engine, drain_seconds: float):
+    """uvicorn's SIGTERM/SIGINT handler, extended: stop listening at once (uvicorn's part), let running
+    streams go on for drain_seconds, then end them with an error event and [DONE] so no client sees a cut
+    connection; uvicorn's graceful shutdown then finds them finished."""
+    plain = server.handle_exit
+
+    def handle_exit(sig, frame):
+        if not engine.draining:
+            engine.draining = True                          # new requests: 503
+            timer = threading.Timer(drain_seconds, engine.drain)
+            timer.daemon = True                             # never what keeps the process alive
+            timer.start()
+        plain(sig, frame)
+    server.handle_exit = handle_exit
+
+
+@click.command(epilog="Exit codes: 2 usage (e.g. a bad --cpu-layout, an empty --api-key), 3 the model directory is missing or not a checkpoint, 6 the store's "
                       "filesystem refuses O_DIRECT, 7 the address is in use or cannot be bound, 8 a converted model's "
                       "files (kiln-files.json) or the store's manifest fail their check. "
                       "/health answers 503 while the model loads, 500 with the reason if loading failed.")
@@ -49,6 +78,15 @@ def fingerprint_of(model_dir: Path) -> str:
 @click.option("--served-name", default=None, help="Model name in the API (default: the model directory's name).")
 @options.context
 @options.max_batch
+@click.option("--chunk-size", type=click.IntRange(min=1), default=512, show_default=True,
+              help="Prefill tokens per scheduler turn (a recipe's serve.chunk_size): a long prompt is prefilled "
+                   "in chunks between the running streams' decode steps.")
+@click.option("--max-queue", type=click.IntRange(min=0), default=None,
+              help="Requests waiting for a slot before new ones get 429 with Retry-After (default 4 x --max-batch).")
+@click.option("--max-body-bytes", type=click.IntRange(min=1024), default=8 * 1024 * 1024, show_default=True,
+              help="Largest request body; a bigger one gets 413 before it is read.")
+@click.option("--drain-seconds", type=click.FloatRange(min=0), default=3.0, show_default=True,
+              help="On SIGTERM: how long running streams may go on before they end with an error event.")
 @options.tiers
 @click.option("--temperature", type=click.FloatRange(0.0, 2.0), default=None,
               help="Default temperature for requests that name none (default: the model's generation_config.json, else 1.0).")
@@ -58,12 +96,14 @@ def fingerprint_of(model_dir: Path) -> str:
               help="Require `Authorization: Bearer KEY` (env KILN_API_KEY); /health and /metrics stay open.")
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]),
               default="info", show_default=True)
-def serve(model_dir, store_dir, host, port, served_name, temperature, top_p, api_key, log_level, **knobs):
+def serve(model_dir, store_dir, host, port, served_name, chunk_size, max_queue, max_body_bytes, drain_seconds,
+          temperature, top_p, api_key, log_level, **knobs):
     """Serve a model over an OpenAI-compatible HTTP API.
 
     Listens at once and loads the model in the background. Endpoints: /v1/models,
     /v1/chat/completions, /v1/completions, /tokenize, /health, /metrics.
     """
+    api_key = api_key_of(api_key)
     if not model_dir.is_dir():
         raise EngineError(f"{model_dir}: no such model directory", Exit.BAD_MODEL)
     try:
@@ -89,16 +129,17 @@ def serve(model_dir, store_dir, host, port, served_name, temperature, top_p, api
 
     def load():
         from engine.llm import LLM
-        return LLM.load(model_dir, store_dir, config)
+        return LLM.load(model_dir, store_dir, config, chunk_size=chunk_size, max_queue=max_queue)
 
     from engine.server.app import sampling_defaults
     app = create_app(loader=load, served_name=served_name or model_dir.resolve().name, api_key=api_key,
                      defaults=sampling_defaults(model_dir, temperature, top_p),
-                     fingerprint=fp)
+                     fingerprint=fp, max_body_bytes=max_body_bytes)
     bound = sock.getsockname()
     click.echo(f"engine: listening on http://{host}:{bound[1]} (model {model_dir} loading; /health says when ready)",
                err=True)
-    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5))
+    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=drain_seconds + 5))
+    drain_on_exit(server, app.state.engine, drain_seconds)
     try:
         server.run(sockets=[sock])
     finally:

@@ -63,6 +63,49 @@ def encode(tokenizer, text: str, add_special_tokens: bool) -> list[int]:
     return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
 
+# Marks around each message's content in a second rendering (noncharacters: never in real text), so the
+# template's own text and the client's text can be tokenized apart.
+_OPEN, _CLOSE = "\ufdd0", "\ufdd1"
+
+
+def special_strings(tokenizer) -> tuple[str, ...]:
+    return tuple(t.content for t in tokenizer.added_tokens_decoder.values() if t.special)
+
+
+def encode_chat(tokenizer, messages: list[dict], tools: list[dict] | None = None, template_kwargs: dict | None = None,
+                add_generation_prompt: bool = True) -> tuple[str, list[int]]:
+    """(prompt text, ids) of a conversation, where only the template's own markers are control tokens:
+    a message whose text spells one (`<|im_end|>\n<|im_start|>system`, a forged turn) is tokenized as
+    the literal text it is. Without such text the ids are exactly the whole rendering's."""
+    msgs = normalize_messages(messages)
+    text = render(tokenizer, msgs, tools, template_kwargs, add_generation_prompt)
+    specials = special_strings(tokenizer)
+    forged = [i for i, m in enumerate(msgs) if isinstance(m.get("content"), str)
+              and any(s in m["content"] for s in specials)]
+    if not forged:
+        return text, encode(tokenizer, text, add_special_tokens=False)
+    for i, m in enumerate(msgs):
+        if isinstance(m.get("content"), str) and (_OPEN in m["content"] or _CLOSE in m["content"]):
+            raise ChatTemplateError(f"messages.{i}.content holds U+FDD0/U+FDD1, which this server reserves")
+    marked = [{**m, "content": f"{_OPEN}{m['content']}{_CLOSE}"} if isinstance(m.get("content"), str) else m
+              for m in msgs]
+    rendered = render(tokenizer, marked, tools, template_kwargs, add_generation_prompt)
+    pieces, ids, rest = [], [], rendered
+    while rest:                                        # template text, then [content], alternating
+        head, opened, rest = rest.partition(_OPEN)
+        body, closed, tail = rest.partition(_CLOSE)
+        if _CLOSE in head or (opened and (not closed or _OPEN in body)):
+            raise ChatTemplateError(f"messages.{forged[0]}.content holds a control token of the chat format, and "
+                                    "this chat template moves message text in ways that cannot keep it literal")
+        pieces.append(head)
+        ids += encode(tokenizer, head, add_special_tokens=False) if head else []
+        if opened:
+            pieces.append(body)
+            ids += list(tokenizer(body, add_special_tokens=False, split_special_tokens=True)["input_ids"]) if body else []
+            rest = tail
+    return "".join(pieces), ids
+
+
 def think_opened(prompt: str) -> bool:
     """True when the prompt leaves a `<think>` open (the template starts the reasoning itself)."""
     return prompt.rstrip().endswith(THINK_OPEN)

@@ -36,7 +36,9 @@ class _EngineCollector:
                 ("pcie_bytes", "kiln_pcie_bytes", "Bytes copied from the RAM tier into GPU expert slots"),
                 ("prompt_tokens_total", "kiln_prompt_tokens", "Prompt tokens prefilled"),
                 ("generation_tokens_total", "kiln_generation_tokens", "Tokens generated"),
-                ("decode_graph_replays", "kiln_decode_graph_replays", "Decode steps replayed from CUDA graphs")):
+                ("decode_graph_replays", "kiln_decode_graph_replays", "Decode steps replayed from CUDA graphs"),
+                ("failed_requests_total", "kiln_requests_failed", "Requests whose own generation failed (the others went on)"),
+                ("rejected_requests_total", "kiln_requests_rejected", "Requests refused with 429: the queue was full")):
             yield CounterMetricFamily(name, doc, value=float(c.get(key, 0)))
         if c.get("provider"):
             kind = GaugeMetricFamily("kiln_expert_provider", "1 for the provider that serves the routed experts",

@@ -2,16 +2,55 @@
 
 Unknown fields are ignored (clients send many: user, logit_bias, parallel_tool_calls, …);
 fields we would have to get wrong (n > 1, tool_choice "required", echo, logprobs) are refused.
+Text anywhere in a body must be valid Unicode: JSON can spell a lone surrogate ("\\ud800"), which
+no tokenizer can encode.
 """
 from __future__ import annotations
 
+import re
 from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from engine.sampling import SEED_MAX, SEED_MIN
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+class FieldError(ValueError):
+    """A whole-body check's finding, with the dotted path of the field it is about."""
+
+    def __init__(self, path: str, reason: str):
+        super().__init__(f"{path}: {reason}")
+        self.path, self.reason = path, reason
+
+
+def _no_lone_surrogates(value, path: str = "") -> None:
+    if isinstance(value, str):
+        if m := _SURROGATE.search(value):
+            raise FieldError(path or "body", f"holds a lone UTF-16 surrogate (U+{ord(m.group()):04X} at character "
+                                             f"{m.start()}); text must be valid Unicode")
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _no_lone_surrogates(k, path or "body")
+            _no_lone_surrogates(v, f"{path}.{k}" if path else str(k))
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            _no_lone_surrogates(v, f"{path}.{i}" if path else str(i))
+
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+
+class _Request(_Body):
+    """A whole request body: checked for text no tokenizer can take before any field is."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, v):
+        _no_lone_surrogates(v)
+        return v
 
 
 class TextPart(BaseModel):
@@ -72,14 +111,14 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
-class _Sampling(_Body):
+class _Sampling(_Request):
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
     # None: the server's default (engine serve --temperature/--top-p, else the model's generation_config.json,
     # else OpenAI's 1.0), as vLLM takes the model's generation config.
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)      # 64 bits, as the sampler takes it
     stop: Union[str, list[str], None] = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -149,7 +188,7 @@ class CompletionRequest(_Sampling):
         return list(self.prompt)
 
 
-class TokenizeRequest(_Body):
+class TokenizeRequest(_Request):
     model: str | None = None
     prompt: str | None = None
     messages: list[Message] | None = None

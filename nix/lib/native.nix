@@ -40,6 +40,13 @@ rec {
     map (args: [ ctx.o.engineBin ] ++ map ctx.substitute args)
       (step.commands or [ step.args ]);
 
+  # The serve step's batch and prefill chunk come from the recipe's `serve` fields (the schema's contract),
+  # appended last so they win over the same flags in args (click takes the last).
+  serveFlags = ctx:
+    let s = ctx.recipe.serve; in
+    [ "--max-batch" (toString s.max_batch_size) ]
+    ++ optional (s ? chunk_size) "--chunk-size" ++ optional (s ? chunk_size) (toString s.chunk_size);
+
   # What a step touches follows from the placeholders it uses; `writes` marks the writable ones.
   mounts = ctx: step:
     let
@@ -80,7 +87,8 @@ rec {
       o = ctx.o;
       isServe = stepName == "serve";
       # checked before the placeholders are filled in: @host@ is what the recipe must have written
-      cmds = assert builtins.all (checkArgs ctx stepName) (recipeStep.commands or [ recipeStep.args ]); commands ctx recipeStep;
+      cmds0 = assert builtins.all (checkArgs ctx stepName) (recipeStep.commands or [ recipeStep.args ]); commands ctx recipeStep;
+      cmds = if isServe then map (c: c ++ serveFlags ctx) cmds0 else cmds0;
       ms = mounts ctx recipeStep;
       l = limits ctx;
       env = (ctx.recipe.env or { }) // (recipeStep.env or { }) // o.extraEnv;

@@ -110,7 +110,16 @@ in
   testNativePlaceholders = {
     expr = (plan smol { port = 8123; stateDir = "/s"; }).steps.serve.argv;
     expected = [ "engine" "serve" "--model" "/s/stores/smollm2-135m.kiln.8k-prepared/model" "--store" "/s/stores/smollm2-135m.kiln.8k-prepared/experts"
-      "--device" "cpu" "--host" "127.0.0.1" "--port" "8123" "--served-name" "smollm2-135m" "--ctx" "8192" "--ram-slots" "232" "--temperature" "0" ];
+      "--device" "cpu" "--host" "127.0.0.1" "--port" "8123" "--served-name" "smollm2-135m" "--ctx" "8192" "--ram-slots" "232" "--temperature" "0"
+      "--max-batch" "4" ];
+  };
+  # The recipe's serve.max_batch_size and serve.chunk_size reach engine serve, last (so they win over args).
+  testNativeServeFlagsFromRecipe = {
+    expr = let
+      r = smol // { serve = smol.serve // { max_batch_size = 2; chunk_size = 256; }; };
+      argv = (plan r { }).steps.serve.argv;
+    in builtins.genList (i: builtins.elemAt argv (builtins.length argv - 4 + i)) 4;
+    expected = [ "--max-batch" "2" "--chunk-size" "256" ];
   };
   testNativeCommandsAreExecStartLines = {
     expr = builtins.length (plan smol { }).unitSections."kiln-smollm2-135m-prepare.service".Service.ExecStart;

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine.cli import main as engine_main
-from engine.llm import LLM, SamplingParams, Token
+from engine.llm import LLM, Overloaded, RequestFailed, SamplingParams, Token
 
 PROMPT = [5, 17, 200, 42, 99, 7, 311, 64, 128, 3, 250, 19]
 GREEDY = SamplingParams(max_tokens=20, ignore_eos=True)
@@ -138,3 +138,160 @@ def test_generate_command(tiny_checkpoint, capsys):
     assert "the context is 16" in capsys.readouterr().err
     assert engine_main(["generate", "--model", model + "-missing", "--prompt", "x"]) == 3
     assert "config.json: missing" in capsys.readouterr().err
+
+
+# ---- one request's failure is its own --------------------------------------------------------------
+
+def _run_beside_three(engine, bad_prompt, bad_params=GREEDY):
+    """Three good streams and one bad one, overlapping: (the good ones' tokens, the bad one's outcome)."""
+    good = [PROMPT[:n] for n in (5, 9, 12)]
+    streams = [engine.stream(p, GREEDY) for p in good]
+    firsts = [next(s) for s in streams]              # all three running before the bad one arrives
+    bad = engine.stream(bad_prompt, bad_params)
+    try:
+        outcome = ids(list(bad))
+    except RequestFailed as e:
+        outcome = e
+    return [[f.id] + ids(list(s)) for f, s in zip(firsts, streams)], outcome
+
+
+@pytest.mark.parametrize("fault", ["prefill", "decode", "nan-logits"])
+def test_a_failing_request_ends_alone_beside_three_streams(llm, monkeypatch, fault):
+    """Fault injection (a test double where no real model fault can be provoked on demand): the real
+    prefill/decode_step, wrapped to fail for the one sequence whose positions reach 45 (only the bad
+    request's 45-token prompt gets there; the good ones stay below 33)."""
+    good = [PROMPT[:n] for n in (5, 9, 12)]
+    alone = [ids(llm.generate(p, GREEDY)) for p in good]
+    real_prefill, real_decode = llm.model.prefill, llm.model.decode_step
+
+    def prefill(ids_, slot, start=0, all_logits=False):
+        if fault == "prefill" and len(ids_) == 45:
+            raise RuntimeError("injected prefill fault")
+        return real_prefill(ids_, slot, start, all_logits)
+
+    def decode_step(tokens, slots, positions):
+        if fault == "decode" and max(positions) >= 46:
+            raise RuntimeError("injected decode fault")
+        out = real_decode(tokens, slots, positions)
+        if fault == "nan-logits":
+            out[[i for i, p in enumerate(positions) if p >= 46]] = float("nan")
+        return out
+
+    monkeypatch.setattr(llm.model, "prefill", prefill)
+    monkeypatch.setattr(llm.model, "decode_step", decode_step)
+    before = llm.counters()["failed_requests_total"]
+    got, bad = _run_beside_three(llm, [3] * 45)
+    assert got == alone                                      # the three finished, token for token
+    assert isinstance(bad, RequestFailed), bad
+    assert str(bad).startswith(f"generation failed: {fault.split('-')[0].replace('nan', 'sampling')}")
+    after = llm.counters()
+    assert after["failed_requests_total"] == before + 1 and after["active_streams"] == 0
+    monkeypatch.undo()
+    assert ids(llm.generate(good[0], GREEDY)) == alone[0]      # and the engine serves on
+
+
+@pytest.mark.parametrize("extreme", [dict(temperature=1e-40), dict(temperature=1.0, top_p=1e-300),
+                                     dict(temperature=5e-324, top_p=5e-324)])
+def test_sampling_extremes_are_greedy_beside_three_streams(llm, extreme):
+    """What crashed every stream before (issue 12, finding 2): now greedy, and the neighbours untouched."""
+    good = [PROMPT[:n] for n in (5, 9, 12)]
+    alone = [ids(llm.generate(p, GREEDY)) for p in good]
+    got, out = _run_beside_three(llm, PROMPT, SamplingParams(max_tokens=20, ignore_eos=True, seed=3, **extreme))
+    assert got == alone and out == ids(llm.generate(PROMPT, GREEDY))
+
+
+def test_seeds_outside_64_bits_are_refused_eagerly(llm):
+    with pytest.raises(ValueError, match="seed is 18446744073709551616; it must be an integer in"):
+        llm.stream(PROMPT, SamplingParams(temperature=1.0, seed=2**64))
+
+
+# ---- chunked prefill, the queue limit, abort --------------------------------------------------------
+
+def test_chunked_prefill_equals_one_prefill(llm, tiny_checkpoint):
+    model = llm.model
+    with torch.inference_mode():
+        whole = model.prefill(PROMPT, 0, all_logits=True)
+        parts = [model.prefill(PROMPT[i:i + 5], 0, start=i, all_logits=True) for i in range(0, len(PROMPT), 5)]
+    torch.testing.assert_close(torch.cat(parts), whole, rtol=1e-4, atol=1e-4)
+    with LLM.load(tiny_checkpoint("qwen3_moe"), max_context=64, max_batch=3, chunk_size=4) as chunked:
+        assert ids(chunked.generate(PROMPT, GREEDY)) == ids(llm.generate(PROMPT, GREEDY))
+
+
+def test_a_long_prompt_is_prefilled_between_the_running_streams_steps(tiny_checkpoint, monkeypatch):
+    """The scheduler's order, observed by wrapping the real prefill/decode_step: a 40-token prompt in
+    chunks of 4 is ten prefill calls, and the running stream decodes between every two of them."""
+    with LLM.load(tiny_checkpoint("qwen3_moe"), max_context=64, max_batch=2, chunk_size=4) as engine:
+        calls = []
+        real_prefill, real_decode = engine.model.prefill, engine.model.decode_step
+        monkeypatch.setattr(engine.model, "prefill", lambda i, s, start=0, all_logits=False: (
+            calls.append(("prefill", len(i))), real_prefill(i, s, start, all_logits))[1])
+        monkeypatch.setattr(engine.model, "decode_step", lambda t, s, p: (
+            calls.append(("decode", len(s))), real_decode(t, s, p))[1])
+        running = engine.stream(PROMPT[:3], SamplingParams(max_tokens=40, ignore_eos=True))
+        next(running)
+        long = engine.generate(list(range(5, 45)), SamplingParams(max_tokens=2, ignore_eos=True))
+        running.close()
+        assert len(long) == 2
+        chunks = [i for i, c in enumerate(calls) if c == ("prefill", 4)]
+        assert len(chunks) == 10
+        for a, b in zip(chunks, chunks[1:]):
+            assert ("decode", 1) in calls[a + 1:b], calls[a:b + 1]    # the running stream got its step
+
+
+def test_a_full_queue_refuses_at_once_with_a_retry_time(tiny_checkpoint):
+    with LLM.load(tiny_checkpoint("qwen3_moe"), max_context=64, max_batch=1, max_queue=1) as engine:
+        running = engine.stream(PROMPT, SamplingParams(max_tokens=40, ignore_eos=True))
+        next(running)
+        waiting = engine.stream(PROMPT, SamplingParams(max_tokens=2, ignore_eos=True))
+        with pytest.raises(Overloaded, match=r"the queue is full \(1 requests waiting for 1 running; the limit is 1\)") as e:
+            engine.stream(PROMPT, GREEDY)
+        assert e.value.retry_after >= 1 and engine.counters()["rejected_requests_total"] == 1
+        running.close()
+        assert len(list(waiting)) == 2                       # the queued one still runs
+        assert len(engine.generate(PROMPT, SamplingParams(max_tokens=2))) <= 2   # and a seat is free again
+
+
+def test_abort_ends_running_and_waiting_requests_then_serves_on(tiny_checkpoint):
+    with LLM.load(tiny_checkpoint("qwen3_moe"), max_context=64, max_batch=1) as engine:
+        running = engine.stream(PROMPT, SamplingParams(max_tokens=60, ignore_eos=True))
+        next(running)
+        waiting = engine.stream(PROMPT, GREEDY)
+        engine.abort("the server is shutting down")
+        for s in (running, waiting):
+            with pytest.raises(RequestFailed, match="the server is shutting down") as e:
+                list(s)
+            assert e.value.code == "shutting_down"
+        assert len(engine.generate(PROMPT, SamplingParams(max_tokens=3, ignore_eos=True))) == 3
+        assert engine.counters()["active_streams"] == 0
+
+
+# ---- the KV cache costs what is used, not what is reserved ------------------------------------------
+
+def test_kv_cache_pages_are_not_touched_at_load(tiny_checkpoint):
+    """RSS (/proc/self/statm) in a fresh process, around a second load (the first warms the libraries up:
+    one slot, a short context) with a 64-slot × 4096 KV cache, and after a generation: the reserved bytes
+    are not resident (zero-filling them made all 201 MB resident at once)."""
+    import json
+    import subprocess
+    import sys
+    script = (
+        "import json, sys, torch\n"
+        "from engine.llm import LLM, SamplingParams\n"
+        "def rss():\n"
+        "    with open('/proc/self/statm') as f: return int(f.read().split()[1]) * 4096\n"
+        "warm = LLM.load(sys.argv[1], max_context=64, max_batch=1)\n"
+        "warm.generate([5, 17, 200], SamplingParams(max_tokens=8, ignore_eos=True))\n"
+        "a = rss()\n"
+        "llm = LLM.load(sys.argv[1], max_context=4096, max_batch=64)\n"
+        "b = rss()\n"
+        "llm.generate([5, 17, 200], SamplingParams(max_tokens=8, ignore_eos=True))\n"
+        "c = rss()\n"
+        "print(json.dumps({'kv': llm.model.kv.nbytes, 'load': b - a, 'after_generate': c - a}))\n"
+        "llm.close(); warm.close()\n")
+    out = subprocess.run([sys.executable, "-c", script, str(tiny_checkpoint("qwen3_moe"))], capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    m = json.loads(out.stdout.strip().splitlines()[-1])
+    assert m["kv"] == 2 * 3 * 64 * 4096 * 2 * 16 * 4          # k and v, layers, slots, positions, heads, dim, fp32
+    assert m["load"] < m["kv"] / 8, m                      # zero-filling it would make it resident at once
+    assert m["after_generate"] < m["kv"] / 8, m
