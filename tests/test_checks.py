@@ -7,6 +7,7 @@ the server's count can be asserted. Each planted fault must fail exactly its gat
 from __future__ import annotations
 
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -22,7 +23,11 @@ from tool.errors import KilnError
 from tool.recipes import parse
 
 WINDOW = 2048
-FAST = {"seed": 7, "poll_interval_s": 0.05, "load_timeout_s": 5, "speed_window_s": 5}
+# Tests about other things than host load must not turn "inconclusive" on a busy CI box: they lift the
+# speed gate's host/spread thresholds (the tests of those thresholds set them back, and load the host for real).
+IGNORE_HOST = {"speed_idle_window_s": 0.05, "speed_spread_max": 10.0, "speed_idle_busy_max": 1.0,
+               "speed_pressure_max": 1.0}
+FAST = {"seed": 7, "poll_interval_s": 0.05, "load_timeout_s": 5, "speed_window_s": 5, **IGNORE_HOST}
 
 
 @pytest.fixture
@@ -124,7 +129,9 @@ def test_stream_cut_at_the_window_is_counted_by_the_servers_tokenizer(recipe):
         e = run_gates(recipe, s.url, gates=["speed"], **{**FAST, "speed_window_s": 0.3})
     sp = e["gates"]["speed"]
     assert sp["passed"] and sp["decode_cut_at_window"]
-    assert sp["completion_tokens_source"] == "/tokenize {messages}"
+    # the count came from a {"prompt"} call, and the label says so (it used to say {messages}: finding 7)
+    assert sp["completion_tokens_source"] == "/tokenize {prompt}"
+    assert sp["rounds"][0]["completion_tokens_source"] == "/tokenize {prompt}"
     assert 10 <= sp["completion_tokens"] <= 20
 
 
@@ -134,10 +141,13 @@ args = sys.argv[1:]
 opt = lambda name: args[args.index(name) + 1]
 open(sys.argv[0] + ".args", "w").write(json.dumps(args))
 mode = args[0]
-if mode == "crash":
+if mode == "missing":             # engine's exit 3: the model is not on this machine
     print("loading the GGUF", file=sys.stderr)
-    print("OSError: no such file: /m/x.gguf", file=sys.stderr)
+    print("engine: /m/x.gguf: no such GGUF file", file=sys.stderr)
     sys.exit(3)
+if mode == "crash":
+    print("Segmentation fault in the reference", file=sys.stderr)
+    sys.exit(1)
 if mode == "garbage":
     print("decode was quick")
     sys.exit(0)
@@ -155,32 +165,64 @@ def baseline_for(tmp_path, mode: str) -> dict:
 
 
 @pytest.mark.parametrize("mode,passed,reason", [
-    ("5.0", True, r"decode \d+\.\d tok/s ≥ the floor of 15 and \d+\.\d\d× the reference: 5\.0 tok/s on the same prompt and 11 tokens"),
-    ("100000", False, r"decode \d+\.\d tok/s is not faster than the reference: 100000\.0 tok/s on the same prompt and 11 tokens \(0\.\d\d×\)"),
-    ("crash", False, r"the baseline \(the reference\) failed: exit 3: OSError: no such file: /m/x\.gguf$"),
+    ("5.0", True, r"decode \d+\.\d tok/s ≥ the floor of 15 and \d+\.\d\d× the reference: 5\.0 tok/s on the same prompt and 11 tokens, medians of 3 interleaved rounds"),
+    ("100000", False, r"decode \d+\.\d tok/s is not faster than the reference: 100000\.0 tok/s on the same prompt and 11 tokens, medians of 3 interleaved rounds \(0\.\d\d×\)"),
+    ("crash", False, r"the baseline \(the reference\) failed: exit 1: Segmentation fault in the reference$"),
     ("garbage", False, r"failed: no JSON line with decode_tps on its stdout \(last line: 'decode was quick'\)$"),
 ])
 def test_a_decode_baseline_is_timed_on_the_same_prompt_and_tokens(recipe, tmp_path, mode, passed, reason):
     import re
-    from tool.checks.speed import MESSAGES, TEMPERATURE
+    from tool.checks.speed import MESSAGES
     with OpenAIServer(token_delay_s=0.02) as s:
         e = run_gates(recipe, s.url, gates=["speed"], speed_max_tokens=11, baseline=baseline_for(tmp_path, mode), **FAST)
+        streamed = [b for m, p, b in s.log if p == "/v1/chat/completions" and b.get("stream")]
     sp = e["gates"]["speed"]
     assert sp["passed"] is passed and re.search(reason, sp["reason"]), sp["reason"]
     args = json.loads((tmp_path / "baseline.py.args").read_text())
-    assert args[1:] == ["--messages", json.dumps(MESSAGES), "--tokens", "11", "--temperature", str(TEMPERATURE)]
+    # the prompt, the token count the server produced, and the temperature the server was asked for
+    assert args[1:] == ["--messages", json.dumps(MESSAGES), "--tokens", "11", "--temperature", "0.0"]
+    assert streamed[0]["temperature"] == 0.0 and sp["sampling"] == {"temperature": 0.0}
     if mode == "5.0":
         assert sp["baseline"]["label"] == "the reference" and sp["baseline_decode_tps"] == 5.0
+        assert sp["baseline"]["status"] == "run" and len(sp["baseline"]["rounds"]) == 3 == len(sp["rounds"])
         assert sp["vs_baseline"] == pytest.approx(sp["decode_tps"] / 5.0, abs=2e-3) and sp["vs_baseline"] > 1
+        # interleaved: server round 2 asked for the tokens round 1 produced
+        assert [b["max_tokens"] for b in streamed[-4:-1]] == [11, 11, 11]
     elif mode in ("crash", "garbage"):
-        assert "decode_tps" not in sp["baseline"] and sp["decode_tps"] > 15     # the server's own figure is kept
+        assert sp["baseline"]["status"] == "failed" and sp["decode_tps"] > 15   # the server's own figure is kept
 
 
-def test_a_floor_failure_does_not_run_the_baseline(recipe, tmp_path):
+def test_a_baseline_that_cannot_run_here_is_not_run_and_the_floor_decides(recipe, tmp_path):
+    """Issue 16 item 3: the demo's baseline needs Kiln's own GGUF on the checking machine; without it the
+    gate of a fast server used to fail ("BaselineError: exit 3: ... no such GGUF file")."""
+    with OpenAIServer(token_delay_s=0.02) as s:
+        e = run_gates(recipe, s.url, gates=["speed"], speed_max_tokens=11,
+                      baseline=baseline_for(tmp_path, "missing"), **FAST)
+    sp = e["gates"]["speed"]
+    assert sp["passed"], sp["reason"]
+    assert re.search(r"^decode \d+\.\d tok/s ≥ the floor of 15 \(baseline not run: its model is not on this "
+                     r"machine \(exit 3: engine: /m/x\.gguf: no such GGUF file\)\)$", sp["reason"]), sp["reason"]
+    assert sp["baseline"]["status"] == "not run" and "baseline_decode_tps" not in sp and "vs_baseline" not in sp
+    assert len(sp["rounds"]) == 3                          # the server's rounds still all ran
+    assert e["verdict"] == "pass"
+
+
+def test_a_baseline_whose_plan_cannot_be_compiled_here_is_not_run(recipe):
+    with OpenAIServer(token_delay_s=0.01) as s:
+        e = run_gates(recipe, s.url, gates=["speed"], speed_max_tokens=11,
+                      baseline={"unavailable": "it needs the compiled plan: nix-instantiate not found"}, **FAST)
+    sp = e["gates"]["speed"]
+    assert sp["passed"] and sp["baseline"] == {"label": "the baseline", "status": "not run",
+                                               "reason": "it needs the compiled plan: nix-instantiate not found"}
+
+
+def test_a_floor_failure_is_not_rescued_by_the_baseline(recipe, tmp_path):
     with OpenAIServer(token_delay_s=0.1) as s:
         e = run_gates(recipe, s.url, gates=["speed"], speed_max_tokens=8, baseline=baseline_for(tmp_path, "1.0"), **FAST)
-    assert "under the floor of 15" in e["gates"]["speed"]["reason"] and "baseline" not in e["gates"]["speed"]
-    assert not (tmp_path / "baseline.py.args").exists()
+    assert "under the floor of 15" in e["gates"]["speed"]["reason"]
+    # the baseline's rounds ran interleaved (the floor is judged on the median, after them): what matters is
+    # that its figure did not rescue the gate
+    assert not e["gates"]["speed"]["passed"]
 
 
 def test_server_that_dies_during_load_fails_load_at_once_with_the_reason(recipe, tmp_path):
@@ -207,10 +249,10 @@ def test_server_that_dies_during_load_fails_load_at_once_with_the_reason(recipe,
 
 
 def test_load_waits_for_a_slow_load_then_passes(recipe):
-    with OpenAIServer(load_delay_s=0.4) as s:
+    with OpenAIServer(load_delay_s=1.0) as s:
         e = run_gates(recipe, s.url, gates=["load"], **FAST)
     load = e["gates"]["load"]
-    assert load["passed"] and load["polls"] > 1 and load["ready_s"] > 0.2
+    assert load["passed"] and load["polls"] > 1 and load["ready_s"] > 0.3
 
 
 def test_load_gives_up_at_the_limit_with_the_last_reason(recipe):
