@@ -298,3 +298,128 @@ def test_report_only_gates_do_not_decide_the_verdict(recipe):
     assert failed(e) == {"reasoning", "tools"} and e["verdict"] == "pass"
     assert e["expected_gates"] == ["load", "chat", "speed"]
     assert e["report_only_gates"] == ["reasoning", "tools", "context"]
+
+
+# -- issue 16: fair judging -------------------------------------------------------------------------
+
+def test_a_server_serving_another_name_fails_load_at_once_naming_it(recipe):
+    """llama-server lists its -m path unless started with --alias: that is not 'still loading'."""
+    with OpenAIServer(served_name="models/SmolLM2-135M-Instruct.Q4_1.gguf") as s:
+        t0 = time.monotonic()
+        e = run_gates(recipe, s.url, gates=["load", "chat"], **{**FAST, "load_timeout_s": 60})
+        took = time.monotonic() - t0
+    load = e["gates"]["load"]
+    assert not load["passed"] and took < 10 and load["polls"] == 1
+    assert load["reason"] == ("the server answers but /v1/models lists models/SmolLM2-135M-Instruct.Q4_1.gguf, "
+                              "not glm-5.3-flash (--served-name names the model it serves)")
+    assert load["models"] == ["models/SmolLM2-135M-Instruct.Q4_1.gguf"]
+
+
+def test_served_name_overrides_the_recipes_in_every_request(recipe):
+    name = "models/SmolLM2-135M-Instruct.Q4_1.gguf"
+    with OpenAIServer(served_name=name) as s:
+        e = run_gates(recipe, s.url, gates=["load", "chat"], served_name=name, **FAST)
+        models = {b["model"] for m, p, b in s.log if p == "/v1/chat/completions"}
+    assert e["verdict"] == "pass", {g: r["reason"] for g, r in e["gates"].items()}
+    assert models == {name} and e["server"]["served_name"] == name
+    assert e["recipe"]["served_name"] == "glm-5.3-flash"          # the evidence keeps both
+
+
+def test_every_gate_sends_explicit_greedy_sampling_and_its_evidence_names_it(recipe):
+    """Issue 16 item 5: the gates sent no temperature, so verdicts hung on each server's default."""
+    with OpenAIServer() as s:
+        e = run_gates(recipe, s.url, **FAST)
+        chats = [b for m, p, b in s.log if p == "/v1/chat/completions"]
+    assert e["verdict"] == "pass", {g: r["reason"] for g, r in e["gates"].items()}
+    assert chats and all(b.get("temperature") == 0.0 for b in chats)
+    assert e["limits"]["sampling"] == {"temperature": 0.0}
+    for name, g in e["gates"].items():
+        assert g["sampling"] == {"temperature": 0.0}, name
+        assert g["token_source"] and g["token_source"] != "none", name
+        hl = g["host_load"]
+        assert len(hl["before"]["loadavg"]) == 3 and hl["before"]["logical_cpus"] >= 1, name
+        assert 0 <= hl["during"]["cpu_busy"] <= 1 and hl["during"]["interval_s"] >= 0, name
+        if hl["before"]["cpu_pressure_some_avg10"] is not None:          # PSI where the kernel has it
+            assert 0 <= hl["during"]["cpu_pressure_some"] <= 1, name
+    sp = e["gates"]["speed"]
+    for w in ("before", "after"):
+        assert 0 <= sp["host_idle_windows"][w]["cpu_busy"] <= 1
+    assert all(r["cpu_busy"] is not None for r in sp["rounds"])
+    assert e["gates"]["context"]["token_source"].startswith("/tokenize {messages} to size the prompt")
+
+
+def test_the_recipes_sampling_is_what_every_gate_sends(recipe):
+    recipe.data["checks"]["sampling"] = {"temperature": 0.6, "top_p": 0.95, "seed": 11}
+    with OpenAIServer() as s:
+        e = run_gates(recipe, s.url, gates=["chat", "speed"], **FAST)
+        chats = [b for m, p, b in s.log if p == "/v1/chat/completions"]
+    assert all((b["temperature"], b["top_p"], b["seed"]) == (0.6, 0.95, 11) for b in chats)
+    assert e["gates"]["speed"]["sampling"] == {"temperature": 0.6, "top_p": 0.95, "seed": 11}
+
+
+def test_the_needle_is_the_same_every_run_of_the_same_recipe(recipe):
+    """Issue 16 item 8: a random needle made a report-only context result flip from run to run."""
+    from tool.checks.gate import seed_for
+    limits = {k: v for k, v in FAST.items() if k != "seed"}
+    with OpenAIServer() as s:
+        a = run_gates(recipe, s.url, gates=["context"], **limits)
+        b = run_gates(recipe, s.url, gates=["chat", "context"], **limits)
+        c = run_gates(recipe, s.url, gates=["context"], **{**limits, "seed": 1})
+    ca, cb, cc = (e["gates"]["context"] for e in (a, b, c))
+    assert a["limits"]["seed"] == b["limits"]["seed"] == seed_for(recipe) == ca["needle_seed"]
+    assert (ca["code"], ca["needle_depth"]) == (cb["code"], cb["needle_depth"])
+    assert (cc["code"], cc["needle_depth"]) != (ca["code"], ca["needle_depth"]) and cc["needle_seed"] == 1
+
+
+def _hogs(n: int) -> list[subprocess.Popen]:
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+
+
+def test_a_busy_host_makes_the_speed_gate_inconclusive_not_pass_or_fail(recipe):
+    """A real CPU hog (one spinning process per CPU, plus one): the gate must say "inconclusive: host busy",
+    with the thresholds it used, and the run's verdict is inconclusive, not pass and not fail."""
+    import os
+    hogs = _hogs((os.cpu_count() or 1) + 1)
+    try:
+        time.sleep(0.5)
+        with OpenAIServer(token_delay_s=0.01) as s:
+            e = run_gates(recipe, s.url, gates=["speed"], speed_max_tokens=11, seed=7, poll_interval_s=0.05,
+                          speed_idle_window_s=0.5)
+    finally:
+        for h in hogs:
+            h.kill()
+            h.wait()
+    sp = e["gates"]["speed"]
+    assert sp["inconclusive"] and not sp["passed"], sp["reason"]
+    assert sp["reason"].startswith("inconclusive: host busy: other programs kept "), sp["reason"]
+    assert sp["host_idle_windows"]["before"]["cpu_busy"] > 0.25
+    assert sp["inconclusive_when"]["idle_cpu_busy_max"] == 0.25 and sp["decode_tps"] > 0
+    assert e["verdict"] == "inconclusive" and e["inconclusive_gates"] == ["speed"] and e["failed_gates"] == []
+
+
+def test_rounds_that_disagree_make_the_speed_gate_inconclusive(recipe):
+    with OpenAIServer(stream_delays_s=(0.004, 0.03)) as s:
+        e = run_gates(recipe, s.url, gates=["speed"], speed_max_tokens=11, **{**FAST, "speed_spread_max": 0.2})
+    sp = e["gates"]["speed"]
+    assert sp["inconclusive"] and sp["decode_spread"] > 0.2, sp
+    assert re.match(r"inconclusive: too noisy: the server's 3 rounds spread \d+% \(over 20%\)", sp["reason"])
+
+
+OVERLAP_SCRIPT = """
+import json, pathlib, sys
+n = pathlib.Path(sys.argv[0] + ".n")
+i = int(n.read_text()) if n.exists() else 0
+n.write_text(str(i + 1))
+print(json.dumps({"decode_tps": [20.0, 150.0][i % 2]}))
+"""
+
+
+def test_rounds_that_overlap_the_baselines_are_within_the_noise(recipe, tmp_path):
+    script = tmp_path / "overlap.py"
+    script.write_text(OVERLAP_SCRIPT)
+    base = {"argv": [sys.executable, str(script)], "env": {}, "label": "the reference", "timeoutSeconds": 60}
+    with OpenAIServer(token_delay_s=0.01) as s:
+        e = run_gates(recipe, s.url, gates=["speed"], speed_max_tokens=11, baseline=base, **FAST)
+    sp = e["gates"]["speed"]
+    assert sp["inconclusive"] and sp["baseline_decode_tps_rounds"] == [20.0, 150.0, 20.0], sp
+    assert sp["reason"].startswith("inconclusive: within the noise: the server's rounds "), sp["reason"]

@@ -81,7 +81,9 @@ def figure(name: str, r: dict) -> str:
         return f"{frac:.1%} of {r.get('window', 0):,}" if isinstance(frac, float) else "–"
     if name == "speed":
         vs = f" · {r['vs_baseline']:.2f}× baseline" if isinstance(r.get("vs_baseline"), (int, float)) else ""
-        return (f"decode {num(r.get('decode_tps'), '.1f')} · prefill {num(r.get('prefill_tps'), ',.0f')} tok/s"
+        # ± half the rounds' range (decode_spread is the whole range over the median)
+        spread = f"±{r['decode_spread'] / 2:.0%}" if isinstance(r.get("decode_spread"), float) else ""
+        return (f"decode {num(r.get('decode_tps'), '.1f')}{spread} · prefill {num(r.get('prefill_tps'), ',.0f')} tok/s"
                 f" · TTFT {num(r.get('ttft_s'), '.2f')} s{vs}")
     return ""
 
