@@ -165,7 +165,11 @@ def _llama_cpp_baseline(recipe, server_bin: str | None, gguf: str | None) -> dic
 @click.option("--no-baseline", is_flag=True, help="The same as --baseline none.")
 def check(recipe, endpoint, served_name, gates, json_path, record, evidence_dir, load_timeout, speed_window, seed,
           api_key, baseline_kind, llama_server, baseline_gguf, no_baseline):
-    """Run the acceptance gates of RECIPE (an id or a file) against the server at --endpoint."""
+    """Run the acceptance gates of RECIPE (an id or a file) against the server at --endpoint.
+
+    Exit 0 when every expected gate passed; 1 when one failed, or was inconclusive (the speed gate on a
+    busy host or with rounds that disagree: the table says which, the evidence says why).
+    """
     from tool.checks.runner import GATES, run_checks
 
     only = [g.strip() for g in gates.split(",") if g.strip()] if gates else None
