@@ -107,10 +107,8 @@ def main(argv: list[str]) -> int:
     evdir = work / "evidence"
     env = {"KILN_MODELS_DIR": str(work / "models")}
     results = []
-    cwd = os.getcwd()
-    os.chdir(gguf.parent)                                  # /v1/models lists the -m path: the bare file name
-    server = LlamaServer(LISTED, exe=exe, ctx=8192).start()
-    os.chdir(cwd)
+    # in the GGUF's directory with -m NAME: /v1/models lists the bare file name, as `llama-server -m FILE` does
+    server = LlamaServer(LISTED, exe=exe, ctx=8192, cwd=gguf.parent).start()
     try:
         version = server.version()
         for name in only:

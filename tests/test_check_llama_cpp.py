@@ -40,14 +40,9 @@ def gguf(tmp_path_factory):
 @pytest.fixture(scope="module")
 def llama(gguf):
     require_llama_server()
-    cwd = os.getcwd()
-    os.chdir(gguf.parent)                     # so the -m path, and what /v1/models lists, is the bare name
-    try:
-        server = LlamaServer(gguf.name, ctx=8192).start()
-    finally:
-        os.chdir(cwd)
-    yield server
-    server.stop()
+    # started in the GGUF's directory with -m NAME: /v1/models lists the bare name, as `llama-server -m FILE` does
+    with LlamaServer(gguf.name, ctx=8192, cwd=gguf.parent) as server:
+        yield server
 
 
 def _check(tmp_path, llama, *args) -> tuple[int, dict]:

@@ -18,10 +18,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
-import tempfile
-import time
 from pathlib import Path
 
 from tool.errors import last_line
@@ -127,53 +124,30 @@ def llama_cpp_spec(server_bin: str | os.PathLike | None, gguf: str | os.PathLike
             "label": f"llama.cpp llama-server on {Path(gguf).name}"}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class LlamaCppBaseline:
     """llama.cpp's llama-server on the same weights, started once, timed per round like the server."""
 
     def __init__(self, spec: dict, served_name: str, context: int, client_timeout_s: float):
         from tool.checks.client import Client, ClientError
+        from tool.checks.llama_cpp import LlamaServerError, LlamaServerProcess, version
         self.spec, self.label, self.name = spec, spec["label"], served_name
-        self._log = tempfile.NamedTemporaryFile(prefix="kiln-llama-baseline-", suffix=".log", delete=False)
-        port = _free_port()
-        self.argv = [spec["server"], "-m", spec["gguf"], "--host", "127.0.0.1", "--port", str(port),
-                     "--alias", served_name, "-c", str(context), "--parallel", "1", "--no-webui"]
-        if spec.get("threads"):
-            self.argv += ["--threads", str(spec["threads"])]
-        try:
-            self.proc = subprocess.Popen(self.argv, stdout=self._log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL)
-        except OSError as e:
-            raise BaselineUnavailable(f"llama.cpp: cannot start {spec['server']}: {e.strerror or e}") from None
-        self.client = Client(f"http://127.0.0.1:{port}/v1", timeout_s=client_timeout_s)
         self._ClientError = ClientError
-        deadline = time.monotonic() + 120
-        while True:
-            if self.proc.poll() is not None:
-                tail = " | ".join(Path(self._log.name).read_text(errors="replace").splitlines()[-3:])
-                self.close()
-                raise BaselineError(f"llama.cpp's llama-server exited {self.proc.returncode}: {tail}")
-            try:
-                self.client.request_json("GET", "/models", record=False, timeout_s=5)
-                break
-            except ClientError as e:
-                if time.monotonic() > deadline:
-                    self.close()
-                    raise BaselineError(f"llama.cpp's llama-server was not ready within 120 s: {e}") from None
-                time.sleep(0.25)
-        self.version = self._version()
-
-    def _version(self) -> str | None:
+        self.server = LlamaServerProcess(spec["server"], spec["gguf"], ctx=context, alias=served_name,
+                                         threads=spec.get("threads"))
+        self.argv = self.server.argv
         try:
-            out = subprocess.run([self.spec["server"], "--version"], capture_output=True, text=True, timeout=30)
-        except (OSError, subprocess.SubprocessError):
-            return None
-        return next((l.strip() for l in (out.stdout + out.stderr).splitlines() if l.startswith("version")), None)
+            self.server.start()
+        except LlamaServerError as e:
+            self.server.remove_log()
+            raise BaselineError(f"llama.cpp: {e}") from None
+        self.client = Client(self.server.url, timeout_s=client_timeout_s)
+        self.version = version(spec["server"])
+        try:                                     # untimed, as the server under test got one
+            self.client.chat({"model": served_name, "max_tokens": 8, "temperature": 0.0,
+                              "messages": [{"role": "user", "content": "Hi"}]})
+        except ClientError as e:
+            self.close()
+            raise BaselineError(f"llama.cpp: {e}") from None
 
     def describe(self) -> dict:
         return {"kind": "llama.cpp", "label": self.label, "argv": self.argv, "version": self.version}
@@ -195,16 +169,6 @@ class LlamaCppBaseline:
                 "prompt_tokens": (a.usage or {}).get("prompt_tokens"), "ttft_s": a.ttft_s}
 
     def close(self) -> None:
-        try:
-            self.client.close()
-        except Exception:
-            pass
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
-        Path(self._log.name).unlink(missing_ok=True)
+        self.client.close()
+        self.server.stop()
+        self.server.remove_log()

@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from tool.checks.llama_cpp import DEFAULT_BIN as DEFAULT_LLAMA_SERVER   # what scripts/build-llama-cpp.sh builds
 from tool.errors import Exit
 
 
@@ -121,7 +122,6 @@ def _baseline(recipe) -> dict | None:
         return {"unavailable": f"it needs {recipe.id}'s compiled plan, which this machine cannot give: {e}"}
 
 
-DEFAULT_LLAMA_SERVER = ".kiln/cache/llama.cpp/bin/llama-server"     # what scripts/build-llama-cpp.sh builds
 
 
 def _llama_cpp_baseline(recipe, server_bin: str | None, gguf: str | None) -> dict:
