@@ -20,7 +20,6 @@ import pytest
 from tests.fixtures.llama_server import LlamaServer, require_llama_server
 from tests.fixtures.smollm2 import pins, smollm2_gguf
 from tool.cli import main
-from tool.recipes import load
 
 LISTED = "SmolLM2-135M-Instruct.Q4_1.gguf"     # what /v1/models lists: the -m path's name, as given
 
