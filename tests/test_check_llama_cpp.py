@@ -95,7 +95,9 @@ def test_a_cpu_hog_makes_the_speed_gate_inconclusive(tmp_path, llama):
     hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range((os.cpu_count() or 1) + 1)]
     try:
         time.sleep(1)
-        code, e = _check(tmp_path, llama, "--served-name", LISTED, "--gates", "speed", "--baseline", "none")
+        # a 5 s window: round 1 decodes what it can in 5 s, the others as many tokens, however slow the hog makes it
+        code, e = _check(tmp_path, llama, "--served-name", LISTED, "--gates", "speed", "--baseline", "none",
+                         "--speed-window", "5")
     finally:
         for h in hogs:
             h.kill()
@@ -111,7 +113,7 @@ def test_the_recipes_baseline_without_its_gguf_is_not_run(tmp_path, llama, monke
     """Issue 16 item 3: on a checking machine without Kiln's GGUF the baseline is not run; the floor decides."""
     monkeypatch.setenv("KILN_MODELS_DIR", str(tmp_path / "empty"))
     monkeypatch.delenv("KILN_DECODE_BASELINE", raising=False)
-    code, e = _check(tmp_path, llama, "--served-name", LISTED, "--gates", "speed")
+    code, e = _check(tmp_path, llama, "--served-name", LISTED, "--gates", "speed", "--speed-window", "5")
     sp = e["gates"]["speed"]
     assert sp["baseline"]["status"] == "not run" and "no such GGUF file" in sp["baseline"]["reason"], sp["baseline"]
     assert not sp.get("baseline_decode_tps")

@@ -423,3 +423,21 @@ def test_rounds_that_overlap_the_baselines_are_within_the_noise(recipe, tmp_path
     sp = e["gates"]["speed"]
     assert sp["inconclusive"] and sp["baseline_decode_tps_rounds"] == [20.0, 150.0, 20.0], sp
     assert sp["reason"].startswith("inconclusive: within the noise: the server's rounds "), sp["reason"]
+
+
+def test_a_baseline_that_fails_on_a_busy_host_is_inconclusive(recipe, tmp_path):
+    """The demo on a box shared with a compiler: transformers timed out, which says the host, not the server."""
+    import os
+    hogs = _hogs((os.cpu_count() or 1) + 1)
+    try:
+        time.sleep(0.5)
+        with OpenAIServer(token_delay_s=0.01) as s:
+            e = run_gates(recipe, s.url, gates=["speed"], speed_max_tokens=11, seed=7, speed_idle_window_s=0.5,
+                          baseline=baseline_for(tmp_path, "crash"))
+    finally:
+        for h in hogs:
+            h.kill()
+            h.wait()
+    sp = e["gates"]["speed"]
+    assert sp["inconclusive"] and sp["baseline"]["status"] == "failed", sp["reason"]
+    assert re.match(r"inconclusive: host busy: .*; the baseline \(the reference\) gave no figure: exit 1: ", sp["reason"])

@@ -27,6 +27,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def host_args(cpuinfo: str = "/proc/cpuinfo") -> list[str]:
+    """Arguments this host needs. Where the CPU advertises AMX, llama.cpp's native build computes the weights
+    it repacks for AMX with tile instructions, and on the Xeon VMs here that faults (seen 2026-12-01: SIGSEGV
+    in ggml_backend_amx_mul_mat at the first decode, though arch_prctl granted the tile state). --no-repack
+    keeps the weights as loaded, computed by the AVX-512/AVX2 kernels; hosts without AMX keep repacking."""
+    try:
+        with open(cpuinfo) as f:
+            flags = next((l.split(":", 1)[1].split() for l in f if l.startswith("flags")), [])
+    except OSError:
+        return []
+    return ["--no-repack"] if "amx_tile" in flags else []
+
+
 def version(exe: str | os.PathLike) -> str | None:
     """`llama-server --version`'s "version: N (commit)" line."""
     try:
@@ -44,7 +57,7 @@ class LlamaServerProcess:
                  alias: str | None = None, threads: int | None = None, cwd: str | os.PathLike | None = None):
         self.exe, self.port, self.cwd = str(exe), free_port(), cwd
         self.argv = [self.exe, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(self.port), "-c", str(ctx),
-                     "--parallel", "1", "--no-webui"]
+                     "--parallel", "1", "--no-webui", *host_args()]
         if alias:
             self.argv += ["--alias", alias]
         if threads:

@@ -176,8 +176,13 @@ def _rounds(ctx, base, floor, rounds, figures, host, idle_s) -> dict:
                 base = base_rounds = None
             except bl.BaselineError as e:
                 figures["baseline"].update(status="failed", reason=str(e))
+                host["after"] = hostload.idle_window(idle_s)
+                figures = _summary(figures, server_rounds, base_rounds, host)
+                if busy := _busy(host, ctx.limits):      # e.g. it timed out on a box shared with a build
+                    return inconclusive(f"host busy: {busy}; the baseline ({base.label}) gave no figure: {e}",
+                                        **figures)
                 return fail(f"decode {_med(server_rounds):.1f} tok/s, but the baseline ({base.label}) failed: {e}",
-                            **_summary(figures, server_rounds, base_rounds, host))
+                            **figures)
     try:
         prefill(ctx, figures)
     except ClientError as e:     # prefill is reported, not gated
