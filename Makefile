@@ -26,7 +26,9 @@ $(SMOLLM2): | $(STAMP)
 
 # llama.cpp's CPU binaries, the peer the tests run `tool check` against (tests/test_check_llama_cpp.py).
 # The script is idempotent (a stamp keyed by the sdist's sha256, flags, compiler and CPU), so this costs
-# nothing once built; from scratch about 10-20 min on 2 cores.
+# nothing once built. From scratch it took 1,168 s user + 47 s sys of CPU (2026-12-01; 63 min of wall on a
+# 2-core box shared with seven other jobs): about 10 min at -j2 on two idle cores, so CI (~6.5 min before)
+# stays near 17 of its 90 minutes. CI clones fresh and caches nothing, so every CI run builds it.
 llama-cpp: bootstrap
 	PY=$(BIN)/python bash scripts/build-llama-cpp.sh
 
