@@ -141,6 +141,19 @@ def run(ctx: GateContext) -> dict:
             except bl.BaselineError as e:
                 figures["baseline"] = {"label": bl.label_of(ctx.baseline), "status": "failed", "reason": str(e)}
                 return fail(f"the baseline ({bl.label_of(ctx.baseline)}) failed to start: {e}", **figures)
+        if busy := _busy(host, ctx.limits):
+            # found out first, cheaply: on an oversubscribed box a decode can run 100x slower (llama.cpp's
+            # spinning threads, seen here at 0.5 tok/s), so one windowed round is kept for the record and
+            # neither the baseline nor the long prefill is run for figures nobody may judge
+            r = _round(ctx, min(ctx.limits["speed_max_tokens"], ctx.context_window // 4), ctx.limits["speed_window_s"],
+                       "decoding, one round on a busy host")
+            figures["rounds"] = [r]
+            if base is not None:
+                figures["baseline"].update(status="not run", reason="the host was busy before the rounds")
+                figures["baseline"].pop("rounds", None)
+            figures = _summary(figures, [r], None, host)
+            shown = f"; decode {figures['decode_tps']:.1f} tok/s (one round) is not judged" if figures["decode_tps"] else ""
+            return inconclusive(f"host busy: {busy}{shown}", **figures)
         return _rounds(ctx, base, floor, rounds, figures, host, idle_s)
     except ClientError as e:
         return fail(f"decode: {e}", **figures)
