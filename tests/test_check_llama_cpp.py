@@ -115,6 +115,8 @@ def test_the_recipes_baseline_without_its_gguf_is_not_run(tmp_path, llama, monke
     monkeypatch.delenv("KILN_DECODE_BASELINE", raising=False)
     code, e = _check(tmp_path, llama, "--served-name", LISTED, "--gates", "speed", "--speed-window", "5")
     sp = e["gates"]["speed"]
-    assert sp["baseline"]["status"] == "not run" and "no such GGUF file" in sp["baseline"]["reason"], sp["baseline"]
+    # (a box busy before the rounds never tries the baseline: then that is the reason given)
+    assert sp["baseline"]["status"] == "not run", sp["baseline"]
+    assert "no such GGUF file" in sp["baseline"]["reason"] or sp["reason"].startswith("inconclusive: host busy"), sp
     assert not sp.get("baseline_decode_tps")
     assert sp["passed"] or sp["reason"].startswith(("inconclusive: host busy", "inconclusive: too noisy")), sp["reason"]
