@@ -61,7 +61,7 @@ def summary(name: str, e: dict) -> dict:
     base = sp.get("baseline") or {}
     host = sp.get("host_idle_windows") or {}
     return {
-        "scenario": name, "command": "tool " + " ".join(e["_argv"][2:]), "exit": e["_exit"], "wall_s": e["_wall_s"],
+        "scenario": name, "command": "tool " + " ".join(e["_argv"][1:]), "exit": e["_exit"], "wall_s": e["_wall_s"],
         "verdict": e["verdict"],
         "gates": {g: ("pass" if r["passed"] else "inconclusive" if r.get("inconclusive") else "fail")
                   for g, r in e["gates"].items()},

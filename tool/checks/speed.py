@@ -148,6 +148,8 @@ def run(ctx: GateContext) -> dict:
             r = _round(ctx, min(ctx.limits["speed_max_tokens"], ctx.context_window // 4), ctx.limits["speed_window_s"],
                        "decoding, one round on a busy host")
             figures["rounds"] = [r]
+            figures.update(completion_tokens=r["completion_tokens"], completion_tokens_source=r["completion_tokens_source"],
+                           ttft_s=r["ttft_s"])
             if base is not None:
                 figures["baseline"].update(status="not run", reason="the host was busy before the rounds")
                 figures["baseline"].pop("rounds", None)
