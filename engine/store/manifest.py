@@ -2,7 +2,9 @@
 
 Records are laid out layer-major (layer l's experts 0..E-1, then the next MoE layer), each
 exactly ExpertLayout.pack(gate, up, down) in the store dtype and record order (rows or cols,
-engine.experts; a manifest without "order" is rows), padded to 4 KiB.
+engine.experts; a manifest without "order" is rows), padded to 4 KiB. "quant" names the record
+scheme: "none" (float records in "dtype"; a manifest without it) or one of engine.quant.records.SCHEMES,
+whose records are bytes (dtype "uint8") with their scales inside.
 
 Exit codes of the one-line reasons: 3 the store does not belong here (missing, another
 checkpoint), 8 integrity (garbled manifest, wrong file size).
@@ -14,8 +16,14 @@ import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import torch
+
 from engine.cli import EngineError
 from engine.experts import ALIGN, DTYPES, ORDERS, ExpertLayout
+from engine.quant.records import SCHEMES
+
+QUANTS = ("none", *SCHEMES)
+QUANT_DTYPE = "uint8"           # the dtype of a quantized store's records: bytes
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -47,6 +55,7 @@ class Manifest:
     created: str
     format_version: int = FORMAT_VERSION
     order: str = "rows"
+    quant: str = "none"
     _index: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self):
@@ -54,7 +63,8 @@ class Manifest:
 
     @property
     def layout(self) -> ExpertLayout:
-        return ExpertLayout(self.hidden, self.intermediate, DTYPES[self.dtype], self.order)
+        dtype = torch.uint8 if self.quant != "none" else DTYPES[self.dtype]
+        return ExpertLayout(self.hidden, self.intermediate, dtype, self.order, self.quant)
 
     def record(self, layer: int, expert: int) -> Record:
         return self.records[self._index[(layer, expert)]]
@@ -89,8 +99,10 @@ def load(store_dir: str | os.PathLike, *, check_size: bool = True) -> Manifest:
         raw = dict(raw)
         raw["records"] = [Record(int(l), int(e), int(o), str(h)) for l, e, o, h in raw["records"]]
         m = Manifest(**raw)
-        if m.dtype not in DTYPES:
-            raise ValueError(f"dtype {m.dtype!r}")
+        if m.quant not in QUANTS:
+            raise ValueError(f"quant {m.quant!r} (known: {', '.join(QUANTS)})")
+        if m.dtype not in (DTYPES if m.quant == "none" else (QUANT_DTYPE,)):
+            raise ValueError(f"dtype {m.dtype!r} for quant {m.quant!r}")
         if m.order not in ORDERS:
             raise ValueError(f"order {m.order!r}")
         if m.record_bytes != m.layout.record_bytes or m.record_bytes % ALIGN:
@@ -101,7 +113,7 @@ def load(store_dir: str | os.PathLike, *, check_size: bool = True) -> Manifest:
             raise ValueError(f"total_bytes {m.total_bytes} != records x record_bytes")
     except EngineError:
         raise
-    except (KeyError, TypeError, ValueError, AttributeError) as e:
+    except (KeyError, TypeError, ValueError, AttributeError, AssertionError) as e:
         raise EngineError(f"{path}: garbled ({type(e).__name__}: {e})", EXIT_INTEGRITY) from None
     if check_size:
         data = store_dir / DATA

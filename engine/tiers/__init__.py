@@ -62,7 +62,7 @@ def build_provider(checkpoint, store_dir, *, device="cpu", dtype: torch.dtype | 
 
     m = mf.load(store_dir)
     mf.check_matches(m, ck, store_dir)
-    if dtype is not None and dtype != m.layout.dtype:
+    if dtype is not None and m.quant == "none" and dtype != m.layout.dtype:   # quantized records: any compute dtype
         raise EngineError(f"{Path(store_dir)}: holds {m.dtype} records, {str(dtype).removeprefix('torch.')} was "
                           f"asked for (repack with `engine pack-store --dtype`)", 3)
     mf.check_order(m, device, store_dir)

@@ -1,0 +1,1 @@
+"""Expert kernels, one module per device family and record kind."""
