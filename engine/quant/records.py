@@ -227,8 +227,8 @@ class QuantLayout:
             else:
                 group_size(inp, self.scheme)
         if self.cpu_int4:
-            assert self.hidden % INT4PACK_N == 0 and self.intermediate % INT4PACK_N == 0, \
-                f"the CPU int4 layout tiles {INT4PACK_N} output rows: hidden and intermediate must be multiples"
+            assert self.hidden % INT4PACK_N == 0 and 2 * self.intermediate % INT4PACK_N == 0, \
+                f"the CPU int4 layout tiles {INT4PACK_N} output rows: hidden and 2 x intermediate must be multiples"
 
     @property
     def cpu_int4(self) -> bool:

@@ -24,11 +24,12 @@ def _as_checkpoint(checkpoint):
     return checkpoint if isinstance(checkpoint, Checkpoint) else Checkpoint(checkpoint)
 
 
-def in_memory(checkpoint, *, device="cpu", dtype: torch.dtype | None = None, order: str | None = None) -> InMemoryExperts:
+def in_memory(checkpoint, *, device="cpu", dtype: torch.dtype | None = None, order: str | None = None,
+              quant: str = "none") -> InMemoryExperts:
     """Every routed expert packed into memory (the reference provider, and small models), in record
-    `order` (default: the one the device computes fastest from)."""
+    `order` (default: the one the device computes fastest from); quant "int8"/"int4": quantized records."""
     ck = _as_checkpoint(checkpoint)
-    layout = ck.layout(dtype, order or order_for(device))
+    layout = ck.layout(dtype, order or order_for(device), quant)
     records = {l: torch.stack([layout.pack(*ck.expert(l, e)) for e in range(ck.n_experts)]).to(device)
                for l in ck.moe_layers}
     return InMemoryExperts(layout, records)
