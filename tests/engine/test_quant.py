@@ -15,9 +15,13 @@ import numpy as np
 import pytest
 import torch
 
-from engine.cli import EngineError, main
-from engine.quant.records import (FOUR_BIT, SCHEMES, QuantLayout, affine4, dequantize_matrix, group_size,
-                                  matrix_bytes, quantize_int4, quantize_int8, to_int4pack, unpack_int4pack)
+CUDA = torch.cuda.is_available()
+if not CUDA:            # before anything imports triton: the interpreter is chosen when kernels are defined
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from engine.cli import EngineError, main  # noqa: E402
+from engine.quant.records import (FOUR_BIT, SCHEMES, QuantLayout, affine4, dequantize_matrix,  # noqa: E402
+                                  group_size, matrix_bytes, quantize_int4, quantize_int8, to_int4pack, unpack_int4pack)
 
 gguf = pytest.importorskip("gguf")
 QT = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_1": gguf.GGMLQuantizationType.Q4_1,
@@ -186,21 +190,18 @@ def test_cpu_int4_kernel_gives_the_same_bits_on_any_thread_count():
 
 # ------------------------------------------------------------------ the Triton kernels
 
-triton_mod = pytest.importorskip("triton") if os.environ.get("KILN_NO_TRITON") is None else None
-CUDA = torch.cuda.is_available()
 DEV = torch.device("cuda" if CUDA else "cpu")
 
 
-@pytest.fixture(scope="module")
-def interpret():
-    if not CUDA:
-        os.environ["TRITON_INTERPRET"] = "1"        # read when a kernel is launched
-    yield
-
-
 @pytest.mark.parametrize("scheme", SCHEMES)
-def test_triton_kernels_equal_dequantize_then_matmul(scheme, interpret):
+def test_triton_kernels_equal_dequantize_then_matmul(scheme):
+    pytest.importorskip("triton", reason="triton is not installed (CUDA builds of torch carry it)")
+    from functools import partial
+
     from engine.kernels.quant_triton import quant_grouped_moe, quant_moe_reference, quant_slot_moe
+    if not CUDA:        # the interpreter runs each program in numpy: fewer, larger blocks (the masks still bite)
+        quant_slot_moe = partial(quant_slot_moe, block_i=64, block_h=128)
+        quant_grouped_moe = partial(quant_grouped_moe, block_n=128, block_k=128)
     gen = torch.Generator().manual_seed(8)
     h, i = (256, 256) if scheme == "q4_k" else (64, 96)          # tails: 96 is not a multiple of the blocks
     lay = QuantLayout(h, i, scheme, "rows")
@@ -212,13 +213,14 @@ def test_triton_kernels_equal_dequantize_then_matmul(scheme, interpret):
             slots = torch.randint(0, 5, (t, k), generator=gen).to(DEV)
             w = torch.rand(t, k, generator=gen).to(dtype).to(DEV)
             ref = quant_moe_reference(x, arena, slots, w, lay).float()
-            for fn in (quant_slot_moe, quant_grouped_moe):
+            for name, fn in (("gemv", quant_slot_moe), ("grouped gemm", quant_grouped_moe)):
                 got = fn(x, arena, slots, w, lay).float()
                 assert torch.isfinite(got).all()
-                assert float((got - ref).norm() / ref.norm()) < tol, (fn.__name__, dtype, t, k)
+                assert float((got - ref).norm() / ref.norm()) < tol, (name, dtype, t, k)
 
 
 def test_the_grouped_gemm_pads_each_slots_pairs_to_its_blocks():
+    pytest.importorskip("triton", reason="triton is not installed (CUDA builds of torch carry it)")
     from engine.kernels.quant_triton import _align_pairs
     slots = torch.tensor([3, 1, 3, 3, 0, 1])
     pairs, block_slot = _align_pairs(slots, 2)
