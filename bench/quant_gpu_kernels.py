@@ -67,7 +67,7 @@ def main():
     ap.add_argument("--iters", type=int, default=30)
     args = ap.parse_args()
     from engine.experts import ExpertLayout
-    from engine.gpu.moe_kernels import slot_moe, slot_moe_reference
+    from engine.kernels.triton_moe import slot_moe, slot_moe_reference
     from engine.kernels.quant_triton import quant_grouped_moe, quant_moe_reference, quant_slot_moe
     from engine.quant.records import QuantLayout
 

@@ -21,12 +21,9 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-import click
-
-from engine.cli import EngineError
+from engine.errors import EngineError, Exit
 from engine.experts import DTYPES
 
-EXIT_BAD_MODEL, EXIT_MISSING_DEP, EXIT_IO = 3, 4, 6
 SHARD_BYTES = 1 << 30           # shards of ≤ ~1 GiB: bounded memory while writing, a few files to read
 
 # llama.cpp tensor name (per block) → Llama name in transformers; the MLP ones become expert weights.
@@ -70,23 +67,23 @@ def _field(reader, key, default=None):
 def read_dense(reader, path: Path) -> DenseLlama:
     arch = _field(reader, "general.architecture")
     if arch != "llama":
-        raise EngineError(f"{path}: architecture {arch!r} is not supported (only llama GGUFs)", EXIT_BAD_MODEL)
+        raise EngineError(f"{path}: architecture {arch!r} is not supported (only llama GGUFs)", Exit.BAD_MODEL)
 
     def need(key):
         v = _field(reader, f"llama.{key}")
         if v is None:
-            raise EngineError(f"{path}: GGUF metadata llama.{key} is missing", EXIT_BAD_MODEL)
+            raise EngineError(f"{path}: GGUF metadata llama.{key} is missing", Exit.BAD_MODEL)
         return v
 
     scaling = _field(reader, "llama.rope.scaling.type", "none")
     if scaling not in ("none", "linear") or (scaling == "linear" and _field(reader, "llama.rope.scaling.factor", 1.0) != 1.0):
-        raise EngineError(f"{path}: rope scaling {scaling!r} is not supported (only none)", EXIT_BAD_MODEL)
+        raise EngineError(f"{path}: rope scaling {scaling!r} is not supported (only none)", Exit.BAD_MODEL)
     names = {t.name for t in reader.tensors}
     hidden, heads = int(need("embedding_length")), int(need("attention.head_count"))
     head_dim = hidden // heads
     rot = int(_field(reader, "llama.rope.dimension_count", head_dim))
     if rot != head_dim:
-        raise EngineError(f"{path}: partial rotary ({rot} of head_dim {head_dim}) is not supported", EXIT_BAD_MODEL)
+        raise EngineError(f"{path}: partial rotary ({rot} of head_dim {head_dim}) is not supported", Exit.BAD_MODEL)
     embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
     return DenseLlama(
         vocab_size=int(embd.shape[-1]),           # ggml order: [hidden, vocab]
@@ -206,7 +203,7 @@ def write_checkpoint(reader, d: DenseLlama, out: Path, experts: int, seed: int, 
         w = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32))  # a copy: F32 data is a read-only mmap
         parts = base.split(".")
         if suffix != "weight":
-            raise EngineError(f"GGUF tensor {t.name}: biases are not expected in a llama model", EXIT_BAD_MODEL)
+            raise EngineError(f"GGUF tensor {t.name}: biases are not expected in a llama model", Exit.BAD_MODEL)
         if parts[0] == "blk" and len(parts) == 3:
             layer, kind = int(parts[1]), parts[2]
             prefix = f"model.layers.{layer}"
@@ -221,16 +218,16 @@ def write_checkpoint(reader, d: DenseLlama, out: Path, experts: int, seed: int, 
                     w = unpermute_qk(w, d.num_kv_heads)
                 writer.add(f"{prefix}.{_BLOCK[kind]}.weight", w.to(dtype))
             else:
-                raise EngineError(f"GGUF tensor {t.name} has no place in a Llama model", EXIT_BAD_MODEL)
+                raise EngineError(f"GGUF tensor {t.name} has no place in a Llama model", Exit.BAD_MODEL)
         elif base in _GLOBAL:
             writer.add(f"{_GLOBAL[base]}.weight", w.to(dtype))
         else:
-            raise EngineError(f"GGUF tensor {t.name} has no place in a Llama model", EXIT_BAD_MODEL)
+            raise EngineError(f"GGUF tensor {t.name} has no place in a Llama model", Exit.BAD_MODEL)
         seen.add(t.name)
     for layer in range(d.num_layers):
         missing = [k for k in (*_BLOCK, *_MLP) if f"blk.{layer}.{k}.weight" not in seen]
         if missing:
-            raise EngineError(f"GGUF layer {layer} lacks {', '.join(missing)}", EXIT_BAD_MODEL)
+            raise EngineError(f"GGUF layer {layer} lacks {', '.join(missing)}", Exit.BAD_MODEL)
         # A seeded router spread by 1/sqrt(hidden): its choice never changes the output (identical experts,
         # weights renormalised to 1), only which records are read, so it should pick varied experts.
         router = torch.randn(experts, d.hidden, generator=gen) / d.hidden ** 0.5
@@ -244,7 +241,7 @@ def write_tokenizer(gguf: Path, out: Path, d: DenseLlama) -> None:
 
     tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     if not tok.chat_template:
-        raise EngineError(f"{gguf}: the GGUF carries no chat template (tokenizer.chat_template)", EXIT_BAD_MODEL)
+        raise EngineError(f"{gguf}: the GGUF carries no chat template (tokenizer.chat_template)", Exit.BAD_MODEL)
     try:
         tok.save_pretrained(str(out))
     except OSError:
@@ -263,23 +260,23 @@ def convert_gguf(gguf: Path, out: Path, experts: int, top_k: int, seed: int, dty
     try:
         from gguf import GGUFReader
     except ImportError:
-        raise EngineError("the `gguf` package is required: pip install gguf", EXIT_MISSING_DEP) from None
+        raise EngineError("the `gguf` package is required: pip install gguf", Exit.MISSING_DEP) from None
     if not 1 <= top_k <= experts:
-        raise EngineError(f"--top-k {top_k} must be within 1..--experts {experts}", 2)
+        raise EngineError(f"--top-k {top_k} must be within 1..--experts {experts}", Exit.USAGE)
     if out.exists() and not force:
-        raise EngineError(f"{out}: already exists (pass --force to replace it)", 1)
+        raise EngineError(f"{out}: already exists (pass --force to replace it)", Exit.FAILED)
     try:
         reader = GGUFReader(str(gguf))
     except FileNotFoundError:
-        raise EngineError(f"{gguf}: no such file", EXIT_BAD_MODEL) from None
+        raise EngineError(f"{gguf}: no such file", Exit.BAD_MODEL) from None
     except (ValueError, OSError) as e:
-        raise EngineError(f"{gguf}: not a readable GGUF file ({e})", EXIT_BAD_MODEL) from None
+        raise EngineError(f"{gguf}: not a readable GGUF file ({e})", Exit.BAD_MODEL) from None
     dense = read_dense(reader, gguf)
 
     out.parent.mkdir(parents=True, exist_ok=True)
     need, free = _estimate_bytes(dense, experts, dtype), shutil.disk_usage(out.parent).free
     if free < need:         # refuse before minutes of work; ENOSPC below still catches a disk filled meanwhile
-        raise EngineError(f"{out.parent}: disk full: converting needs about {_size(need)}, {_size(free)} free", EXIT_IO)
+        raise EngineError(f"{out.parent}: disk full: converting needs about {_size(need)}, {_size(free)} free", Exit.IO)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
     try:
         (staging / "config.json").write_text(json.dumps(mixtral_config(dense, experts, top_k, dtype), indent=2) + "\n")
@@ -289,8 +286,8 @@ def convert_gguf(gguf: Path, out: Path, experts: int, top_k: int, seed: int, dty
         _publish(staging, out)
     except OSError as e:
         if e.errno == errno.ENOSPC:
-            raise EngineError(f"{out.parent}: disk full while converting (needs about {_size(need)})", EXIT_IO) from None
-        raise EngineError(f"{out}: cannot write ({e.strerror or e})", EXIT_IO) from None
+            raise EngineError(f"{out.parent}: disk full while converting (needs about {_size(need)})", Exit.IO) from None
+        raise EngineError(f"{out}: cannot write ({e.strerror or e})", Exit.IO) from None
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return out
@@ -329,25 +326,3 @@ def _publish(staging: Path, out: Path) -> None:
     os.replace(staging, out)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
-
-
-@click.command("convert")
-@click.option("--gguf", "gguf", required=True, type=click.Path(path_type=Path, dir_okay=False),
-              help="Dense Llama-architecture GGUF file (any quantization the gguf package dequantizes).")
-@click.option("--out", required=True, type=click.Path(path_type=Path, file_okay=False),
-              help="Checkpoint directory to publish (built beside it, renamed into place).")
-@click.option("--experts", default=8, show_default=True, type=click.IntRange(1, 256),
-              help="Identical experts per layer.")
-@click.option("--top-k", default=2, show_default=True, type=click.IntRange(1, 256), help="Experts per token.")
-@click.option("--seed", default=0, show_default=True, type=int, help="Seed of the random router.")
-@click.option("--dtype", default="float32", show_default=True, type=click.Choice(sorted(DTYPES)),
-              help="Dtype of the written weights (float32 keeps the dequantized values exactly).")
-@click.option("--force", is_flag=True, help="Replace --out if it exists.")
-def convert(gguf, out, experts, top_k, seed, dtype, force):
-    """Convert a dense GGUF model into a sparse-upcycled Mixtral checkpoint.
-
-    Every MLP becomes EXPERTS identical experts behind a seeded router (top-K, weights renormalised), so the
-    result computes the dense model's function. Exit codes: 3 bad GGUF, 4 gguf missing, 6 disk full/unwritable.
-    """
-    path = convert_gguf(gguf, out, experts, top_k, seed, dtype, force)
-    click.echo(str(path))

@@ -23,6 +23,7 @@ import torch
 from engine.experts import set_compute_threads
 from engine.loader import load_model
 from engine.models.common import MoEModel
+from engine.runtime import EngineConfig
 from engine.sampling import choose, make_generator
 
 
@@ -82,24 +83,23 @@ class LLM:
         weakref.finalize(self, _stop_scheduler, self.__dict__)
 
     @classmethod
-    def load(cls, model_dir, store_dir=None, *, device="cpu", dtype=None, max_context=None, max_batch=8,
-             gpu_slots=None, ram_slots=None, readers=None, cpu_layout=None, threads=None) -> "LLM":
-        """threads: CPU compute threads (engine.experts.set_compute_threads; None: its default), which the
-        scheduler thread takes up when it starts. The loading runs on one torch thread so the calling thread
-        keeps no OpenMP team of its own: with a second team alive, libgomp throttles its spin-waits and every
-        parallel region of the decode pays a futex wake-up (measured: 19 → 14 tok/s on SmolLM2, 2 cores)."""
+    def load(cls, model_dir, store_dir=None, config: EngineConfig | None = None, **knobs) -> "LLM":
+        """The engine as `config` (or keyword knobs: EngineConfig's fields) says. config.threads: CPU compute
+        threads (engine.experts.set_compute_threads; None: its default), which the scheduler thread takes up
+        when it starts. The loading runs on one torch thread so the calling thread keeps no OpenMP team of its
+        own: with a second team alive, libgomp throttles its spin-waits and every parallel region of the
+        decode pays a futex wake-up (measured: 19 → 14 tok/s on SmolLM2, 2 cores)."""
         from transformers import AutoTokenizer
 
+        config = EngineConfig.of(config, **knobs)
         before = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
-            model = load_model(model_dir, store_dir=store_dir, device=device, dtype=dtype, max_context=max_context,
-                               max_batch=max_batch, gpu_slots=gpu_slots, ram_slots=ram_slots, readers=readers,
-                               cpu_layout=cpu_layout)
+            model = load_model(model_dir, store_dir=store_dir, config=config)
         finally:
             torch.set_num_threads(before)
-        if torch.device(device).type == "cpu":
-            set_compute_threads(threads)     # here, not in the scheduler: a daemon thread that set them aborts the exit
+        if config.device_kind == "cpu":
+            set_compute_threads(config.threads)  # here, not in the scheduler: a daemon thread that set them aborts the exit
         return cls(model, AutoTokenizer.from_pretrained(model_dir), model_dir)
 
     # ------------------------------------------------------------ callers' side (any thread)

@@ -4,6 +4,7 @@ memory, or the tiered store when `store_dir` is given)."""
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -14,6 +15,7 @@ from engine.experts import DTYPES, ExpertProvider
 from engine.kv_cache import KVCache
 from engine.models import model_class
 from engine.models.common import MoEModel
+from engine.runtime import EngineConfig
 
 DEFAULT_MAX_CONTEXT = 4096      # the KV cache is preallocated: a 128k default would take tens of GB
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
@@ -65,26 +67,25 @@ class CheckpointWeights:
 
 
 def load_model(model_dir: str | Path, provider: ExpertProvider | None = None, *, store_dir: str | Path | None = None,
-               device: str | torch.device = "cpu", dtype: str | torch.dtype | None = None,
-               max_context: int | None = None, max_batch: int = 8, gpu_slots: int | None = None,
-               ram_slots: int | None = None, readers: int | None = None, cpu_layout=None) -> MoEModel:
-    """A model ready for prefill/decode_step. Raises CheckpointError (bad checkpoint) or ValueError (bad argument)."""
+               config: EngineConfig | None = None, **knobs) -> MoEModel:
+    """A model ready for prefill/decode_step, built as `config` says (or keyword knobs: EngineConfig's fields).
+    Raises CheckpointError (bad checkpoint) or ValueError (bad argument)."""
+    config = EngineConfig.of(config, **knobs)
+    device, max_context, max_batch = config.device, config.max_context, config.max_batch
     ckpt = Checkpoint(model_dir)
     cfg = ModelConfig.from_checkpoint(ckpt)
-    dtype = resolve_dtype(device, dtype, ckpt.dtype)
+    dtype = resolve_dtype(device, config.dtype, ckpt.dtype)
     if max_context is None:
         max_context = min(cfg.max_position_embeddings, DEFAULT_MAX_CONTEXT)
     if not 1 < max_context <= cfg.max_position_embeddings:
         raise ValueError(f"context {max_context} must be within 2..{cfg.max_position_embeddings} "
                          f"(the model's max_position_embeddings)")
-    if max_batch < 1:
-        raise ValueError(f"max_batch {max_batch} must be at least 1")
 
     if provider is None:
         # No store: every expert in memory (engine.tiers.in_memory); else the GPU ← RAM ← O_DIRECT store tiers.
+        # The records are asked for in the compute dtype resolved above.
         from engine.tiers import build_provider
-        provider = build_provider(ckpt, store_dir, device=device, dtype=dtype, gpu_slots=gpu_slots,
-                                  ram_slots=ram_slots, readers=readers, cpu_layout=cpu_layout)
+        provider = build_provider(ckpt, store_dir, replace(config, dtype=dtype))
     lay = provider.layout
     if (lay.hidden, lay.intermediate) != (cfg.hidden, cfg.moe_intermediate):
         raise CheckpointError(f"{ckpt.dir}: expert provider holds [{lay.intermediate}x{lay.hidden}] experts, "

@@ -15,10 +15,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import click
 import torch
 
-from engine.cli import EngineError
+from engine.errors import EngineError, Exit
 from engine.experts import ExpertLayout
 from engine.store import manifest as mf
 from engine.store.odirect import aligned_buffer, open_direct, probe, pwrite_full
@@ -99,7 +98,7 @@ def synth_store(cfg: dict, store_dir: Path, config_hash: str, gen: torch.Generat
         reread = hash_records(data, [o for _, _, o in plan], layout.record_bytes)
         bad = [plan[i] for i, (a, b) in enumerate(zip(digests, reread)) if a != b]
         if bad:
-            raise EngineError(f"{data}: layer {bad[0][0]} expert {bad[0][1]} reads back differently than written", 8)
+            raise EngineError(f"{data}: layer {bad[0][0]} expert {bad[0][1]} reads back differently than written", Exit.INTEGRITY)
         publish_store(staging, store_dir, config_hash=config_hash, arch="qwen3_moe", layout=layout, experts=e,
                       plan=plan, digests=digests)
     except BaseException:
@@ -137,22 +136,3 @@ def synthesize(out: Path, store: Path, *, seed: int = 0, std: float = 0.02, devi
     total, gbps = synth_store(cfg, Path(store), Checkpoint(out).config_hash(), gen, std, dev)
     return {"model": str(out), "store": str(store), "layers": cfg["num_hidden_layers"], "store_bytes": total,
             "store_write_gbps": round(gbps, 3)}
-
-
-@click.command("synth")
-@click.option("--out", "out", required=True, type=click.Path(file_okay=False), help="Checkpoint directory to write.")
-@click.option("--store", "store", required=True, type=click.Path(file_okay=False), help="Store directory to write.")
-@click.option("--layers", type=int, default=None, help="Decoder layers (default 48).")
-@click.option("--hidden", type=int, default=None, help="Hidden size (default 2048).")
-@click.option("--experts", type=int, default=None, help="Routed experts per layer (default 128).")
-@click.option("--top-k", "top_k", type=int, default=None, help="Experts per token (default 8).")
-@click.option("--moe-intermediate", type=int, default=None, help="Expert FFN width (default 768).")
-@click.option("--vocab", type=int, default=None, help="Vocabulary size (default 151936).")
-@click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--device", default=None, help="Where to draw the random weights (default: cuda if present).")
-def synth(out, store, layers, hidden, experts, top_k, moe_intermediate, vocab, seed, device):
-    """Synthesize a random checkpoint of the Qwen3-30B-A3B shape (or another), experts straight into a store."""
-    res = synthesize(Path(out), Path(store), seed=seed, device=device, num_hidden_layers=layers, hidden_size=hidden,
-                     num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=moe_intermediate,
-                     vocab_size=vocab)
-    click.echo(json.dumps(res))

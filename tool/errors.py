@@ -21,6 +21,16 @@ class Exit(enum.IntEnum):
     INTERRUPTED = 130   # Ctrl-C
 
 
+def child_exit(returncode: int) -> Exit:
+    """A Kiln child's exit status read as ours. `engine` exits with these very numbers (engine/errors.py
+    declares the same enum; tests/engine/test_errors.py holds them equal), so nothing is mapped by hand;
+    a status outside the enum (docker's 125, a signal) is a plain failure."""
+    try:
+        return Exit(returncode)
+    except ValueError:
+        return Exit.FAILED
+
+
 class KilnError(Exception):
     """An error with a one-line user message and an exit code."""
 

@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from tool.errors import Exit, IntegrityError, KilnError, MissingDependency, NotWritable, last_line
+from tool.errors import Exit, IntegrityError, KilnError, MissingDependency, NotWritable, child_exit, last_line
 from tool.plan import compile_plan
 from tool.runners import Dirs, pid_alive
 from tool.store_verify import StoreReport, verify_store
@@ -63,7 +63,7 @@ def run_command(argv: list[str], env: dict, log, what: str, container: str | Non
             log.flush()
             tail = last_line(Path(log.name).read_text(errors="replace")[-4000:])
         raise KilnError(f"{what}: `{Path(argv[0]).name} {argv[1] if len(argv) > 1 else ''}` exited {rc}: {tail}",
-                        Exit.IO if rc == 6 else Exit.FAILED)
+                        child_exit(rc))
 
 
 def stop_child(proc: subprocess.Popen, timeout: float = 10) -> None:

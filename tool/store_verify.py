@@ -12,10 +12,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from tool.errors import Exit, KilnError, last_line
-
-# How the engine's exit codes read here (engine --help: 1 bad record, 6 filesystem, 8 sha256 mismatch).
-ENGINE_EXIT = {8: Exit.INTEGRITY, 6: Exit.IO, 3: Exit.INTEGRITY, 1: Exit.INTEGRITY}
+from tool.errors import Exit, KilnError, child_exit, last_line
 
 
 @dataclass
@@ -78,5 +75,5 @@ def verify_store(recipe, models: Path, stores: Path, plan: dict | None = None) -
         except OSError as e:
             return StoreReport("not run", f"{argv[0]}: cannot run ({e.strerror or e})", Exit.MISSING_DEP)
         if r.returncode != 0:
-            return StoreReport("failed", last_line(r.stderr or r.stdout), ENGINE_EXIT.get(r.returncode, Exit.FAILED))
+            return StoreReport("failed", last_line(r.stderr or r.stdout), child_exit(r.returncode))
     return StoreReport("ok", f"{store}: {last_line(r.stdout) if r.stdout.strip() else 'verified'}")

@@ -1,4 +1,4 @@
-"""Expert providers for CUDA devices, computing from slots with engine.gpu.moe_kernels.
+"""Expert providers for CUDA devices, computing from slots with engine.kernels.triton_moe.
 
 GpuResidentExperts: every expert in one device arena; slot = layer base + expert id, computed on
   the device, so a decode step never reads back to the host and is CUDA-graph capturable.
@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 
 from engine.experts import ExpertLayout
-from engine.gpu.moe_kernels import moe_from_slots
+from engine.kernels.triton_moe import moe_from_slots
 from engine.store import manifest as mf
 from engine.store.odirect import aligned_buffer, open_direct, pread_full
 from engine.tiers.cache import ExpertCache, make_policy

@@ -13,9 +13,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engine.cli import EngineError
+from engine.errors import EngineError, Exit
 
-EXIT_BAD_MODEL, EXIT_MISSING_DEP = 3, 4
 GGUF_TYPES = {"Q8_0": "q8_0", "Q4_1": "q4_1", "Q4_K": "q4_k"}    # GGML type name -> engine.quant scheme
 _KINDS = ("ffn_gate", "ffn_up", "ffn_down")
 
@@ -27,14 +26,14 @@ class GgufExperts:
         try:
             from gguf import GGUFReader
         except ImportError:
-            raise EngineError("the `gguf` package is required for --quant gguf: pip install gguf", EXIT_MISSING_DEP) from None
+            raise EngineError("the `gguf` package is required for --quant gguf: pip install gguf", Exit.MISSING_DEP) from None
         self.path = Path(path)
         try:
             reader = GGUFReader(str(self.path))
         except FileNotFoundError:
-            raise EngineError(f"{self.path}: no such file", EXIT_BAD_MODEL) from None
+            raise EngineError(f"{self.path}: no such file", Exit.BAD_MODEL) from None
         except (ValueError, OSError) as e:
-            raise EngineError(f"{self.path}: not a readable GGUF file ({e})", EXIT_BAD_MODEL) from None
+            raise EngineError(f"{self.path}: not a readable GGUF file ({e})", Exit.BAD_MODEL) from None
         by_name = {t.name: t for t in reader.tensors}
         self.experts, self._tensors, types = experts, {}, set()
         shapes = {"ffn_gate": (intermediate, hidden), "ffn_up": (intermediate, hidden), "ffn_down": (hidden, intermediate)}
@@ -43,23 +42,23 @@ class GgufExperts:
                 t = by_name.get(f"blk.{l}.{kind}_exps.weight") or by_name.get(f"blk.{l}.{kind}.weight")
                 if t is None:
                     raise EngineError(f"{self.path}: no blk.{l}.{kind}_exps.weight or blk.{l}.{kind}.weight "
-                                      f"(the checkpoint's MoE layer {l})", EXIT_BAD_MODEL)
+                                      f"(the checkpoint's MoE layer {l})", Exit.BAD_MODEL)
                 kind_name = t.tensor_type.name
                 if kind_name not in GGUF_TYPES:
                     raise EngineError(f"{self.path}: {t.name} is {kind_name}; expert records keep Q8_0, Q4_1 or "
-                                      f"Q4_K blocks", EXIT_BAD_MODEL)
+                                      f"Q4_K blocks", Exit.BAD_MODEL)
                 stacked = t.name.endswith("_exps.weight")
                 out, inp = shapes[kind]
                 ne = [int(n) for n in t.shape]          # ggml order: [in, out(, experts)]
                 want = [inp, out, experts] if stacked else [inp, out]
                 if ne != want:
                     raise EngineError(f"{self.path}: {t.name} has shape {ne}, the checkpoint's experts need "
-                                      f"{want} (ggml order)", EXIT_BAD_MODEL)
+                                      f"{want} (ggml order)", Exit.BAD_MODEL)
                 types.add(kind_name)
                 self._tensors[(l, kind)] = (t.data, stacked)
         if len(types) != 1:
             raise EngineError(f"{self.path}: expert tensors mix {', '.join(sorted(types))}; a store holds one "
-                              f"scheme (all Q8_0, all Q4_1 or all Q4_K)", EXIT_BAD_MODEL)
+                              f"scheme (all Q8_0, all Q4_1 or all Q4_K)", Exit.BAD_MODEL)
         self.scheme = GGUF_TYPES[types.pop()]
 
     def blocks(self, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

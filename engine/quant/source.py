@@ -8,10 +8,9 @@ from typing import Callable
 
 import torch
 
-from engine.cli import EngineError
+from engine.errors import EngineError, Exit
 from engine.experts import ExpertLayout
 
-EXIT_USAGE, EXIT_BAD_MODEL = 2, 3
 QUANT_CHOICES = ("none", "int8", "int4", "gguf")
 # A GGUF whose experts are not the checkpoint's (another model, another size) dequantizes far from them;
 # one made from them lands within its quantization error (Q4: about 0.1 relative; converted: 0).
@@ -22,16 +21,16 @@ def record_source(ck, *, dtype: torch.dtype | None = None, order: str = "rows", 
                   gguf: str | os.PathLike | None = None) -> tuple[ExpertLayout, Callable[[int, int], torch.Tensor]]:
     """(layout, make) with make(layer, expert) -> that expert's whole record."""
     if quant not in QUANT_CHOICES:
-        raise EngineError(f"--quant {quant!r} is not one of {', '.join(QUANT_CHOICES)}", EXIT_USAGE)
+        raise EngineError(f"--quant {quant!r} is not one of {', '.join(QUANT_CHOICES)}", Exit.USAGE)
     if (quant == "gguf") != (gguf is not None):
         raise EngineError("--gguf FILE goes with --quant gguf (the file's own expert blocks), and only with it",
-                          EXIT_USAGE)
+                          Exit.USAGE)
     if quant in ("none", "int8", "int4"):
         try:
             layout = ck.layout(dtype, order, quant)
         except (AssertionError, ValueError) as e:
             raise EngineError(f"{ck.dir}: experts [{ck.moe_intermediate}x{ck.hidden}] cannot be {quant} records ({e})",
-                              EXIT_BAD_MODEL) from None
+                              Exit.BAD_MODEL) from None
         return layout, lambda l, e: layout.pack(*ck.expert(l, e))
 
     from engine.quant.gguf import GgufExperts
@@ -40,7 +39,7 @@ def record_source(ck, *, dtype: torch.dtype | None = None, order: str = "rows", 
     try:
         layout = ck.layout(order=order, quant=src.scheme)
     except (AssertionError, ValueError) as e:
-        raise EngineError(f"{src.path}: its {src.scheme} experts cannot be {order} records ({e})", EXIT_BAD_MODEL) from None
+        raise EngineError(f"{src.path}: its {src.scheme} experts cannot be {order} records ({e})", Exit.BAD_MODEL) from None
     if ck.has_experts:
         check_gguf_matches(ck, src, layout)
     return layout, lambda l, e: layout.quantized.pack_blocks(*src.blocks(l, e))
@@ -58,4 +57,4 @@ def check_gguf_matches(ck, src, layout: ExpertLayout) -> None:
             rel = float((g - w).norm() / w.norm().clamp_min(1e-30))
             if rel > GGUF_MATCH_REL_ERR:
                 raise EngineError(f"{src.path}: layer {l} expert {e} {name} differs from {ck.dir}'s by {rel:.2f} "
-                                  f"(relative); this GGUF is not that checkpoint's", EXIT_BAD_MODEL)
+                                  f"(relative); this GGUF is not that checkpoint's", Exit.BAD_MODEL)

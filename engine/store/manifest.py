@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from engine.cli import EngineError
+from engine.errors import EngineError, Exit
 from engine.experts import ALIGN, DTYPES, ORDERS, ExpertLayout
 from engine.quant.records import SCHEMES
 
@@ -28,8 +28,6 @@ QUANT_DTYPE = "uint8"           # the dtype of a quantized store's records: byte
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 DATA = "experts.bin"
-EXIT_BAD_MODEL = 3
-EXIT_INTEGRITY = 8
 
 
 @dataclass(frozen=True)
@@ -85,17 +83,17 @@ def load(store_dir: str | os.PathLike, *, check_size: bool = True) -> Manifest:
     store_dir = Path(store_dir)
     path = store_dir / MANIFEST
     if not store_dir.is_dir():
-        raise EngineError(f"{store_dir}: no such store directory (run `engine pack-store`)", EXIT_BAD_MODEL)
+        raise EngineError(f"{store_dir}: no such store directory (run `engine pack-store`)", Exit.BAD_MODEL)
     try:
         raw = json.loads(path.read_text())
     except FileNotFoundError:
-        raise EngineError(f"{path}: missing (not a Kiln expert store; run `engine pack-store`)", EXIT_BAD_MODEL) from None
+        raise EngineError(f"{path}: missing (not a Kiln expert store; run `engine pack-store`)", Exit.BAD_MODEL) from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise EngineError(f"{path}: garbled ({getattr(e, 'msg', e)})", EXIT_INTEGRITY) from None
+        raise EngineError(f"{path}: garbled ({getattr(e, 'msg', e)})", Exit.INTEGRITY) from None
     try:
         if raw.get("format_version") != FORMAT_VERSION:
             raise EngineError(f"{path}: format_version {raw.get('format_version')!r} is not "
-                              f"{FORMAT_VERSION} (repack with this engine)", EXIT_BAD_MODEL)
+                              f"{FORMAT_VERSION} (repack with this engine)", Exit.BAD_MODEL)
         raw = dict(raw)
         raw["records"] = [Record(int(l), int(e), int(o), str(h)) for l, e, o, h in raw["records"]]
         m = Manifest(**raw)
@@ -114,15 +112,15 @@ def load(store_dir: str | os.PathLike, *, check_size: bool = True) -> Manifest:
     except EngineError:
         raise
     except (KeyError, TypeError, ValueError, AttributeError, AssertionError) as e:
-        raise EngineError(f"{path}: garbled ({type(e).__name__}: {e})", EXIT_INTEGRITY) from None
+        raise EngineError(f"{path}: garbled ({type(e).__name__}: {e})", Exit.INTEGRITY) from None
     if check_size:
         data = store_dir / DATA
         try:
             size = data.stat().st_size
         except FileNotFoundError:
-            raise EngineError(f"{data}: missing (the manifest names {m.total_bytes} bytes)", EXIT_INTEGRITY) from None
+            raise EngineError(f"{data}: missing (the manifest names {m.total_bytes} bytes)", Exit.INTEGRITY) from None
         if size != m.total_bytes:
-            raise EngineError(f"{data}: {size} bytes, the manifest says {m.total_bytes}", EXIT_INTEGRITY)
+            raise EngineError(f"{data}: {size} bytes, the manifest says {m.total_bytes}", Exit.INTEGRITY)
     return m
 
 
@@ -130,11 +128,11 @@ def check_order(m: Manifest, device, store_dir) -> None:
     """The GPU kernels read rows-order records; a cols store is for CPU serving (the CPU reads either)."""
     if m.order != "rows" and str(device).startswith("cuda"):
         raise EngineError(f"{Path(store_dir)}: holds {m.order}-order records, the GPU kernels read rows "
-                          f"(repack with `engine pack-store --order rows`)", EXIT_BAD_MODEL)
+                          f"(repack with `engine pack-store --order rows`)", Exit.BAD_MODEL)
 
 
 def check_matches(m: Manifest, checkpoint, store_dir) -> None:
     """A store packed from another checkpoint must not be served with this one."""
     if m.config_hash != checkpoint.config_hash():
         raise EngineError(f"{Path(store_dir) / MANIFEST}: packed from another checkpoint (config hash "
-                          f"{m.config_hash[:12]}, {checkpoint.dir} has {checkpoint.config_hash()[:12]})", EXIT_BAD_MODEL)
+                          f"{m.config_hash[:12]}, {checkpoint.dir} has {checkpoint.config_hash()[:12]})", Exit.BAD_MODEL)

@@ -12,10 +12,8 @@ import os
 import secrets
 from pathlib import Path
 
-from engine.cli import EngineError
+from engine.errors import EngineError, Exit
 from engine.experts import ALIGN
-
-EXIT_IO = 6
 
 
 def fstype(path: str | os.PathLike) -> str:
@@ -60,7 +58,7 @@ def pwrite_full(fd: int, buf, offset: int) -> int:
 
 
 def refused(path, e: OSError | None = None) -> EngineError:
-    return EngineError(f"{path}: the filesystem refuses O_DIRECT (fstype {fstype(path)})", EXIT_IO)
+    return EngineError(f"{path}: the filesystem refuses O_DIRECT (fstype {fstype(path)})", Exit.IO)
 
 
 def probe(directory: str | os.PathLike) -> None:
@@ -71,7 +69,7 @@ def probe(directory: str | os.PathLike) -> None:
     """
     directory = Path(directory)
     if not directory.is_dir():
-        raise EngineError(f"{directory}: not a directory", EXIT_IO)
+        raise EngineError(f"{directory}: not a directory", Exit.IO)
     buf = aligned_buffer(ALIGN)
     pattern = secrets.token_bytes(64) * (ALIGN // 64)
     buf[:] = pattern
@@ -84,17 +82,17 @@ def probe(directory: str | os.PathLike) -> None:
             raise refused(directory, e) from None
         if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
             return _probe_read_only(directory, e)
-        raise EngineError(f"{directory}: cannot create an O_DIRECT probe file ({e.strerror})", EXIT_IO) from None
+        raise EngineError(f"{directory}: cannot create an O_DIRECT probe file ({e.strerror})", Exit.IO) from None
     try:
         pwrite_full(fd, buf, 0)
         back = aligned_buffer(ALIGN)
         pread_full(fd, back, 0)
         if back[:] != pattern:
-            raise EngineError(f"{directory}: an O_DIRECT block read back differs from what was written", EXIT_IO)
+            raise EngineError(f"{directory}: an O_DIRECT block read back differs from what was written", Exit.IO)
     except OSError as e:
         if e.errno == errno.EINVAL:
             raise refused(directory, e) from None
-        raise EngineError(f"{directory}: O_DIRECT probe failed ({e.strerror})", EXIT_IO) from None
+        raise EngineError(f"{directory}: O_DIRECT probe failed ({e.strerror})", Exit.IO) from None
     finally:
         os.close(fd)
         tmp.unlink(missing_ok=True)
@@ -104,7 +102,7 @@ def _probe_read_only(directory: Path, why: OSError) -> None:
     candidates = [p for p in sorted(directory.iterdir()) if p.is_file() and p.stat().st_size >= ALIGN]
     if not candidates:
         raise EngineError(f"{directory}: cannot write an O_DIRECT probe file ({why.strerror}) "
-                          f"and holds no file to probe by reading", EXIT_IO)
+                          f"and holds no file to probe by reading", Exit.IO)
     buf = aligned_buffer(ALIGN)
     try:
         fd = os.open(candidates[0], os.O_RDONLY | os.O_DIRECT)
@@ -115,7 +113,7 @@ def _probe_read_only(directory: Path, why: OSError) -> None:
     except OSError as e:
         if e.errno == errno.EINVAL:
             raise refused(directory, e) from None
-        raise EngineError(f"{candidates[0]}: O_DIRECT read probe failed ({e.strerror})", EXIT_IO) from None
+        raise EngineError(f"{candidates[0]}: O_DIRECT read probe failed ({e.strerror})", Exit.IO) from None
 
 
 def open_direct(path: str | os.PathLike, flags: int = os.O_RDONLY, mode: int = 0o644) -> int:
@@ -125,4 +123,4 @@ def open_direct(path: str | os.PathLike, flags: int = os.O_RDONLY, mode: int = 0
     except OSError as e:
         if e.errno == errno.EINVAL:
             raise refused(Path(path).parent, e) from None
-        raise EngineError(f"{path}: cannot open ({e.strerror})", EXIT_IO) from None
+        raise EngineError(f"{path}: cannot open ({e.strerror})", Exit.IO) from None

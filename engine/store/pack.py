@@ -28,9 +28,9 @@ from typing import Callable
 import torch
 
 from engine.checkpoint import Checkpoint
-from engine.cli import EngineError
+from engine.errors import EngineError, Exit
 from engine.store import manifest as mf
-from engine.store.odirect import EXIT_IO, aligned_buffer, open_direct, pread_full, probe, pwrite_full
+from engine.store.odirect import aligned_buffer, open_direct, pread_full, probe, pwrite_full
 from engine.store.verify import hash_records
 
 CHUNK = 32 << 20
@@ -70,9 +70,9 @@ def pack_store(model_dir: str | os.PathLike, store_dir: str | os.PathLike, *, dt
     try:
         parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise EngineError(f"{parent}: cannot create ({e.strerror})", EXIT_IO) from None
+        raise EngineError(f"{parent}: cannot create ({e.strerror})", Exit.IO) from None
     if store_dir.exists() and any(store_dir.iterdir()) and not (store_dir / mf.MANIFEST).exists():
-        raise EngineError(f"{store_dir}: exists and is not a Kiln expert store; refusing to replace it", EXIT_IO)
+        raise EngineError(f"{store_dir}: exists and is not a Kiln expert store; refusing to replace it", Exit.IO)
     probe(parent)
     _remove_stale_staging(parent, store_dir.name)
 
@@ -93,7 +93,7 @@ def pack_store(model_dir: str | os.PathLike, store_dir: str | os.PathLike, *, dt
         for (l, e, o), want, got in zip(plan, digests, reread):
             if want != got:
                 raise EngineError(f"{data}: layer {l} expert {e} offset {o} reads back differently than "
-                                  f"written (sha256)", mf.EXIT_INTEGRITY)
+                                  f"written (sha256)", Exit.INTEGRITY)
         sampled = _compare_sample(layout, plan, data, sample, make)
 
         publish_store(staging, store_dir, config_hash=ck.config_hash(), arch=ck.arch, layout=layout,
@@ -132,9 +132,9 @@ def _write_records(ck: Checkpoint, layout, plan, data: Path, total: int, progres
         except OSError as e:
             if e.errno == errno.ENOSPC:
                 free = shutil.disk_usage(data.parent).free
-                raise EngineError(f"{data.parent}: the store needs {total} bytes, {free} free", EXIT_IO) from None
+                raise EngineError(f"{data.parent}: the store needs {total} bytes, {free} free", Exit.IO) from None
             if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):   # no fallocate: plain writes still work
-                raise EngineError(f"{data}: cannot preallocate ({e.strerror})", EXIT_IO) from None
+                raise EngineError(f"{data}: cannot preallocate ({e.strerror})", Exit.IO) from None
         free_bufs: queue.Queue = queue.Queue()
         for _ in range(3):
             free_bufs.put(aligned_buffer(per_chunk * rb))
@@ -184,7 +184,7 @@ def _write_records(ck: Checkpoint, layout, plan, data: Path, total: int, progres
         if failed:
             e = failed[0]
             if isinstance(e, OSError):
-                raise EngineError(f"{data}: write failed ({e.strerror or e})", EXIT_IO) from None
+                raise EngineError(f"{data}: write failed ({e.strerror or e})", Exit.IO) from None
             raise e
         os.fsync(fd)
         return digests
@@ -215,7 +215,7 @@ def _compare_sample(layout, plan, data: Path, n: int, make) -> int:
             pread_full(fd, buf, o)
             want = make(l, e).view(torch.uint8).numpy().tobytes()
             if buf[:len(want)] != want:
-                raise EngineError(f"{data}: layer {l} expert {e} offset {o} differs from the checkpoint", mf.EXIT_INTEGRITY)
+                raise EngineError(f"{data}: layer {l} expert {e} offset {o} differs from the checkpoint", Exit.INTEGRITY)
     finally:
         buf.close()
         os.close(fd)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from engine.cli import EngineError
+from engine.errors import EngineError, Exit
 from engine.store import manifest as mf
 from engine.store.odirect import aligned_buffer, open_direct, pread_full, probe
 
@@ -77,9 +77,9 @@ def hash_records(path: str | os.PathLike, offsets: list[int], record_bytes: int,
         if isinstance(e, (EngineError, KeyboardInterrupt)):
             raise e
         if isinstance(e, EOFError):
-            raise EngineError(f"{path}: {e}", mf.EXIT_INTEGRITY) from None
+            raise EngineError(f"{path}: {e}", Exit.INTEGRITY) from None
         if isinstance(e, OSError):
-            raise EngineError(f"{path}: read failed ({e.strerror or e})", 6) from None
+            raise EngineError(f"{path}: read failed ({e.strerror or e})", Exit.IO) from None
         raise e
     return digests
 

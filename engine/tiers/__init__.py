@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from engine.experts import DTYPES, ExpertProvider, InMemoryExperts, order_for
+from engine.runtime import EngineConfig
 
 log = logging.getLogger("engine.tiers")
 
@@ -35,22 +36,23 @@ def in_memory(checkpoint, *, device="cpu", dtype: torch.dtype | None = None, ord
     return InMemoryExperts(layout, records)
 
 
-def build_provider(checkpoint, store_dir, *, device="cpu", dtype: torch.dtype | str | None = None,
-                   gpu_slots: int | None = None, ram_slots: int | None = None, readers: int | None = None,
-                   cpu_layout: str | None = None, policy: str = "lru", trace: str | os.PathLike | None = None
-                   ) -> ExpertProvider:
-    """The expert provider for `checkpoint` (a Checkpoint or its directory).
+def build_provider(checkpoint, store_dir, config: EngineConfig | None = None, *,
+                   trace: str | os.PathLike | None = None, **knobs) -> ExpertProvider:
+    """The expert provider for `checkpoint` (a Checkpoint or its directory), as `config` (or keyword
+    knobs: EngineConfig's fields) says.
 
     store_dir None: all experts in memory. Else a TieredExperts over the packed store, which must
-    come from this checkpoint; `dtype` (the record dtype) must then be None or the store's.
+    come from this checkpoint; config.dtype (the record dtype) must then be None or the store's.
     gpu_slots / ram_slots None: sized from free VRAM / the memory cgroup (logged).
     cpu_layout: e.g. "readers=26-39" pins the reader threads. trace: append routing (JSON lines).
     """
-    from engine.cli import EngineError
+    from engine.errors import EngineError, Exit
+    config = EngineConfig.of(config, **knobs)
+    gpu_slots, ram_slots, readers = config.gpu_slots, config.ram_slots, config.readers
+    cpu_layout, policy = config.cpu_layout, config.policy
     ck = _as_checkpoint(checkpoint)
-    if isinstance(dtype, str):
-        dtype = DTYPES[dtype]
-    device = torch.device(device)
+    dtype = DTYPES[config.dtype] if config.dtype else None
+    device = torch.device(config.device)
     if store_dir is None:
         return in_memory(ck, device=device, dtype=dtype)
 
@@ -65,7 +67,7 @@ def build_provider(checkpoint, store_dir, *, device="cpu", dtype: torch.dtype | 
     mf.check_matches(m, ck, store_dir)
     if dtype is not None and m.quant == "none" and dtype != m.layout.dtype:   # quantized records: any compute dtype
         raise EngineError(f"{Path(store_dir)}: holds {m.dtype} records, {str(dtype).removeprefix('torch.')} was "
-                          f"asked for (repack with `engine pack-store --dtype`)", 3)
+                          f"asked for (repack with `engine pack-store --dtype`)", Exit.BAD_MODEL)
     mf.check_order(m, device, store_dir)
     probe(store_dir)
     n = len(m.records)
@@ -75,11 +77,11 @@ def build_provider(checkpoint, store_dir, *, device="cpu", dtype: torch.dtype | 
         if gpu_slots is None:
             gpu_slots = default_gpu_slots(device, m.record_bytes, n)
         if gpu_slots < 1:
-            raise EngineError(f"GPU tier: no room for one {m.record_bytes}-byte expert slot on {device}", 6)
+            raise EngineError(f"GPU tier: no room for one {m.record_bytes}-byte expert slot on {device}", Exit.IO)
     else:
         gpu_slots = 0                  # the CPU computes straight from the RAM tier
     if ram_slots < 1:
-        raise EngineError("RAM tier: no room for one expert slot (set --ram-slots)", 6)
+        raise EngineError("RAM tier: no room for one expert slot (set --ram-slots)", Exit.IO)
     reader_cpus = parse_cpu_layout(cpu_layout).get("readers")
     readers = readers or max(1, min(16, len(reader_cpus or os.sched_getaffinity(0))))
     log.info("expert tiers: %d GPU slots, %d RAM slots, %d store readers%s, policy %s", gpu_slots, ram_slots,

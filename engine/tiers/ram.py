@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from engine.cli import EngineError
+from engine.errors import EngineError, Exit
 from engine.store.odirect import aligned_buffer
 
 log = logging.getLogger("engine.tiers")
@@ -101,7 +101,7 @@ class RamArena:
         try:
             self._mm = aligned_buffer(slots * record_bytes)
         except (OSError, ValueError) as e:
-            raise EngineError(f"RAM tier: cannot map {slots} x {record_bytes} bytes ({e})", 6) from None
+            raise EngineError(f"RAM tier: cannot map {slots} x {record_bytes} bytes ({e})", Exit.IO) from None
         self.bytes = torch.frombuffer(self._mm, dtype=torch.uint8)
         self._view = memoryview(self._mm)
         self._registered: list[int] = []
@@ -120,7 +120,7 @@ class RamArena:
             if int(rc) != 0:
                 self.close()
                 raise EngineError(f"RAM tier: cudaHostRegister of {n} bytes at +{off} failed (error {int(rc)}; "
-                                  f"is `ulimit -l` / LimitMEMLOCK too low?)", 6)
+                                  f"is `ulimit -l` / LimitMEMLOCK too low?)", Exit.IO)
             self._registered.append(base + off)
         log.info("RAM tier: %d slots (%.2f GiB) page-locked with cudaHostRegister in %d chunks",
                  self.slots, total / GIB, len(self._registered))

@@ -12,7 +12,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from engine.cli import EngineError
+from engine.errors import EngineError, Exit
 from engine.store.odirect import open_direct, pread_full
 
 log = logging.getLogger("engine.tiers")
@@ -40,7 +40,7 @@ def parse_cpu_layout(text: str | None) -> dict[str, set[int]]:
                 raise ValueError
             out[name] = parse_cpulist(cpus)
         except ValueError:
-            raise EngineError(f"--cpu-layout: {entry!r} is not NAME=CPULIST (e.g. readers=26-39)", 2) from None
+            raise EngineError(f"--cpu-layout: {entry!r} is not NAME=CPULIST (e.g. readers=26-39)", Exit.USAGE) from None
     return out
 
 
@@ -77,9 +77,9 @@ class StoreReaders:
         try:
             n = sum(f.result() for f in futures)
         except EOFError as e:
-            raise EngineError(f"{self.path}: {e} (truncated store? run `engine verify-store`)", 8) from None
+            raise EngineError(f"{self.path}: {e} (truncated store? run `engine verify-store`)", Exit.INTEGRITY) from None
         except OSError as e:
-            raise EngineError(f"{self.path}: read failed ({e.strerror or e})", 6) from None
+            raise EngineError(f"{self.path}: read failed ({e.strerror or e})", Exit.IO) from None
         with self._lock:
             self.seconds += time.perf_counter() - t0
             self.bytes_read += n

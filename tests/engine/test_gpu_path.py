@@ -21,7 +21,7 @@ if not CUDA:
 triton = pytest.importorskip("triton", reason="triton is not installed (CUDA builds of torch carry it)")
 
 from engine.experts import ExpertLayout  # noqa: E402
-from engine.gpu.moe_kernels import slot_moe, slot_moe_reference  # noqa: E402
+from engine.kernels.triton_moe import slot_moe, slot_moe_reference  # noqa: E402
 
 DEV = torch.device("cuda" if CUDA else "cpu")
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device (streams, page-locked memory, graphs)")

@@ -19,7 +19,8 @@ CUDA = torch.cuda.is_available()
 if not CUDA:            # before anything imports triton: the interpreter is chosen when kernels are defined
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from engine.cli import EngineError, main  # noqa: E402
+from engine.cli import main  # noqa: E402
+from engine.errors import EngineError  # noqa: E402
 from engine.quant.records import (FOUR_BIT, SCHEMES, QuantLayout, affine4, dequantize_matrix,  # noqa: E402
                                   group_size, matrix_bytes, quantize_int4, quantize_int8, to_int4pack, unpack_int4pack)
 

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from engine.checkpoint import Checkpoint
-from engine.cli import EngineError, main
+from engine.cli import main
+from engine.errors import EngineError
 from engine.store import manifest as mf
 from engine.store.pack import pack_store
 from engine.store.verify import verify_store

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from engine.checkpoint import Checkpoint
-from engine.cli import EngineError, main
+from engine.cli import main
+from engine.errors import EngineError
 from engine.experts import InMemoryExperts
 from engine.store.pack import pack_store
 from engine.tiers import build_provider, in_memory

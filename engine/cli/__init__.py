@@ -6,16 +6,18 @@ import sys
 
 import click
 
+from engine.errors import EngineError, Exit
+
 # command name -> (module, attribute)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "pack-store": ("engine.store.cli", "pack_store"),
-    "verify-store": ("engine.store.cli", "verify_store"),
-    "serve": ("engine.server.cli", "serve"),
-    "generate": ("engine.generate_cli", "generate"),
-    "convert": ("engine.convert", "convert"),
-    "synth": ("engine.synth", "synth"),
-    "simulate-cache": ("engine.tiers.simulate", "simulate_cache"),
-    "reference-decode": ("engine.reference", "reference_decode"),
+    "pack-store": ("engine.cli.store", "pack_store"),
+    "verify-store": ("engine.cli.store", "verify_store"),
+    "serve": ("engine.cli.serve", "serve"),
+    "generate": ("engine.cli.generate", "generate"),
+    "convert": ("engine.cli.convert", "convert"),
+    "synth": ("engine.cli.synth", "synth"),
+    "simulate-cache": ("engine.cli.simulate_cache", "simulate_cache"),
+    "reference-decode": ("engine.cli.reference_decode", "reference_decode"),
 }
 
 SHORT_HELP = {
@@ -28,14 +30,6 @@ SHORT_HELP = {
     "simulate-cache": "Compare expert-cache eviction policies on a routing trace.",
     "reference-decode": "Time transformers' own generate on a model (the speed gate's baseline).",
 }
-
-
-class EngineError(Exception):
-    """A one-line, user-facing failure; `exit_code` is documented in `engine --help`."""
-
-    def __init__(self, message: str, exit_code: int = 1):
-        super().__init__(message)
-        self.exit_code = exit_code
 
 
 class LazyGroup(click.Group):
@@ -51,7 +45,7 @@ class LazyGroup(click.Group):
         except (ImportError, AttributeError) as e:
             @click.command(name=name, help=f"(unavailable: {e})")
             def unavailable():
-                raise EngineError(f"`engine {name}` is unavailable here: {e}", 4)
+                raise EngineError(f"`engine {name}` is unavailable here: {e}", Exit.MISSING_DEP)
             return unavailable
 
     def format_commands(self, ctx, formatter):
@@ -73,10 +67,10 @@ def main(argv=None) -> int:
         return int(rv or 0)
     except EngineError as e:
         click.echo(f"engine: {e}", err=True)
-        return e.exit_code
+        return int(e.exit_code)
     except (click.exceptions.Abort, KeyboardInterrupt):
         click.echo("engine: interrupted", err=True)
-        return 130
+        return Exit.INTERRUPTED
     except click.ClickException as e:
         e.show()
         return e.exit_code

@@ -9,11 +9,8 @@ from pathlib import Path
 
 import click
 
-from engine.cli import EngineError
-
-EXIT_MODEL = 3                          # model directory missing / not a checkpoint
-EXIT_IO = 6                             # the store's filesystem refuses O_DIRECT
-EXIT_ADDRESS = 7                        # port in use / address not available
+from engine.cli import options
+from engine.errors import EngineError, Exit
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -26,7 +23,7 @@ def bind(host: str, port: int) -> socket.socket:
     except OSError as e:
         sock.close()
         why = "is in use" if e.errno == errno.EADDRINUSE else f"cannot be bound ({e.strerror})"
-        raise EngineError(f"{host}:{port} {why}", EXIT_ADDRESS) from None
+        raise EngineError(f"{host}:{port} {why}", Exit.ADDRESS) from None
     sock.listen(2048)
     sock.set_inheritable(True)
     return sock
@@ -46,22 +43,12 @@ def fingerprint_of(model_dir: Path) -> str:
               help="Packed expert store (engine pack-store); without it the experts are read from the checkpoint.")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (loopback unless told).")
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535))
-@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None,
-              help="Compute dtype (default: the engine's choice for the device).")
+@options.device
+@options.dtype
 @click.option("--served-name", default=None, help="Model name in the API (default: the model directory's name).")
-@click.option("--ctx", "max_context", type=click.IntRange(min=16), default=None,
-              help="Context window in tokens; the KV cache is preallocated for it (default: the engine's, "
-                   "capped by the model's).")
-@click.option("--max-batch", type=click.IntRange(min=1), default=8, show_default=True,
-              help="Streams decoded together; more requests wait their turn.")
-@click.option("--gpu-slots", type=click.IntRange(min=0), default=None, help="Expert slots on the GPU (default: from free VRAM).")
-@click.option("--ram-slots", type=click.IntRange(min=0), default=None,
-              help="Experts held in RAM (default: from the cgroup's memory limit).")
-@click.option("--readers", type=click.IntRange(min=1), default=None, help="O_DIRECT store reader threads.")
-@click.option("--cpu-layout", default=None, help="Pin threads to CPUs, NAME=CPULIST entries, e.g. readers=26-39.")
-@click.option("--threads", type=click.IntRange(min=1), default=None,
-              help="CPU compute threads (default: 2 where 2 CPUs are available, as measured on 2 cores).")
+@options.context
+@options.max_batch
+@options.tiers
 @click.option("--temperature", type=click.FloatRange(0.0, 2.0), default=None,
               help="Default temperature for requests that name none (default: the model's generation_config.json, else 1.0).")
 @click.option("--top-p", "top_p", type=click.FloatRange(0.0, 1.0, min_open=True), default=None,
@@ -70,25 +57,22 @@ def fingerprint_of(model_dir: Path) -> str:
               help="Require `Authorization: Bearer KEY` (env KILN_API_KEY); /health and /metrics stay open.")
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]),
               default="info", show_default=True)
-def serve(model_dir, store_dir, host, port, device, dtype, served_name, max_context, max_batch, gpu_slots,
-          ram_slots, readers, cpu_layout, threads, temperature, top_p, api_key, log_level):
+def serve(model_dir, store_dir, host, port, served_name, temperature, top_p, api_key, log_level, **knobs):
     """Serve a model over an OpenAI-compatible HTTP API.
 
     Listens at once and loads the model in the background. Endpoints: /v1/models,
     /v1/chat/completions, /v1/completions, /tokenize, /health, /metrics.
     """
     if not model_dir.is_dir():
-        raise EngineError(f"{model_dir}: no such model directory", EXIT_MODEL)
+        raise EngineError(f"{model_dir}: no such model directory", Exit.BAD_MODEL)
     try:
         fp = fingerprint_of(model_dir)
         json.loads((model_dir / "config.json").read_text())
     except FileNotFoundError:
-        raise EngineError(f"{model_dir}: no config.json (not a Hugging Face checkpoint)", EXIT_MODEL) from None
+        raise EngineError(f"{model_dir}: no config.json (not a Hugging Face checkpoint)", Exit.BAD_MODEL) from None
     except (OSError, ValueError) as e:
-        raise EngineError(f"{model_dir / 'config.json'}: unreadable ({e})", EXIT_MODEL) from None
-    if cpu_layout:
-        from engine.tiers.readers import parse_cpu_layout
-        parse_cpu_layout(cpu_layout)    # a bad layout is a usage error now, not a failed load later
+        raise EngineError(f"{model_dir / 'config.json'}: unreadable ({e})", Exit.BAD_MODEL) from None
+    config = options.engine_config(**knobs)     # a bad knob is a usage error now, not a failed load later
     if store_dir is not None:
         from engine.store import odirect
         odirect.probe(store_dir)        # EngineError (exit 6) with the reason when refused
@@ -101,9 +85,7 @@ def serve(model_dir, store_dir, host, port, device, dtype, served_name, max_cont
 
     def load():
         from engine.llm import LLM
-        return LLM.load(model_dir, store_dir, device=device, dtype=dtype, max_context=max_context,
-                        max_batch=max_batch, gpu_slots=gpu_slots, ram_slots=ram_slots, readers=readers,
-                        cpu_layout=cpu_layout, threads=threads)
+        return LLM.load(model_dir, store_dir, config)
 
     from engine.server.app import sampling_defaults
     app = create_app(loader=load, served_name=served_name or model_dir.resolve().name, api_key=api_key,

@@ -14,16 +14,16 @@ from pathlib import Path
 
 import click
 
-from engine.cli import EngineError
+from engine.errors import EngineError, Exit
 
 
 def _messages(text: str) -> list[dict]:
     try:
         msgs = json.loads(text)
     except json.JSONDecodeError as e:
-        raise EngineError(f"--messages: not valid JSON ({e})", 2) from None
+        raise EngineError(f"--messages: not valid JSON ({e})", Exit.USAGE) from None
     if not (isinstance(msgs, list) and msgs and all(isinstance(m, dict) and "role" in m for m in msgs)):
-        raise EngineError("--messages: want a non-empty JSON list of {\"role\": ..., \"content\": ...} objects", 2)
+        raise EngineError("--messages: want a non-empty JSON list of {\"role\": ..., \"content\": ...} objects", Exit.USAGE)
     return msgs
 
 
@@ -32,9 +32,9 @@ def _loader(model_dir: str | None, gguf: str | None):
     turning its failures into one line."""
     path = Path(model_dir or gguf)
     if gguf and not path.is_file():
-        raise EngineError(f"{path}: no such GGUF file", 3)
+        raise EngineError(f"{path}: no such GGUF file", Exit.BAD_MODEL)
     if model_dir and not path.is_dir():
-        raise EngineError(f"{path}: no such model directory", 3)
+        raise EngineError(f"{path}: no such model directory", Exit.BAD_MODEL)
     kw = {"gguf_file": path.name} if gguf else {}
     what = "GGUF" if gguf else "checkpoint"
 
@@ -42,10 +42,10 @@ def _loader(model_dir: str | None, gguf: str | None):
         try:
             return fn(path.parent if gguf else path, **kw, **more)
         except ImportError as e:
-            raise EngineError(f"{path}: transformers needs a missing package to load this {what}: {e}", 4) from None
+            raise EngineError(f"{path}: transformers needs a missing package to load this {what}: {e}", Exit.MISSING_DEP) from None
         except Exception as e:          # transformers' own errors vary: OSError, ValueError, KeyError...
             reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
-            raise EngineError(f"{path}: transformers cannot load this {what}: {reason}", 3) from None
+            raise EngineError(f"{path}: transformers cannot load this {what}: {reason}", Exit.BAD_MODEL) from None
     return load, str(path)
 
 
@@ -93,9 +93,9 @@ def reference_decode(model_dir, gguf, messages, prompt, tokens, temperature, thr
     decode_tps, tokens, prompt_tokens, prefill_s, threads, dtype, temperature, versions, token_ids.
     """
     if (model_dir is None) == (gguf is None):
-        raise EngineError("give exactly one of --model DIR or --gguf FILE", 2)
+        raise EngineError("give exactly one of --model DIR or --gguf FILE", Exit.USAGE)
     if (messages is None) == (prompt is None):
-        raise EngineError("give exactly one of --messages JSON or --prompt TEXT", 2)
+        raise EngineError("give exactly one of --messages JSON or --prompt TEXT", Exit.USAGE)
     msgs = _messages(messages) if messages is not None else None
 
     import torch
@@ -109,14 +109,14 @@ def reference_decode(model_dir, gguf, messages, prompt, tokens, temperature, thr
     load, shown = _loader(model_dir, gguf)
     tok = load(AutoTokenizer.from_pretrained)
     if msgs is not None and not getattr(tok, "chat_template", None):
-        raise EngineError(f"{shown}: the model has no chat template; use --prompt", 2)
+        raise EngineError(f"{shown}: the model has no chat template; use --prompt", Exit.USAGE)
     try:
         text = render(tok, msgs) if msgs is not None else prompt
     except ChatTemplateError as e:
-        raise EngineError(f"{shown}: {e}", 2) from None
+        raise EngineError(f"{shown}: {e}", Exit.USAGE) from None
     ids = encode(tok, text, add_special_tokens=False)
     if not ids:
-        raise EngineError("the prompt tokenizes to no tokens", 2)
+        raise EngineError("the prompt tokenizes to no tokens", Exit.USAGE)
     model = load(AutoModelForCausalLM.from_pretrained, dtype=getattr(torch, dtype)).eval()
 
     sampling = dict(do_sample=True, temperature=temperature, top_p=1.0, top_k=0) if temperature > 0 \
@@ -134,7 +134,7 @@ def reference_decode(model_dir, gguf, messages, prompt, tokens, temperature, thr
     t_start = time.perf_counter()
     run(tokens, clock)
     if len(clock.times) != tokens:
-        raise EngineError(f"generate produced {len(clock.times)} tokens, not {tokens}", 1)
+        raise EngineError(f"generate produced {len(clock.times)} tokens, not {tokens}", Exit.FAILED)
     tps = (tokens - 1) / max(clock.times[-1] - clock.times[0], 1e-9)
     prefill = clock.times[0] - t_start
     label = f"transformers {transformers.__version__} generate"

@@ -6,7 +6,8 @@ import time
 
 import click
 
-from engine.cli import EngineError
+from engine.cli import options
+from engine.errors import EngineError, Exit
 
 
 @click.command("generate")
@@ -20,24 +21,24 @@ from engine.cli import EngineError
 @click.option("--temperature", type=click.FloatRange(min=0.0), default=0.0, show_default=True, help="0 is greedy.")
 @click.option("--top-p", type=click.FloatRange(min=0.0, max=1.0, min_open=True), default=1.0, show_default=True)
 @click.option("--seed", type=int, default=None, help="Seed for sampled decoding (reproducible output).")
-@click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N.")
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None,
-              help="Compute dtype (default: the checkpoint's where the device supports it).")
-@click.option("--ctx", "max_context", type=click.IntRange(min=2), default=None,
-              help="Context length (KV cache positions); default min(model maximum, 4096).")
-def generate(model_dir, store_dir, prompt, chat, max_tokens, temperature, top_p, seed, device, dtype, max_context):
+@options.device
+@options.dtype
+@options.context
+@options.tiers
+def generate(model_dir, store_dir, prompt, chat, max_tokens, temperature, top_p, seed, **knobs):
     """Generate from a prompt on the command line (greedy or sampled)."""
     from engine.checkpoint import CheckpointError
     from engine.llm import LLM, SamplingParams
 
+    config = options.engine_config(max_batch=1, **knobs)
     try:
-        llm = LLM.load(model_dir, store_dir, device=device, dtype=dtype, max_context=max_context, max_batch=1)
+        llm = LLM.load(model_dir, store_dir, config)
     except CheckpointError as e:
-        raise EngineError(str(e), 3) from None
+        raise EngineError(str(e), Exit.BAD_MODEL) from None
     except ValueError as e:
-        raise EngineError(str(e), 2) from None
+        raise EngineError(str(e), Exit.USAGE) from None
     except OSError as e:
-        raise EngineError(f"{model_dir}: {e.strerror or e}", 3) from None
+        raise EngineError(f"{model_dir}: {e.strerror or e}", Exit.BAD_MODEL) from None
     try:
         tok = llm.tokenizer
         if chat:
@@ -49,7 +50,7 @@ def generate(model_dir, store_dir, prompt, chat, max_tokens, temperature, top_p,
         try:
             stream = llm.stream(ids, params)
         except ValueError as e:
-            raise EngineError(str(e), 2) from None
+            raise EngineError(str(e), Exit.USAGE) from None
         out, shown, finish = [], "", None
         t0 = time.perf_counter()
         first = None

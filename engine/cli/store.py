@@ -8,7 +8,7 @@ from contextlib import contextmanager
 import click
 
 from engine.checkpoint import CheckpointError
-from engine.cli import EngineError
+from engine.errors import EngineError, Exit
 from engine.experts import DTYPES
 
 FLOAT_QUANTS = {"float32": "float32", "bf16": "bfloat16"}       # --quant spellings of float records
@@ -89,24 +89,24 @@ def pack_store(model_dir, store_dir, dtype, order, quant, gguf_file, readers, qu
     from engine.quant.source import record_source
     if quant in FLOAT_QUANTS:
         if dtype and dtype != FLOAT_QUANTS[quant]:
-            raise EngineError(f"--quant {quant} and --dtype {dtype} disagree; give one", 2)
+            raise EngineError(f"--quant {quant} and --dtype {dtype} disagree; give one", Exit.USAGE)
         dtype, quant = FLOAT_QUANTS[quant], None
     scheme = quant or "none"
     if scheme != "none" and dtype:
-        raise EngineError(f"--dtype {dtype} is for float records; --quant {quant} records are bytes", 2)
+        raise EngineError(f"--dtype {dtype} is for float records; --quant {quant} records are bytes", Exit.USAGE)
     try:
         ck = Checkpoint(model_dir)
         layout, _ = record_source(ck, dtype=DTYPES[dtype] if dtype else None, order=order, quant=scheme,
                                   gguf=gguf_file)
     except CheckpointError as e:
-        raise EngineError(str(e), 3) from None
+        raise EngineError(str(e), Exit.BAD_MODEL) from None
     total = len(plan_offsets(ck.moe_layers, ck.n_experts, layout.record_bytes)) * layout.record_bytes
     try:
         with _sigterm_as_interrupt(), _progress(total, ["write", "verify"], quiet) as advance:
             r = pack(model_dir, store_dir, dtype=None if layout.quantized else layout.dtype, order=order,
                      readers=readers, progress=advance, quant=scheme, gguf=gguf_file)
     except CheckpointError as e:
-        raise EngineError(str(e), 3) from None
+        raise EngineError(str(e), Exit.BAD_MODEL) from None
     if as_json:
         click.echo(json.dumps({"store": str(r.store), "quant": layout.quant, "records": r.records, "bytes": r.bytes,
                                "write_seconds": r.write_seconds, "write_gbps": r.write_gbps,
@@ -136,7 +136,7 @@ def verify_store(store_dir, model_dir, readers, quiet, as_json):
         try:
             mf.check_matches(m, Checkpoint(model_dir), store_dir)
         except CheckpointError as e:
-            raise EngineError(str(e), 3) from None
+            raise EngineError(str(e), Exit.BAD_MODEL) from None
     with _progress(m.total_bytes, ["verify"], quiet) as advance:
         r = verify(store_dir, readers=readers, progress=(lambda n: advance("verify", n)) if advance else None)
     if as_json:
@@ -149,4 +149,4 @@ def verify_store(store_dir, model_dir, readers, quiet, as_json):
                    f"{r.records - len(r.bad)} ok, {len(r.bad)} bad, {r.gbps:.2f} GB/s")
     if r.bad:
         raise EngineError(f"{r.store}: {len(r.bad)} record(s) fail their sha256 "
-                          f"(first: {r.bad[0]})", mf.EXIT_INTEGRITY)
+                          f"(first: {r.bad[0]})", Exit.INTEGRITY)

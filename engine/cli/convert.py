@@ -1,0 +1,31 @@
+"""`engine convert`: a dense Llama GGUF → a sparse-upcycled Mixtral checkpoint (engine.convert does the work)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from engine.convert import convert_gguf
+from engine.experts import DTYPES
+
+
+@click.command("convert")
+@click.option("--gguf", "gguf", required=True, type=click.Path(path_type=Path, dir_okay=False),
+              help="Dense Llama-architecture GGUF file (any quantization the gguf package dequantizes).")
+@click.option("--out", required=True, type=click.Path(path_type=Path, file_okay=False),
+              help="Checkpoint directory to publish (built beside it, renamed into place).")
+@click.option("--experts", default=8, show_default=True, type=click.IntRange(1, 256),
+              help="Identical experts per layer.")
+@click.option("--top-k", default=2, show_default=True, type=click.IntRange(1, 256), help="Experts per token.")
+@click.option("--seed", default=0, show_default=True, type=int, help="Seed of the random router.")
+@click.option("--dtype", default="float32", show_default=True, type=click.Choice(sorted(DTYPES)),
+              help="Dtype of the written weights (float32 keeps the dequantized values exactly).")
+@click.option("--force", is_flag=True, help="Replace --out if it exists.")
+def convert(gguf, out, experts, top_k, seed, dtype, force):
+    """Convert a dense GGUF model into a sparse-upcycled Mixtral checkpoint.
+
+    Every MLP becomes EXPERTS identical experts behind a seeded router (top-K, weights renormalised), so the
+    result computes the dense model's function. Exit codes: 3 bad GGUF, 4 gguf missing, 6 disk full/unwritable.
+    """
+    path = convert_gguf(gguf, out, experts, top_k, seed, dtype, force)
+    click.echo(str(path))

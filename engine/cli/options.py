@@ -1,0 +1,49 @@
+"""The options every engine-building command shares, declared once, and the EngineConfig they make.
+
+A command stacks the decorators it needs (`@options.device` …) and calls `options.engine_config(...)` once
+with the parsed values; the config, not the nine values, goes down to LLM.load. The flag names are an
+interface: nix/lib compiles `engine serve` command lines from them.
+"""
+from __future__ import annotations
+
+import click
+
+from engine.errors import EngineError, Exit
+from engine.runtime import DTYPE_NAMES, EngineConfig
+from engine.tiers.cache import POLICIES
+
+device = click.option("--device", default=EngineConfig.device, show_default=True, help="cpu, cuda or cuda:N.")
+dtype = click.option("--dtype", type=click.Choice(DTYPE_NAMES), default=None,
+                     help="Compute dtype (default: the checkpoint's where the device supports it).")
+context = click.option("--ctx", "max_context", type=click.IntRange(min=2), default=None,
+                       help="Context window in tokens; the KV cache is preallocated for it (default: the engine's, "
+                            "capped by the model's).")
+max_batch = click.option("--max-batch", type=click.IntRange(min=1), default=EngineConfig.max_batch,
+                         show_default=True, help="Streams decoded together; more requests wait their turn.")
+gpu_slots = click.option("--gpu-slots", type=click.IntRange(min=0), default=None,
+                         help="Expert slots on the GPU (default: from free VRAM).")
+ram_slots = click.option("--ram-slots", type=click.IntRange(min=0), default=None,
+                         help="Experts held in RAM (default: from the cgroup's memory limit).")
+readers = click.option("--readers", type=click.IntRange(min=1), default=None, help="O_DIRECT store reader threads.")
+cpu_layout = click.option("--cpu-layout", default=None,
+                          help="Pin threads to CPUs, NAME=CPULIST entries, e.g. readers=26-39.")
+threads = click.option("--threads", type=click.IntRange(min=1), default=None,
+                       help="CPU compute threads (default: 2 where 2 CPUs are available, as measured on 2 cores).")
+policy = click.option("--policy", type=click.Choice(sorted(POLICIES)), default=EngineConfig.policy, show_default=True,
+                      help="Expert-cache eviction policy (compare them with `engine simulate-cache`).")
+
+
+def tiers(f):
+    """Where the routed experts live and who reads them: --gpu-slots, --ram-slots, --readers, --cpu-layout,
+    --threads, --policy."""
+    for option in reversed((gpu_slots, ram_slots, readers, cpu_layout, threads, policy)):
+        f = option(f)
+    return f
+
+
+def engine_config(**knobs) -> EngineConfig:
+    """The command's one EngineConfig; a value it refuses is a usage error (exit 2), named in one line."""
+    try:
+        return EngineConfig(**knobs)
+    except ValueError as e:
+        raise EngineError(str(e), Exit.USAGE) from None

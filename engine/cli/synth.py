@@ -1,0 +1,28 @@
+"""`engine synth`: a random checkpoint of a given MoE shape, experts straight into a store (engine.synth)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from engine.synth import synthesize
+
+
+@click.command("synth")
+@click.option("--out", "out", required=True, type=click.Path(file_okay=False), help="Checkpoint directory to write.")
+@click.option("--store", "store", required=True, type=click.Path(file_okay=False), help="Store directory to write.")
+@click.option("--layers", type=int, default=None, help="Decoder layers (default 48).")
+@click.option("--hidden", type=int, default=None, help="Hidden size (default 2048).")
+@click.option("--experts", type=int, default=None, help="Routed experts per layer (default 128).")
+@click.option("--top-k", "top_k", type=int, default=None, help="Experts per token (default 8).")
+@click.option("--moe-intermediate", type=int, default=None, help="Expert FFN width (default 768).")
+@click.option("--vocab", type=int, default=None, help="Vocabulary size (default 151936).")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--device", default=None, help="Where to draw the random weights (default: cuda if present).")
+def synth(out, store, layers, hidden, experts, top_k, moe_intermediate, vocab, seed, device):
+    """Synthesize a random checkpoint of the Qwen3-30B-A3B shape (or another), experts straight into a store."""
+    res = synthesize(Path(out), Path(store), seed=seed, device=device, num_hidden_layers=layers, hidden_size=hidden,
+                     num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=moe_intermediate,
+                     vocab_size=vocab)
+    click.echo(json.dumps(res))

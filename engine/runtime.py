@@ -1,0 +1,66 @@
+"""EngineConfig: one engine's runtime knobs, built once by a command and passed down whole.
+
+`engine serve` and `engine generate` build it from their options (engine/cli/options.py); LLM.load,
+load_model and tiers.build_provider read it, so each knob is declared here once instead of being threaded
+by hand through four signatures (nano-vllm's Config). What can be checked without a checkpoint is checked
+here; what needs one (the context against the model's positions, the dtype against the device and the
+store's records, the eviction policy's name against engine.tiers.cache.POLICIES) where that is read.
+Free of torch, so a command can build it before the slow imports.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEVICE_KINDS = ("cpu", "cuda")
+DTYPE_NAMES = ("float32", "bfloat16", "float16")      # engine.experts.DTYPES' keys (torch-free here)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    device: str = "cpu"                 # cpu, cuda or cuda:N (a torch.device is taken as its name)
+    dtype: str | None = None            # compute dtype; None: loader.resolve_dtype's choice for the checkpoint
+    max_context: int | None = None      # KV positions, preallocated; None: min(the model's, DEFAULT_MAX_CONTEXT)
+    max_batch: int = 8                  # sequences decoded together (KV cache rows)
+    gpu_slots: int | None = None        # expert slots on the GPU; None: from free VRAM
+    ram_slots: int | None = None        # experts held in RAM; None: from the memory cgroup
+    readers: int | None = None          # O_DIRECT store reader threads; None: one per CPU, 1..16
+    cpu_layout: str | None = None       # NAME=CPULIST entries pinning threads, e.g. "readers=26-39"
+    threads: int | None = None          # CPU compute threads; None: engine.experts.default_threads()
+    policy: str = "lru"                 # expert-cache eviction policy
+
+    def __post_init__(self):
+        # ValueError, not assert: these come from users and must fail the same way under `python -O`.
+        device = str(self.device)
+        if device.partition(":")[0] not in DEVICE_KINDS:
+            raise ValueError(f"device {device} is not supported (cpu or cuda)")
+        object.__setattr__(self, "device", device)
+        if self.dtype is not None:
+            dtype = str(self.dtype).removeprefix("torch.")
+            if dtype not in DTYPE_NAMES:
+                raise ValueError(f"dtype {dtype!r} is not supported ({', '.join(DTYPE_NAMES)})")
+            object.__setattr__(self, "dtype", dtype)
+        if self.max_batch < 1:
+            raise ValueError(f"max_batch {self.max_batch} must be at least 1")
+        for name in ("gpu_slots", "ram_slots"):
+            if (n := getattr(self, name)) is not None and n < 0:
+                raise ValueError(f"{name} is {n}; it must be 0 or more")
+        for name in ("readers", "threads"):
+            if (n := getattr(self, name)) is not None and n < 1:
+                raise ValueError(f"{name} is {n}; it must be at least 1")
+        if self.cpu_layout:
+            from engine.tiers.readers import parse_cpu_layout
+            parse_cpu_layout(self.cpu_layout)       # EngineError (usage) naming the bad entry
+
+    @property
+    def device_kind(self) -> str:
+        return self.device.partition(":")[0]
+
+    @classmethod
+    def of(cls, config: EngineConfig | None = None, **knobs) -> EngineConfig:
+        """`config`, or one built from keyword knobs (the library's keyword form, e.g.
+        `load_model(ckpt, max_context=64)`); never both, so no knob is silently dropped."""
+        if config is None:
+            return cls(**knobs)
+        if knobs:
+            raise TypeError(f"give an EngineConfig or keyword knobs, not both (got {', '.join(sorted(knobs))})")
+        return config

@@ -1,0 +1,59 @@
+"""EngineConfig: the runtime knobs checked once where a command builds them, and carried whole to the tiers."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.cli import main
+from engine.errors import EngineError, Exit
+from engine.llm import LLM
+from engine.runtime import EngineConfig
+from engine.store.pack import pack_store
+
+
+@pytest.mark.parametrize("knobs,message", [
+    ({"device": "tpu"}, "device tpu is not supported (cpu or cuda)"),
+    ({"dtype": "int8"}, "dtype 'int8' is not supported (float32, bfloat16, float16)"),
+    ({"max_batch": 0}, "max_batch 0 must be at least 1"),
+    ({"ram_slots": -1}, "ram_slots is -1; it must be 0 or more"),
+    ({"readers": 0}, "readers is 0; it must be at least 1"),
+    ({"threads": 0}, "threads is 0; it must be at least 1"),
+])
+def test_a_bad_knob_is_refused_by_name(knobs, message):
+    with pytest.raises(ValueError) as e:
+        EngineConfig(**knobs)
+    assert str(e.value) == message
+
+
+def test_a_bad_cpu_layout_is_a_usage_error_at_construction():
+    with pytest.raises(EngineError, match="--cpu-layout: 'readers' is not NAME=CPULIST") as e:
+        EngineConfig(cpu_layout="readers")
+    assert e.value.exit_code is Exit.USAGE
+
+
+def test_torch_spellings_are_taken_as_names():
+    c = EngineConfig(device=torch.device("cuda", 1), dtype=torch.bfloat16)
+    assert (c.device, c.dtype, c.device_kind) == ("cuda:1", "bfloat16", "cuda")
+
+
+def test_a_config_and_keyword_knobs_together_are_refused():
+    assert EngineConfig.of(None, max_batch=2) == EngineConfig(max_batch=2)
+    with pytest.raises(TypeError, match=r"not both \(got max_batch\)"):
+        EngineConfig.of(EngineConfig(), max_batch=2)
+
+
+def test_the_config_reaches_the_tiers_whole(tiny_checkpoint, tmp_path):
+    ck = tiny_checkpoint("qwen3_moe", layers=2)
+    store = tmp_path / "store"
+    pack_store(ck, store, order="cols")
+    config = EngineConfig(max_context=32, max_batch=2, ram_slots=3, readers=1, policy="lfu", threads=1)
+    with LLM.load(ck, store, config) as llm:
+        counters = llm.model.provider.counters()
+        assert counters["policy"] == "lfu" and counters["tiers"]["ram"]["slots"] == 3
+        assert llm.max_context == 32 and llm.model.kv.slots == 2
+
+
+def test_serve_refuses_a_bad_knob_in_one_line_before_it_binds(tiny_checkpoint, capsys):
+    rc = main(["serve", "--model", str(tiny_checkpoint("qwen3_moe", layers=2)), "--device", "tpu", "--port", "0"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err == "engine: device tpu is not supported (cpu or cuda)\n"
