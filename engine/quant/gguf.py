@@ -60,6 +60,8 @@ class GgufExperts:
             raise EngineError(f"{self.path}: expert tensors mix {', '.join(sorted(types))}; a store holds one "
                               f"scheme (all Q8_0, all Q4_1 or all Q4_K)", Exit.BAD_MODEL)
         self.scheme = GGUF_TYPES[types.pop()]
+        # An upcycled dense GGUF: every expert of a layer is the same MLP, so one record serves them all.
+        self.shared_across_experts = not any(stacked for _, stacked in self._tensors.values())
 
     def blocks(self, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(gate, up, down) of one expert as the file's blocks: uint8 [out, row bytes] each (copies)."""

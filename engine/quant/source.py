@@ -42,7 +42,16 @@ def record_source(ck, *, dtype: torch.dtype | None = None, order: str = "rows", 
         raise EngineError(f"{src.path}: its {src.scheme} experts cannot be {order} records ({e})", Exit.BAD_MODEL) from None
     if ck.has_experts:
         check_gguf_matches(ck, src, layout)
-    return layout, lambda l, e: layout.quantized.pack_blocks(*src.blocks(l, e))
+    if not src.shared_across_experts:
+        return layout, lambda l, e: layout.quantized.pack_blocks(*src.blocks(l, e))
+    last: dict = {}
+
+    def make_shared(l, e):          # the same record for every expert of layer l: pack it once per layer
+        if l not in last:
+            last.clear()
+            last[l] = layout.quantized.pack_blocks(*src.blocks(l, 0))
+        return last[l].clone()
+    return layout, make_shared
 
 
 def check_gguf_matches(ck, src, layout: ExpertLayout) -> None:
