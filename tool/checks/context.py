@@ -6,6 +6,8 @@ the band, so a server that truncates or mis-counts cannot pass on a smaller prom
 """
 from __future__ import annotations
 
+import random
+
 from tool.checks import filler
 from tool.checks.client import ClientError
 from tool.checks.gate import GateContext, fail, ok
@@ -24,13 +26,17 @@ def run(ctx: GateContext) -> dict:
     window = ctx.context_window
     fill, band = ctx.limits["context_fill"], ctx.limits["context_band"]
     target, lo, hi = fill * window, (fill - band) * window, (fill + band) * window
-    code = f"{ctx.rng.randrange(10000, 100000)}"
-    depth = round(ctx.rng.uniform(0.1, 0.9), 3)
+    # the needle from the run's seed alone (limits.seed: derived from the recipe unless --seed), so the
+    # same recipe gets the same code at the same depth every run, whichever gates ran before
+    rng = random.Random(ctx.limits["seed"])
+    code = f"{rng.randrange(10000, 100000)}"
+    depth = round(rng.uniform(0.1, 0.9), 3)
     figures: dict = {"window": window, "target_tokens": round(target), "band_tokens": [lo, hi],
-                     "code": code, "needle_depth": depth}
+                     "code": code, "needle_depth": depth, "needle_seed": ctx.limits["seed"]}
     try:
         counter = ctx.token_counter()
         figures["token_count_source"] = counter.source
+        figures["token_source"] = f"{counter.source} to size the prompt; usage.prompt_tokens of the answer to judge it"
         # tokens per filler word, from a sample, to make the first guess
         per_word = counter.count_text(filler.build(_SAMPLE_WORDS)) / _SAMPLE_WORDS
         n_words = max(1, int(target / per_word) - 20)
@@ -44,7 +50,7 @@ def run(ctx: GateContext) -> dict:
             if lo <= n <= hi:
                 answer_room = max(16, min(ctx.limits["answer_max_tokens"], window - n - 8))
                 ctx.reporter.progress(f"asking for the code in a {n:,}-token prompt")
-                a = ctx.client.chat({"model": ctx.served_name, "max_tokens": answer_room, "messages": messages})
+                a = ctx.client.chat(ctx.body(messages, answer_room))
                 pt = (a.usage or {}).get("prompt_tokens")
                 figures.update(prompt_tokens=pt, counted_tokens=n, answer=a.content, finish_reason=a.finish_reason,
                                fill_fraction=round(pt / window, 4) if isinstance(pt, int) else None)

@@ -6,7 +6,7 @@ anything else so one broken gate never stops the others.
 """
 from __future__ import annotations
 
-import random
+import hashlib
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
@@ -25,10 +25,35 @@ DEFAULT_LIMITS = {
     "context_band": 0.01,
     "context_max_iterations": 8,
     "speed_window_s": 30.0,
-    "speed_max_tokens": 1024,
+    "speed_max_tokens": 256,       # per timed round: enough for a steady decode rate, short enough for rounds
+    "speed_rounds": 3,             # interleaved server/baseline rounds (tool.checks.speed says why 3)
+    "speed_idle_window_s": 2.0,    # the host sampled this long, before and after the rounds
+    # when the speed gate says "inconclusive" instead of pass/fail (tool.checks.speed says why these)
+    "speed_spread_max": 0.20,      # a side's rounds: (max - min) / median
+    "speed_idle_busy_max": 0.25,   # share of all CPUs others use while nothing of ours works
+    "speed_pressure_max": 0.20,    # share of a timed round's wall time some task waited for a CPU (PSI)
     "prefill_tokens": None,        # None → min(8192, context / 2)
-    "seed": None,                  # the context needle's code and depth; None → random
+    "seed": None,                  # the context needle's code and depth; None → derived from the recipe
+    "served_name": None,           # None → the recipe's serve.served_name
+    "sampling": None,              # None → sampling_for(recipe): greedy unless checks.sampling says otherwise
 }
+
+# Greedy unless the recipe says otherwise (checks.sampling): a verdict must not hang on a server's
+# default sampling (llama-server's is temperature 0.8, top_k 40; Kiln's demo serves greedily).
+GREEDY = {"temperature": 0.0}
+
+
+def sampling_for(recipe) -> dict:
+    """The sampling every gate sends, explicitly, and the evidence records."""
+    return {**GREEDY, **((recipe.get("checks") or {}).get("sampling") or {})}
+
+
+def seed_for(recipe) -> int:
+    """A seed that is a function of what is checked (recipe id, served name, window) and nothing else, so a
+    report-only result is reproducible run to run; the evidence records it (limits.seed) and --seed
+    replays or varies it. Not the content hash: a --record proof line changes that."""
+    key = f"{recipe.id}\0{recipe['serve']['served_name']}\0{recipe['serve']['context']}"
+    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:4], "big")
 
 
 class Reporter(Protocol):
@@ -50,13 +75,16 @@ class GateContext:
     limits: dict
     reporter: Reporter = field(default_factory=NullReporter)
     is_alive: IsAlive | None = None
-    rng: random.Random = field(default_factory=random.Random)
     shared: dict = field(default_factory=dict)   # found once, used by several gates (token counter, models)
     baseline: dict | None = None                 # the speed gate's reference (tool.checks.baseline), from the plan
 
     @property
     def served_name(self) -> str:
-        return self.recipe["serve"]["served_name"]
+        return self.limits.get("served_name") or self.recipe["serve"]["served_name"]
+
+    @property
+    def sampling(self) -> dict:
+        return self.limits["sampling"]
 
     @property
     def context_window(self) -> int:
@@ -74,8 +102,11 @@ class GateContext:
     def ask(self, prompt: str):
         """One user question to the served model, with room for an answer (chat, reasoning).
         Raises tool.checks.client.ClientError, which the gate turns into its one-line reason."""
-        return self.client.chat({"model": self.served_name, "max_tokens": self.answer_tokens(),
-                                 "messages": [{"role": "user", "content": prompt}]})
+        return self.client.chat(self.body([{"role": "user", "content": prompt}], self.answer_tokens()))
+
+    def body(self, messages: list[dict], max_tokens: int, **more) -> dict:
+        """A chat request as every gate sends it: the served name and the explicit sampling."""
+        return {"model": self.served_name, "messages": messages, "max_tokens": max_tokens, **self.sampling, **more}
 
     def death(self) -> str | None:
         """None while the managed server lives (or is not managed); else why it died."""
@@ -98,6 +129,11 @@ class GateContext:
 
 def fail(reason: str, **figures) -> dict:
     return {"passed": False, "reason": reason, **figures}
+
+
+def inconclusive(reason: str, **figures) -> dict:
+    """Neither pass nor fail: the measurement cannot decide (a busy host, rounds that disagree)."""
+    return {"passed": False, "inconclusive": True, "reason": f"inconclusive: {reason}", **figures}
 
 
 def ok(reason: str, **figures) -> dict:

@@ -12,9 +12,10 @@ def run(ctx: GateContext) -> dict:
     try:
         a = ctx.ask(PROMPT)
     except ClientError as e:
-        return fail(str(e))
+        return fail(str(e), token_source="none (no answer)")
     figures = {"content": a.content, "reasoning_chars": len(a.reasoning.strip()),
-               "reasoning_field": a.reasoning_field, "finish_reason": a.finish_reason}
+               "reasoning_field": a.reasoning_field, "finish_reason": a.finish_reason,
+               "completion_tokens": (a.usage or {}).get("completion_tokens"), "token_source": "usage.completion_tokens"}
     if "<think>" in a.content or "</think>" in a.content:
         return fail("thinking leaked into content (<think> in content)", **figures)
     if not a.reasoning.strip():

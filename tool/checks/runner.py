@@ -7,15 +7,15 @@ from __future__ import annotations
 
 import importlib
 import os
-import random
 import time
 import traceback
 from datetime import datetime
 
 import tool
 from tool.checks import evidence as ev
+from tool.checks import hostload
 from tool.checks.client import Client
-from tool.checks.gate import DEFAULT_LIMITS, GateContext, IsAlive, NullReporter, Reporter, fail
+from tool.checks.gate import DEFAULT_LIMITS, GateContext, IsAlive, NullReporter, Reporter, fail, sampling_for, seed_for
 from tool.errors import KilnError
 
 GATES = ("load", "chat", "reasoning", "tools", "context", "speed")
@@ -49,6 +49,10 @@ def limits_for(recipe, overrides: dict) -> dict:
         limits["context_fill"] = float(checks.get("context_fill", 0.85))
     if limits["prefill_tokens"] is None:
         limits["prefill_tokens"] = min(8192, int(recipe["serve"]["context"]) // 2)
+    if limits["seed"] is None:
+        limits["seed"] = seed_for(recipe)
+    if limits["sampling"] is None:
+        limits["sampling"] = sampling_for(recipe)
     return limits
 
 
@@ -64,26 +68,35 @@ def run_gates(recipe, endpoint: str, gates: list[str] | None = None, is_alive: I
     results: dict[str, dict] = {}
     with Client(endpoint, api_key=api_key, timeout_s=lim["request_timeout_s"]) as client:
         ctx = GateContext(recipe=recipe, client=client, limits=lim, reporter=reporter, is_alive=is_alive,
-                          rng=random.Random(lim["seed"]), baseline=baseline)
+                          baseline=baseline)
         for name in selected:
             reporter.gate_started(name)
             first_record = len(client.records)
             g0 = time.monotonic()
             died = ctx.death() if name != "load" else None
+            h0 = hostload.snapshot()
             if died:
-                result = {"passed": False, "skipped": True, "reason": f"not run: the server died ({died})"}
+                result = {"passed": False, "skipped": True, "reason": f"not run: the server died ({died})",
+                          "token_source": "none (not run)"}
             else:
                 result = _run_one(name, ctx)
+            # every gate's evidence says how it asked and how busy this host was meanwhile
+            result.setdefault("token_source", "none")
+            result["sampling"] = ctx.sampling
+            h1 = hostload.snapshot()
+            result["host_load"] = {"before": hostload.public(h0), "after": hostload.public(h1),
+                                   "during": hostload.between(h0, h1)}
             result["duration_s"] = round(time.monotonic() - g0, 3)
             result["expected"] = name in expected
             result["requests"] = client.records[first_record:]
             results[name] = result
             reporter.gate_finished(name, result)
-        server = {"endpoint": endpoint, "models": ctx.shared.get("models"),
+        server = {"endpoint": endpoint, "served_name": ctx.served_name, "models": ctx.shared.get("models"),
                   "system_fingerprint": ctx.shared.get("system_fingerprint")}
         if "tokens" in ctx.shared:
             server.update(ctx.shared["tokens"].describe())
-    failed = [g for g in expected if not results[g]["passed"]]
+    failed = [g for g in expected if not results[g]["passed"] and not results[g].get("inconclusive")]
+    undecided = [g for g in expected if results[g].get("inconclusive")]
     return {
         "format": ev.FORMAT,
         "kiln_version": getattr(tool, "__version__", None) or _kiln_version(),
@@ -99,7 +112,9 @@ def run_gates(recipe, endpoint: str, gates: list[str] | None = None, is_alive: I
         "report_only_gates": [g for g in selected if g not in expected],
         "gates": results,
         "failed_gates": failed,
-        "verdict": "pass" if not failed else "fail",
+        "inconclusive_gates": undecided,
+        # a failure outweighs an undecided gate; an undecided one is never a pass
+        "verdict": "fail" if failed else ("inconclusive" if undecided else "pass"),
     }
 
 

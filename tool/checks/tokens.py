@@ -28,7 +28,12 @@ class TokenCounter:
     """count_text(text): tokens of raw text; count_messages(messages): tokens of the whole chat
     prompt as the server renders it (template included)."""
 
-    source = "none"
+    source = "none"          # whose count count_messages gives (the context gate's figure)
+
+    @property
+    def text_source(self) -> str:
+        """Whose count count_text gives: the label of a raw-text count (the speed gate's)."""
+        return self.source
 
     def __init__(self, client: Client, model: str):
         self.client, self.model = client, model
@@ -77,6 +82,10 @@ class VllmTokenize(TokenCounter):
         super().__init__(client, model)
         self.messages_ok = messages_ok
         self.source = "/tokenize {messages}" if messages_ok else "/tokenize {prompt}"
+
+    @property
+    def text_source(self) -> str:
+        return "/tokenize {prompt}"      # count_text sends {"prompt"} whatever count_messages sends
 
     def count_text(self, text: str) -> int:
         data = self.client.request_json("POST", "//tokenize", {"model": self.model, "prompt": text,

