@@ -9,7 +9,9 @@ it needs in registers, reading each record's bytes once — a 4-bit record moves
 
 Plain Triton (no TMA, no wgmma, no Hopper-only intrinsics): the same source runs on sm_86 and sm_90, and
 through Triton's interpreter on CPU tensors in CI. Weights are dequantized to fp32 and rounded to the
-model dtype (as the reference's `.to(x.dtype)` does); accumulation is fp32; g, u, silu and the expert
+model dtype (as the reference's `.to(x.dtype)` does) — except the int8/int4 decode GEMVs, which sum codes x
+activations per group and scale once per group (_group_dot: the exact dequantized values, fewer operations
+per byte); accumulation is fp32; g, u, silu and the expert
 output are rounded to the model dtype where torch's F.linear rounds them. Every kernel equals
 quant_moe_reference (a plain dequantize-then-matmul of the same records) to that rounding
 (tests/engine/test_quant.py).
@@ -141,6 +143,68 @@ if triton is not None:
         tl.store(y_ptr + p * H + rows, acc * w, mask=rmask)
 
     @triton.jit
+    def _group_dot(mat, r64, rmask, x_row, k0, gi, OUT: tl.constexpr, IN: tl.constexpr, FMT: tl.constexpr,
+                   G: tl.constexpr):
+        """Σ_k W[rows, k]·x[k] over group gi (k0 = gi·G) of an int8/int4 rows-form matrix, scaled once per group:
+        s·Σ q·x (int8) and s·(Σ q·x − 8·Σ x) + z·Σ x (int4). Codes are read as the bytes they are, contiguously."""
+        if FMT == 0:
+            jk = tl.arange(0, G)
+            xv = tl.load(x_row + k0 + jk).to(tl.float32)
+            q = tl.load((mat + r64[:, None] * IN + k0 + jk[None, :]).to(tl.pointer_type(tl.int8)),
+                        mask=rmask[:, None], other=0).to(tl.float32)
+            s = tl.load((mat + OUT * IN + (r64 * (IN // G) + gi) * 2).to(tl.pointer_type(tl.float16)),
+                        mask=rmask, other=0.0).to(tl.float32)
+            return s * tl.sum(q * xv[None, :], axis=1)
+        else:
+            jb = tl.arange(0, G // 2)
+            xe = tl.load(x_row + k0 + 2 * jb).to(tl.float32)
+            xo = tl.load(x_row + k0 + 2 * jb + 1).to(tl.float32)
+            b = tl.load(mat + r64[:, None] * (IN // 2) + k0 // 2 + jb[None, :], mask=rmask[:, None], other=0).to(tl.int32)
+            d = tl.sum((b & 15).to(tl.float32) * xe[None, :] + (b >> 4).to(tl.float32) * xo[None, :], axis=1)
+            xs = tl.sum(xe, axis=0) + tl.sum(xo, axis=0)
+            sz = (mat + OUT * (IN // 2) + (r64 * (IN // G) + gi) * 4).to(tl.pointer_type(tl.bfloat16))
+            s = tl.load(sz, mask=rmask, other=0.0).to(tl.float32)
+            z = tl.load(sz + 1, mask=rmask, other=0.0).to(tl.float32)
+            return s * (d - 8.0 * xs) + z * xs
+
+    @triton.jit
+    def _gate_up_gemv_grouped(x_ptr, arena_ptr, slot_ptr, h_ptr, K: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
+                              REC: tl.constexpr, GATE: tl.constexpr, UP: tl.constexpr, FMT: tl.constexpr,
+                              G: tl.constexpr, BLOCK_I: tl.constexpr):
+        p = tl.program_id(0)
+        rec = arena_ptr + tl.load(slot_ptr + p).to(tl.int64) * REC
+        rows = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+        rmask = rows < I
+        r64 = rows.to(tl.int64)
+        x_row = x_ptr + (p // K) * H
+        acc_g = tl.zeros([BLOCK_I], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_I], dtype=tl.float32)
+        for gi in range(0, H // G):
+            acc_g += _group_dot(rec + GATE, r64, rmask, x_row, gi * G, gi, I, H, FMT, G)
+            acc_u += _group_dot(rec + UP, r64, rmask, x_row, gi * G, gi, I, H, FMT, G)
+        out_ty = h_ptr.dtype.element_ty
+        g = acc_g.to(out_ty).to(tl.float32)
+        u = acc_u.to(out_ty).to(tl.float32)
+        s = (g * tl.sigmoid(g)).to(out_ty).to(tl.float32)
+        tl.store(h_ptr + p * I + rows, (s * u).to(out_ty), mask=rmask)
+
+    @triton.jit
+    def _down_gemv_grouped(h_ptr, arena_ptr, slot_ptr, w_ptr, y_ptr, H: tl.constexpr, I: tl.constexpr,
+                           REC: tl.constexpr, DOWN: tl.constexpr, FMT: tl.constexpr, G: tl.constexpr,
+                           BLOCK_H: tl.constexpr):
+        p = tl.program_id(0)
+        rec = arena_ptr + tl.load(slot_ptr + p).to(tl.int64) * REC
+        rows = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        rmask = rows < H
+        r64 = rows.to(tl.int64)
+        acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+        for gi in range(0, I // G):
+            acc += _group_dot(rec + DOWN, r64, rmask, h_ptr + p * I, gi * G, gi, H, I, FMT, G)
+        acc = acc.to(h_ptr.dtype.element_ty).to(tl.float32)
+        w = tl.load(w_ptr + p).to(tl.float32)
+        tl.store(y_ptr + p * H + rows, acc * w, mask=rmask)
+
+    @triton.jit
     def _gate_up_gemm(x_ptr, arena_ptr, block_slot_ptr, pair_ptr, h_ptr, P, K: tl.constexpr, H: tl.constexpr,
                       I: tl.constexpr, REC: tl.constexpr, GATE: tl.constexpr, UP: tl.constexpr, FMT: tl.constexpr,
                       G: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -219,11 +283,21 @@ def quant_slot_moe(x: torch.Tensor, arena: torch.Tensor, slots: torch.Tensor, to
     y = torch.empty(p, hdim, dtype=torch.float32, device=x.device)
     prm = _params(layout)
     rec = layout.record_bytes
+    w_flat = topk_weights.reshape(-1).contiguous()
+    if layout.scheme in ("int8", "int4"):
+        # Group-wise codes: one scale per (row, group), the codes' dot product per group (_group_dot).
+        _gate_up_gemv_grouped[(p, triton.cdiv(idim, block_i))](
+            x.contiguous(), arena, slot_flat, h, K=k, H=hdim, I=idim, REC=rec, GATE=prm["GATE"], UP=prm["UP"],
+            FMT=prm["FMT"], G=group_size(hdim, layout.scheme), BLOCK_I=block_i)
+        _down_gemv_grouped[(p, triton.cdiv(hdim, block_h))](
+            h, arena, slot_flat, w_flat, y, H=hdim, I=idim, REC=rec, DOWN=layout.regions["down"][0],
+            FMT=prm["FMT"], G=group_size(idim, layout.scheme), BLOCK_H=block_h)
+        return y.view(t, k, hdim).sum(dim=1).to(x.dtype)
     _gate_up_gemv[(p, triton.cdiv(idim, block_i))](
         x.contiguous(), arena, slot_flat, h, K=k, H=hdim, I=idim, REC=rec, GATE=prm["GATE"], UP=prm["UP"],
         FMT=prm["FMT"], G=group_size(hdim, layout.scheme), BLOCK_I=block_i, BLOCK_H=128)
     _down_gemv[(p, triton.cdiv(hdim, block_h))](
-        h, arena, slot_flat, topk_weights.reshape(-1).contiguous(), y, H=hdim, I=idim, REC=rec,
+        h, arena, slot_flat, w_flat, y, H=hdim, I=idim, REC=rec,
         DOWN=layout.regions["down"][0], FMT=prm["FMT"], G=group_size(idim, layout.scheme), BLOCK_H=block_h,
         BLOCK_I=128)
     return y.view(t, k, hdim).sum(dim=1).to(x.dtype)
