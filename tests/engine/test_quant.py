@@ -220,6 +220,29 @@ def test_triton_kernels_equal_dequantize_then_matmul(scheme):
                 assert float((got - ref).norm() / ref.norm()) < tol, (name, dtype, t, k)
 
 
+def test_the_gpu_resident_provider_serves_a_quantized_store(tiny_checkpoint, tmp_path, capsys):
+    """The providers' hook: a rows-order int4 store in a slot arena, computed by the quantized kernels
+    (moe_from_slots hands quantized layouts to them), equals the plain loop over the dequantized records."""
+    pytest.importorskip("triton", reason="triton is not installed (CUDA builds of torch carry it)")
+    from engine.experts import moe_reference
+    from engine.gpu.providers import GpuResidentExperts
+    from engine.store import manifest as mf
+    ck_dir = tiny_checkpoint("mixtral", hidden=64)
+    s = tmp_path / "s"
+    assert run(["pack-store", "-q", "--model", str(ck_dir), "--store", str(s), "--quant", "int4"], capsys)[0] == 0
+    prov = GpuResidentExperts.from_store(s, DEV)
+    lay = mf.load(s).layout
+    gen = torch.Generator().manual_seed(12)
+    for t in (1, 40):                                           # decode (GEMV) and prefill (grouped GEMM)
+        x = torch.randn(t, 64, generator=gen).to(DEV)
+        ids = torch.stack([torch.randperm(8, generator=gen)[:2] for _ in range(t)]).to(DEV)
+        w = torch.softmax(torch.randn(t, 2, generator=gen), -1).to(DEV)
+        got = prov.forward(1, x, ids, w)
+        recs = prov.arena[prov.bases[1]:prov.bases[1] + 8]
+        want = moe_reference(x, ids, w, lambda e: lay.quantized.dequantize(recs[e]))
+        assert float((got - want).norm() / want.norm()) < 1e-5
+
+
 def test_the_grouped_gemm_pads_each_slots_pairs_to_its_blocks():
     pytest.importorskip("triton", reason="triton is not installed (CUDA builds of torch carry it)")
     from engine.kernels.quant_triton import _align_pairs
