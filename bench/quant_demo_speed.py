@@ -36,12 +36,12 @@ def sh(argv, **kw):
     return subprocess.run(argv, cwd=REPO, env=env, **kw)
 
 
-def prepare(gguf: Path, work: Path) -> dict[str, Path]:
+def prepare(gguf: Path, work: Path, variants: list[str]) -> dict[str, Path]:
     model = work / "model"
     if not (model / "config.json").exists():
         sh([*ENGINE, "convert", "--gguf", str(gguf), "--out", str(model), "--experts", "8", "--top-k", "2",
             "--seed", "0"], check=True)
-    stores = {"q4_1": work / "q4_1", "fp32": work / "fp32"}
+    stores = {v: work / v for v in variants}
     for name, store in stores.items():
         if not (store / "manifest.json").exists():
             extra = ["--quant", "gguf", "--gguf", str(gguf)] if name == "q4_1" else []
@@ -137,7 +137,7 @@ def main():
     if gguf is None or not args.llama_server.exists():
         raise SystemExit(f"needs the GGUF ({gguf}) and llama-server ({args.llama_server}): scripts/build-llama-cpp.sh")
     args.workdir.mkdir(parents=True, exist_ok=True)
-    paths = prepare(gguf, args.workdir)
+    paths = prepare(gguf, args.workdir, args.variants.split(","))
     evidence = args.workdir / "evidence"
     evidence.mkdir(exist_ok=True)
     out = {"what": __doc__.strip().splitlines()[0], "date": time.strftime("%Y-%m-%d %H:%M"), "gguf": str(gguf),
