@@ -38,7 +38,8 @@ def provider(ck, variant: str, gguf: str | None):
     """An all-in-memory provider of `variant` records. An upcycled checkpoint's identical experts share one
     record (made once per layer). 8-bit records, which the CPU serves by dequantizing per call, are held here
     as their dequantized fp32 values: the same numbers, without re-dequantizing them on every call."""
-    from engine.experts import ExpertLayout, InMemoryExperts
+    from engine.experts import ExpertLayout
+    from engine.tiers.memory import InMemoryExperts
     from engine.quant.source import record_source
     if variant in ("fp32", "bf16"):
         layout, make = record_source(ck, dtype=torch.float32 if variant == "fp32" else torch.bfloat16, order="cols")
@@ -119,7 +120,7 @@ def main():
     ap.add_argument("--chunk", type=int, default=512)
     ap.add_argument("--chunks", type=int, default=4)
     args = ap.parse_args()
-    from engine.experts import set_compute_threads
+    from engine.kernels.cpu import set_compute_threads
     from transformers import AutoTokenizer
     set_compute_threads(2)
     tok = AutoTokenizer.from_pretrained(args.smollm2)

@@ -40,7 +40,8 @@ def main():
     ap.add_argument("--calls", type=int, default=50)
     args = ap.parse_args()
     import gguf
-    from engine.experts import ExpertLayout, expert_ffn, set_compute_threads, single_ffn
+    from engine.experts import ExpertLayout, expert_ffn
+    from engine.kernels.cpu import set_compute_threads, single_ffn
     from engine.kernels.quant_cpu import quant_ffn, quant_ffn_reference
     from engine.quant.records import QuantLayout, group_size, int4pack_operands
     threads = set_compute_threads(2)

@@ -38,7 +38,7 @@ from rich.table import Table
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from engine.experts import default_threads  # noqa: E402
+from engine.kernels.cpu import default_threads  # noqa: E402
 from engine.llm import LLM, SamplingParams  # noqa: E402
 sys.path.insert(0, str(ROOT / "bench"))
 from engine_cpu_decode import hf_decode as hf_run  # noqa: E402  (one way to time transformers' decode)
@@ -125,7 +125,7 @@ def run_row(row: str, args: list[str]) -> tuple[float, list[int], dict]:
 @click.option("--ram-slots", "ram_slots", multiple=True, type=click.IntRange(min=1), default=[160], show_default=True,
               help="RAM tier sizes for the store rows (the recipe serves 160 of 240 records).")
 @click.option("--threads", type=click.IntRange(min=1), default=None,
-              help="Engine compute threads [default: engine.experts.default_threads()].")
+              help="Engine compute threads [default: engine.kernels.cpu.default_threads()].")
 @click.option("--out", type=click.Path(dir_okay=False), default=str(ROOT / "bench/results/smollm2_demo_speed.json"),
               show_default=True)
 @click.option("--row", default=None, hidden=True, help="Internal: measure one row in this process, print JSON.")

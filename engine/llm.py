@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 import torch
 
-from engine.experts import set_compute_threads
+from engine.kernels.cpu import set_compute_threads
 from engine.loader import load_model
 from engine.models.common import MoEModel
 from engine.runtime import EngineConfig
@@ -85,7 +85,7 @@ class LLM:
     @classmethod
     def load(cls, model_dir, store_dir=None, config: EngineConfig | None = None, **knobs) -> "LLM":
         """The engine as `config` (or keyword knobs: EngineConfig's fields) says. config.threads: CPU compute
-        threads (engine.experts.set_compute_threads; None: its default), which the scheduler thread takes up
+        threads (engine.kernels.cpu.set_compute_threads; None: its default), which the scheduler thread takes up
         when it starts. The loading runs on one torch thread so the calling thread keeps no OpenMP team of its
         own: with a second team alive, libgomp throttles its spin-waits and every parallel region of the
         decode pays a futex wake-up (measured: 19 → 14 tok/s on SmolLM2, 2 cores)."""

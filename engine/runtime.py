@@ -25,7 +25,7 @@ class EngineConfig:
     ram_slots: int | None = None        # experts held in RAM; None: from the memory cgroup
     readers: int | None = None          # O_DIRECT store reader threads; None: one per CPU, 1..16
     cpu_layout: str | None = None       # NAME=CPULIST entries pinning threads, e.g. "readers=26-39"
-    threads: int | None = None          # CPU compute threads; None: engine.experts.default_threads()
+    threads: int | None = None          # CPU compute threads; None: engine.kernels.cpu.default_threads()
     policy: str = "lru"                 # expert-cache eviction policy
 
     def __post_init__(self):

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tool import plan as plans
+from tool import plan as plans, recipes
 from tool.cli import main
 from tool.recipes import index
 
@@ -30,7 +30,7 @@ pytestmark = pytest.mark.skipif(shutil.which("nix-instantiate") is None, reason=
 
 
 def compiled(recipe_id: str, **options) -> dict:
-    return plans.compile_plan(plans.load_recipe(recipe_id), {**GOLDEN_OPTIONS, **options})
+    return plans.compile_plan(recipes.load(recipe_id), {**GOLDEN_OPTIONS, **options})
 
 
 # ---------------------------------------------------------------- golden plans and units
@@ -73,7 +73,7 @@ def test_golden_covers_every_recipe():
 
 
 def test_entrypoint_file_is_the_recipe_bytes():
-    recipe = plans.load_recipe("glm-5.3")
+    recipe = recipes.load("glm-5.3")
     plan = compiled("glm-5.3")
     (path, f), = plan["files"].items()
     assert path == "/var/lib/kiln/files/glm-5.3/glm-5.3.vllm.320k.4x.yml"
@@ -146,7 +146,7 @@ SEED_STEPS = [
 
 @pytest.mark.parametrize("seed,recipe_id,steps", SEED_STEPS, ids=[s[1] for s in SEED_STEPS])
 def test_argv_reproduces_the_seed_commands(seed, recipe_id, steps):
-    recipe = plans.load_recipe(recipe_id).data
+    recipe = recipes.load(recipe_id).data
     plan = compiled(recipe_id)
     image = recipe["runtime"]["container"]["image"]
     image_prefix = image.split("@")[0]

@@ -17,7 +17,8 @@ from tests.fixtures import hosts
 from tool import preflight as pf
 from tool.cli import cli
 from tool.preflight import cpu, gpu
-from tool.preflight.hostroot import HostRoot, format_cpulist, parse_cpulist
+from tool.cpulist import format_cpulist, parse_cpulist
+from tool.preflight.hostroot import HostRoot
 from tool.recipes import load
 
 

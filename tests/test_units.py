@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from tool import materialise as mat
-from tool import plan as plans
+from tool import plan as plans, recipes
 from tool.cli import main
 from tool.errors import NotWritable
 from tool.recipes import index
@@ -88,7 +88,7 @@ def test_files_land_byte_for_byte_with_their_mode(tmp_path, capsys):
     code, out, _ = materialise_cli(capsys, "glm-5.3", "--root", str(tmp_path))
     assert code == 0
     script = tmp_path / "var/lib/kiln/files/glm-5.3/glm-5.3.vllm.320k.4x.yml"
-    recipe = plans.load_recipe("glm-5.3")
+    recipe = recipes.load("glm-5.3")
     assert script.read_bytes() == recipe["files"]["glm-5.3.vllm.320k.4x.yml"]["content"].encode()
     assert stat.S_IMODE(script.stat().st_mode) == 0o555
     assert str(script) in out.splitlines()
@@ -98,7 +98,7 @@ def test_files_land_byte_for_byte_with_their_mode(tmp_path, capsys):
 
 
 def test_a_failed_rename_leaves_the_root_as_it_was(tmp_path, monkeypatch):
-    plan = plans.compile_plan(plans.load_recipe("glm-5.3-flash"), {"uid": 960, "gid": 960})
+    plan = plans.compile_plan(recipes.load("glm-5.3-flash"), {"uid": 960, "gid": 960})
     unit_dir = tmp_path / "etc/systemd/system"
     unit_dir.mkdir(parents=True)
     earlier = unit_dir / "kiln-glm-5.3-flash-fetch.service"     # renamed second: must come back

@@ -268,7 +268,7 @@ def test_smollm2_demo_once(tmp_path):
 
 def test_the_foreground_runner_applies_cpu_affinity_and_says_what_it_could_not(tmp_path):
     """The runner's limits on a real child: a serve argv that prints its own affinity and memlock limit."""
-    from tool.runners import Dirs
+    from tool.state import Dirs
     from tool.runners.foreground import start
     probe = ("import os, resource, time; print('affinity', sorted(os.sched_getaffinity(0)), "
              "'memlock', resource.getrlimit(resource.RLIMIT_MEMLOCK)[0], 'sid', os.getsid(0) == os.getpid(), "
@@ -303,7 +303,7 @@ def test_the_foreground_runner_applies_cpu_affinity_and_says_what_it_could_not(t
 def test_the_systemd_runner_writes_the_units_then_reloads_and_starts_the_serve_unit(tmp_path, monkeypatch):
     """PID 1 is not systemd here, so `systemctl` is a stand-in that records its argv (the only double in this
     file); the units it would start are the plan's, written by tool.materialise and checked by systemd-analyze."""
-    from tool import plan as plans
+    from tool import plan as plans, recipes
     from tool.runners import systemd
     bindir = tmp_path / "bin"
     bindir.mkdir()
@@ -314,7 +314,7 @@ def test_the_systemd_runner_writes_the_units_then_reloads_and_starts_the_serve_u
     booted.mkdir()
     monkeypatch.setenv("PATH", f"{bindir}{os.pathsep}{os.environ['PATH']}")
     monkeypatch.setattr(systemd, "BOOTED_MARK", booted)
-    plan = plans.compile_plan(plans.load(str(RECIPE), validate=False), {"stateDir": str(tmp_path / "state")})
+    plan = plans.compile_plan(recipes.load(str(RECIPE), validate=False), {"stateDir": str(tmp_path / "state")})
     rec = systemd.start(plan, root=tmp_path / "root")
     assert calls.read_text().splitlines() == ["daemon-reload", "start kiln-tiny-moe.service"]
     units = sorted(p.name for p in (tmp_path / "root" / "etc" / "systemd" / "system").iterdir())

@@ -10,7 +10,7 @@ import pwd
 import shlex
 
 from tool import nixeval
-from tool.recipes import Recipe, load
+from tool.recipes import Recipe
 
 STEP_ORDER = ("fetch", "prepare", "verify", "serve", "check")
 SERVICE_USER = "kiln"
@@ -23,15 +23,6 @@ def service_ids(user: str = SERVICE_USER) -> tuple[int, int]:
         return pw.pw_uid, pw.pw_gid
     except KeyError:
         return os.getuid(), os.getgid()
-
-
-def load_recipe(ref: str) -> Recipe:
-    """tool.recipes.load, validating when tool.validate is present (it is written separately)."""
-    try:
-        import tool.validate  # noqa: F401
-    except ImportError:
-        return load(ref, validate=False)
-    return load(ref)
 
 
 def compile_plan(recipe: Recipe, options: dict | None = None) -> dict:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from tool.errors import Exit, IntegrityError, KilnError, MissingDependency, NotWritable, child_exit, last_line
 from tool.plan import compile_plan
-from tool.runners import Dirs, pid_alive
+from tool.state import Dirs, pid_alive
 from tool.store_verify import StoreReport, verify_store
 
 STAGING_PREFIX = ".staging-"

@@ -27,12 +27,12 @@ class StoreReport:
 
 def stores_dir(option=None) -> Path:
     """--store-dir, else $KILN_STORE_DIR, else $KILN_STATE_DIR/stores, else /var/lib/kiln/stores (as nix/lib)."""
-    from tool.runners import Dirs
+    from tool.state import Dirs
     return Dirs.resolve(store_dir=option).stores
 
 
 def engine_bin() -> str:
-    from tool.runners import program
+    from tool.programs import program
     return program("engine")
 
 

@@ -17,8 +17,9 @@ from typing import Callable
 import httpx
 
 from tool.errors import Exit, IntegrityError, KilnError, NetworkError, last_line
+from tool.images import present_by_digest, short
 from tool.plan import compile_plan
-from tool.runners import Dirs, RunRecord, pid_alive
+from tool.state import Dirs, RunRecord, pid_alive
 
 STEPS = ("preflight", "pull", "fetch", "prepare", "verify", "serve", "checks")
 
@@ -141,7 +142,7 @@ class Up:
         image = self.recipe["runtime"]["container"]["image"]
         docker = self.plan["options"]["dockerBin"]
         if image_present(docker, image):
-            return "skipped", f"{image_short(image)} present locally by digest"
+            return "skipped", f"{short(image)} present locally by digest"
         r = subprocess.run([docker, "pull", image], capture_output=True, text=True)
         if r.returncode != 0:
             why = last_line(r.stderr or r.stdout)
@@ -150,7 +151,7 @@ class Up:
             raise NetworkError(f"{image}: docker pull failed ({why}); nothing was run")
         if not image_present(docker, image):
             raise IntegrityError(f"{image}: pulled, but no local image carries this digest; nothing was run")
-        return "ok", f"{image_short(image)} pulled by digest"
+        return "ok", f"{short(image)} pulled by digest"
 
     def fetch(self):
         from tool.fetch import Progress, fetch
@@ -233,14 +234,8 @@ class _SystemdServer:
         systemd.stop(self.record)
 
 
-
-def image_short(image: str) -> str:
-    repo, _, digest = image.partition("@")
-    return f"{repo}@{digest[:19]}…"
-
-
 def image_present(docker: str, image: str) -> bool:
-    """A local image whose RepoDigests hold exactly repo@sha256:… (a tag or an image ID is not the pin)."""
+    """The local image is the pin (tool.images), asked through the plan's docker client."""
     r = subprocess.run([docker, "image", "inspect", "--format", "{{json .RepoDigests}}", image],
                        capture_output=True, text=True)
     if r.returncode != 0:
@@ -249,10 +244,7 @@ def image_present(docker: str, image: str) -> bool:
         digests = json.loads(r.stdout.strip() or "[]") or []
     except ValueError:
         return False
-    repo, _, digest = image.partition("@")
-    last = repo.rsplit("/", 1)[-1]
-    repo = repo.rsplit(":", 1)[0] if ":" in last else repo
-    return f"{repo}@{digest}" in digests
+    return present_by_digest(digests, image)
 
 
 def scrape_metrics(endpoint: str | None) -> dict:

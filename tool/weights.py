@@ -25,7 +25,7 @@ IGNORED = (MARKER, ".cache")
 
 def models_dir(option: str | os.PathLike | None = None) -> Path:
     """--models-dir, else $KILN_MODELS_DIR, else $KILN_STATE_DIR/models, else /var/lib/kiln/models (as nix/lib)."""
-    from tool.runners import Dirs
+    from tool.state import Dirs
     return Dirs.resolve(models_dir=option).models
 
 

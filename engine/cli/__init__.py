@@ -1,4 +1,10 @@
-"""`engine`: the offload engine's CLI. Commands load lazily (torch is slow to import)."""
+"""`engine`: the offload engine's CLI. Commands load lazily (torch is slow to import).
+
+One module per command in this package (store.py holds pack-store and verify-store, which share their
+progress bars); the options several commands take, and the EngineConfig they build, in options.py.
+Library modules never import this package: they raise engine.errors.EngineError, which main() below
+turns into one line and its exit code (tests/engine/test_errors.py checks both by ast).
+"""
 from __future__ import annotations
 
 import importlib

@@ -19,8 +19,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
-from engine.experts import ExpertProvider, Projection
+from engine.experts import ExpertProvider
 from engine.kv_cache import KVCache, select
+from engine.projection import Projection
 
 
 class WeightSource(Protocol):

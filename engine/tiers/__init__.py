@@ -1,5 +1,6 @@
 """Expert tiers: where routed experts live while a model runs.
 
+memory    — InMemoryExperts, every expert held in memory (no store)
 cache     — ExpertCache, eviction policies (LRU, LFU; Belady for the simulator), counters
 ram/gpu   — the RAM arena (cudaHostRegister'ed on CUDA) and the GPU slot arena
 readers   — O_DIRECT store readers (threads, optionally pinned to CPUs)
@@ -14,8 +15,9 @@ from pathlib import Path
 
 import torch
 
-from engine.experts import DTYPES, ExpertProvider, InMemoryExperts, order_for
+from engine.experts import DTYPES, ExpertProvider, order_for
 from engine.runtime import EngineConfig
+from engine.tiers.memory import InMemoryExperts
 
 log = logging.getLogger("engine.tiers")
 

@@ -19,7 +19,8 @@ log = logging.getLogger("engine.tiers")
 
 
 def parse_cpulist(text: str) -> set[int]:
-    """'26-39,41' -> {26, ..., 39, 41}"""
+    """'26-39,41' -> {26, ..., 39, 41}. tool.cpulist has the tool's copy: the packages never import each
+    other (the tool runs where torch is not installed), so the kernel's CPU-list format is parsed twice."""
     cpus: set[int] = set()
     for part in text.split(","):
         part = part.strip()

@@ -15,9 +15,9 @@ import torch
 from engine.checkpoint import Checkpoint
 from engine.cli import main
 from engine.errors import EngineError
-from engine.experts import InMemoryExperts
 from engine.store.pack import pack_store
 from engine.tiers import build_provider, in_memory
+from engine.tiers.memory import InMemoryExperts
 from engine.tiers.readers import parse_cpu_layout
 
 

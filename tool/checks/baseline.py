@@ -45,7 +45,7 @@ def resolve(recipe, dirs=None) -> dict | None:
     if not (recipe.get("checks") or {}).get("decode_baseline"):
         return None
     from tool.plan import compile_plan
-    from tool.runners import Dirs
+    from tool.state import Dirs
     return from_plan(compile_plan(recipe, (dirs or Dirs.resolve()).plan_options()))
 
 

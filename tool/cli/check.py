@@ -19,17 +19,8 @@ from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeEl
 from rich.table import Table
 
 from tool.checks.llama_cpp import DEFAULT_BIN as DEFAULT_LLAMA_SERVER   # what scripts/build-llama-cpp.sh builds
+from tool.cli import options
 from tool.errors import Exit
-
-
-def _load_recipe(ref: str):
-    from tool import recipes
-    try:
-        return recipes.load(ref)
-    except ModuleNotFoundError as e:      # tool.validate not installed yet: parse only
-        if e.name != "tool.validate":
-            raise
-        return recipes.load(ref, validate=False)
 
 
 class RichReporter:
@@ -144,7 +135,7 @@ def _llama_cpp_baseline(recipe, server_bin: str | None, gguf: str | None) -> dic
 @click.option("--endpoint", required=True, metavar="URL", help="The server's OpenAI base URL, e.g. http://127.0.0.1:8000/v1.")
 @click.option("--served-name", metavar="NAME",
               help="The model name the server serves (what its /v1/models lists); default: the recipe's.")
-@click.option("--gates", metavar="G1,G2", help="Run only these gates (load,chat,reasoning,tools,context,speed).")
+@options.gates
 @click.option("--json", "json_path", metavar="PATH", help="Also write the evidence JSON here ('-': print it instead of the table).")
 @click.option("--record", is_flag=True, help="Append a proof line to the recipe file.")
 @click.option("--evidence-dir", default="evidence", show_default=True, type=click.Path(file_okay=False),
@@ -170,28 +161,25 @@ def check(recipe, endpoint, served_name, gates, json_path, record, evidence_dir,
     Exit 0 when every expected gate passed; 1 when one failed, or was inconclusive (the speed gate on a
     busy host or with rounds that disagree: the table says which, the evidence says why).
     """
-    from tool.checks.runner import GATES, run_checks
+    from tool.checks.runner import run_checks
+    from tool.recipes import load
 
-    only = [g.strip() for g in gates.split(",") if g.strip()] if gates else None
-    if only is not None and (unknown := [g for g in only if g not in GATES]):
-        raise click.BadParameter(f"unknown gate {', '.join(unknown)}; gates are {', '.join(GATES)}",
-                                 param_hint="--gates")
     if not re.match(r"https?://[^/\s]+", endpoint):
         raise click.BadParameter(f"{endpoint!r} is not an http(s) URL like http://127.0.0.1:8000/v1",
                                  param_hint="--endpoint")
-    r = _load_recipe(recipe)
+    r = load(recipe)
     err = Console(stderr=True, highlight=False)
     if served_name is not None and not re.fullmatch(r"[^\s]{1,256}", served_name):
         raise click.BadParameter(f"{served_name!r} is not a model name (1-256 characters, no spaces)",
                                  param_hint="--served-name")
     kind = "none" if no_baseline else baseline_kind
-    if kind == "none" or (only is not None and "speed" not in only):
+    if kind == "none" or (gates is not None and "speed" not in gates):
         baseline = None
     elif kind == "llama.cpp":
         baseline = _llama_cpp_baseline(r, llama_server, baseline_gguf)
     else:
         baseline = _baseline(r)
-    evidence = run_checks(r, endpoint, gates=only, evidence_dir=evidence_dir,
+    evidence = run_checks(r, endpoint, gates=gates, evidence_dir=evidence_dir,
                           json_path=None if json_path == "-" else json_path, record=record,
                           reporter=RichReporter(err), api_key=api_key, baseline=baseline,
                           load_timeout_s=load_timeout, speed_window_s=speed_window, seed=seed,

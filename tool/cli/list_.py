@@ -9,6 +9,8 @@ import json
 
 import click
 
+from tool.cli import options
+
 
 def proof_of(recipe: dict) -> dict:
     """The latest proof: gates passed of gates run, decode tok/s."""
@@ -60,9 +62,9 @@ def row(recipe, host) -> dict:
 @click.command("list")
 @click.option("--fits", "only_fits", is_flag=True, help="Only the recipes that fit this host.")
 @click.option("--json", "as_json", is_flag=True, help="Print the rows as a JSON list on stdout.")
-@click.option("--models-dir", type=click.Path(file_okay=False), envvar="KILN_MODELS_DIR", help="Where weights go (disk check).")
-@click.option("--store-dir", type=click.Path(file_okay=False), envvar="KILN_STORE_DIR", help="Where stores go (disk check).")
-@click.option("--host-root", type=click.Path(exists=True, file_okay=False), hidden=True)
+@options.models_dir
+@options.store_dir
+@options.host_root
 def list_(only_fits, as_json, models_dir, store_dir, host_root):
     """List the recipes and whether each fits this host (GPU count and VRAM, RAM, CPUs, disk)."""
     from tool import preflight as pf

@@ -6,6 +6,7 @@ import click
 from tool import plan as plans
 from tool.cli.plan import options_from, plan_options
 from tool.materialise import materialise as write_plan
+from tool.recipes import load
 
 
 @click.command("materialise")
@@ -19,6 +20,6 @@ def materialise(recipe, root, user_units, **kwargs):
     """Write RECIPE's systemd units, the files its steps mount and its tmpfiles.d rules under ROOT."""
     options = options_from(kwargs)
     options["userUnits"] = user_units
-    compiled = plans.compile_plan(plans.load_recipe(recipe), options)
+    compiled = plans.compile_plan(load(recipe), options)
     for path in write_plan(compiled, root, user=user_units):
         click.echo(str(path))

@@ -6,12 +6,14 @@ import json
 import click
 
 from tool import plan as plans
+from tool.recipes import load
+from tool.state import DEFAULT_STATE_DIR
 
 
 def plan_options(f):
     """Flags shared by `plan` and `materialise`: every one overrides a nix/lib option."""
     for decl, kw in reversed([
-        (("--state-dir", "stateDir"), dict(type=click.Path(), help="Kiln's state directory (default /var/lib/kiln).")),
+        (("--state-dir", "stateDir"), dict(type=click.Path(), help=f"Kiln's state directory (default {DEFAULT_STATE_DIR}).")),
         (("--models-dir", "modelsDir"), dict(type=click.Path(), help="Where weights live (default STATE_DIR/models).")),
         (("--store-dir", "storeDir"), dict(type=click.Path(), help="Where prepared stores live (default STATE_DIR/stores).")),
         (("--port", "port"), dict(type=click.IntRange(1, 65535), help="Host port the server publishes (default: the recipe's).")),
@@ -38,7 +40,7 @@ def options_from(kwargs: dict) -> dict:
 @plan_options
 def plan(recipe, as_json, **kwargs):
     """Compile RECIPE (an id or a path) with Nix and print each step's command and limits."""
-    compiled = plans.compile_plan(plans.load_recipe(recipe), options_from(kwargs))
+    compiled = plans.compile_plan(load(recipe), options_from(kwargs))
     if as_json:
         click.echo(json.dumps(compiled, indent=2, sort_keys=True))
     else:

@@ -5,17 +5,8 @@ import json
 
 import click
 
+from tool.cli import options
 from tool.errors import Exit
-
-
-def load_recipe(ref: str):
-    """The validated recipe (tool.validate), or only parsed where the validator is not installed."""
-    from tool import recipes
-
-    try:
-        return recipes.load(ref)
-    except ImportError:
-        return recipes.load(ref, validate=False)
 
 
 def console():
@@ -30,12 +21,9 @@ def console():
 @click.command("preflight")
 @click.argument("recipe")
 @click.option("--json", "as_json", is_flag=True, help="Print {recipe, verdict, checks} as JSON on stdout.")
-@click.option("--models-dir", type=click.Path(file_okay=False), envvar="KILN_MODELS_DIR",
-              help="Where weights go (default /var/lib/kiln/models; $KILN_MODELS_DIR).")
-@click.option("--store-dir", type=click.Path(file_okay=False), envvar="KILN_STORE_DIR",
-              help="Where prepared stores go (default /var/lib/kiln/stores; $KILN_STORE_DIR).")
-@click.option("--host-root", type=click.Path(exists=True, file_okay=False), hidden=True,
-              help="Read /proc and /sys from this tree instead of / (tests).")
+@options.models_dir
+@options.store_dir
+@options.host_root
 @click.pass_context
 def preflight(ctx, recipe, as_json, models_dir, store_dir, host_root):
     """Check, before any download, whether this host can run RECIPE (an id or a file).
@@ -45,8 +33,9 @@ def preflight(ctx, recipe, as_json, models_dir, store_dir, host_root):
     """
     from tool import preflight as pf
     from tool.preflight.checks import verdict
+    from tool.recipes import load
 
-    r = load_recipe(recipe)
+    r = load(recipe)
     results = pf.run(r, pf.host_from_env(models_dir, store_dir, host_root))
     v = verdict(results)
     if as_json:

@@ -5,24 +5,14 @@ import json
 
 import click
 
-
-def dir_options(f):
-    """--state-dir / --models-dir / --store-dir, shared by prepare, up, down and status."""
-    for decl, help_ in reversed([
-        ("--state-dir", "Kiln's state directory: models, stores, evidence and run state below it "
-                        "(default $KILN_STATE_DIR, else /var/lib/kiln)."),
-        ("--models-dir", "Where weights live (default STATE_DIR/models, or $KILN_MODELS_DIR)."),
-        ("--store-dir", "Where prepared stores live (default STATE_DIR/stores, or $KILN_STORE_DIR)."),
-    ]):
-        f = click.option(decl, type=click.Path(file_okay=False), default=None, help=help_)(f)
-    return f
+from tool.cli import options
 
 
 @click.command("prepare")
 @click.argument("recipe")
 @click.option("--force", is_flag=True, help="Rebuild even when the published store verifies (or no longer does).")
 @click.option("--json", "as_json", is_flag=True, help="Print {recipe, status, store, detail, seconds} as JSON.")
-@dir_options
+@options.dirs
 def prepare(recipe, force, as_json, state_dir, models_dir, store_dir):
     """Run RECIPE's prepare step with the store in a staging directory, run its verify step on the result,
     then publish it by rename. Skipped when the published store verifies; a published store that no longer
@@ -31,9 +21,9 @@ def prepare(recipe, force, as_json, state_dir, models_dir, store_dir):
     Exit codes: 0 ok, 1 the step failed, 3 bad recipe, 4 engine/docker missing, 5 not writable,
     6 filesystem refused, 8 the store does not verify, 130 interrupted.
     """
-    from tool.plan import load_recipe
+    from tool.recipes import load as load_recipe
     from tool.prepare import prepare as do_prepare
-    from tool.runners import Dirs
+    from tool.state import Dirs
 
     r = load_recipe(recipe)
     result = do_prepare(r, Dirs.resolve(state_dir, models_dir, store_dir), force=force)

@@ -14,7 +14,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from tool.cli.prepare import dir_options
+from tool.cli import options
 from tool.errors import Exit, KilnError
 
 
@@ -48,10 +48,10 @@ def _write_report(path, report: dict) -> None:
 @click.option("--once", is_flag=True, help="Stop the server after the checks and exit with their verdict.")
 @click.option("--json", "json_path", metavar="PATH", help="Write the report (steps, check evidence, engine counters) here.")
 @click.option("--port", type=click.IntRange(1, 65535), help="Serve on this port (default: the recipe's).")
-@click.option("--gates", metavar="G1,G2", help="Run only these gates (load,chat,reasoning,tools,context,speed).")
+@options.gates
 @click.option("--load-timeout", type=float, metavar="S", help="Override the recipe's load limit, seconds.")
 @click.option("--engine-bin", metavar="PATH", help="The program a native serve step runs (default: the `engine` beside this Python).")
-@dir_options
+@options.dirs
 def up(recipe, runner, once, json_path, port, gates, load_timeout, engine_bin, state_dir, models_dir, store_dir):
     """Preflight, (pull the image by digest,) fetch, prepare, verify, start, wait until ready, run the checks,
     report. Steps whose result is published and verifies are skipped, so `tool up` after an interruption
@@ -64,20 +64,16 @@ def up(recipe, runner, once, json_path, port, gates, load_timeout, engine_bin, s
     import os
     if engine_bin:                       # every step of this run (prepare, verify, serve) uses it
         os.environ["KILN_ENGINE_BIN"] = str(engine_bin)
-    from tool.checks.runner import GATES
     from tool.cli.check import RichReporter, results_table
     from tool.fetch import Progress
-    from tool.plan import load_recipe
-    from tool.runners import Dirs
+    from tool.recipes import load as load_recipe
+    from tool.state import Dirs
     from tool.up import Options, Up
 
-    only = [g.strip() for g in gates.split(",") if g.strip()] if gates else None
-    if only is not None and (unknown := [g for g in only if g not in GATES]):
-        raise click.BadParameter(f"unknown gate {', '.join(unknown)}; gates are {', '.join(GATES)}", param_hint="--gates")
     err = Console(stderr=True, highlight=False, soft_wrap=True)
     r = load_recipe(recipe)
     run = Up(r, Dirs.resolve(state_dir, models_dir, store_dir),
-             Options(runner=runner, once=once, port=port, gates=only, load_timeout_s=load_timeout,
+             Options(runner=runner, once=once, port=port, gates=gates, load_timeout_s=load_timeout,
                      engine_bin=engine_bin),
              say=lambda line: err.print(line, markup=False), reporter=RichReporter(err), progress=Progress())
     signal.signal(signal.SIGTERM, _terminated)     # `kill`/a unit stop: stop the server as Ctrl-C would
@@ -114,10 +110,11 @@ def up(recipe, runner, once, json_path, port, gates, load_timeout, engine_bin, s
 @click.command("down")
 @click.argument("recipe")
 @click.option("--timeout", type=float, default=30, show_default=True, help="Seconds between SIGTERM and SIGKILL.")
-@dir_options
+@options.dirs
 def down(recipe, timeout, state_dir, models_dir, store_dir):
     """Stop RECIPE's server started by `tool up` (SIGTERM, then SIGKILL; a container: docker stop)."""
-    from tool.runners import Dirs, RunRecord, foreground, systemd
+    from tool.runners import foreground, systemd
+    from tool.state import Dirs, RunRecord
 
     dirs = Dirs.resolve(state_dir, models_dir, store_dir)
     rid = recipe if RunRecord.load(dirs.run, recipe) else _recipe_id(recipe)
@@ -130,7 +127,7 @@ def down(recipe, timeout, state_dir, models_dir, store_dir):
 
 
 def _recipe_id(ref: str) -> str:
-    from tool.plan import load_recipe
+    from tool.recipes import load as load_recipe
     return load_recipe(ref).id
 
 
@@ -146,10 +143,10 @@ def _health(endpoint: str) -> str:
 
 @click.command("status")
 @click.option("--json", "as_json", is_flag=True, help="Print the list as JSON.")
-@dir_options
+@options.dirs
 def status(as_json, state_dir, models_dir, store_dir):
     """List the servers `tool up` started: runner, pid (alive?), endpoint, and whether /health answers."""
-    from tool.runners import Dirs, RunRecord, pid_alive
+    from tool.state import Dirs, RunRecord, pid_alive
 
     dirs = Dirs.resolve(state_dir, models_dir, store_dir)
     rows = []

@@ -5,15 +5,14 @@ import json
 
 import click
 
+from tool.cli import options
 from tool.errors import Exit, IntegrityError, KilnError
 
 
 @click.command("verify")
 @click.argument("recipe")
-@click.option("--models-dir", type=click.Path(file_okay=False),
-              help="Where weights are (default $KILN_MODELS_DIR, else /var/lib/kiln/models).")
-@click.option("--store-dir", type=click.Path(file_okay=False),
-              help="Where prepared stores are (default $KILN_STORE_DIR, else /var/lib/kiln/stores).")
+@options.models_dir
+@options.store_dir
 @click.option("--weights-only", is_flag=True, help="Check the weights only, not the prepared store.")
 @click.option("--json", "as_json", is_flag=True, help="Print {recipe, weights, store} as JSON on stdout.")
 @click.pass_context
@@ -24,7 +23,7 @@ def verify(ctx, recipe, models_dir, store_dir, weights_only, as_json):
     A file that no longer matches is named with both digests and its marker removed. Exit codes: 0 ok,
     1 not fetched / not prepared, 6 filesystem refused, 8 mismatch.
     """
-    from tool.plan import load_recipe
+    from tool.recipes import load as load_recipe
     from tool.weights import models_dir as resolve_models, verify_offline
     from tool.store_verify import stores_dir, verify_store
     from tool.fetch import Progress

@@ -10,14 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tool.runners import Dirs
-
 from tool.preflight import container, cpu, gpu, memory, network, storage, weights
 from tool.preflight.checks import FAIL, CheckResult, verdict
 from tool.preflight.hostroot import HostRoot
-
-DEFAULT_MODELS_DIR = Path("/var/lib/kiln/models")
-DEFAULT_STORE_DIR = Path("/var/lib/kiln/stores")
+from tool.state import DEFAULT_STATE_DIR, Dirs
 
 __all__ = ["Host", "run", "fits", "verdict", "CheckResult"]
 
@@ -26,8 +22,8 @@ __all__ = ["Host", "run", "fits", "verdict", "CheckResult"]
 class Host:
     """What to probe: the tree to read, the dirs the recipe will use, where to find GPUs."""
     root: HostRoot = field(default_factory=HostRoot)
-    models_dir: Path = DEFAULT_MODELS_DIR
-    store_dir: Path = DEFAULT_STORE_DIR
+    models_dir: Path = DEFAULT_STATE_DIR / "models"
+    store_dir: Path = DEFAULT_STATE_DIR / "stores"
     use_nvml: bool = True
     _gpus: gpu.GpuReport | None = None
 

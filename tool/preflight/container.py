@@ -11,6 +11,7 @@ import os
 import shutil
 from dataclasses import dataclass, field
 
+from tool.images import present_by_digest, short
 from tool.preflight.checks import CheckResult, failed, passed, warned
 from tool.preflight.hostroot import HostRoot
 
@@ -74,7 +75,7 @@ def check_daemon(d: Docker) -> CheckResult:
 
 
 def check_image(image: str, d: Docker) -> tuple[CheckResult, bool]:
-    """Present only by digest: a RepoDigest equal to the recipe's repo@sha256 (a tag or an image ID is not the pin)."""
+    """Present only by digest (tool.images), asked through the Docker SDK."""
     if not d.reachable:
         return warned("docker.image", f"{image}: not checked (no Docker daemon)"), False
     import docker
@@ -85,10 +86,8 @@ def check_image(image: str, d: Docker) -> tuple[CheckResult, bool]:
         return warned("docker.image", f"{image}: not yet pulled (tool up pulls it by digest)"), False
     except docker.errors.APIError as e:
         return warned("docker.image", f"{image}: the daemon could not say ({e.explanation or e})"), False
-    repo, _, digest = image.partition("@")
-    repo = repo.rsplit(":", 1)[0] if ":" in repo.rsplit("/", 1)[-1] else repo  # drop a tag before @
-    if f"{repo}@{digest}" in (img.attrs.get("RepoDigests") or []):
-        return passed("docker.image", f"{repo}@{digest[:19]}… present locally by digest (image {img.id[:19]})"), True
+    if present_by_digest(img.attrs.get("RepoDigests"), image):
+        return passed("docker.image", f"{short(image)} present locally by digest (image {img.id[:19]})"), True
     return warned("docker.image", f"{image}: a local image answers to it but carries no matching RepoDigest; tool up pulls it by digest"), False
 
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 import os
 
 from tool.preflight.checks import CheckResult, failed, passed, warned
-from tool.preflight.hostroot import HostRoot, format_cpulist, parse_cpulist
+from tool.cpulist import format_cpulist, parse_cpulist
+from tool.preflight.hostroot import HostRoot
 
 ROLES = ("lane", "main", "controller", "readers")
 

@@ -21,24 +21,12 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from tool.checks.liveness import exit_reason, log_tail
+from tool.cpulist import parse_cpulist
 from tool.errors import KilnError, MissingDependency
-from tool.runners import Dirs, RunRecord, pid_alive
+from tool.state import Dirs, RunRecord, pid_alive
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 TAIL = 20
-
-
-def parse_cpus(text: str) -> set[int]:
-    """systemd/docker CPU list "0-3,8" → {0, 1, 2, 3, 8}."""
-    out: set[int] = set()
-    for part in str(text).split(","):
-        part = part.strip()
-        if "-" in part:
-            a, b = part.split("-", 1)
-            out.update(range(int(a), int(b) + 1))
-        elif part:
-            out.add(int(part))
-    return out
 
 
 def _gib(n: int) -> str:
@@ -123,7 +111,7 @@ def limits_for(plan: dict, rid: str) -> Limits:
     out.lines.append(line)
     cpus = l.get("cpus")
     if cpus:
-        want = parse_cpus(cpus)
+        want = parse_cpulist(str(cpus))
         have = os.sched_getaffinity(0)
         if not want <= have:
             raise KilnError(f"cpus {cpus}: CPUs {sorted(want - have)} are not available to this process "

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from tool.errors import KilnError, MissingDependency, last_line
 from tool.materialise import materialise
-from tool.runners import RunRecord
+from tool.state import RunRecord
 
 BOOTED_MARK = Path("/run/systemd/system")
 

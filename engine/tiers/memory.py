@@ -1,0 +1,26 @@
+"""InMemoryExperts: every routed expert of every layer held as packed records in memory (the reference
+provider, and models small enough to hold whole); engine.tiers.in_memory builds it from a checkpoint."""
+from __future__ import annotations
+
+import torch
+
+from engine.experts import ExpertLayout, group_routes, moe_forward
+
+
+class InMemoryExperts:
+    """Every expert of every layer held as packed records in one tensor per layer (reference / all-resident)."""
+
+    def __init__(self, layout: ExpertLayout, records: dict[int, torch.Tensor]):
+        # records[layer] : [n_experts, record_elems] in layout.dtype
+        self.layout = layout
+        self.records = records
+        self._served = 0
+
+    def forward(self, layer, x, topk_ids, topk_weights):
+        recs = self.records[layer]
+        self._served += int(topk_ids.numel())
+        return moe_forward(x, topk_weights, group_routes(topk_ids),
+                           lambda experts: [self.layout.views(recs[e]) for e in experts], len(recs))
+
+    def counters(self) -> dict:
+        return {"served": {"gpu": 0, "ram": self._served, "store": 0}, "store_read_bytes": 0}
