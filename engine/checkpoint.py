@@ -99,7 +99,10 @@ class Checkpoint:
         """False for a store-backed checkpoint (its routed experts were synthesized straight into a store)."""
         return self.expert_key(self.moe_layers[0], 0, 0) in self._files
 
-    def layout(self, dtype: torch.dtype | None = None, order: str = "rows") -> ExpertLayout:
+    def layout(self, dtype: torch.dtype | None = None, order: str = "rows", quant: str = "none") -> ExpertLayout:
+        """The record layout of this checkpoint's experts; quant != "none": quantized records (bytes)."""
+        if quant != "none":
+            return ExpertLayout(self.hidden, self.moe_intermediate, torch.uint8, order, quant)
         return ExpertLayout(self.hidden, self.moe_intermediate, dtype or self.dtype, order)
 
     def names(self) -> list[str]:

@@ -45,21 +45,35 @@ def order_for(device) -> str:
 
 @dataclass(frozen=True)
 class ExpertLayout:
-    """Byte layout of one expert record (see the module docstring for the two orders), padded to ALIGN."""
+    """Byte layout of one expert record (see the module docstring for the two orders), padded to ALIGN.
+    quant != "none": a quantized record (engine.quant.records, which owns those layouts); its dtype is
+    uint8 (the bytes a slot holds) and views() gives an engine.quant.expert.QuantExpert, which unpacks to
+    the same logical (gate, up, down), dequantized, and computes with the device's quantized kernel."""
 
     hidden: int
     intermediate: int
     dtype: torch.dtype
     order: str = "rows"
+    quant: str = "none"
 
     def __post_init__(self):
         assert self.hidden > 0 and self.intermediate > 0, "expert shape must be positive"
-        assert self.dtype in _DTYPE_BYTES, f"unsupported expert dtype {self.dtype}"
         assert self.order in ORDERS, f"record order {self.order!r} is not one of {ORDERS}"
+        if self.quant == "none":
+            assert self.dtype in _DTYPE_BYTES, f"unsupported expert dtype {self.dtype}"
+        else:
+            assert self.dtype == torch.uint8, f"quantized records are bytes (uint8), not {self.dtype}"
+            from engine.quant.records import QuantLayout
+            object.__setattr__(self, "_q", QuantLayout(self.hidden, self.intermediate, self.quant, self.order))
+
+    @property
+    def quantized(self):
+        """The engine.quant.records.QuantLayout of a quantized record, else None."""
+        return getattr(self, "_q", None)
 
     @property
     def itemsize(self) -> int:
-        return _DTYPE_BYTES[self.dtype]
+        return 1 if self.quantized else _DTYPE_BYTES[self.dtype]
 
     @property
     def matrix_elems(self) -> int:
@@ -67,6 +81,8 @@ class ExpertLayout:
 
     @property
     def payload_bytes(self) -> int:
+        if self.quantized:
+            return self.quantized.payload_bytes
         return 3 * self.matrix_elems * self.itemsize
 
     @property
@@ -77,9 +93,13 @@ class ExpertLayout:
     def record_elems(self) -> int:
         return self.record_bytes // self.itemsize
 
-    def views(self, slot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def views(self, slot: torch.Tensor):
         """(gate [I,H], up [I,H], down [H,I]) as views into a flat slot tensor of record_elems in self.dtype
-        (in the cols order they are transposed views: the same values, other strides)."""
+        (in the cols order they are transposed views: the same values, other strides). A quantized
+        record: a QuantExpert over the slot (it unpacks to the dequantized three)."""
+        if self.quantized:
+            from engine.quant.expert import QuantExpert
+            return QuantExpert(self.quantized, slot)
         n, h, i = self.matrix_elems, self.hidden, self.intermediate
         if self.order == "cols":
             gate_up_t = slot[0:2 * n].view(h, 2 * i)
@@ -90,10 +110,13 @@ class ExpertLayout:
         return gate, up, down
 
     def pack(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-        """One record (flat, record_elems long, zero padding) from the three matrices."""
+        """One record (flat, record_elems long, zero padding) from the three matrices (quantized at
+        pack time for int8/int4; GGUF blocks go through QuantLayout.pack_blocks)."""
         assert gate.shape == (self.intermediate, self.hidden), f"gate shape {tuple(gate.shape)}"
         assert up.shape == (self.intermediate, self.hidden), f"up shape {tuple(up.shape)}"
         assert down.shape == (self.hidden, self.intermediate), f"down shape {tuple(down.shape)}"
+        if self.quantized:
+            return self.quantized.pack(gate, up, down)
         rec = torch.zeros(self.record_elems, dtype=self.dtype)
         for view, m in zip(self.views(rec), (gate, up, down)):
             view.copy_(m)
@@ -183,6 +206,11 @@ def moe_forward(x: torch.Tensor, topk_weights: torch.Tensor, routes: list[Route]
         j = 0
         while j < len(chunk):
             r = chunk[j]
+            ffn = getattr(views[j], "ffn", None)        # a quantized record computes with its own kernel
+            if ffn is not None:
+                accumulate(r, ffn(x[r.tokens]))
+                j += 1
+                continue
             if paired and j + 1 < len(chunk) and len(r.tokens) == len(chunk[j + 1].tokens) == 1:
                 ys = pair_ffn(x[r.tokens], x[chunk[j + 1].tokens], views[j], views[j + 1])
                 if ys is not None:

@@ -101,6 +101,16 @@ EXPECTED: dict[str, list[tuple[str, str, str]]] = {
         ("store-mounted-but-not-defined.json", "$.steps.serve.mounts[0].source",
          "step serve mounts the store, but the recipe has no store"),
     ],
+    "store-quant-gguf-without-gguf-file.json": [
+        ("store-quant-gguf-without-gguf-file.json", "$.store", 'missing required field "gguf_file"'),
+    ],
+    "store-gguf-file-without-quant-gguf.json": [
+        ("store-gguf-file-without-quant-gguf.json", "$.store.gguf_file", "gguf_file goes with quant gguf"),
+    ],
+    "store-gguf-file-escapes-weights.json": [
+        ("store-gguf-file-escapes-weights.json", "$.store.gguf_file",
+         '"@weights@/../../etc/shadow" does not match ^@weights@(/[A-Za-z0-9_][A-Za-z0-9._-]*)+$'),
+    ],
     "store-placeholder-but-not-defined.json": [
         ("store-placeholder-but-not-defined.json", "$.steps.prepare.writes[0]",
          "step prepare uses @store@, but the recipe has no store"),

@@ -11,6 +11,9 @@ from engine.checkpoint import CheckpointError
 from engine.errors import EngineError, Exit
 from engine.experts import DTYPES
 
+FLOAT_QUANTS = {"float32": "float32", "bf16": "bfloat16"}       # --quant spellings of float records
+QUANT_FLAGS = ("float32", "bf16", "int8", "int4", "gguf")
+
 
 @contextmanager
 def _progress(total: int | None, phases: list[str], quiet: bool):
@@ -63,10 +66,16 @@ def _sigterm_as_interrupt():
 @click.option("--order", type=click.Choice(["rows", "cols"]), default="rows", show_default=True,
               help="Record order: rows (the checkpoint's; what the GPU kernels read) or cols (each matrix "
                    "transposed: a CPU one-token GEMV reads it about twice as fast). Serve cols stores on the CPU.")
+@click.option("--quant", type=click.Choice(QUANT_FLAGS), default=None,
+              help="Record scheme: float32 / bf16 (float records, as --dtype), int8 / int4 (weight-only, group-wise "
+                   "along the input, quantized at pack time), gguf (the --gguf file's own Q8_0/Q4_1/Q4_K expert "
+                   "blocks, kept as they are) [default: the checkpoint's dtype].")
+@click.option("--gguf", "gguf_file", default=None, type=click.Path(dir_okay=False),
+              help="With --quant gguf: the GGUF file holding this checkpoint's experts.")
 @click.option("--readers", type=click.IntRange(1, 256), default=None, help="Threads for the verifying re-read.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-def pack_store(model_dir, store_dir, dtype, order, readers, quiet, as_json):
+def pack_store(model_dir, store_dir, dtype, order, quant, gguf_file, readers, quiet, as_json):
     """Pack a checkpoint's routed experts into one O_DIRECT store file of 4 KiB-aligned records.
 
     Writes experts.bin + manifest.json (+ manifest.sha256, its own sha256) in a staging directory beside
@@ -78,19 +87,29 @@ def pack_store(model_dir, store_dir, dtype, order, readers, quiet, as_json):
     from engine.store.manifest import plan_offsets
     from engine.store.pack import pack_store as pack
 
+    from engine.quant.source import record_source
+    if quant in FLOAT_QUANTS:
+        if dtype and dtype != FLOAT_QUANTS[quant]:
+            raise EngineError(f"--quant {quant} and --dtype {dtype} disagree; give one", Exit.USAGE)
+        dtype, quant = FLOAT_QUANTS[quant], None
+    scheme = quant or "none"
+    if scheme != "none" and dtype:
+        raise EngineError(f"--dtype {dtype} is for float records; --quant {quant} records are bytes", Exit.USAGE)
     try:
         ck = Checkpoint(model_dir)
-        layout = ck.layout(DTYPES[dtype] if dtype else None, order)
+        layout, _ = record_source(ck, dtype=DTYPES[dtype] if dtype else None, order=order, quant=scheme,
+                                  gguf=gguf_file)
     except CheckpointError as e:
         raise EngineError(str(e), Exit.BAD_MODEL) from None
     total = len(plan_offsets(ck.moe_layers, ck.n_experts, layout.record_bytes)) * layout.record_bytes
     try:
         with _sigterm_as_interrupt(), _progress(total, ["write", "verify"], quiet) as advance:
-            r = pack(model_dir, store_dir, dtype=layout.dtype, order=order, readers=readers, progress=advance)
+            r = pack(model_dir, store_dir, dtype=None if layout.quantized else layout.dtype, order=order,
+                     readers=readers, progress=advance, quant=scheme, gguf=gguf_file)
     except CheckpointError as e:
         raise EngineError(str(e), Exit.BAD_MODEL) from None
     if as_json:
-        click.echo(json.dumps({"store": str(r.store), "records": r.records, "bytes": r.bytes,
+        click.echo(json.dumps({"store": str(r.store), "quant": layout.quant, "records": r.records, "bytes": r.bytes,
                                "write_seconds": r.write_seconds, "write_gbps": r.write_gbps,
                                "verify_seconds": r.verify_seconds, "verify_gbps": r.verify_gbps,
                                "sampled": r.sampled}))
@@ -126,7 +145,7 @@ def verify_store(store_dir, model_dir, readers, quiet, as_json):
     with _progress(m.total_bytes, ["verify"], quiet) as advance:
         r = verify(store_dir, readers=readers, progress=(lambda n: advance("verify", n)) if advance else None)
     if as_json:
-        click.echo(json.dumps({"store": str(r.store), "records": r.records, "bytes": r.bytes, "seconds": r.seconds,
+        click.echo(json.dumps({"store": str(r.store), "quant": layout.quant, "records": r.records, "bytes": r.bytes, "seconds": r.seconds,
                                "gbps": r.gbps, "bad": [b.__dict__ for b in r.bad]}))
     else:
         for b in r.bad:

@@ -117,7 +117,11 @@ def slot_moe_reference(x, arena, slots, topk_weights, layout: ExpertLayout, expe
 
 
 def moe_from_slots(x, arena, slots, topk_weights, layout: ExpertLayout, expert_ids=None) -> torch.Tensor:
-    """Pick the kernel for the shape: GEMV kernels for few pairs (decode), GEMMs for many (prefill)."""
+    """Pick the kernel for the shape: GEMV kernels for few pairs (decode), GEMMs for many (prefill).
+    Quantized records go to their own kernels (engine.kernels.quant_triton), picked the same way."""
+    if layout.quantized:
+        from engine.kernels.quant_triton import quant_moe_from_slots
+        return quant_moe_from_slots(x, arena, slots, topk_weights, layout.quantized)
     if slots.numel() <= GEMV_MAX_PAIRS and triton_available(x.device):
         return slot_moe(x, arena, slots, topk_weights, layout)
     return slot_moe_reference(x, arena, slots, topk_weights, layout, expert_ids)

@@ -2,7 +2,9 @@
 
 Records are laid out layer-major (layer l's experts 0..E-1, then the next MoE layer), each
 exactly ExpertLayout.pack(gate, up, down) in the store dtype and record order (rows or cols,
-engine.experts; a manifest without "order" is rows), padded to 4 KiB.
+engine.experts; a manifest without "order" is rows), padded to 4 KiB. "quant" names the record
+scheme: "none" (float records in "dtype"; a manifest without it) or one of engine.quant.records.SCHEMES,
+whose records are bytes (dtype "uint8") with their scales inside.
 
 manifest.sha256 beside it holds the manifest's own sha256 (engine.store.manifest_file): a manifest is
 checked against it, then field by field, then record by record (each exactly where the layer-major order
@@ -18,9 +20,15 @@ import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import torch
+
 from engine.errors import EngineError, Exit
 from engine.experts import ALIGN, DTYPES, ORDERS, ExpertLayout
 from engine.store import manifest_file
+from engine.quant.records import SCHEMES
+
+QUANTS = ("none", *SCHEMES)
+QUANT_DTYPE = "uint8"           # the dtype of a quantized store's records: bytes
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -51,6 +59,7 @@ class Manifest:
     created: str
     format_version: int = FORMAT_VERSION
     order: str = "rows"
+    quant: str = "none"
     sha256: str = ""                # of manifest.json as read (not a field of it): what tool prepare records
     _index: dict = field(default_factory=dict, repr=False, compare=False)
 
@@ -59,7 +68,8 @@ class Manifest:
 
     @property
     def layout(self) -> ExpertLayout:
-        return ExpertLayout(self.hidden, self.intermediate, DTYPES[self.dtype], self.order)
+        dtype = torch.uint8 if self.quant != "none" else DTYPES[self.dtype]
+        return ExpertLayout(self.hidden, self.intermediate, dtype, self.order, self.quant)
 
     def record(self, layer: int, expert: int) -> Record:
         return self.records[self._index[(layer, expert)]]
@@ -136,14 +146,15 @@ FIELDS = {
     "experts_per_layer": _int(1, 1 << 16),
     "hidden": _int(1, 1 << 20),
     "intermediate": _int(1, 1 << 20),
-    "dtype": _str(choices=sorted(DTYPES)),
+    "dtype": _str(choices=[*sorted(DTYPES), QUANT_DTYPE]),
     "order": _str(choices=ORDERS),
+    "quant": _str(choices=QUANTS),
     "record_bytes": _int(ALIGN, 1 << 40),
     "total_bytes": _int(0, 1 << 62),
     "records": lambda v: None if type(v) is list else f"{type(v).__name__}, not a list",
     "created": _str(limit=64),
 }
-OPTIONAL = {"order": "rows"}          # manifests from before record orders are rows
+OPTIONAL = {"order": "rows", "quant": "none"}   # manifests from before record orders / quantized records
 
 
 def _garbled(path: Path, why: str) -> EngineError:
@@ -225,6 +236,9 @@ def load(store_dir: str | os.PathLike, *, check_size: bool = True) -> Manifest:
     raw, digest = manifest_file.read_checked(path, max_bytes=MAX_MANIFEST_BYTES, repair="repack with `engine pack-store`",
                                              missing="not a Kiln expert store; run `engine pack-store`")
     raw = _check_fields(path, raw)
+    if (raw["quant"] != "none") != (raw["dtype"] == QUANT_DTYPE):
+        raise _garbled(path, f"dtype {raw['dtype']!r} does not go with quant {raw['quant']!r} "
+                             f"(quantized records are {QUANT_DTYPE} bytes, float records name their dtype)")
     data = store_dir / DATA
     size = None
     if check_size:

@@ -57,11 +57,14 @@ class PackResult:
 
 def pack_store(model_dir: str | os.PathLike, store_dir: str | os.PathLike, *, dtype: torch.dtype | None = None,
                order: str = "rows", readers: int | None = None, progress: Callable[[str, int], None] | None = None,
-               sample: int = SAMPLE) -> PackResult:
+               sample: int = SAMPLE, quant: str = "none", gguf: str | os.PathLike | None = None) -> PackResult:
     """Pack `model_dir`'s routed experts into `store_dir` in record `order` (engine.experts: rows for the GPU,
-    cols for CPU serving). progress(phase, n_bytes): phase 'write' | 'verify'."""
+    cols for CPU serving). quant: "none" (float records in `dtype`), "int8"/"int4" (quantized here,
+    deterministically), "gguf" (the `gguf` file's own expert blocks). progress(phase, n_bytes): phase
+    'write' | 'verify'."""
+    from engine.quant.source import record_source
     ck = Checkpoint(model_dir)
-    layout = ck.layout(dtype, order)
+    layout, make = record_source(ck, dtype=dtype, order=order, quant=quant, gguf=gguf)
     store_dir = Path(os.path.abspath(store_dir))
     parent = store_dir.parent
     try:
@@ -80,7 +83,7 @@ def pack_store(model_dir: str | os.PathLike, store_dir: str | os.PathLike, *, dt
         os.chmod(staging, 0o755)      # mkdtemp makes it 0700; the published store is read by a service user
         data = staging / mf.DATA
         t0 = time.perf_counter()
-        digests = _write_records(ck, layout, plan, data, total, progress)
+        digests = _write_records(ck, layout, plan, data, total, progress, make)
         t_write = time.perf_counter() - t0
 
         t0 = time.perf_counter()
@@ -91,7 +94,7 @@ def pack_store(model_dir: str | os.PathLike, store_dir: str | os.PathLike, *, dt
             if want != got:
                 raise EngineError(f"{data}: layer {l} expert {e} offset {o} reads back differently than "
                                   f"written (sha256)", Exit.INTEGRITY)
-        sampled = _compare_sample(ck, layout, plan, data, sample)
+        sampled = _compare_sample(layout, plan, data, sample, make)
 
         publish_store(staging, store_dir, config_hash=ck.config_hash(), arch=ck.arch, layout=layout,
                       experts=ck.n_experts, plan=plan, digests=digests)
@@ -110,14 +113,15 @@ def publish_store(staging: Path, store_dir: Path, *, config_hash: str, arch: str
                     dtype=str(layout.dtype).removeprefix("torch."), record_bytes=layout.record_bytes,
                     total_bytes=len(plan) * layout.record_bytes,
                     records=[mf.Record(l, e, o, d) for (l, e, o), d in zip(plan, digests)],
-                    created=datetime.now(timezone.utc).isoformat(timespec="seconds"), order=layout.order)
+                    created=datetime.now(timezone.utc).isoformat(timespec="seconds"), order=layout.order,
+                    quant=layout.quant)
     m.sha256 = manifest_file.write_with_sidecar(staging / mf.MANIFEST, m.to_json())
     _fsync_dir(staging)
     _publish(staging, store_dir)
     return m
 
 
-def _write_records(ck: Checkpoint, layout, plan, data: Path, total: int, progress) -> list[str]:
+def _write_records(ck: Checkpoint, layout, plan, data: Path, total: int, progress, make=None) -> list[str]:
     """Stream records into `data` (O_DIRECT, preallocated); returns each record's sha256 as written."""
     rb = layout.record_bytes
     per_chunk = max(1, CHUNK // rb)
@@ -168,7 +172,10 @@ def _write_records(ck: Checkpoint, layout, plan, data: Path, total: int, progres
                     break
                 flat = torch.frombuffer(buf, dtype=torch.uint8)
                 for i, (l, e, _) in enumerate(part):
-                    pack_into(layout, flat[i * rb:(i + 1) * rb], *ck.expert(l, e))
+                    if layout.quantized:        # quantized records are made whole (small: a quarter of the bytes)
+                        flat[i * rb:(i + 1) * rb].copy_(make(l, e))
+                    else:
+                        pack_into(layout, flat[i * rb:(i + 1) * rb], *ck.expert(l, e))
                 del flat
                 full.put((buf, start, len(part)))
         finally:
@@ -196,8 +203,9 @@ def pack_into(layout, dst: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, d
     rec[3 * layout.matrix_elems:].zero_()
 
 
-def _compare_sample(ck: Checkpoint, layout, plan, data: Path, n: int) -> int:
-    """Byte-compare the first, the last and random records (read with O_DIRECT) with a fresh pack of the checkpoint."""
+def _compare_sample(layout, plan, data: Path, n: int, make) -> int:
+    """Byte-compare the first, the last and random records (read with O_DIRECT) with a fresh pack of the
+    checkpoint (make(l, e): the record as bytes)."""
     picks = sorted({0, len(plan) - 1} | set(random.Random().sample(range(len(plan)), min(n, len(plan)))))
     fd = open_direct(data)
     buf = aligned_buffer(layout.record_bytes)
@@ -205,7 +213,7 @@ def _compare_sample(ck: Checkpoint, layout, plan, data: Path, n: int) -> int:
         for i in picks:
             l, e, o = plan[i]
             pread_full(fd, buf, o)
-            want = layout.pack(*ck.expert(l, e)).view(torch.uint8).numpy().tobytes()
+            want = make(l, e).view(torch.uint8).numpy().tobytes()
             if buf[:len(want)] != want:
                 raise EngineError(f"{data}: layer {l} expert {e} offset {o} differs from the checkpoint", Exit.INTEGRITY)
     finally:

@@ -33,11 +33,12 @@ def _as_checkpoint(checkpoint):
     return checkpoint if isinstance(checkpoint, Checkpoint) else Checkpoint(checkpoint)
 
 
-def in_memory(checkpoint, *, device="cpu", dtype: torch.dtype | None = None, order: str | None = None) -> InMemoryExperts:
+def in_memory(checkpoint, *, device="cpu", dtype: torch.dtype | None = None, order: str | None = None,
+              quant: str = "none") -> InMemoryExperts:
     """Every routed expert packed into memory (the reference provider, and small models), in record
-    `order` (default: the one the device computes fastest from)."""
+    `order` (default: the one the device computes fastest from); quant "int8"/"int4": quantized records."""
     ck = _as_checkpoint(checkpoint)
-    layout = ck.layout(dtype, order or order_for(device))
+    layout = ck.layout(dtype, order or order_for(device), quant)
     records = {l: torch.stack([layout.pack(*ck.expert(l, e)) for e in range(ck.n_experts)]).to(device)
                for l in ck.moe_layers}
     return InMemoryExperts(layout, records)
@@ -107,7 +108,7 @@ def build_provider(checkpoint, store_dir, config: EngineConfig | None = None, *,
         from engine.store.odirect import probe
         m = mf.load(store_dir)
         mf.check_matches(m, ck, store_dir)
-        if dtype is not None and dtype != m.layout.dtype:
+        if dtype is not None and m.quant == "none" and dtype != m.layout.dtype:   # quantized records: any compute dtype
             raise EngineError(f"{Path(store_dir)}: holds {m.dtype} records, {str(dtype).removeprefix('torch.')} was "
                               f"asked for (repack with `engine pack-store --dtype`)", Exit.BAD_MODEL)
         mf.check_order(m, device, store_dir)

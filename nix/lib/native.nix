@@ -35,10 +35,19 @@ rec {
     in
     builtins.all ok (builtins.genList (i: i) n);
 
+  # pack-store learns the store's record scheme from the recipe's store.quant (one place says it;
+  # gguf: the file's own expert blocks, store.gguf_file naming the file).
+  quantArgs = ctx: args:
+    let s = ctx.recipe.store or { }; in
+    if args != [ ] && builtins.head args == "pack-store" && s ? quant
+    then [ "--quant" s.quant ] ++ (if s.quant == "gguf" then [ "--gguf" s.gguf_file ] else [ ])
+    else [ ];
+
   # A recipe step has either `args` (one command) or `commands` (several, run in order).
+  stepCommands = ctx: step: map (args: args ++ quantArgs ctx args) (step.commands or [ step.args ]);
+
   commands = ctx: step:
-    map (args: [ ctx.o.engineBin ] ++ map ctx.substitute args)
-      (step.commands or [ step.args ]);
+    map (args: [ ctx.o.engineBin ] ++ map ctx.substitute args) (stepCommands ctx step);
 
   # The serve step's batch and prefill chunk come from the recipe's `serve` fields (the schema's contract),
   # appended last so they win over the same flags in args (click takes the last).
@@ -50,7 +59,7 @@ rec {
   # What a step touches follows from the placeholders it uses; `writes` marks the writable ones.
   mounts = ctx: step:
     let
-      words = builtins.concatLists (step.commands or [ step.args ]);
+      words = builtins.concatLists (stepCommands ctx step);
       uses = src: builtins.any (hasInfix "@${src}@") words;
     in
     builtins.concatMap

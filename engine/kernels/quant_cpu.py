@@ -1,0 +1,48 @@
+"""The CPU expert FFN on quantized records (engine.quant.records).
+
+4-bit records in the cols order hold torch's own int4 operand, so gate|up is ONE
+torch.ops.aten._weight_int4pack_mm_for_cpu call and down another: the fastest of the CPU paths measured
+(bench/quant_cpu_kernels.py → bench/results/quant_cpu_kernels.json: torch's int4 kernel with bf16
+activations against a dequantize-per-call fp32 GEMV, torch's float32-activation int4 path and its int8
+kernel). That kernel takes bf16 activations and returns bf16, so x, h and y are rounded to bf16 at the
+kernel's edges (llama.cpp rounds activations further, to 8 bits, for its Q4 dot products); accumulation is
+fp32. Every other record (8-bit schemes, rows order) is dequantized per call and computed as expert_ffn
+does: correct everywhere, and the baseline the measurement compares against.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.quant.records import QuantLayout, group_size, int4pack_operands
+
+
+def int4_linear(layout: QuantLayout, rec: torch.Tensor, name: str, x: torch.Tensor) -> torch.Tensor:
+    """x [M, in] → x·Wᵀ [M, out] in bf16, W the cols record's int4pack matrix `name` (gate_up or down)."""
+    _, _, out, inp = layout.regions[name]
+    packed, sz = int4pack_operands(layout.region(rec, name), out, inp, group_size(inp, layout.scheme))
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16).contiguous(), packed,
+                                                      group_size(inp, layout.scheme), sz)
+
+
+def quant_ffn(layout: QuantLayout, rec: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """down(silu(gate x) * up x) for one quantized record; x [M, H] → [M, H] in x.dtype."""
+    if layout.cpu_int4 and rec.device.type == "cpu":
+        i = layout.intermediate
+        gu = int4_linear(layout, rec, "gate_up", x).float()
+        h = F.silu(gu[:, :i]) * gu[:, i:]
+        return int4_linear(layout, rec, "down", h).to(x.dtype)
+    gate, up, down = (m.to(device=x.device, dtype=x.dtype) for m in layout.dequantize(rec))
+    return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
+
+
+def quant_ffn_reference(layout: QuantLayout, rec: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """quant_ffn as a plain dequantize-then-matmul in fp32, rounded to bf16 where the int4 kernel's
+    operands and results are (x, gate|up, h, y): the oracle tests/engine/test_quant.py holds it to."""
+    gate, up, down = layout.dequantize(rec)
+    if not layout.cpu_int4:
+        return F.linear(F.silu(F.linear(x.float(), gate)) * F.linear(x.float(), up), down).to(x.dtype)
+    bf = lambda t: t.to(torch.bfloat16).float()  # noqa: E731
+    xb = bf(x.float())
+    g, u = bf(xb @ gate.t()), bf(xb @ up.t())
+    return bf(bf(F.silu(g) * u) @ down.t()).to(x.dtype)

@@ -1,0 +1,359 @@
+"""Triton kernels for quantized expert records (rows order, engine.quant.records), slot-indexed like
+engine.gpu.moe_kernels: the arena is [slots, record_bytes] uint8 and every kernel dequantizes the weights
+it needs in registers, reading each record's bytes once — a 4-bit record moves a quarter of bf16's bytes.
+
+  decode   GEMV kernels, one program per (pair, block of output rows): h = silu(gate x)·(up x), then
+           y = w·(down h); out_t = Σ_k y[t·K + k]
+  prefill  a grouped GEMM: the (token, expert) pairs sorted by slot and padded to BLOCK_M per expert, each
+           program one BLOCK_M x BLOCK_N tile of one expert with tl.dot (tensor cores on sm_80+)
+
+Plain Triton (no TMA, no wgmma, no Hopper-only intrinsics): the same source runs on sm_86 and sm_90, and
+through Triton's interpreter on CPU tensors in CI. Weights are dequantized to fp32 and rounded to the
+model dtype (as the reference's `.to(x.dtype)` does) — except the int8/int4 decode GEMVs, which sum codes x
+activations per group and scale once per group (_group_dot: the exact dequantized values, fewer operations
+per byte); accumulation is fp32; g, u, silu and the expert
+output are rounded to the model dtype where torch's F.linear rounds them. Every kernel equals
+quant_moe_reference (a plain dequantize-then-matmul of the same records) to that rounding
+(tests/engine/test_quant.py).
+"""
+from __future__ import annotations
+
+import torch
+
+from engine.quant.records import GGUF_BLOCK, QuantLayout, group_size
+
+try:  # Triton ships with CUDA builds of torch; CPU-only installs use the reference path.
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the install
+    triton = None
+
+FMT = {"int8": 0, "int4": 1, "q8_0": 2, "q4_1": 3, "q4_k": 4}
+GEMV_MAX_PAIRS = 64
+
+
+def available(device: torch.device) -> bool:
+    import os
+    return triton is not None and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")
+
+
+def _row_bytes(scheme: str, inp: int) -> int:
+    if scheme in GGUF_BLOCK:
+        per, size = GGUF_BLOCK[scheme]
+        return inp // per * size
+    return inp if scheme == "int8" else inp // 2
+
+
+if triton is not None:
+    @triton.jit
+    def _fp16_at(p):
+        return tl.load(p.to(tl.pointer_type(tl.float16))).to(tl.float32)
+
+    @triton.jit
+    def _weights(mat, rows, ks, m, OUT: tl.constexpr, IN: tl.constexpr, FMT: tl.constexpr, G: tl.constexpr):
+        """fp32 W[rows, ks] of one rows-form matrix starting at byte pointer `mat` (masked by m)."""
+        r = rows[:, None].to(tl.int64)
+        k = ks[None, :]
+        if FMT == 0:      # int8: q [OUT, IN] int8 | s fp16 [OUT, IN/G]
+            q = tl.load((mat + r * IN + k).to(tl.pointer_type(tl.int8)), mask=m, other=0).to(tl.float32)
+            s = tl.load((mat + OUT * IN + (r * (IN // G) + k // G) * 2).to(tl.pointer_type(tl.float16)),
+                        mask=m, other=0.0).to(tl.float32)
+            w = q * s
+        elif FMT == 1:    # int4: codes [OUT, IN/2] | (s, z) bf16 [OUT, IN/G, 2]; w = (q - 8)s + z
+            b = tl.load(mat + r * (IN // 2) + k // 2, mask=m, other=0).to(tl.int32)
+            q = ((b >> ((k % 2) * 4)) & 15).to(tl.float32)
+            sz = (mat + OUT * (IN // 2) + (r * (IN // G) + k // G) * 4).to(tl.pointer_type(tl.bfloat16))
+            s = tl.load(sz, mask=m, other=0.0).to(tl.float32)
+            z = tl.load(sz + 1, mask=m, other=0.0).to(tl.float32)
+            w = (q - 8.0) * s + z
+        elif FMT == 2:    # q8_0: blocks of 34 bytes: d fp16, 32 x int8
+            blk = mat + r * (IN // 32 * 34) + (k // 32) * 34
+            d = tl.load(blk.to(tl.pointer_type(tl.float16)), mask=m, other=0.0).to(tl.float32)
+            q = tl.load((blk + 2 + k % 32).to(tl.pointer_type(tl.int8)), mask=m, other=0).to(tl.float32)
+            w = d * q
+        elif FMT == 3:    # q4_1: blocks of 20 bytes: d, m fp16, 16 bytes (low nibbles 0..15, high 16..31)
+            blk = mat + r * (IN // 32 * 20) + (k // 32) * 20
+            i = k % 32
+            d = tl.load(blk.to(tl.pointer_type(tl.float16)), mask=m, other=0.0).to(tl.float32)
+            mn = tl.load((blk + 2).to(tl.pointer_type(tl.float16)), mask=m, other=0.0).to(tl.float32)
+            b = tl.load(blk + 4 + i % 16, mask=m, other=0).to(tl.int32)
+            w = d * ((b >> ((i // 16) * 4)) & 15).to(tl.float32) + mn
+        else:             # q4_k: blocks of 144 bytes over 256: d, dmin fp16, 12 bytes of 6-bit scales, 128 of codes
+            blk = mat + r * (IN // 256 * 144) + (k // 256) * 144
+            j = (k % 256) // 32
+            d = tl.load(blk.to(tl.pointer_type(tl.float16)), mask=m, other=0.0).to(tl.float32)
+            dmin = tl.load((blk + 2).to(tl.pointer_type(tl.float16)), mask=m, other=0.0).to(tl.float32)
+            lo = j < 4
+            s_j = tl.load(blk + 4 + j, mask=m, other=0).to(tl.int32)
+            s_j4 = tl.load(blk + 8 + j, mask=m, other=0).to(tl.int32)                       # j + 4 <= 11
+            s_jm4 = tl.load(blk + 4 + tl.where(lo, 0, j - 4), mask=m, other=0).to(tl.int32)
+            # j < 4: sc = s[j] & 63, mn = s[j+4] & 63; else sc = s[j+4] & 15 | (s[j-4] >> 6) << 4,
+            #        mn = s[j+4] >> 4 | (s[j] >> 6) << 4   (ggml's get_scale_min_k4)
+            sc = tl.where(lo, s_j & 63, (s_j4 & 15) | ((s_jm4 >> 6) << 4))
+            mn = tl.where(lo, s_j4 & 63, (s_j4 >> 4) | ((s_j >> 6) << 4))
+            b = tl.load(blk + 16 + (j // 2) * 32 + k % 32, mask=m, other=0).to(tl.int32)
+            q = ((b >> ((j % 2) * 4)) & 15).to(tl.float32)
+            w = (d * sc.to(tl.float32)) * q - dmin * mn.to(tl.float32)
+        return w
+
+    @triton.jit
+    def _gate_up_gemv(x_ptr, arena_ptr, slot_ptr, h_ptr, K: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
+                      REC: tl.constexpr, GATE: tl.constexpr, UP: tl.constexpr, FMT: tl.constexpr,
+                      G: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr):
+        p = tl.program_id(0)
+        t = p // K
+        rec = arena_ptr + tl.load(slot_ptr + p).to(tl.int64) * REC
+        rows = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+        rmask = rows < I
+        out_ty = h_ptr.dtype.element_ty
+        acc_g = tl.zeros([BLOCK_I], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_I], dtype=tl.float32)
+        for h0 in range(0, H, BLOCK_H):
+            cols = h0 + tl.arange(0, BLOCK_H)
+            cmask = cols < H
+            xv = tl.load(x_ptr + t * H + cols, mask=cmask, other=0.0).to(tl.float32)
+            m = rmask[:, None] & cmask[None, :]
+            g = _weights(rec + GATE, rows, cols, m, I, H, FMT, G).to(out_ty).to(tl.float32)
+            acc_g += tl.sum(g * xv[None, :], axis=1)
+            u = _weights(rec + UP, rows, cols, m, I, H, FMT, G).to(out_ty).to(tl.float32)
+            acc_u += tl.sum(u * xv[None, :], axis=1)
+        g = acc_g.to(out_ty).to(tl.float32)
+        u = acc_u.to(out_ty).to(tl.float32)
+        s = (g * tl.sigmoid(g)).to(out_ty).to(tl.float32)
+        tl.store(h_ptr + p * I + rows, (s * u).to(out_ty), mask=rmask)
+
+    @triton.jit
+    def _down_gemv(h_ptr, arena_ptr, slot_ptr, w_ptr, y_ptr, H: tl.constexpr, I: tl.constexpr, REC: tl.constexpr,
+                   DOWN: tl.constexpr, FMT: tl.constexpr, G: tl.constexpr, BLOCK_H: tl.constexpr,
+                   BLOCK_I: tl.constexpr):
+        p = tl.program_id(0)
+        rec = arena_ptr + tl.load(slot_ptr + p).to(tl.int64) * REC
+        rows = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        rmask = rows < H
+        out_ty = h_ptr.dtype.element_ty
+        acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+        for i0 in range(0, I, BLOCK_I):
+            cols = i0 + tl.arange(0, BLOCK_I)
+            cmask = cols < I
+            hv = tl.load(h_ptr + p * I + cols, mask=cmask, other=0.0).to(tl.float32)
+            d = _weights(rec + DOWN, rows, cols, rmask[:, None] & cmask[None, :], H, I, FMT, G)
+            acc += tl.sum(d.to(out_ty).to(tl.float32) * hv[None, :], axis=1)
+        acc = acc.to(out_ty).to(tl.float32)          # the expert output in the model dtype, then weighted
+        w = tl.load(w_ptr + p).to(tl.float32)
+        tl.store(y_ptr + p * H + rows, acc * w, mask=rmask)
+
+    @triton.jit
+    def _group_dot(mat, r64, rmask, x_row, k0, gi, OUT: tl.constexpr, IN: tl.constexpr, FMT: tl.constexpr,
+                   G: tl.constexpr):
+        """Σ_k W[rows, k]·x[k] over group gi (k0 = gi·G) of an int8/int4 rows-form matrix, scaled once per group:
+        s·Σ q·x (int8) and s·(Σ q·x − 8·Σ x) + z·Σ x (int4). Codes are read as the bytes they are, contiguously."""
+        if FMT == 0:
+            jk = tl.arange(0, G)
+            xv = tl.load(x_row + k0 + jk).to(tl.float32)
+            q = tl.load((mat + r64[:, None] * IN + k0 + jk[None, :]).to(tl.pointer_type(tl.int8)),
+                        mask=rmask[:, None], other=0).to(tl.float32)
+            s = tl.load((mat + OUT * IN + (r64 * (IN // G) + gi) * 2).to(tl.pointer_type(tl.float16)),
+                        mask=rmask, other=0.0).to(tl.float32)
+            return s * tl.sum(q * xv[None, :], axis=1)
+        else:
+            jb = tl.arange(0, G // 2)
+            xe = tl.load(x_row + k0 + 2 * jb).to(tl.float32)
+            xo = tl.load(x_row + k0 + 2 * jb + 1).to(tl.float32)
+            b = tl.load(mat + r64[:, None] * (IN // 2) + k0 // 2 + jb[None, :], mask=rmask[:, None], other=0).to(tl.int32)
+            d = tl.sum((b & 15).to(tl.float32) * xe[None, :] + (b >> 4).to(tl.float32) * xo[None, :], axis=1)
+            xs = tl.sum(xe, axis=0) + tl.sum(xo, axis=0)
+            sz = (mat + OUT * (IN // 2) + (r64 * (IN // G) + gi) * 4).to(tl.pointer_type(tl.bfloat16))
+            s = tl.load(sz, mask=rmask, other=0.0).to(tl.float32)
+            z = tl.load(sz + 1, mask=rmask, other=0.0).to(tl.float32)
+            return s * (d - 8.0 * xs) + z * xs
+
+    @triton.jit
+    def _gate_up_gemv_grouped(x_ptr, arena_ptr, slot_ptr, h_ptr, K: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
+                              REC: tl.constexpr, GATE: tl.constexpr, UP: tl.constexpr, FMT: tl.constexpr,
+                              G: tl.constexpr, BLOCK_I: tl.constexpr):
+        p = tl.program_id(0)
+        rec = arena_ptr + tl.load(slot_ptr + p).to(tl.int64) * REC
+        rows = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+        rmask = rows < I
+        r64 = rows.to(tl.int64)
+        x_row = x_ptr + (p // K) * H
+        acc_g = tl.zeros([BLOCK_I], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_I], dtype=tl.float32)
+        for gi in range(0, H // G):
+            acc_g += _group_dot(rec + GATE, r64, rmask, x_row, gi * G, gi, I, H, FMT, G)
+            acc_u += _group_dot(rec + UP, r64, rmask, x_row, gi * G, gi, I, H, FMT, G)
+        out_ty = h_ptr.dtype.element_ty
+        g = acc_g.to(out_ty).to(tl.float32)
+        u = acc_u.to(out_ty).to(tl.float32)
+        s = (g * tl.sigmoid(g)).to(out_ty).to(tl.float32)
+        tl.store(h_ptr + p * I + rows, (s * u).to(out_ty), mask=rmask)
+
+    @triton.jit
+    def _down_gemv_grouped(h_ptr, arena_ptr, slot_ptr, w_ptr, y_ptr, H: tl.constexpr, I: tl.constexpr,
+                           REC: tl.constexpr, DOWN: tl.constexpr, FMT: tl.constexpr, G: tl.constexpr,
+                           BLOCK_H: tl.constexpr):
+        p = tl.program_id(0)
+        rec = arena_ptr + tl.load(slot_ptr + p).to(tl.int64) * REC
+        rows = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        rmask = rows < H
+        r64 = rows.to(tl.int64)
+        acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+        for gi in range(0, I // G):
+            acc += _group_dot(rec + DOWN, r64, rmask, h_ptr + p * I, gi * G, gi, H, I, FMT, G)
+        acc = acc.to(h_ptr.dtype.element_ty).to(tl.float32)
+        w = tl.load(w_ptr + p).to(tl.float32)
+        tl.store(y_ptr + p * H + rows, acc * w, mask=rmask)
+
+    @triton.jit
+    def _gate_up_gemm(x_ptr, arena_ptr, block_slot_ptr, pair_ptr, h_ptr, P, K: tl.constexpr, H: tl.constexpr,
+                      I: tl.constexpr, REC: tl.constexpr, GATE: tl.constexpr, UP: tl.constexpr, FMT: tl.constexpr,
+                      G: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr):
+        pm = tl.program_id(0)
+        rec = arena_ptr + tl.load(block_slot_ptr + pm).to(tl.int64) * REC
+        pairs = tl.load(pair_ptr + pm * BLOCK_M + tl.arange(0, BLOCK_M))     # -1: padding
+        pmask = pairs >= 0
+        toks = tl.where(pmask, pairs // K, 0)
+        rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rmask = rows < I
+        out_ty = h_ptr.dtype.element_ty
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            kmask = ks < H
+            xt = tl.load(x_ptr + toks[:, None] * H + ks[None, :], mask=pmask[:, None] & kmask[None, :], other=0.0)
+            m = rmask[:, None] & kmask[None, :]
+            g = _weights(rec + GATE, rows, ks, m, I, H, FMT, G).to(out_ty)
+            u = _weights(rec + UP, rows, ks, m, I, H, FMT, G).to(out_ty)
+            if IEEE:
+                acc_g += tl.dot(xt, tl.trans(g), input_precision="ieee")
+                acc_u += tl.dot(xt, tl.trans(u), input_precision="ieee")
+            else:
+                acc_g += tl.dot(xt, tl.trans(g))
+                acc_u += tl.dot(xt, tl.trans(u))
+        g = acc_g.to(out_ty).to(tl.float32)
+        u = acc_u.to(out_ty).to(tl.float32)
+        s = (g * tl.sigmoid(g)).to(out_ty).to(tl.float32)
+        dst = h_ptr + pairs[:, None].to(tl.int64) * I + rows[None, :]
+        tl.store(dst, (s * u).to(out_ty), mask=pmask[:, None] & rmask[None, :])
+
+    @triton.jit
+    def _down_gemm(h_ptr, arena_ptr, block_slot_ptr, pair_ptr, w_ptr, y_ptr, P, H: tl.constexpr, I: tl.constexpr,
+                   REC: tl.constexpr, DOWN: tl.constexpr, FMT: tl.constexpr, G: tl.constexpr, IEEE: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        pm = tl.program_id(0)
+        rec = arena_ptr + tl.load(block_slot_ptr + pm).to(tl.int64) * REC
+        pairs = tl.load(pair_ptr + pm * BLOCK_M + tl.arange(0, BLOCK_M))
+        pmask = pairs >= 0
+        prow = tl.where(pmask, pairs, 0).to(tl.int64)
+        rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rmask = rows < H
+        out_ty = h_ptr.dtype.element_ty
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, I, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            kmask = ks < I
+            ht = tl.load(h_ptr + prow[:, None] * I + ks[None, :], mask=pmask[:, None] & kmask[None, :], other=0.0)
+            d = _weights(rec + DOWN, rows, ks, rmask[:, None] & kmask[None, :], H, I, FMT, G).to(out_ty)
+            if IEEE:
+                acc += tl.dot(ht, tl.trans(d), input_precision="ieee")
+            else:
+                acc += tl.dot(ht, tl.trans(d))
+        acc = acc.to(out_ty).to(tl.float32)
+        w = tl.load(w_ptr + prow, mask=pmask, other=0.0).to(tl.float32)
+        tl.store(y_ptr + prow[:, None] * H + rows[None, :], acc * w[:, None], mask=pmask[:, None] & rmask[None, :])
+
+
+def _params(layout: QuantLayout) -> dict:
+    assert layout.order == "rows", "the Triton kernels read rows-order quantized records"
+    reg = layout.regions
+    return dict(GATE=reg["gate"][0], UP=reg["up"][0], FMT=FMT[layout.scheme])
+
+
+def quant_slot_moe(x: torch.Tensor, arena: torch.Tensor, slots: torch.Tensor, topk_weights: torch.Tensor,
+                   layout: QuantLayout, *, block_i: int = 16, block_h: int = 64) -> torch.Tensor:
+    """Decode: Σ_k w[t,k]·expert(slots[t,k])(x[t]) by the GEMV kernels. x [T,H]; arena [S, record_bytes]
+    uint8; slots [T,K]; topk_weights [T,K]. Returns [T,H] in x.dtype."""
+    t, k = slots.shape
+    hdim, idim = layout.hidden, layout.intermediate
+    p = t * k
+    slot_flat = slots.reshape(-1).to(torch.int32).contiguous()
+    h = torch.empty(p, idim, dtype=x.dtype, device=x.device)
+    y = torch.empty(p, hdim, dtype=torch.float32, device=x.device)
+    prm = _params(layout)
+    rec = layout.record_bytes
+    w_flat = topk_weights.reshape(-1).contiguous()
+    if layout.scheme in ("int8", "int4"):
+        # Group-wise codes: one scale per (row, group), the codes' dot product per group (_group_dot).
+        _gate_up_gemv_grouped[(p, triton.cdiv(idim, block_i))](
+            x.contiguous(), arena, slot_flat, h, K=k, H=hdim, I=idim, REC=rec, GATE=prm["GATE"], UP=prm["UP"],
+            FMT=prm["FMT"], G=group_size(hdim, layout.scheme), BLOCK_I=block_i)
+        _down_gemv_grouped[(p, triton.cdiv(hdim, block_h))](
+            h, arena, slot_flat, w_flat, y, H=hdim, I=idim, REC=rec, DOWN=layout.regions["down"][0],
+            FMT=prm["FMT"], G=group_size(idim, layout.scheme), BLOCK_H=block_h)
+        return y.view(t, k, hdim).sum(dim=1).to(x.dtype)
+    _gate_up_gemv[(p, triton.cdiv(idim, block_i))](
+        x.contiguous(), arena, slot_flat, h, K=k, H=hdim, I=idim, REC=rec, GATE=prm["GATE"], UP=prm["UP"],
+        FMT=prm["FMT"], G=group_size(hdim, layout.scheme), BLOCK_I=block_i, BLOCK_H=128)
+    _down_gemv[(p, triton.cdiv(hdim, block_h))](
+        h, arena, slot_flat, w_flat, y, H=hdim, I=idim, REC=rec,
+        DOWN=layout.regions["down"][0], FMT=prm["FMT"], G=group_size(idim, layout.scheme), BLOCK_H=block_h,
+        BLOCK_I=128)
+    return y.view(t, k, hdim).sum(dim=1).to(x.dtype)
+
+
+def _align_pairs(slots_flat: torch.Tensor, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pairs sorted by slot, each slot's run padded to block_m with -1 → (pair ids [B·block_m], slot per block [B])."""
+    order = torch.argsort(slots_flat, stable=True)
+    uniq, counts = torch.unique_consecutive(slots_flat[order], return_counts=True)
+    blocks = (counts + block_m - 1) // block_m
+    pairs = torch.full((int(blocks.sum()) * block_m,), -1, dtype=torch.int32, device=slots_flat.device)
+    starts = torch.cumsum(blocks, 0) - blocks
+    run_start = torch.cumsum(counts, 0) - counts
+    # position of each sorted pair: its slot's first block, plus its rank within the slot's run
+    rank = torch.arange(order.numel(), device=order.device) - torch.repeat_interleave(run_start, counts)
+    pos = torch.repeat_interleave(starts, counts) * block_m + rank
+    pairs[pos] = order.to(torch.int32)
+    return pairs, torch.repeat_interleave(uniq.to(torch.int32), blocks)
+
+
+def quant_grouped_moe(x: torch.Tensor, arena: torch.Tensor, slots: torch.Tensor, topk_weights: torch.Tensor,
+                      layout: QuantLayout, *, block_m: int = 16, block_n: int = 64, block_k: int = 64) -> torch.Tensor:
+    """Prefill: the same function as quant_slot_moe by a grouped GEMM over the pairs of each slot."""
+    t, k = slots.shape
+    hdim, idim = layout.hidden, layout.intermediate
+    p = t * k
+    pairs, block_slot = _align_pairs(slots.reshape(-1).to(torch.int64), block_m)
+    nb = block_slot.numel()
+    h = torch.zeros(p, idim, dtype=x.dtype, device=x.device)
+    y = torch.empty(p, hdim, dtype=torch.float32, device=x.device)
+    prm = _params(layout)
+    ieee = x.dtype == torch.float32            # no TF32 for fp32 models: keep the reference's precision
+    rec = layout.record_bytes
+    _gate_up_gemm[(nb, triton.cdiv(idim, block_n))](
+        x.contiguous(), arena, block_slot, pairs, h, p, K=k, H=hdim, I=idim, REC=rec, GATE=prm["GATE"],
+        UP=prm["UP"], FMT=prm["FMT"], G=group_size(hdim, layout.scheme), IEEE=ieee, BLOCK_M=block_m,
+        BLOCK_N=block_n, BLOCK_K=block_k)
+    _down_gemm[(nb, triton.cdiv(hdim, block_n))](
+        h, arena, block_slot, pairs, topk_weights.reshape(-1).contiguous(), y, p, H=hdim, I=idim, REC=rec,
+        DOWN=layout.regions["down"][0], FMT=prm["FMT"], G=group_size(idim, layout.scheme), IEEE=ieee,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+    return y.view(t, k, hdim).sum(dim=1).to(x.dtype)
+
+
+def quant_moe_reference(x, arena, slots, topk_weights, layout: QuantLayout) -> torch.Tensor:
+    """The oracle: each pick's record dequantized by engine.quant.records (plain torch), then the plain
+    per-expert loop (engine.experts.moe_reference) in x.dtype."""
+    from engine.experts import moe_reference
+    return moe_reference(x, slots.long(), topk_weights, lambda s: layout.dequantize(arena[s]))
+
+
+def quant_moe_from_slots(x, arena, slots, topk_weights, layout: QuantLayout) -> torch.Tensor:
+    """The providers' hook: GEMV kernels for few pairs (decode), the grouped GEMM for many (prefill);
+    the reference where Triton cannot run."""
+    if not available(x.device):
+        return quant_moe_reference(x, arena, slots, topk_weights, layout)
+    if slots.numel() <= GEMV_MAX_PAIRS:
+        return quant_slot_moe(x, arena, slots, topk_weights, layout)
+    return quant_grouped_moe(x, arena, slots, topk_weights, layout)

@@ -1,0 +1,73 @@
+"""Routed experts' raw blocks from a GGUF file, as users download it (gguf's own reader; no dequantizing).
+
+Two shapes of GGUF hold experts: an MoE GGUF stacks each layer's experts in one tensor
+(blk.L.ffn_{gate,up,down}_exps.weight, [E, out, row bytes]); a dense Llama GGUF that engine.convert
+sparse-upcycled holds one MLP per layer (blk.L.ffn_{gate,up,down}.weight), which every expert of the
+converted checkpoint copies. Either way expert e of layer l is three [out, row bytes] uint8 arrays,
+the file's blocks byte for byte.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from engine.errors import EngineError, Exit
+
+GGUF_TYPES = {"Q8_0": "q8_0", "Q4_1": "q4_1", "Q4_K": "q4_k"}    # GGML type name -> engine.quant scheme
+_KINDS = ("ffn_gate", "ffn_up", "ffn_down")
+
+
+class GgufExperts:
+    """The expert tensors of one GGUF, checked against the checkpoint's expert shape and count."""
+
+    def __init__(self, path: str | Path, *, layers: list[int], experts: int, hidden: int, intermediate: int):
+        try:
+            from gguf import GGUFReader
+        except ImportError:
+            raise EngineError("the `gguf` package is required for --quant gguf: pip install gguf", Exit.MISSING_DEP) from None
+        self.path = Path(path)
+        try:
+            reader = GGUFReader(str(self.path))
+        except FileNotFoundError:
+            raise EngineError(f"{self.path}: no such file", Exit.BAD_MODEL) from None
+        except (ValueError, OSError) as e:
+            raise EngineError(f"{self.path}: not a readable GGUF file ({e})", Exit.BAD_MODEL) from None
+        by_name = {t.name: t for t in reader.tensors}
+        self.experts, self._tensors, types = experts, {}, set()
+        shapes = {"ffn_gate": (intermediate, hidden), "ffn_up": (intermediate, hidden), "ffn_down": (hidden, intermediate)}
+        for l in layers:
+            for kind in _KINDS:
+                t = by_name.get(f"blk.{l}.{kind}_exps.weight") or by_name.get(f"blk.{l}.{kind}.weight")
+                if t is None:
+                    raise EngineError(f"{self.path}: no blk.{l}.{kind}_exps.weight or blk.{l}.{kind}.weight "
+                                      f"(the checkpoint's MoE layer {l})", Exit.BAD_MODEL)
+                kind_name = t.tensor_type.name
+                if kind_name not in GGUF_TYPES:
+                    raise EngineError(f"{self.path}: {t.name} is {kind_name}; expert records keep Q8_0, Q4_1 or "
+                                      f"Q4_K blocks", Exit.BAD_MODEL)
+                stacked = t.name.endswith("_exps.weight")
+                out, inp = shapes[kind]
+                ne = [int(n) for n in t.shape]          # ggml order: [in, out(, experts)]
+                want = [inp, out, experts] if stacked else [inp, out]
+                if ne != want:
+                    raise EngineError(f"{self.path}: {t.name} has shape {ne}, the checkpoint's experts need "
+                                      f"{want} (ggml order)", Exit.BAD_MODEL)
+                types.add(kind_name)
+                self._tensors[(l, kind)] = (t.data, stacked)
+        if len(types) != 1:
+            raise EngineError(f"{self.path}: expert tensors mix {', '.join(sorted(types))}; a store holds one "
+                              f"scheme (all Q8_0, all Q4_1 or all Q4_K)", Exit.BAD_MODEL)
+        self.scheme = GGUF_TYPES[types.pop()]
+        # An upcycled dense GGUF: every expert of a layer is the same MLP, so one record serves them all.
+        self.shared_across_experts = not any(stacked for _, stacked in self._tensors.values())
+
+    def blocks(self, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(gate, up, down) of one expert as the file's blocks: uint8 [out, row bytes] each (copies)."""
+        out = []
+        for kind in _KINDS:
+            data, stacked = self._tensors[(layer, kind)]
+            rows = data[expert] if stacked else data
+            out.append(torch.from_numpy(np.array(rows, dtype=np.uint8, copy=True)))
+        return tuple(out)  # type: ignore[return-value]

@@ -1,0 +1,315 @@
+"""Byte layouts of quantized expert records, how to make them, and the plain dequantization they mean.
+
+A quantized record is still ONE slot: gate, up and down with their scales (and zero points) inside it,
+each matrix's bytes starting 64-byte aligned, the whole padded to 4 KiB. Quantization is weight-only and
+group-wise along the input dimension (each output row's `in` weights in groups of `group_size(in)`).
+
+Schemes (the manifest's `quant`):
+  int8  from a float checkpoint: symmetric, w = q·s, q ∈ [-127, 127], s fp16 per group. At 8 bits the
+        asymmetric zero point buys nothing measurable, and symmetric keeps the kernel a plain scale.
+  int4  from a float checkpoint: asymmetric, w = (q - 8)·s + z, q ∈ [0, 15], s and z bf16 per group.
+        4 bits leave 16 levels: a zero point lets a skewed group use all of them (bench/quant_accuracy.py
+        measures int4 vs its baseline); the (q - 8)·s + z form with bf16 s, z is exactly what torch's CPU
+        int4 kernel computes, so the CPU layout below re-encodes it losslessly.
+  q8_0, q4_1, q4_k  GGUF's own blocks, byte for byte (from a GGUF file, engine.quant.gguf): q8_0 w = d·q
+        (32 per block), q4_1 w = d·q + m (32), q4_k w = d·sc·q - dmin·m (256, 6-bit sub-block scales).
+
+Orders, as for float records (engine.experts): `rows` is the form above, matrix by matrix (what the GPU
+kernels read; for GGUF schemes the file's blocks unchanged). `cols` is the CPU kernel's form: for the
+4-bit schemes gate|up as one [2I, H] matrix and down, each in torch's int4pack tiling
+(torch.ops.aten._convert_weight_to_int4pack_for_cpu) with bf16 (scale, zero) pairs [in/group, out, 2],
+the operand torch.ops.aten._weight_int4pack_mm_for_cpu reads; the 4-bit codes are the same, q4_1's and
+q4_k's fp16-derived scales are rounded to bf16 (int4's already are). For the 8-bit schemes cols == rows.
+
+Group size: 128 where it divides the input dimension, else 64, else 32 (SmolLM2's hidden 576 = 4.5 x 128,
+so its gate/up use 64); a function of the shape, so the manifest needs no field for it. GGUF schemes keep
+their block sizes (32; q4_k 256 with 32-wide sub-blocks).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+
+ALIGN = 4096
+MATRIX_ALIGN = 64
+SCHEMES = ("int8", "int4", "q8_0", "q4_1", "q4_k")
+FROM_FLOAT = ("int8", "int4")
+GGUF_BLOCK = {"q8_0": (32, 34), "q4_1": (32, 20), "q4_k": (256, 144)}   # scheme -> (weights, bytes) per block
+FOUR_BIT = ("int4", "q4_1", "q4_k")
+INT4PACK_N = 64        # torch's CPU int4pack tiles 64 output rows together
+
+
+def _up(n: int, a: int) -> int:
+    return -(-n // a) * a
+
+
+def group_size(inp: int, scheme: str = "int4") -> int:
+    """Weights per scale along the input dimension."""
+    if scheme in GGUF_BLOCK:
+        return 32 if scheme == "q4_k" else GGUF_BLOCK[scheme][0]    # q4_k: its sub-blocks carry the scales
+    for g in (128, 64, 32):
+        if inp % g == 0:
+            return g
+    raise ValueError(f"input dimension {inp} is not a multiple of 32, so it cannot be quantized group-wise")
+
+
+# ------------------------------------------------------------------ one matrix [out, in], rows form
+
+def matrix_bytes(scheme: str, out: int, inp: int) -> int:
+    """Bytes of one matrix in the rows form."""
+    if scheme in GGUF_BLOCK:
+        per, size = GGUF_BLOCK[scheme]
+        return out * (inp // per) * size
+    ng = inp // group_size(inp, scheme)
+    if scheme == "int8":
+        return out * inp + out * ng * 2
+    return out * inp // 2 + out * ng * 4
+
+
+def quantize_int8(w: torch.Tensor) -> torch.Tensor:
+    """[out, in] float → rows-form bytes: q int8 [out, in] | s fp16 [out, in/g]."""
+    out, inp = w.shape
+    g = group_size(inp, "int8")
+    wg = w.float().reshape(out, inp // g, g)
+    s = (wg.abs().amax(-1) / 127).to(torch.float16)
+    sf = s.float()
+    q = torch.where(sf[..., None] > 0, torch.round(wg / torch.where(sf > 0, sf, 1)[..., None]), 0)
+    q = q.clamp(-127, 127).to(torch.int8)
+    return torch.cat([q.reshape(-1).view(torch.uint8), s.reshape(-1).view(torch.uint8)])
+
+
+def quantize_int4(w: torch.Tensor) -> torch.Tensor:
+    """[out, in] float → rows-form bytes: codes [out, in/2] (byte j: q[2j] | q[2j+1] << 4) | (s, z) bf16
+    [out, in/g, 2], w ≈ (q - 8)·s + z. s and z are rounded to bf16 first and the codes chosen for the
+    rounded values, so dequantization reproduces exactly what the codes were fitted to."""
+    out, inp = w.shape
+    g = group_size(inp, "int4")
+    wg = w.float().reshape(out, inp // g, g)
+    lo, hi = wg.amin(-1), wg.amax(-1)
+    s = ((hi - lo) / 15).to(torch.bfloat16).float()
+    z = (lo + 8 * s).to(torch.bfloat16).float()
+    q = torch.where(s[..., None] > 0, torch.round((wg - z[..., None]) / torch.where(s > 0, s, 1)[..., None]) + 8, 8)
+    q = q.clamp(0, 15).to(torch.uint8).reshape(out, inp)
+    codes = q[:, 0::2] | (q[:, 1::2] << 4)
+    sz = torch.stack([s, z], -1).to(torch.bfloat16)
+    return torch.cat([codes.reshape(-1), sz.reshape(-1).view(torch.uint8)])
+
+
+def _fp16(b: torch.Tensor) -> torch.Tensor:
+    """[n, 2] uint8 → [n, 1] float32 (little-endian fp16)."""
+    return b.contiguous().view(torch.float16).float()
+
+
+def _nibbles_lo_hi(qs: torch.Tensor) -> torch.Tensor:
+    """[..., n] bytes → [..., 2n] codes: the n low nibbles, then the n high ones (GGUF's block order)."""
+    return torch.cat([qs & 15, qs >> 4], -1)
+
+
+def _q4_k_scales(sc_bytes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[nb, 12] → (sc, m) [nb, 8]: the 6-bit sub-block scales and mins (ggml's get_scale_min_k4)."""
+    d, m, md = sc_bytes[:, 0:4], sc_bytes[:, 4:8], sc_bytes[:, 8:12]
+    sc = torch.cat([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], -1)
+    mn = torch.cat([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], -1)
+    return sc, mn
+
+
+def dequantize_matrix(scheme: str, buf: torch.Tensor, out: int, inp: int) -> torch.Tensor:
+    """Rows-form bytes → float32 [out, in]: the reference every kernel is tested against. The GGUF
+    schemes compute as gguf's own dequantize does, operation for operation (bitwise equal)."""
+    if scheme == "int8":
+        g = group_size(inp, scheme)
+        q = buf[:out * inp].view(torch.int8).reshape(out, inp // g, g).float()
+        s = buf[out * inp:].view(torch.float16).reshape(out, inp // g, 1).float()
+        return (q * s).reshape(out, inp)
+    if scheme == "int4":
+        g = group_size(inp, scheme)
+        codes = buf[:out * inp // 2].reshape(out, inp // 2)
+        q = torch.stack([codes & 15, codes >> 4], -1).reshape(out, inp // g, g).float()
+        sz = buf[out * inp // 2:].view(torch.bfloat16).reshape(out, inp // g, 2).float()
+        return ((q - 8) * sz[..., :1] + sz[..., 1:]).reshape(out, inp)
+    per, size = GGUF_BLOCK[scheme]
+    blocks = buf.reshape(out * inp // per, size)
+    if scheme == "q8_0":
+        d = _fp16(blocks[:, 0:2])
+        return (d * blocks[:, 2:].contiguous().view(torch.int8).float()).reshape(out, inp)
+    if scheme == "q4_1":
+        d, m = _fp16(blocks[:, 0:2]), _fp16(blocks[:, 2:4])
+        return (d * _nibbles_lo_hi(blocks[:, 4:]).float() + m).reshape(out, inp)
+    # q4_k: 4 chunks of 64 weights, each 32 bytes of qs: low nibbles are sub-block 2c, high ones 2c+1.
+    d, dmin = _fp16(blocks[:, 0:2]), _fp16(blocks[:, 2:4])
+    sc, mn = _q4_k_scales(blocks[:, 4:16])
+    qs = blocks[:, 16:].reshape(-1, 4, 1, 32)
+    q = torch.cat([qs & 15, qs >> 4], 2).reshape(-1, 8, 32).float()
+    ds = (d * sc.float()).reshape(-1, 8, 1)
+    dm = (dmin * mn.float()).reshape(-1, 8, 1)
+    return (ds * q - dm).reshape(out, inp)
+
+
+def affine4(scheme: str, buf: torch.Tensor, out: int, inp: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """A 4-bit rows-form matrix as (codes [out, in] uint8 in 0..15, (s, z) float32 [out, in/g, 2], g) with
+    w = (q - 8)·s + z: the form torch's int4 kernel computes in (exact for int4; for q4_1 z = m + 8d and
+    for q4_k s = d·sc, z = 8·d·sc - dmin·m, whose bf16 rounding happens in to_int4pack)."""
+    if scheme == "int4":
+        g = group_size(inp, scheme)
+        codes = buf[:out * inp // 2].reshape(out, inp // 2)
+        q = torch.stack([codes & 15, codes >> 4], -1).reshape(out, inp)
+        return q, buf[out * inp // 2:].view(torch.bfloat16).reshape(out, inp // g, 2).float(), g
+    per, size = GGUF_BLOCK[scheme]
+    blocks = buf.reshape(out * inp // per, size)
+    if scheme == "q4_1":
+        d, m = _fp16(blocks[:, 0:2]), _fp16(blocks[:, 2:4])
+        q = _nibbles_lo_hi(blocks[:, 4:]).reshape(out, inp)
+        return q, torch.cat([d, m + 8 * d], -1).reshape(out, inp // 32, 2), 32
+    if scheme == "q4_k":
+        d, dmin = _fp16(blocks[:, 0:2]), _fp16(blocks[:, 2:4])
+        sc, mn = _q4_k_scales(blocks[:, 4:16])
+        s = d * sc.float()
+        z = 8 * s - dmin * mn.float()
+        qs = blocks[:, 16:].reshape(-1, 4, 1, 32)
+        q = torch.cat([qs & 15, qs >> 4], 2).reshape(out, inp)
+        return q, torch.stack([s, z], -1).reshape(out, inp // 32, 2), 32
+    raise ValueError(f"{scheme} is not a 4-bit scheme")
+
+
+# ------------------------------------------------------------------ torch's CPU int4 operand
+
+def to_int4pack(q: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
+    """(codes [out, in], (s, z) [out, ng, 2]) → bytes: torch's int4pack codes [out·in/2] | (s, z) bf16
+    [ng, out, 2], the operands of torch.ops.aten._weight_int4pack_mm_for_cpu."""
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
+    sz_t = sz.transpose(0, 1).to(torch.bfloat16).contiguous()
+    return torch.cat([packed.reshape(-1), sz_t.reshape(-1).view(torch.uint8)])
+
+
+def int4pack_operands(buf: torch.Tensor, out: int, inp: int, g: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Views of one cols-form 4-bit matrix: (int4pack codes [out, in/2] uint8, (s, z) bf16 [in/g, out, 2])."""
+    n = out * inp // 2
+    return buf[:n].view(out, inp // 2), buf[n:n + out * (inp // g) * 4].view(torch.bfloat16).view(inp // g, out, 2)
+
+
+def unpack_int4pack(packed: torch.Tensor, out: int, inp: int) -> torch.Tensor:
+    """torch's int4pack tiling undone → codes [out, in]: per 64 output rows, for each input k, 32 bytes
+    whose low nibbles are rows 0..31 and high nibbles rows 32..63 (asserted against torch by
+    tests/engine/test_quant.py, so a torch that changes its tiling fails there, not silently)."""
+    t = packed.reshape(out // INT4PACK_N, inp, INT4PACK_N // 2)
+    q = torch.stack([t & 15, t >> 4], 2)                          # [nb, in, 2, 32]: row = 32·half + j
+    return q.permute(0, 2, 3, 1).reshape(out, inp)
+
+
+def dequantize_int4pack(buf: torch.Tensor, out: int, inp: int, g: int) -> torch.Tensor:
+    """A cols-form 4-bit matrix → float32 [out, in], as the int4 kernel's (q - 8)·s + z."""
+    packed, sz = int4pack_operands(buf, out, inp, g)
+    q = unpack_int4pack(packed, out, inp).float().reshape(out, inp // g, g)
+    sz = sz.float().transpose(0, 1)                               # [out, ng, 2]
+    return ((q - 8) * sz[..., :1] + sz[..., 1:]).reshape(out, inp)
+
+
+# ------------------------------------------------------------------ the record
+
+@dataclass(frozen=True)
+class QuantLayout:
+    """One quantized expert record: gate [I,H], up [I,H], down [H,I] in `scheme`, `order` rows or cols."""
+
+    hidden: int
+    intermediate: int
+    scheme: str
+    order: str = "rows"
+
+    def __post_init__(self):
+        assert self.scheme in SCHEMES, f"quant scheme {self.scheme!r} is not one of {SCHEMES}"
+        assert self.order in ("rows", "cols"), f"record order {self.order!r}"
+        for inp in (self.hidden, self.intermediate):
+            if self.scheme in GGUF_BLOCK:
+                per = GGUF_BLOCK[self.scheme][0]
+                assert inp % per == 0, f"input dimension {inp} is not a multiple of {self.scheme}'s block {per}"
+            else:
+                group_size(inp, self.scheme)
+        if self.cpu_int4:
+            assert self.hidden % INT4PACK_N == 0 and 2 * self.intermediate % INT4PACK_N == 0, \
+                f"the CPU int4 layout tiles {INT4PACK_N} output rows: hidden and 2 x intermediate must be multiples"
+
+    @property
+    def cpu_int4(self) -> bool:
+        """The record holds torch's int4pack operands (cols order of a 4-bit scheme)."""
+        return self.order == "cols" and self.scheme in FOUR_BIT
+
+    @cached_property
+    def regions(self) -> dict[str, tuple[int, int, int, int]]:
+        """name -> (byte offset, bytes, out, in); rows: gate, up, down; cols 4-bit: gate_up, down."""
+        h, i = self.hidden, self.intermediate
+        if self.cpu_int4:
+            shapes = {"gate_up": (2 * i, h), "down": (h, i)}
+        else:
+            shapes = {"gate": (i, h), "up": (i, h), "down": (h, i)}
+        out, off = {}, 0
+        for name, (o, n) in shapes.items():
+            size = self._cols_bytes(o, n) if self.cpu_int4 else matrix_bytes(self.scheme, o, n)
+            out[name] = (off, size, o, n)
+            off = _up(off + size, MATRIX_ALIGN)
+        return out
+
+    def _cols_bytes(self, out: int, inp: int) -> int:
+        return out * inp // 2 + out * (inp // group_size(inp, self.scheme)) * 4
+
+    @property
+    def payload_bytes(self) -> int:
+        off, size, _, _ = list(self.regions.values())[-1]
+        return off + size
+
+    @property
+    def record_bytes(self) -> int:
+        return _up(self.payload_bytes, ALIGN)
+
+    def region(self, rec: torch.Tensor, name: str) -> torch.Tensor:
+        off, size, _, _ = self.regions[name]
+        return rec[off:off + size]
+
+    # -- making records ------------------------------------------------------------------------
+    def pack(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+        """Quantize float matrices (int8/int4) into one record (uint8, record_bytes, zero padding)."""
+        assert self.scheme in FROM_FLOAT, f"{self.scheme} records come from GGUF blocks (pack_blocks)"
+        enc = quantize_int8 if self.scheme == "int8" else quantize_int4
+        return self._assemble([enc(gate), enc(up), enc(down)])
+
+    def pack_blocks(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+        """GGUF blocks (uint8 [out, row bytes] as the file holds them) into one record, bytes unchanged in rows."""
+        assert self.scheme in GGUF_BLOCK, f"{self.scheme} records are quantized from floats (pack)"
+        h, i = self.hidden, self.intermediate
+        mats = []
+        for name, m, (o, n) in (("gate", gate, (i, h)), ("up", up, (i, h)), ("down", down, (h, i))):
+            want = matrix_bytes(self.scheme, o, n)
+            if m.dtype != torch.uint8 or m.numel() != want:
+                raise ValueError(f"{name}: {m.numel()} bytes of {m.dtype}, a [{o}x{n}] {self.scheme} matrix is {want}")
+            mats.append(m.reshape(-1))
+        return self._assemble(mats)
+
+    def _assemble(self, rows_form: list[torch.Tensor]) -> torch.Tensor:
+        """Three rows-form matrices → the record in this layout's order."""
+        rec = torch.zeros(self.record_bytes, dtype=torch.uint8)
+        if self.cpu_int4:
+            h, i = self.hidden, self.intermediate
+            (qg, szg, g), (qu, szu, _) = affine4(self.scheme, rows_form[0], i, h), affine4(self.scheme, rows_form[1], i, h)
+            mats = [to_int4pack(torch.cat([qg, qu]), torch.cat([szg, szu])),
+                    to_int4pack(*affine4(self.scheme, rows_form[2], h, i)[:2])]
+        else:
+            mats = rows_form
+        for (off, size, _, _), m in zip(self.regions.values(), mats):
+            assert m.numel() == size, (m.numel(), size)
+            rec[off:off + size] = m
+        return rec
+
+    # -- reading records -----------------------------------------------------------------------
+    def dequantize(self, rec: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(gate [I,H], up [I,H], down [H,I]) float32: what every kernel on this record must compute with."""
+        rec = rec.reshape(-1)
+        if rec.dtype != torch.uint8:
+            rec = rec.view(torch.uint8)
+        if self.cpu_int4:
+            i = self.intermediate
+            mats = [dequantize_int4pack(self.region(rec, n), o, k, group_size(k, self.scheme))
+                    for n, (_, _, o, k) in self.regions.items()]
+            return mats[0][:i], mats[0][i:], mats[1]
+        return tuple(dequantize_matrix(self.scheme, self.region(rec, n), o, k)  # type: ignore[return-value]
+                     for n, (_, _, o, k) in self.regions.items())
