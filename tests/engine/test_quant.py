@@ -225,12 +225,12 @@ def test_the_gpu_resident_provider_serves_a_quantized_store(tiny_checkpoint, tmp
     (moe_from_slots hands quantized layouts to them), equals the plain loop over the dequantized records."""
     pytest.importorskip("triton", reason="triton is not installed (CUDA builds of torch carry it)")
     from engine.experts import moe_reference
-    from engine.gpu.providers import GpuResidentExperts
+    from engine.tiers.resident import ResidentExperts
     from engine.store import manifest as mf
     ck_dir = tiny_checkpoint("mixtral", hidden=64)
     s = tmp_path / "s"
     assert run(["pack-store", "-q", "--model", str(ck_dir), "--store", str(s), "--quant", "int4"], capsys)[0] == 0
-    prov = GpuResidentExperts.from_store(s, DEV)
+    prov = ResidentExperts.from_store(s, DEV)
     lay = mf.load(s).layout
     gen = torch.Generator().manual_seed(12)
     for t in (1, 40):                                           # decode (GEMV) and prefill (grouped GEMM)
@@ -308,16 +308,19 @@ def test_the_manifest_knows_the_scheme(ckpt, tmp_path, capsys):
     s = tmp_path / "s"
     run(["pack-store", "-q", "--model", str(ckpt), "--store", str(s), "--quant", "int4"], capsys)
     raw = json.loads((s / "manifest.json").read_text())
-    for bad, why in [({"quant": "int3"}, "quant 'int3'"), ({"dtype": "float32"}, "dtype 'float32' for quant 'int4'"),
+    from engine.store.manifest_file import write_with_sidecar
+    # each edit with its sidecar rewritten to match, so the field checks (not the manifest's own sha256) find it
+    for bad, why in [({"quant": "int3"}, "quant: 'int3' is not one of"),
+                     ({"dtype": "float32"}, "dtype 'float32' does not go with quant 'int4'"),
                      ({"quant": "q8_0"}, "record_bytes")]:
-        (s / "manifest.json").write_text(json.dumps({**raw, **bad}))
+        write_with_sidecar(s / "manifest.json", {**raw, **bad})
         with pytest.raises(EngineError, match=f"garbled .*{why}") as e:
             mf.load(s)
         assert e.value.exit_code == 8
     old = dict(raw)
     del old["quant"]
     old["dtype"] = "float32"
-    (s / "manifest.json").write_text(json.dumps(old))
+    write_with_sidecar(s / "manifest.json", old)
     with pytest.raises(EngineError, match="record_bytes"):     # a manifest without quant is a float store
         mf.load(s)
 

@@ -12,7 +12,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
+import requests
 
 DEFAULT_BIN = ".kiln/cache/llama.cpp/bin/llama-server"
 
@@ -94,9 +94,9 @@ class LlamaServerProcess:
                 self.stop()
                 raise LlamaServerError(f"llama-server exited {code}: {tail}")
             try:
-                if httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=5).status_code == 200:
+                if requests.get(f"http://127.0.0.1:{self.port}/health", timeout=5).status_code == 200:
                     return self
-            except httpx.HTTPError:
+            except requests.RequestException:
                 pass
             if time.monotonic() > deadline:
                 tail = self.log_tail()

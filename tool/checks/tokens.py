@@ -67,8 +67,9 @@ class TokenCounter:
 
 
 def probe_prompt_tokens(client: Client, model: str, messages: list[dict]) -> int:
-    """usage.prompt_tokens of a 1-token chat completion: the server's own count of exactly this prompt."""
-    answer = client.chat({"model": model, "messages": messages, "max_tokens": 1})
+    """usage.prompt_tokens of a 1-token chat completion: the server's own count of exactly this prompt
+    (greedy, sent explicitly like every gate's request: the one token must not hang on a server's default)."""
+    answer = client.chat({"model": model, "messages": messages, "max_tokens": 1, "temperature": 0.0})
     pt = (answer.usage or {}).get("prompt_tokens")
     if not isinstance(pt, int) or pt <= 0:
         raise ClientError("the server reports no usage.prompt_tokens")

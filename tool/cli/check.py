@@ -119,7 +119,7 @@ def _llama_cpp_baseline(recipe, server_bin: str | None, gguf: str | None) -> dic
     """--baseline llama.cpp: its llama-server on the recipe's GGUF where this host keeps it (or --baseline-gguf)."""
     from pathlib import Path
     from tool.checks.baseline import llama_cpp_spec
-    from tool.runners import Dirs
+    from tool.state import Dirs
     if gguf is None:
         w = recipe.get("weights") or {}
         name = Path(w.get("file") or "").name
