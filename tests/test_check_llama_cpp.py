@@ -76,12 +76,19 @@ def test_load_chat_context_speed_against_llama_server(tmp_path, llama, gguf, mon
     assert c["needle_seed"] == e["limits"]["seed"]
     # speed: interleaved rounds against transformers on the same GGUF, same prompt, same N tokens
     sp = g["speed"]
-    assert sp["completion_tokens_source"] == "usage.completion_tokens" and len(sp["rounds"]) == 3
-    assert sp["baseline"]["status"] == "run", sp["baseline"]
-    assert len(sp["baseline"]["rounds"]) == 3
-    assert {r["tokens"] for r in sp["baseline"]["rounds"]} == {sp["completion_tokens"]}
+    assert sp["completion_tokens_source"] == "usage.completion_tokens"
     for name, r in g.items():
         assert r["token_source"] and r["host_load"]["before"]["loadavg"], name
+    busy_from_the_start = sp.get("inconclusive") and len(sp["rounds"]) == 1
+    if busy_from_the_start:
+        # a host already busy before the rounds gets one round for the record, and no baseline is timed
+        assert sp["reason"].startswith("inconclusive: host busy"), sp["reason"]
+        assert sp["baseline"]["status"] == "not run", sp["baseline"]
+    else:
+        assert len(sp["rounds"]) == 3
+        assert sp["baseline"]["status"] == "run", sp["baseline"]
+        assert len(sp["baseline"]["rounds"]) == 3
+        assert {r["tokens"] for r in sp["baseline"]["rounds"]} == {sp["completion_tokens"]}
     if sp.get("inconclusive"):
         # only a busy/noisy host may stop it from deciding, and then the evidence shows it
         assert sp["reason"].startswith(("inconclusive: host busy", "inconclusive: too noisy")), sp["reason"]
