@@ -398,11 +398,22 @@ def test_a_busy_host_makes_the_speed_gate_inconclusive_not_pass_or_fail(recipe):
 
 
 def test_rounds_that_disagree_make_the_speed_gate_inconclusive(recipe):
+    """Rounds of ~35 and ~150 tok/s: a floor between them could go either way, so noise decides nothing;
+    with the floor under every round the same spread cannot flip the verdict, and it stands."""
+    recipe.data.setdefault("checks", {})["decode_floor_tps"] = 60
     with OpenAIServer(stream_delays_s=(0.004, 0.03)) as s:
         e = run_gates(recipe, s.url, gates=["speed"], speed_max_tokens=11, **{**FAST, "speed_spread_max": 0.2})
     sp = e["gates"]["speed"]
     assert sp["inconclusive"] and sp["decode_spread"] > 0.2, sp
+    assert min(sp["decode_tps_rounds"]) < 60 <= max(sp["decode_tps_rounds"]), sp["decode_tps_rounds"]
     assert re.match(r"inconclusive: too noisy: the server's 3 rounds spread \d+% \(over 20%\)", sp["reason"])
+
+    recipe.data["checks"]["decode_floor_tps"] = 5
+    with OpenAIServer(stream_delays_s=(0.004, 0.03)) as s:
+        e = run_gates(recipe, s.url, gates=["speed"], speed_max_tokens=11, **{**FAST, "speed_spread_max": 0.2})
+    sp = e["gates"]["speed"]
+    assert sp["decode_spread"] > 0.2 and min(sp["decode_tps_rounds"]) >= 5, sp
+    assert sp["passed"] and not sp.get("inconclusive"), sp["reason"]
 
 
 OVERLAP_SCRIPT = """

@@ -20,8 +20,10 @@ the evidence as inconclusive_when):
 - the host is busy: other programs used more than speed_idle_busy_max (25 %) of the CPUs in an idle window, or tasks
   waited for a CPU more than speed_pressure_max (20 %) of the timed rounds' time (median round). On this 2-core box
   one CPU hog already exceeds both; a quiet box reads a few per cent;
-- a side's rounds spread more than speed_spread_max (20 %): a rate known to ±10 % cannot carry a floor or a ratio
-  finer than that (the issue that prompted this saw 11.7 and 16.7 tok/s for the same baseline, 40 %);
+- a side's rounds spread more than speed_spread_max (20 %) and the spread could flip the verdict (some server round
+  on each side of the floor, or the rounds of the two sides interleaved): a rate known to ±10 % cannot carry a floor
+  or a ratio finer than that (the issue that prompted this saw 11.7 and 16.7 tok/s for the same baseline, 40 %),
+  but every round of a 3.5x win beats every round of its baseline whatever the spread;
 - the two sides' rounds overlap: faster/slower is claimed only when every server round beats (or loses
   to) every baseline round. With 3 rounds each, two equally fast programs give such a split by chance
   with probability 2/20 -- the extreme of a Mann-Whitney rank test, p = 0.05 each way.
@@ -216,7 +218,13 @@ def _rounds(ctx, base, floor, rounds, figures, host, idle_s) -> dict:
              (("the server", server_rounds, figures["decode_spread"]),
               ("the baseline", base_rounds or [], figures.get("baseline_decode_spread")))
              if s is not None and s > spread_max]
-    if noisy:
+    s_all = [r["decode_tps"] for r in server_rounds]
+    b_all = [r["decode_tps"] for r in base_rounds or []]
+    # Noise makes a verdict meaningless only where it could flip it: every server round on one side of the floor
+    # and (with a baseline) of every baseline round is a verdict no spread changes.
+    robust = (min(s_all) >= floor or max(s_all) < floor) and \
+        (base is None or not b_all or min(s_all) > max(b_all) or max(s_all) <= min(b_all))
+    if noisy and not robust:
         return inconclusive(f"too noisy: {' and '.join(noisy)} (over {spread_max:.0%}); decode {tps:.1f} tok/s "
                             f"is not judged", **figures)
     if tps < floor:
