@@ -356,6 +356,9 @@ def main():
     ap.add_argument("--steps", type=int, default=128)
     ap.add_argument("--prefill", type=int, default=8192)
     ap.add_argument("--skip", default="", help="comma list: resident,tiered,served,inprocess,llama")
+    ap.add_argument("--configs", default="resident,resident_torch_ops,tiered_24gb",
+                    help="comma list of: resident, resident_torch_ops (in-process, --no-fused-kernels: the A/B "
+                         "baseline), tiered_24gb, resident_int4, budget_24gb_int4 (int4 records, the 24 GB budget)")
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     work = Path(args.work)
@@ -405,32 +408,55 @@ def main():
     budget = {"card_bytes": CARD_BYTES, "non_expert_bytes": non_expert, "kv_cache_bytes": kv, "workspace_bytes": WORKSPACE,
               "gpu_slots": gpu_slots, "ram_slots": RAM_TIER // m.record_bytes, "records": len(m.records)}
     result["budget_24gb"] = budget
+    wanted = args.configs.split(",")
+    store4, tb4, budget4 = work / "store-int4", None, None
+    if any(c.endswith("int4") for c in wanted):
+        # the same seed's draws quantized (engine synth --quant int4): the same checkpoint, a quarter the bytes
+        if not (store4 / mf.MANIFEST).exists():
+            t0 = time.perf_counter()
+            syn4 = synthesize(work / "model-int4", store4, num_hidden_layers=args.layers, quant="int4")
+            syn4["seconds"] = round(time.perf_counter() - t0, 1)
+            result["checkpoint"]["synth_int4"] = syn4
+        m4 = mf.load(store4)
+        tb4 = token_bytes(cfg, m4.record_bytes, non_expert)
+        slots4 = int((CARD_BYTES - non_expert - kv - WORKSPACE) // m4.record_bytes)
+        budget4 = {**budget, "record_bytes": m4.record_bytes, "gpu_slots": slots4,
+                   "all_experts_fit": slots4 >= len(m4.records)}
+        result["token_bytes_int4"], result["budget_24gb_int4"] = tb4, budget4
     save()
 
-    configs = {
-        "resident": ({"experts": "resident"}, ["--experts", "resident"], False),
+    configs = {    # name: (LLM.load knobs, engine serve flags, sampled, store, token bytes)
+        "resident": ({"experts": "resident"}, ["--experts", "resident"], False, store, tb),
+        "resident_torch_ops": ({"experts": "resident", "fused_kernels": False}, None, False, store, tb),
         "tiered_24gb": ({"experts": "tiered", "gpu_slots": gpu_slots, "ram_slots": budget["ram_slots"], "readers": 16},
                         ["--experts", "tiered", "--gpu-slots", str(gpu_slots), "--ram-slots", str(budget["ram_slots"]),
-                         "--readers", "16"], True),
+                         "--readers", "16"], True, store, tb),
     }
+    if budget4:
+        configs["resident_int4"] = ({"experts": "resident"}, ["--experts", "resident"], False, store4, tb4)
+        # auto placement under the 24 GB card's slots: int4 records all fit, so it must pick resident
+        configs["budget_24gb_int4"] = ({"experts": "auto", "gpu_slots": budget4["gpu_slots"],
+                                        "ram_slots": budget["ram_slots"], "readers": 16},
+                                       ["--experts", "auto", "--gpu-slots", str(budget4["gpu_slots"]), "--ram-slots",
+                                        str(budget["ram_slots"]), "--readers", "16"], False, store4, tb4)
     resident_step = None
-    for name, (kw, flags, sampled) in configs.items():
-        if name.split("_")[0] in skip:
+    for name, (kw, flags, sampled, store_, tb_) in configs.items():
+        if name not in wanted or name.split("_")[0] in skip:
             continue
         run: dict = {}
         if "inprocess" not in skip:
-            r, c = inprocess(model_dir, store, kw, vocab, args.steps, args.prefill, sampled)
-            attach_bound(r, sampled, False, tb, lanes, resident_step)
-            if not sampled:
+            r, c = inprocess(model_dir, store_, kw, vocab, args.steps, args.prefill, sampled)
+            attach_bound(r, sampled, False, tb_, lanes, resident_step if name == "tiered_24gb" else None)
+            if name == "resident":
                 resident_step = 1 / r["decode_tps"]
             r["counters_end"] = c
             run["inprocess"] = r
             result["runs"][name] = run
             save()
             log(f"{name} in-process:", {k: v for k, v in r.items() if k not in ("counters_end",)})
-        if "served" not in skip:
-            s = served(model_dir, store, flags, vocab, args.steps, args.prefill, sampled, work / f"serve-{name}.log")
-            attach_bound(s, sampled, True, tb, lanes, resident_step)
+        if "served" not in skip and flags is not None:
+            s = served(model_dir, store_, flags, vocab, args.steps, args.prefill, sampled, work / f"serve-{name}.log")
+            attach_bound(s, sampled, True, tb_, lanes, resident_step if name == "tiered_24gb" else None)
             if "inprocess" in run:
                 s["served_over_inprocess"] = {k: round(s[k] / run["inprocess"][k], 3) for k in
                                               ("decode_tps", "decode_tps_4_streams_aggregate", "prefill_tps")
@@ -483,14 +509,26 @@ def main():
             t["resident_served_over_llama_cpp_all_gpu_decode"] = round(res_["served"]["decode_tps"] / peer["all_gpu_bf16"]["decode_tps"], 3)
     if "n_cpu_moe_7_bf16" in peer and "inprocess" in tie:
         t["tiered_over_llama_cpp_n_cpu_moe_7_decode"] = round(tie["inprocess"]["decode_tps"] / peer["n_cpu_moe_7_bf16"]["decode_tps"], 3)
+    ops = runs.get("resident_torch_ops", {}).get("inprocess")
+    if ops and "inprocess" in res_:
+        t["resident_fused_over_torch_ops_decode"] = round(res_["inprocess"]["decode_tps"] / ops["decode_tps"], 3)
+    r4 = runs.get("resident_int4", {}).get("inprocess")
+    if r4 and "inprocess" in res_:
+        t["resident_int4_over_bf16_decode"] = round(r4["decode_tps"] / res_["inprocess"]["decode_tps"], 3)
+    b4 = runs.get("budget_24gb_int4", {}).get("inprocess")
+    if b4:
+        t["budget_24gb_int4_provider"] = b4["provider"]
+        if "inprocess" in tie:
+            t["budget_24gb_int4_over_tiered_bf16_decode"] = round(b4["decode_tps"] / tie["inprocess"]["decode_tps"], 3)
     result["targets"] = {**t, "required": {"served_over_inprocess_decode": ">= 0.9",
+                                          "resident_int4_over_bf16_decode": ">= 1.5",
                                           "tiered_fraction_of_bound": ">= 0.6",
                                           "resident_over_llama_cpp_all_gpu_decode": ">= 1.0"}}
     save()
 
     log("\n| run | side | decode tok/s | 4 streams agg | TTFT 128 (s) | 8k prefill tok/s | bound tok/s | of bound |")
     log("|---|---|---|---|---|---|---|---|")
-    for name in ("resident", "tiered_24gb"):
+    for name in configs:
         for side, r in runs.get(name, {}).items():
             log(f"| {name} | {side} | {r['decode_tps']} | {r['decode_tps_4_streams_aggregate']} | {r['ttft_s_128_prompt']} | "
                 f"{r['prefill_tps']} | {r['bound_tps']} | {r['fraction_of_bound']} |")

@@ -30,6 +30,7 @@ class EngineConfig:
     policy: str = "lru"                 # expert-cache eviction policy
     experts: str = "auto"               # auto | resident | tiered: where a GPU's experts live (tiers.choose_placement)
     cuda_graphs: bool = True            # decode steps replay CUDA graphs where device and provider allow
+    fused_kernels: bool = True          # CUDA decode steps on engine.kernels.triton_decode's fused kernels
 
     def __post_init__(self):
         # ValueError, not assert: these come from users and must fail the same way under `python -O`.

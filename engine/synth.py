@@ -3,6 +3,8 @@ straight into a packed store (no expert tensors in safetensors: at 30B scale tha
 the disk a benchmark needs). The store is built like pack-store's: staging dir, O_DIRECT writes,
 re-read and hashed, manifest, then published by rename. Weights are N(0, std) from a seed, so a
 run is reproducible; routing over random weights is close to uniform (the hardest case for a cache).
+`quant` int8/int4: the same bf16 draws, quantized at write time (engine.quant.records), so a quantized
+store of a seed is the quantization of that seed's bf16 store and serves the same checkpoint.
 """
 from __future__ import annotations
 
@@ -60,9 +62,10 @@ def non_expert_tensors(cfg: dict, gen: torch.Generator, std: float, device) -> d
 
 
 def synth_store(cfg: dict, store_dir: Path, config_hash: str, gen: torch.Generator, std: float, device,
-                progress=None) -> tuple[int, float]:
+                progress=None, quant: str = "none") -> tuple[int, float]:
     """Write every layer's random expert records; returns (bytes, GB/s of the write)."""
-    layout = ExpertLayout(cfg["hidden_size"], cfg["moe_intermediate_size"], torch.bfloat16)
+    bf16 = ExpertLayout(cfg["hidden_size"], cfg["moe_intermediate_size"], torch.bfloat16)
+    layout = bf16 if quant == "none" else ExpertLayout(bf16.hidden, bf16.intermediate, torch.uint8, "rows", quant)
     layers, e = list(range(cfg["num_hidden_layers"])), cfg["num_experts"]
     plan = mf.plan_offsets(layers, e, layout.record_bytes)
     total = len(plan) * layout.record_bytes
@@ -72,7 +75,7 @@ def synth_store(cfg: dict, store_dir: Path, config_hash: str, gen: torch.Generat
     staging = Path(tempfile.mkdtemp(dir=store_dir.parent, prefix=f".{store_dir.name}.staging-{os.getpid()}-"))
     layer_bytes = e * layout.record_bytes
     buf = aligned_buffer(layer_bytes)
-    host = torch.frombuffer(buf, dtype=torch.bfloat16)[:e * layout.record_elems].view(e, layout.record_elems)
+    host = torch.frombuffer(buf, dtype=layout.dtype)[:e * layout.record_elems].view(e, layout.record_elems)
     digests: list[str] = []
     pool = ThreadPoolExecutor(min(16, os.cpu_count() or 1))
     try:
@@ -83,10 +86,14 @@ def synth_store(cfg: dict, store_dir: Path, config_hash: str, gen: torch.Generat
         try:
             os.posix_fallocate(fd, 0, total)
             for i, _ in enumerate(layers):
-                recs = torch.randn((e, layout.record_elems), generator=gen, device=device, dtype=torch.float32)
+                recs = torch.randn((e, bf16.record_elems), generator=gen, device=device, dtype=torch.float32)
                 recs = (recs * std).to(torch.bfloat16)
-                recs[:, 3 * layout.matrix_elems:] = 0          # the record's padding, as pack-store writes it
-                host.copy_(recs.cpu())
+                recs[:, 3 * bf16.matrix_elems:] = 0            # the record's padding, as pack-store writes it
+                if quant == "none":
+                    host.copy_(recs.cpu())
+                else:
+                    for j in range(e):
+                        host[j].copy_(layout.pack(*bf16.views(recs[j])))
                 mv = memoryview(buf)
                 digests += list(pool.map(lambda j: hashlib.sha256(mv[j * layout.record_bytes:(j + 1) * layout.record_bytes]).hexdigest(), range(e)))
                 pwrite_full(fd, mv[:layer_bytes], i * layer_bytes)
@@ -112,7 +119,7 @@ def synth_store(cfg: dict, store_dir: Path, config_hash: str, gen: torch.Generat
 
 
 def synthesize(out: Path, store: Path, *, seed: int = 0, std: float = 0.02, device: str | None = None,
-               **shape) -> dict:
+               quant: str = "none", **shape) -> dict:
     """Checkpoint (config + non-expert safetensors) in `out`, experts in the store `store`."""
     from safetensors.torch import save_file
     from engine.checkpoint import Checkpoint
@@ -135,6 +142,6 @@ def synthesize(out: Path, store: Path, *, seed: int = 0, std: float = 0.02, devi
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    total, gbps = synth_store(cfg, Path(store), Checkpoint(out).config_hash(), gen, std, dev)
+    total, gbps = synth_store(cfg, Path(store), Checkpoint(out).config_hash(), gen, std, dev, quant=quant)
     return {"model": str(out), "store": str(store), "layers": cfg["num_hidden_layers"], "store_bytes": total,
-            "store_write_gbps": round(gbps, 3)}
+            "store_write_gbps": round(gbps, 3), "quant": quant}

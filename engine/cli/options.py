@@ -37,12 +37,17 @@ experts = click.option("--experts", type=click.Choice(EXPERTS), default=EngineCo
                             "(free VRAM minus a reserve, or --gpu-slots), else tiered (GPU slots <- RAM <- store).")
 cuda_graphs = click.option("--cuda-graphs/--no-cuda-graphs", default=EngineConfig.cuda_graphs, show_default=True,
                            help="Replay decode steps from CUDA graphs on a GPU (per batch size and context bucket).")
+fused_kernels = click.option("--fused-kernels/--no-fused-kernels", default=EngineConfig.fused_kernels,
+                             show_default=True,
+                             help="Decode on a GPU with fused Triton kernels (norms, rotary + KV write, attention, "
+                                  "routing); off: the torch ops, the same functions.")
 
 
 def tiers(f):
     """Where the routed experts live and who reads them: --experts, --gpu-slots, --ram-slots, --readers,
-    --cpu-layout, --threads, --policy, and whether a GPU decodes from graphs (--cuda-graphs)."""
-    for option in reversed((experts, gpu_slots, ram_slots, readers, cpu_layout, threads, policy, cuda_graphs)):
+    --cpu-layout, --threads, --policy, and how a GPU decodes (--cuda-graphs, --fused-kernels)."""
+    for option in reversed((experts, gpu_slots, ram_slots, readers, cpu_layout, threads, policy, cuda_graphs,
+                            fused_kernels)):
         f = option(f)
     return f
 

@@ -20,9 +20,12 @@ from engine.synth import synthesize
 @click.option("--vocab", type=int, default=None, help="Vocabulary size (default 151936).")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--device", default=None, help="Where to draw the random weights (default: cuda if present).")
-def synth(out, store, layers, hidden, experts, top_k, moe_intermediate, vocab, seed, device):
+@click.option("--quant", type=click.Choice(["none", "int8", "int4"]), default="none", show_default=True,
+              help="Expert records: bf16 (none), or the same draws quantized (engine pack-store's int8/int4).")
+def synth(out, store, layers, hidden, experts, top_k, moe_intermediate, vocab, seed, device, quant):
     """Synthesize a random checkpoint of the Qwen3-30B-A3B shape (or another), experts straight into a store."""
-    res = synthesize(Path(out), Path(store), seed=seed, device=device, num_hidden_layers=layers, hidden_size=hidden,
+    res = synthesize(Path(out), Path(store), seed=seed, device=device, quant=quant, num_hidden_layers=layers,
+                     hidden_size=hidden,
                      num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=moe_intermediate,
                      vocab_size=vocab)
     click.echo(json.dumps(res))

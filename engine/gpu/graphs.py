@@ -19,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from engine.models.common import Step, kv_bucket
+from engine.models.common import kv_bucket
 
 log = logging.getLogger("engine.gpu")
 
@@ -107,10 +107,7 @@ class DecodeGraphs:
     def _forward(self, b: int, kv_len: int) -> torch.Tensor:
         m = self.model
         ids, pos, idx = self.static[0, :b].view(b, 1), self.static[1, :b].view(b, 1), self.static[2, :b]
-        s = Step(slots=[], sel=idx, idx=idx, positions=pos, start=0, kv_len=kv_len,
-                 cos=m.cos[pos].view(b, 1, 1, -1), sin=m.sin[pos].view(b, 1, 1, -1),
-                 mask=m._mask(pos, kv_len), decode=True)
-        return m.head(m._run(ids, s)[:, 0])
+        return m.head(m._run(ids, m.decode_meta([], idx, idx, pos, kv_len))[:, 0])
 
     def _capture(self, b: int, kv_len: int) -> tuple[Recorder, torch.Tensor]:
         provider = self.model.provider

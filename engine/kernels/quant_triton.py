@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.kernels.triton_moe import sum_picks
 from engine.quant.records import GGUF_BLOCK, QuantLayout, group_size
 
 try:  # Triton ships with CUDA builds of torch; CPU-only installs use the reference path.
@@ -292,7 +293,7 @@ def quant_slot_moe(x: torch.Tensor, arena: torch.Tensor, slots: torch.Tensor, to
         _down_gemv_grouped[(p, triton.cdiv(hdim, block_h))](
             h, arena, slot_flat, w_flat, y, H=hdim, I=idim, REC=rec, DOWN=layout.regions["down"][0],
             FMT=prm["FMT"], G=group_size(idim, layout.scheme), BLOCK_H=block_h)
-        return y.view(t, k, hdim).sum(dim=1).to(x.dtype)
+        return sum_picks(y, t, k, x.dtype)
     _gate_up_gemv[(p, triton.cdiv(idim, block_i))](
         x.contiguous(), arena, slot_flat, h, K=k, H=hdim, I=idim, REC=rec, GATE=prm["GATE"], UP=prm["UP"],
         FMT=prm["FMT"], G=group_size(hdim, layout.scheme), BLOCK_I=block_i, BLOCK_H=128)
@@ -300,7 +301,7 @@ def quant_slot_moe(x: torch.Tensor, arena: torch.Tensor, slots: torch.Tensor, to
         h, arena, slot_flat, w_flat, y, H=hdim, I=idim, REC=rec,
         DOWN=layout.regions["down"][0], FMT=prm["FMT"], G=group_size(idim, layout.scheme), BLOCK_H=block_h,
         BLOCK_I=128)
-    return y.view(t, k, hdim).sum(dim=1).to(x.dtype)
+    return sum_picks(y, t, k, x.dtype)
 
 
 def _align_pairs(slots_flat: torch.Tensor, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -37,12 +37,12 @@ def triton_available(device: torch.device) -> bool:
 
 if triton is not None:
     @triton.jit
-    def _gate_up_kernel(x_ptr, arena_ptr, slot_ptr, h_ptr, K: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
-                        REC: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr):
+    def _gate_up_kernel(x_ptr, arena_ptr, slot_ptr, h_ptr, SLOT_OFF, K: tl.constexpr, H: tl.constexpr,
+                        I: tl.constexpr, REC: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr):
         p = tl.program_id(0)
         bi = tl.program_id(1)
         t = p // K
-        slot = tl.load(slot_ptr + p).to(tl.int64)
+        slot = tl.load(slot_ptr + p).to(tl.int64) + SLOT_OFF
         gate = arena_ptr + slot * REC
         up = gate + I * H
         rows = bi * BLOCK_I + tl.arange(0, BLOCK_I)
@@ -66,11 +66,11 @@ if triton is not None:
         tl.store(h_ptr + p * I + rows, (s * u).to(out_ty), mask=rmask)
 
     @triton.jit
-    def _down_kernel(h_ptr, arena_ptr, slot_ptr, w_ptr, y_ptr, H: tl.constexpr, I: tl.constexpr,
+    def _down_kernel(h_ptr, arena_ptr, slot_ptr, w_ptr, y_ptr, SLOT_OFF, H: tl.constexpr, I: tl.constexpr,
                      REC: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr):
         p = tl.program_id(0)
         bh = tl.program_id(1)
-        slot = tl.load(slot_ptr + p).to(tl.int64)
+        slot = tl.load(slot_ptr + p).to(tl.int64) + SLOT_OFF
         down = arena_ptr + slot * REC + 2 * I * H
         rows = bh * BLOCK_H + tl.arange(0, BLOCK_H)
         rmask = rows < H
@@ -86,24 +86,46 @@ if triton is not None:
         w = tl.load(w_ptr + p).to(tl.float32)
         tl.store(y_ptr + p * H + rows, acc * w, mask=rmask)
 
+    @triton.jit
+    def _sum_picks_kernel(y_ptr, out_ptr, K: tl.constexpr, H: tl.constexpr, BLOCK: tl.constexpr):
+        """out[t] = Σ_k y[t·K + k] in pick order (fp32), rounded once to the model dtype."""
+        t = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        m = cols < H
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for k in tl.static_range(K):
+            acc += tl.load(y_ptr + (t * K + k) * H + cols, mask=m, other=0.0)
+        tl.store(out_ptr + t * H + cols, acc.to(out_ptr.dtype.element_ty), mask=m)
+
+
+def sum_picks(y: torch.Tensor, t: int, k: int, dtype: torch.dtype) -> torch.Tensor:
+    """[T·K, H] fp32 weighted expert outputs → [T, H] in `dtype`: `y.view(t, k, h).sum(1).to(dtype)` in one
+    launch instead of two (a decode step does this once per MoE layer)."""
+    hdim = y.shape[-1]
+    out = torch.empty(t, hdim, dtype=dtype, device=y.device)
+    _sum_picks_kernel[(t, triton.cdiv(hdim, 1024))](y, out, K=k, H=hdim, BLOCK=1024, num_warps=4)
+    return out
+
 
 def slot_moe(x: torch.Tensor, arena: torch.Tensor, slots: torch.Tensor, topk_weights: torch.Tensor,
-             layout: ExpertLayout, *, block_i: int = 16, block_h: int = 64) -> torch.Tensor:
-    """Σ_k w[t,k]·expert(slots[t,k])(x[t]) with Triton GEMV kernels. x [T,H]; arena [S, record_elems]
-    in layout.dtype; slots [T,K] int (slot index per pick); topk_weights [T,K]. Returns [T,H] x.dtype."""
+             layout: ExpertLayout, *, slot_offset: int = 0, block_i: int = 16, block_h: int = 64) -> torch.Tensor:
+    """Σ_k w[t,k]·expert(slot_offset + slots[t,k])(x[t]) with Triton GEMV kernels. x [T,H]; arena
+    [S, record_elems] in layout.dtype; slots [T,K] int32/int64 (e.g. a router's expert ids, offset to a layer's
+    first slot inside the kernels: no add launched); topk_weights [T,K]. Returns [T,H] x.dtype."""
     t, k = slots.shape
     hdim, idim = layout.hidden, layout.intermediate
     p = t * k
     xs = x.contiguous()
-    slot_flat = slots.reshape(-1).to(torch.int32).contiguous()
+    slot_flat = slots.reshape(-1).contiguous()
     h = torch.empty(p, idim, dtype=x.dtype, device=x.device)
     y = torch.empty(p, hdim, dtype=torch.float32, device=x.device)
     _gate_up_kernel[(p, triton.cdiv(idim, block_i))](
-        xs, arena, slot_flat, h, K=k, H=hdim, I=idim, REC=layout.record_elems, BLOCK_I=block_i, BLOCK_H=256)
+        xs, arena, slot_flat, h, slot_offset, K=k, H=hdim, I=idim, REC=layout.record_elems, BLOCK_I=block_i,
+        BLOCK_H=256)
     _down_kernel[(p, triton.cdiv(hdim, block_h))](
-        h, arena, slot_flat, topk_weights.reshape(-1).contiguous(), y, H=hdim, I=idim,
+        h, arena, slot_flat, topk_weights.reshape(-1).contiguous(), y, slot_offset, H=hdim, I=idim,
         REC=layout.record_elems, BLOCK_H=block_h, BLOCK_I=128)
-    return y.view(t, k, hdim).sum(dim=1).to(x.dtype)
+    return sum_picks(y, t, k, x.dtype)
 
 
 def slot_moe_reference(x, arena, slots, topk_weights, layout: ExpertLayout, expert_ids=None) -> torch.Tensor:
@@ -116,12 +138,17 @@ def slot_moe_reference(x, arena, slots, topk_weights, layout: ExpertLayout, expe
     return moe_reference(x, expert_ids, topk_weights, lambda e: layout.views(arena[slot_of[e]]))
 
 
-def moe_from_slots(x, arena, slots, topk_weights, layout: ExpertLayout, expert_ids=None) -> torch.Tensor:
+def moe_from_slots(x, arena, slots, topk_weights, layout: ExpertLayout, expert_ids=None, *,
+                   slot_offset: int = 0) -> torch.Tensor:
     """Pick the kernel for the shape: GEMV kernels for few pairs (decode), GEMMs for many (prefill).
-    Quantized records go to their own kernels (engine.kernels.quant_triton), picked the same way."""
+    Quantized records go to their own kernels (engine.kernels.quant_triton), picked the same way. The slots
+    read are slot_offset + slots (the GEMV kernels add it themselves)."""
+    gemv = slots.numel() <= GEMV_MAX_PAIRS and triton_available(x.device)
+    if gemv and not layout.quantized:
+        return slot_moe(x, arena, slots, topk_weights, layout, slot_offset=slot_offset)
+    if slot_offset:
+        slots = slots + slot_offset
     if layout.quantized:
         from engine.kernels.quant_triton import quant_moe_from_slots
         return quant_moe_from_slots(x, arena, slots, topk_weights, layout.quantized)
-    if slots.numel() <= GEMV_MAX_PAIRS and triton_available(x.device):
-        return slot_moe(x, arena, slots, topk_weights, layout)
     return slot_moe_reference(x, arena, slots, topk_weights, layout, expert_ids)

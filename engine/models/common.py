@@ -7,7 +7,9 @@ partial rotary — all read from ModelConfig here) and in their MLP/MoE block (o
 The forward is split in the manner of nano-vllm/gpt-fast: `prefill` (one sequence, many tokens)
 and `decode_step` (many sequences, one token each) over a KVCache allocated once. Step metadata
 (rotary rows, mask, slot indices) is built once per step, never per layer, and nothing here reads
-a device value back to the host.
+a device value back to the host. On CUDA a decode step runs fused Triton kernels for everything but
+the matmuls (engine.kernels.triton_decode: residual+norm, q/k norm+rotary+KV write, attention, routing);
+the torch forms below are the same functions, used on the CPU, for prefill and with fused_kernels off.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from torch import nn
 
 from engine.config import ModelConfig
 from engine.experts import ExpertProvider
+from engine.kernels import triton_decode
 from engine.kv_cache import KVCache, select
 from engine.projection import Projection
 
@@ -43,6 +46,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(x.dtype)
+
+
+def add_rms_norm(x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, eps: float, fused: bool):
+    """(x + r, rms_norm(x + r)·weight): a residual add and the norm after it; `fused`: one Triton launch
+    (x updated in place), else the two torch ops."""
+    if fused:
+        return x, triton_decode.add_rms_norm(x, r, weight, eps)
+    x = x + r
+    return x, rms_norm(x, weight, eps)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -144,6 +156,8 @@ class Step:
     sin: torch.Tensor
     mask: torch.Tensor | None      # [B, 1, T, kv_len] bool, or None: a plain causal prefill / a decode that sees all
     decode: bool
+    fused: bool = False            # a decode step on the fused kernels (MoEModel.fused_kernels)
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None   # fused: the whole cos, sin tables [max_len, rotary_dim]
 
 
 class Attention(nn.Module):
@@ -172,6 +186,15 @@ class Attention(nn.Module):
         cfg = self.cfg
         b, t, _ = x.shape
         qkv = self.qkv(x)
+        if s.fused:                   # one token per sequence: norm + rotary + KV write, then attention, fused
+            k_cache, v_cache = self.kv.k[self.layer], self.kv.v[self.layer]
+            pos = s.positions.view(-1)
+            q = triton_decode.qk_rope_kv(qkv.view(b, -1), self.q_norm, self.k_norm, *s.rope, pos, s.idx, k_cache,
+                                         v_cache, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
+                                         head_dim=cfg.head_dim, eps=cfg.rms_eps)
+            o = triton_decode.decode_attention(q, k_cache, v_cache, s.idx, pos, s.kv_len, scale=self.scale,
+                                               window=cfg.sliding_window or 0)
+            return self.o(o).view(b, 1, -1)
         heads = cfg.num_heads + cfg.num_kv_heads
         if self.q_norm is None:
             # q and k side by side in qkv: rotate them in one go (the same elementwise ops, half the calls)
@@ -207,10 +230,11 @@ class DecoderLayer(nn.Module):
         self.attn = Attention(cfg, w, layer, kv)
         self.mlp = mlp
 
-    def forward(self, x: torch.Tensor, s: Step) -> torch.Tensor:
-        x = x + self.attn(rms_norm(x, self.input_norm, self.eps), s)
-        h = rms_norm(x, self.post_norm, self.eps)
-        return x + self.mlp(h.view(-1, h.shape[-1])).view_as(h)
+    def forward(self, x: torch.Tensor, h: torch.Tensor, s: Step, next_norm: torch.Tensor):
+        """x the residual stream, h = input_norm(x) → (x', next_norm(x')): each residual add is fused with the
+        norm that follows it (the next layer's input norm, or the model's final norm)."""
+        x, h = add_rms_norm(x, self.attn(h, s), self.post_norm, self.eps, s.fused)
+        return add_rms_norm(x, self.mlp(h.view(-1, h.shape[-1])).view_as(h), next_norm, self.eps, s.fused)
 
 
 # ---------------------------------------------------------------- the model
@@ -219,10 +243,14 @@ class MoEModel(nn.Module):
     """The shared skeleton; an architecture supplies build_mlp(layer) (dense MLP or its MoE block)."""
 
     def __init__(self, cfg: ModelConfig, w: WeightSource, provider: ExpertProvider, kv: KVCache, *,
-                 device, dtype: torch.dtype):
+                 device, dtype: torch.dtype, fused_kernels: bool = True):
         super().__init__()
         self.cfg, self.provider, self.kv = cfg, provider, kv
         self.device, self.dtype = torch.device(device), dtype
+        # Decode on the fused Triton kernels where they run (CUDA) and fit the shapes; off
+        # (EngineConfig.fused_kernels) for the torch forms, the A/B baseline. Set before the blocks are built.
+        self.fused_kernels = (fused_kernels and triton_decode.serves_on(self.device)
+                              and triton_decode.attention_ok(cfg.head_dim, cfg.rotary_dim, cfg.hidden))
         self.embed = w.get("model.embed_tokens.weight")
         self.norm = w.get("model.norm.weight")
         head = w.maybe("lm_head.weight")
@@ -248,9 +276,11 @@ class MoEModel(nn.Module):
 
     def _run(self, ids: torch.Tensor, s: Step) -> torch.Tensor:
         x = F.embedding(ids, self.embed)
-        for layer in self.layers:
-            x = layer(x, s)
-        return rms_norm(x, self.norm, self.cfg.rms_eps)
+        h = rms_norm(x, self.layers[0].input_norm, self.cfg.rms_eps)
+        for i, layer in enumerate(self.layers):
+            last = i + 1 == len(self.layers)
+            x, h = layer(x, h, s, self.norm if last else self.layers[i + 1].input_norm)
+        return h
 
     def _mask(self, positions: torch.Tensor, kv_len: int) -> torch.Tensor:
         """[B, 1, T, kv_len]: key j is visible to a query at position p iff j <= p (and within the window)."""
@@ -286,6 +316,20 @@ class MoEModel(nn.Module):
         self.graphs = DecodeGraphs(self)
         return True
 
+    def decode_meta(self, slots: list[int], sel, idx: torch.Tensor, pos: torch.Tensor, kv_len: int) -> Step:
+        """A decode step's Step (eager and graph-captured decode build it here alike). pos [B, 1]."""
+        b = pos.shape[0]
+        cuda = self.device.type == "cuda"
+        if self.fused_kernels:        # the kernels read the tables at each position and bound keys themselves
+            return Step(slots=slots, sel=sel, idx=idx, positions=pos, start=0, kv_len=kv_len, cos=None, sin=None,
+                        mask=None, decode=True, fused=True, rope=(self.cos, self.sin))
+        # One sequence sees every key read (unless a sliding window hides some): no mask to apply. On CUDA
+        # always a mask, so eager and graph decode compute the same thing.
+        sees_all = (not cuda and b == 1 and not (self.cfg.sliding_window and kv_len > self.cfg.sliding_window))
+        return Step(slots=slots, sel=sel, idx=idx, positions=pos, start=0, kv_len=kv_len,
+                    cos=self.cos[pos].view(b, 1, 1, -1), sin=self.sin[pos].view(b, 1, 1, -1),
+                    mask=None if sees_all else self._mask(pos, kv_len), decode=True)
+
     def decode_step(self, tokens, slots: list[int], positions: list[int]) -> torch.Tensor:
         """One token per sequence: tokens [B] go to (slots[b], positions[b]); logits [B, V]."""
         b = len(slots)
@@ -296,14 +340,9 @@ class MoEModel(nn.Module):
         pos = torch.tensor(positions, device=self.device).view(b, 1)
         sel, idx = select(slots, self.device)
         kv_len = max(positions) + 1
-        cuda = self.device.type == "cuda"
-        if cuda:
-            # A new key length every step would make cuDNN attention build a plan per step (~ms each):
-            # the graphs' buckets, and always a mask, so eager and graph decode compute the same thing.
+        if self.device.type == "cuda":
+            # A new key length every step would make cuDNN attention build a plan per step (~ms each), and a
+            # fused attention a grid per step: the graphs' buckets.
             kv_len = kv_bucket(kv_len, self.max_len)
-        # One sequence sees every key read (unless a sliding window hides some): no mask to apply.
-        sees_all = (not cuda and b == 1 and not (self.cfg.sliding_window and kv_len > self.cfg.sliding_window))
-        s = Step(slots=slots, sel=sel, idx=idx, positions=pos, start=0, kv_len=kv_len,
-                 cos=self.cos[pos].view(b, 1, 1, -1), sin=self.sin[pos].view(b, 1, 1, -1),
-                 mask=None if sees_all else self._mask(pos, kv_len), decode=True)
+        s = self.decode_meta(slots, sel, idx, pos, kv_len)
         return self.head(self._run(ids, s)[:, 0])                       # one row: lm_head's column halves on two threads

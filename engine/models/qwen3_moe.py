@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.kernels import triton_decode
 from engine.models.common import MoEModel, WeightSource, softmax_topk
 
 
@@ -15,10 +16,13 @@ class Qwen3MoeBlock(nn.Module):
         self.layer, self.provider, cfg = layer, model.provider, model.cfg
         self.gate = w.get(f"model.layers.{layer}.mlp.gate.weight")
         self.top_k, self.renormalize = cfg.top_k, cfg.norm_topk_prob
+        # softmax, top-k and renormalisation in one launch (any number of tokens: the same function)
+        self.route = triton_decode.softmax_topk if (
+            model.fused_kernels and triton_decode.topk_ok(cfg.n_experts, cfg.top_k)) else softmax_topk
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Router logits in the model dtype, softmax in fp32, weights back in the model dtype (as transformers).
-        ids, weights = softmax_topk(F.linear(x, self.gate), self.top_k, self.renormalize, x.dtype)
+        ids, weights = self.route(F.linear(x, self.gate), self.top_k, self.renormalize, x.dtype)
         return self.provider.forward(self.layer, x, ids, weights)
 
 

@@ -37,7 +37,8 @@ def synth_model(tmp_path_factory):
     return d / "model", d / "store"
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+# bf16: Triton's interpreter (no GPU) rounds to bf16 toward zero, not to nearest as a GPU does: a little more slack.
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2 if CUDA else 3e-2)])
 def test_slot_kernels_equal_reference(dtype, tol):
     g = torch.Generator().manual_seed(0)
     lay = ExpertLayout(160, 72, dtype)          # not multiples of the blocks: masks are exercised
