@@ -108,23 +108,28 @@ def sum_picks(y: torch.Tensor, t: int, k: int, dtype: torch.dtype) -> torch.Tens
 
 
 def slot_moe(x: torch.Tensor, arena: torch.Tensor, slots: torch.Tensor, topk_weights: torch.Tensor,
-             layout: ExpertLayout, *, slot_offset: int = 0, block_i: int = 16, block_h: int = 64) -> torch.Tensor:
+             layout: ExpertLayout, *, slot_offset: int = 0, block_i: int = 4, block_h: int = 16,
+             gate_up_cols: int | None = None, down_cols: int = 256, warps: int = 4) -> torch.Tensor:
     """Σ_k w[t,k]·expert(slot_offset + slots[t,k])(x[t]) with Triton GEMV kernels. x [T,H]; arena
     [S, record_elems] in layout.dtype; slots [T,K] int32/int64 (e.g. a router's expert ids, offset to a layer's
     first slot inside the kernels: no add launched); topk_weights [T,K]. Returns [T,H] x.dtype."""
     t, k = slots.shape
     hdim, idim = layout.hidden, layout.intermediate
     p = t * k
+    # Tiles from bench/probes/decode_kernels.py on the H200 (results/2026-12-01-h200-decode-kernels.json): a
+    # decode GEMV is bound by load latency, so few rows per program and whole input rows per load (gate/up:
+    # 4 rows x 2048; down: 16 rows x 256) — one Qwen3-30B-A3B layer's 8 picks in 26 us instead of 58.
+    gate_up_cols = gate_up_cols or min(triton.next_power_of_2(hdim), 2048)
     xs = x.contiguous()
     slot_flat = slots.reshape(-1).contiguous()
     h = torch.empty(p, idim, dtype=x.dtype, device=x.device)
     y = torch.empty(p, hdim, dtype=torch.float32, device=x.device)
     _gate_up_kernel[(p, triton.cdiv(idim, block_i))](
         xs, arena, slot_flat, h, slot_offset, K=k, H=hdim, I=idim, REC=layout.record_elems, BLOCK_I=block_i,
-        BLOCK_H=256)
+        BLOCK_H=gate_up_cols, num_warps=warps)
     _down_kernel[(p, triton.cdiv(hdim, block_h))](
         h, arena, slot_flat, topk_weights.reshape(-1).contiguous(), y, slot_offset, H=hdim, I=idim,
-        REC=layout.record_elems, BLOCK_H=block_h, BLOCK_I=128)
+        REC=layout.record_elems, BLOCK_H=block_h, BLOCK_I=down_cols, num_warps=warps)
     return sum_picks(y, t, k, x.dtype)
 
 
@@ -143,12 +148,11 @@ def moe_from_slots(x, arena, slots, topk_weights, layout: ExpertLayout, expert_i
     """Pick the kernel for the shape: GEMV kernels for few pairs (decode), GEMMs for many (prefill).
     Quantized records go to their own kernels (engine.kernels.quant_triton), picked the same way. The slots
     read are slot_offset + slots (the GEMV kernels add it themselves)."""
-    gemv = slots.numel() <= GEMV_MAX_PAIRS and triton_available(x.device)
-    if gemv and not layout.quantized:
+    if layout.quantized:
+        from engine.kernels.quant_triton import quant_moe_from_slots
+        return quant_moe_from_slots(x, arena, slots, topk_weights, layout.quantized, slot_offset=slot_offset)
+    if slots.numel() <= GEMV_MAX_PAIRS and triton_available(x.device):
         return slot_moe(x, arena, slots, topk_weights, layout, slot_offset=slot_offset)
     if slot_offset:
         slots = slots + slot_offset
-    if layout.quantized:
-        from engine.kernels.quant_triton import quant_moe_from_slots
-        return quant_moe_from_slots(x, arena, slots, topk_weights, layout.quantized)
     return slot_moe_reference(x, arena, slots, topk_weights, layout, expert_ids)

@@ -86,7 +86,7 @@ def test_qk_rope_kv_is_norm_rotary_and_cache_write(dtype, tol, norm, partial):
 @pytest.mark.parametrize("dtype,tol", DTYPES)
 @pytest.mark.parametrize("kv_len,window", [(64, 0), (1100, 0), (64, 9)])
 def test_decode_attention_is_masked_sdpa(dtype, tol, kv_len, window):
-    """1100 keys: over ATTN_CHUNK, so split programs and the combine kernel run."""
+    """64 keys: one program per head; 1100: split programs and the combine kernel."""
     g = torch.Generator().manual_seed(2)
     nh, nkv, hd, slots_n = 4, 2, 16, 3
     kc = torch.randn(slots_n, kv_len, nkv, hd, generator=g).to(dtype).to(DEV)
