@@ -47,6 +47,7 @@ sys.path.insert(0, str(REPO))
 
 from bench.h200_moe import CARD_BYTES, RAM_TIER, WORKSPACE, measure_lanes  # noqa: E402
 from engine.store import manifest as mf  # noqa: E402
+from engine.store import model_manifest  # noqa: E402
 from engine.synth import QWEN3_30B_A3B, synthesize  # noqa: E402
 
 GIB = 1 << 30
@@ -393,6 +394,7 @@ def main():
     syn["seconds"] = round(time.perf_counter() - t0, 1)
     for f in Path(args.tokenizer).iterdir():
         shutil.copy(f, model_dir / f.name)
+    model_manifest.write(model_dir)       # the tokenizer is part of the model `engine serve` verifies
     cfg = json.loads((model_dir / "config.json").read_text())
     vocab = cfg["vocab_size"]
     m = mf.load(store)
