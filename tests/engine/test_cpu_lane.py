@@ -191,3 +191,31 @@ def test_lane_rates_are_measured_at_load_where_not_given(lane_store):
         assert len(prov.ram.cache) == 4 and not prov.gpu.data.any()   # they stay in RAM; the slot copy is undone
     finally:
         prov.close()
+
+
+def test_metrics_export_each_lane_and_the_rates_the_cost_model_uses(lane_store):
+    """/metrics' lane families, from a real provider's counters after a decode step split across lanes."""
+    from prometheus_client.parser import text_string_to_metric_families
+    from engine.server.metrics import Metrics
+    from engine.store import manifest as mf
+    from engine.tiers.tiered import TieredExperts
+    ck, store = lane_store
+    prov = TieredExperts(mf.load(store), store, device="cpu", gpu_slots=6, ram_slots=9, readers=2,
+                         cpu_experts="on", lane_rates="pcie=10,cpu=12.5,disk=5")
+    try:
+        layer = prov.manifest.moe_layers[0]
+        x = torch.randn(1, prov.layout.hidden)
+        with torch.inference_mode():
+            prov.forward(layer, x, torch.tensor([[0, 1, 2, 3]]), torch.full((1, 4), 0.25))   # a decode step
+        text = Metrics(prov.counters).render().decode()
+    finally:
+        prov.close()
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for f in text_string_to_metric_families(text) for s in f.samples}
+    c = prov.counters()["lanes"]
+    for lane in ("gpu", "cpu", "pcie", "disk"):
+        assert samples[("kiln_lane_picks_total", (("lane", lane),))] == c[lane]["picks"]
+        assert samples[("kiln_lane_bytes_total", (("lane", lane),))] == c[lane]["bytes"]
+        assert ("kiln_lane_busy_seconds_total", (("lane", lane),)) in samples
+    assert c["cpu"]["picks"] == 4 and c["gpu"]["picks"] == 0         # nothing was in a slot: all on the CPU
+    assert samples[("kiln_lane_rate_bytes_per_second", (("lane", "cpu"), ("source", "config")))] == 12.5e9
