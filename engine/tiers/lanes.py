@@ -34,6 +34,7 @@ import torch
 from engine.runtime import CPU_EXPERTS, parse_lane_rates
 
 LANES = ("gpu", "cpu", "pcie", "disk")
+LANE_NAMES = ("pcie", "cpu", "disk")      # the lanes with a rate (the GPU computes at HBM speed: not modelled)
 GB = 1e9
 
 
@@ -163,30 +164,55 @@ def _median_seconds(fn, reps: int) -> float:
     return max(statistics.median(times), 1e-9)
 
 
-def measure_rates(provider, given: str | None = None, reps: int = 5) -> LaneRates:
-    """The lane rates: those `given` ("pcie=25,cpu=12,disk=6" GB/s, EngineConfig.lane_rates) as they are,
-    the rest measured here on the provider's own tiers, at load:
-      disk — one batch of up to 2×readers records of the first MoE layer read into free RAM slots (they
-             stay there: the cold RAM tier's first content);
-      cpu  — the median of `reps` one-token expert FFNs from one of those RAM slots, on the CPU lane;
-      pcie — the median of `reps` copies of that RAM slot into a GPU slot (a CUDA device; on the CPU
-             "device" lane of the tests a memcpy), synchronised."""
-    rates = {k: v * GB for k, v in parse_lane_rates(given).items()}
-    source = {k: "config" for k in rates}
-    m, ram, layout = provider.manifest, provider.ram, provider.layout
-    b = m.record_bytes
+def measure_disk(provider) -> float:
+    """Store read rate, bytes/s: one batch of up to 2×readers records of the first MoE layer read into free
+    RAM slots (they stay there: the cold RAM tier's first content). Called at load, before anything is cached."""
+    m, ram = provider.manifest, provider.ram
     layer = m.moe_layers[0]
     n = max(1, min(2 * ram.readers.threads, ram.cache.capacity, m.experts_per_layer))
-    if "disk" not in rates or "cpu" not in rates or "pcie" not in rates:
-        t0 = time.perf_counter()
-        before = ram.readers.bytes_read
-        slots, _ = ram.fetch(layer, list(range(n)), ())
-        read = ram.readers.bytes_read - before
-        if "disk" not in rates:
-            rates["disk"] = (read or n * b) / max(time.perf_counter() - t0, 1e-9)
-            source["disk"] = "measured"
-        slot = ram.arena.tensor(slots[0], layout.dtype)
-    if "cpu" not in rates:
+    t0 = time.perf_counter()
+    before = ram.readers.bytes_read
+    ram.fetch(layer, list(range(n)), ())
+    return max(ram.readers.bytes_read - before, m.record_bytes) / max(time.perf_counter() - t0, 1e-9)
+
+
+def measure_rates(provider, given: str | None = None, lanes=LANE_NAMES, known: dict | None = None,
+                  reps: int = 5) -> dict[str, tuple[float, str]]:
+    """{lane: (bytes/s, "config" | "measured")}: the rates `given` ("pcie=25,cpu=12,disk=6" GB/s,
+    EngineConfig.lane_rates) as they are, those in `known` (an earlier call's), and of the rest those in
+    `lanes` measured now on the provider's own tiers:
+      disk — measure_disk (at load, before anything is cached);
+      pcie — the median of `reps` copies of a RAM-tier record into a GPU slot (a CUDA device, at load, while
+             the slots are still zeros, which they are again after; on the CPU "device" lane a memcpy);
+      cpu  — the median of `reps` one-token expert FFNs from a RAM-tier slot on the CPU lane thread, with
+             the serving torch threads: the provider measures it at its first decode step, not at load,
+             where the loader runs on one thread."""
+    out = {k: (v * GB, "config") for k, v in parse_lane_rates(given).items()}
+    out.update({k: v for k, v in (known or {}).items() if k not in out})
+    todo = [lane for lane in lanes if lane not in out]
+    ram, layout = provider.ram, provider.layout
+    if "disk" in todo:
+        out["disk"] = measure_disk(provider), "measured"
+    if "cpu" not in todo and "pcie" not in todo:
+        return out
+    key = next(iter(ram.cache.resident()), None)
+    if key is None:
+        measure_disk(provider)
+        key = next(iter(ram.cache.resident()))
+    slot = ram.arena.tensor(ram.cache.slot_of(key), layout.dtype)
+    if "pcie" in todo:
+        gpu = provider.gpu
+        assert len(gpu.cache) == 0, "the PCIe rate is measured before the GPU tier fills"
+        dst = gpu.data[0]
+
+        def copy():
+            dst.copy_(slot, non_blocking=gpu.cuda)
+            if gpu.cuda:
+                torch.cuda.synchronize(gpu.device)
+        copy()                                 # the first copy pays for setup
+        out["pcie"] = layout.record_bytes / _median_seconds(copy, reps), "measured"
+        dst.zero_()                            # slots the cache has not filled stay zeros (see GpuTier)
+    if "cpu" in todo:
         from engine.experts import group_routes, moe_forward
         dtype = torch.float32 if layout.quantized else layout.dtype
         x = torch.randn(1, layout.hidden).to(dtype)
@@ -195,18 +221,26 @@ def measure_rates(provider, given: str | None = None, reps: int = 5) -> LaneRate
         views = [layout.views(slot)]
         ffn = lambda: moe_forward(x, w, routes, lambda wave: views, 1)      # noqa: E731
         secs = provider.lane.submit(_median_seconds, ffn, reps).result()[0]
-        rates["cpu"] = layout.payload_bytes / secs
-        source["cpu"] = "measured"
-    if "pcie" not in rates:
-        gpu = provider.gpu
-        dst = gpu.data[0]
+        out["cpu"] = layout.payload_bytes / secs, "measured"
+    return out
 
-        def copy():
-            dst.copy_(slot, non_blocking=gpu.cuda)
-            if gpu.cuda:
-                torch.cuda.synchronize(gpu.device)
-        copy()                                     # the first copy pays for setup
-        rates["pcie"] = b / _median_seconds(copy, reps)
-        source["pcie"] = "measured"
-        dst.zero_()                                # slots the cache has not filled stay zeros (see GpuTier)
-    return LaneRates(rates["pcie"], rates["cpu"], rates["disk"], source)
+
+def lane_rates(measured: dict[str, tuple[float, str]]) -> LaneRates:
+    """LaneRates from measure_rates' dict, once it holds every lane."""
+    return LaneRates(measured["pcie"][0], measured["cpu"][0], measured["disk"][0],
+                     {k: v[1] for k, v in measured.items()})
+
+
+def lane_bound(counters: dict, t_gpu: float = 0.0) -> dict:
+    """The lane bound of a run from two TieredExperts.counters() differences or one (picks/bytes over the run):
+    {"gpu", "pcie", "disk", "cpu": seconds each lane needs at its rate, "bound": their max} — the time no
+    schedule of the run's transfers and CPU experts can beat, t >= max(t_gpu, B_pcie/BW_pcie, B_disk/BW_disk,
+    B_cpu/BW_cpu). t_gpu: the GPU's own compute time, which the counters do not time (e.g. an all-resident run's
+    step time). Without lane rates (no CPU lane) the terms that need them are None."""
+    lanes, rates = counters.get("lanes") or {}, counters.get("lane_rates")
+    out: dict = {"gpu": t_gpu}
+    for lane in LANE_NAMES:
+        b = (lanes.get(lane) or {}).get("bytes", 0)
+        out[lane] = b / (rates[f"{lane}_gbps"] * GB) if rates else None
+    out["bound"] = max(v for v in out.values() if v is not None)
+    return out

@@ -38,7 +38,8 @@ from engine.kernels.triton_moe import GEMV_MAX_PAIRS, moe_from_slots, triton_ava
 from engine.store import manifest as mf
 from engine.tiers.cache import ExpertCache, ExpertKey
 from engine.tiers.gpu import GpuTier
-from engine.tiers.lanes import Candidate, CpuLane, LaneCounters, LaneRates, measure_rates, promotions, split
+from engine.tiers.lanes import Candidate, CpuLane, LaneCounters, LaneRates, lane_rates as rates_of, measure_rates, \
+    promotions, split
 from engine.tiers.ram import RamTier
 
 log = logging.getLogger("engine.tiers")
@@ -102,13 +103,23 @@ class TieredExperts:
         # The CPU lane needs a slot tier to split against (without one the CPU computes everything anyway).
         self.cpu_experts = cpu_experts if self.gpu is not None and ram_slots >= 2 else "off"
         self.lane: CpuLane | None = None
-        self.rates: LaneRates | None = None
+        self._rates: LaneRates | None = None
+        self._measured: dict = {}
         self._job: CpuJob | None = None
         if self.cpu_experts != "off":
             self.lane = CpuLane(lane_cpus)
-            self.rates = measure_rates(self, lane_rates)
-            log.info("CPU expert lane: %s on CPUs %s; lane rates %s", self.cpu_experts,
-                     sorted(self.lane.cpus) if self.lane.cpus else "(unpinned)", self.rates.as_dict())
+            self._given_rates = lane_rates
+            self._measured = measure_rates(self, lane_rates, ("disk", "pcie"))    # the CPU's at the first decode
+            log.info("CPU expert lane: %s on CPUs %s", self.cpu_experts,
+                     sorted(self.lane.cpus) if self.lane.cpus else "(unpinned)")
+
+    @property
+    def rates(self) -> LaneRates | None:
+        """The lane rates the cost model uses (None without a CPU lane); the CPU's measured on first use."""
+        if self._rates is None and self.lane is not None:
+            self._rates = rates_of(measure_rates(self, self._given_rates, ("cpu",), self._measured))
+            log.info("lane rates: %s", self._rates.as_dict())
+        return self._rates
 
     @property
     def readers(self):
@@ -159,7 +170,7 @@ class TieredExperts:
             "policy": self.ram.cache.policy.name,
             "cpu_experts": self.cpu_experts,
             "lanes": lanes,
-            "lane_rates": self.rates.as_dict() if self.rates is not None else None,
+            "lane_rates": self._rates.as_dict() if self._rates is not None else None,
         }
 
     # -- decode from slots: one slot table per layer, the GEMV kernels; the CPU lane beside them --------

@@ -177,18 +177,27 @@ def test_a_cpu_device_without_slots_has_no_lane_to_split(lane_store):
 
 def test_lane_rates_are_measured_at_load_where_not_given(lane_store):
     """measure_rates: the rates not given are measured on the provider's own tiers (real O_DIRECT reads into
-    the RAM tier, a CPU expert FFN on the lane thread, a slot copy), the given ones kept as given."""
+    the RAM tier and a slot copy at load, a CPU expert FFN on the lane thread at first use), the given ones
+    kept as given."""
     from engine.store import manifest as mf
     from engine.tiers.tiered import TieredExperts
     ck, store = lane_store
     prov = TieredExperts(mf.load(store), store, device="cpu", gpu_slots=6, ram_slots=9, readers=2,
                          cpu_experts="auto", lane_rates="pcie=7.5")
     try:
+        assert prov.counters()["lane_rates"] is None                # the CPU rate is not measured yet
+        prov.rates
         r = prov.counters()["lane_rates"]
         assert r["source"] == {"pcie": "config", "cpu": "measured", "disk": "measured"}
         assert r["pcie_gbps"] == 7.5 and r["cpu_gbps"] > 0 and r["disk_gbps"] > 0
         assert prov.counters()["lanes"]["disk"]["picks"] == 4     # 2 x readers records read to measure the disk
         assert len(prov.ram.cache) == 4 and not prov.gpu.data.any()   # they stay in RAM; the slot copy is undone
+    finally:
+        prov.close()
+    prov = TieredExperts(mf.load(store), store, device="cpu", gpu_slots=6, ram_slots=9, readers=2, cpu_experts="on")
+    try:
+        assert not prov.gpu.data.any()                        # the PCIe rate's copy is undone too
+        assert set(prov.rates.source.values()) == {"measured"} and prov.rates.pcie > 0
     finally:
         prov.close()
 
@@ -219,3 +228,14 @@ def test_metrics_export_each_lane_and_the_rates_the_cost_model_uses(lane_store):
         assert ("kiln_lane_busy_seconds_total", (("lane", lane),)) in samples
     assert c["cpu"]["picks"] == 4 and c["gpu"]["picks"] == 0         # nothing was in a slot: all on the CPU
     assert samples[("kiln_lane_rate_bytes_per_second", (("lane", "cpu"), ("source", "config")))] == 12.5e9
+
+
+def test_lane_bound_is_the_slowest_lane_at_its_rate():
+    from engine.tiers.lanes import lane_bound
+    c = {"lanes": {"gpu": {"bytes": 0}, "pcie": {"bytes": 50 * 10**9}, "disk": {"bytes": 6 * 10**9},
+                   "cpu": {"bytes": 24 * 10**9}},
+         "lane_rates": {"pcie_gbps": 25.0, "cpu_gbps": 12.0, "disk_gbps": 3.0, "source": {}}}
+    assert lane_bound(c, t_gpu=0.5) == {"gpu": 0.5, "pcie": 2.0, "disk": 2.0, "cpu": 2.0, "bound": 2.0}
+    assert lane_bound(c, t_gpu=3.0)["bound"] == 3.0
+    assert lane_bound({"lanes": {}, "lane_rates": None}, 1.5) == {"gpu": 1.5, "pcie": None, "disk": None,
+                                                                   "cpu": None, "bound": 1.5}
