@@ -246,6 +246,8 @@ class TieredExperts:
         on_cpu = set(cpu)
         gpu_experts = [e for e in uniq if e not in on_cpu]
         keys = {ExpertKey(layer, e) for e in gpu_experts}
+        # The CPU lane's store reads came first, so its job starts before these: the copies' reads and
+        # PCIe transfers then overlap the CPU experts.
         self.gpu.load(layer, gpu_experts, self.ram, keys)
         self.gpu.wait_copies()
         # A CPU-lane pick's entry points at a slot the kernels read under weight 0: one this layer keeps.
