@@ -26,7 +26,8 @@ ram_slots = click.option("--ram-slots", type=click.IntRange(min=0), default=None
                          help="Experts held in RAM (default: from the cgroup's memory limit).")
 readers = click.option("--readers", type=click.IntRange(min=1), default=None, help="O_DIRECT store reader threads.")
 cpu_layout = click.option("--cpu-layout", default=None,
-                          help="Pin threads to CPUs, NAME=CPULIST entries, e.g. readers=26-39.")
+                          help="Pin threads to CPUs, NAME=CPULIST entries, e.g. 'lane=2-23;readers=26-39' (lane: "
+                               "the CPU expert lane, readers: the store readers).")
 threads = click.option("--threads", type=click.IntRange(min=1), default=None,
                        help="CPU compute threads (default: 2 where 2 CPUs are available, as measured on 2 cores).")
 policy = click.option("--policy", type=click.Choice(sorted(POLICIES)), default=EngineConfig.policy, show_default=True,
@@ -42,7 +43,8 @@ cpu_experts = click.option("--cpu-experts", type=click.Choice(CPU_EXPERTS), defa
                                 "CPU and PCIe copy the lane rates make faster; on = always the CPU; off = always copy.")
 lane_rates = click.option("--lane-rates", default=None,
                           help="Lane rates for --cpu-experts auto, LANE=GB/s entries, e.g. pcie=25,cpu=12,disk=6 "
-                               "(default: measured at load).")
+                               "(default: measured by the engine — disk and PCIe at load, the CPU at the first "
+                               "decode step).")
 cuda_graphs = click.option("--cuda-graphs/--no-cuda-graphs", default=EngineConfig.cuda_graphs, show_default=True,
                            help="Replay decode steps from CUDA graphs on a GPU (per batch size and context bucket).")
 
