@@ -7,10 +7,6 @@ Needs a CUDA device (streams, page-locked staging, graphs): skipped without one.
 """
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -18,17 +14,17 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
                                                                       "staging, CUDA graphs)")
 DEV = torch.device("cuda")
 
+from tests.engine.test_gpu_path import tiny_store  # noqa: E402,F401  (3 layers, 16 experts, top-4; bf16 rows store)
+from tests.engine.test_server_errors import serve_proc, wait_ready  # noqa: E402
+
 
 @pytest.fixture(scope="module")
-def synth(tmp_path_factory):
-    """A 3-layer synthetic model (16 experts, top-4) and its float32 rows-order store (48 records)."""
-    d = tmp_path_factory.mktemp("synth-lane")
-    subprocess.run([sys.executable, "-m", "engine", "synth", "--out", str(d / "model"), "--store", str(d / "store"),
-                    "--layers", "3", "--hidden", "256", "--experts", "16", "--top-k", "4", "--moe-intermediate", "128",
-                    "--vocab", "512", "--device", "cpu"], check=True, capture_output=True)
+def synth(tiny_store):
+    """tiny_store's checkpoint and a float32 rows-order store of its experts (48 records)."""
     from engine.store.pack import pack_store
-    pack_store(d / "model", d / "store32", dtype=torch.float32)
-    return d / "model", d / "store32"
+    ck, store = tiny_store
+    pack_store(ck, store.parent / "store32", dtype=torch.float32)
+    return ck, store.parent / "store32"
 
 
 def _greedy(model, ids, n):
@@ -49,7 +45,7 @@ def test_cpu_lane_on_cuda_keeps_the_resident_tokens_eager_and_from_graphs(synth,
     from engine.tiers.resident import ResidentExperts
     from engine.tiers.tiered import TieredExperts
     model_dir, store = synth
-    ids = torch.randint(0, 512, (20,), generator=torch.Generator().manual_seed(2))
+    ids = torch.randint(0, 300, (20,), generator=torch.Generator().manual_seed(2))
     with torch.inference_mode():
         res = load_model(model_dir, provider=ResidentExperts.from_store(store, DEV), device=DEV, dtype="float32",
                          max_context=256, cuda_graphs=False)
@@ -77,16 +73,15 @@ def test_cpu_lane_on_cuda_keeps_the_resident_tokens_eager_and_from_graphs(synth,
             prov.close()
 
 
-def test_bf16_cpu_lane_stays_within_bf16_rounding_of_the_gpu(synth):
+def test_bf16_cpu_lane_stays_within_bf16_rounding_of_the_gpu(tiny_store):
     """bf16 (what serving runs): the logits with every non-slot pick on the CPU lane against all on the GPU,
     within bf16 rounding (the CPU sums in another order: the device difference, nothing more)."""
     from engine.loader import load_model
     from engine.store import manifest as mf
     from engine.tiers.resident import ResidentExperts
     from engine.tiers.tiered import TieredExperts
-    model_dir, _ = synth
-    store = model_dir.parent / "store"                  # engine synth's own (bf16) store
-    ids = torch.randint(0, 512, (20,), generator=torch.Generator().manual_seed(3))
+    model_dir, store = tiny_store                       # bf16 rows records: what serving computes from
+    ids = torch.randint(0, 300, (20,), generator=torch.Generator().manual_seed(3))
     with torch.inference_mode():
         res = load_model(model_dir, provider=ResidentExperts.from_store(store, DEV), device=DEV, dtype="bfloat16",
                          max_context=256, cuda_graphs=False)
@@ -107,35 +102,16 @@ def test_bf16_cpu_lane_stays_within_bf16_rounding_of_the_gpu(synth):
             prov.close()
 
 
-def test_engine_serve_cuda_cpu_experts_on_reports_the_cpu_lane(synth, tmp_path):
+def test_engine_serve_cuda_cpu_experts_on_reports_the_cpu_lane(tiny_store):
     """A real `engine serve --device cuda --experts tiered --cpu-experts on`: completions stream, and /metrics
     counts picks on the cpu lane and the rates it was given."""
-    import socket
-    import time
     import requests
-    model_dir, _ = synth
-    store = model_dir.parent / "store"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    log = open(tmp_path / "serve.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "engine", "serve", "--model", str(model_dir), "--store", str(store),
-                             "--device", "cuda", "--port", str(port), "--ctx", "256", "--max-batch", "2",
-                             "--experts", "tiered", "--gpu-slots", "16", "--ram-slots", "24",
-                             "--cpu-experts", "on", "--lane-rates", "pcie=10,cpu=10,disk=5"],
-                            stdout=log, stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parents[2])
-    base = f"http://127.0.0.1:{port}"
+    model_dir, store = tiny_store
+    p = serve_proc("--model", str(model_dir), "--store", str(store), "--device", "cuda", "--port", "0", "--ctx", "256",
+                   "--max-batch", "2", "--experts", "tiered", "--gpu-slots", "16", "--ram-slots", "24",
+                   "--cpu-experts", "on", "--lane-rates", "pcie=10,cpu=10,disk=5", "--log-level", "warning")
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert proc.poll() is None, (tmp_path / "serve.log").read_text()
-            try:
-                if requests.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except requests.RequestException:
-                pass
-            assert time.monotonic() < deadline, "engine serve did not become ready"
-            time.sleep(0.2)
+        base = wait_ready(p)
         r = requests.post(f"{base}/v1/completions", json={"prompt": [5, 17, 200, 42], "max_tokens": 16,
                                                            "ignore_eos": True, "temperature": 0}, timeout=60)
         assert r.status_code == 200, r.text
@@ -144,5 +120,5 @@ def test_engine_serve_cuda_cpu_experts_on_reports_the_cpu_lane(synth, tmp_path):
         assert picks and float(picks[0].split()[-1]) > 0, text
         assert 'kiln_lane_rate_bytes_per_second{lane="cpu",source="config"} 1e+10' in text
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+        p.terminate()
+        p.communicate(timeout=30)
