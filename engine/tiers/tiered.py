@@ -250,7 +250,8 @@ class TieredExperts:
         # PCIe transfers then overlap the CPU experts.
         self.gpu.load(layer, gpu_experts, self.ram, keys)
         self.gpu.wait_copies()
-        # A CPU-lane pick's entry points at a slot the kernels read under weight 0: one this layer keeps.
+        # A CPU-lane pick's entry points at a slot the kernels read under weight 0: one this layer keeps (with
+        # no slot filled yet, slot 0's zeros; a copy landing there meanwhile holds finite values too).
         dummy = next(iter(keys), None) or next(iter(self.gpu.cache.resident()), None)
         if dummy is not None:
             keys = keys | {dummy}
@@ -309,15 +310,19 @@ class TieredExperts:
         self.lanes.add("cpu", job.picks, job.experts * self.layout.record_bytes, seconds)
 
     def _promote(self, layer: int, cpu: list[Candidate], copies: int, pinned: set) -> None:
-        """Copy the CPU lane's hottest experts into GPU slots too, for their next picks (lanes.promotions)."""
-        try:
-            victim = self.gpu.cache.policy.victim(pinned) if len(self.gpu.cache) >= self.gpu.cache.capacity else None
-        except LookupError:
-            return
-        room = self.gpu.cache.capacity - len(pinned)
-        for e in promotions(cpu, self.rates, self.layout.record_bytes, copies,
-                            self.heat[victim] if victim is not None else None, room):
+        """Copy the CPU lane's hottest experts into GPU slots too, for their next picks (lanes.promotions: as
+        many as the PCIe lane copies while the CPU computes), each only while it is hotter than the slot it
+        would take. Not waited for here: the next layer's wait_copies covers them."""
+        cache = self.gpu.cache
+        for e in promotions(cpu, self.rates, self.layout.record_bytes, copies, None, cache.capacity - len(pinned)):
             key = ExpertKey(layer, e)
+            if len(cache) >= cache.capacity:
+                try:
+                    victim = cache.policy.victim(pinned)
+                except LookupError:
+                    return
+                if self.heat[victim] >= self.heat[key]:
+                    return                   # the rest are no hotter (promotions orders them hottest first)
             self.gpu.load(layer, [e], self.ram, pinned | {key})
             pinned = pinned | {key}
 

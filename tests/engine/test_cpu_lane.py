@@ -239,3 +239,16 @@ def test_lane_bound_is_the_slowest_lane_at_its_rate():
     assert lane_bound(c, t_gpu=3.0)["bound"] == 3.0
     assert lane_bound({"lanes": {}, "lane_rates": None}, 1.5) == {"gpu": 1.5, "pcie": None, "disk": None,
                                                                    "cpu": None, "bound": 1.5}
+
+
+def test_the_cpu_lane_runs_on_its_own_thread_pinned_to_the_lane_cpus():
+    import threading
+    from engine.tiers.lanes import CpuLane
+    cpu = min(os.sched_getaffinity(0))
+    lane = CpuLane({cpu, 10_000})                          # a CPU outside the process's set is dropped
+    try:
+        (cpus, name), seconds = lane.submit(lambda: (os.sched_getaffinity(0), threading.current_thread().name)).result()
+        assert cpus == {cpu} and name.startswith("cpu-lane") and seconds >= 0
+        assert os.sched_getaffinity(0) != {cpu} or len(os.sched_getaffinity(0)) == 1   # the caller is not pinned
+    finally:
+        lane.close()
