@@ -16,8 +16,11 @@ the time the PCIe lane would otherwise idle. The choice never changes what is co
 (tests/engine/test_cpu_lane.py: the same greedy tokens whichever lane computes).
 
 The rates come from EngineConfig.lane_rates where given ("pcie=25,cpu=12,disk=6", GB/s), else are
-measured at load by measure_rates (a few record copies, CPU expert FFNs and store reads); the source of
-each is in the provider's counters. LaneCounters keeps per lane the picks, bytes and busy seconds that a
+measured by measure_rates (store reads and a slot copy at load, CPU expert FFNs at the first decode step);
+the source of each is in the provider's counters. Measured rates vary from run to run, so two runs of auto
+may split a layer differently: their results then differ by the device difference (the CPU's bf16 roundings
+against the GPU kernels'), never more; --lane-rates, or --cpu-experts on/off, makes a run reproducible bit
+for bit. LaneCounters keeps per lane the picks, bytes and busy seconds that a
 benchmark sets beside that bound.
 """
 from __future__ import annotations
