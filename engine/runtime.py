@@ -14,6 +14,25 @@ from dataclasses import dataclass
 DEVICE_KINDS = ("cpu", "cuda")
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 EXPERTS = ("auto", "resident", "tiered")              # engine.tiers.choose_placement's modes      # engine.experts.DTYPES' keys (torch-free here)
+CPU_EXPERTS = ("auto", "on", "off")                   # engine.tiers.lanes.split's modes
+LANE_RATES = ("pcie", "cpu", "disk")                  # the lanes whose GB/s engine.tiers.lanes.measure_rates measures
+
+
+def parse_lane_rates(text: str | None) -> dict[str, float]:
+    """'pcie=25,cpu=12.5,disk=6' (GB/s; entries split by ',' ';' or spaces) -> {lane: GB/s}; ValueError naming
+    the bad entry. The lanes not given are measured at load (engine.tiers.lanes.measure_rates)."""
+    out: dict[str, float] = {}
+    for entry in (text or "").replace(";", " ").replace(",", " ").split():
+        name, eq, value = entry.partition("=")
+        try:
+            rate = float(value) if eq and name in LANE_RATES else None
+        except ValueError:
+            rate = None
+        if rate is None or not rate > 0 or rate == float("inf"):
+            raise ValueError(f"lane rate {entry!r} is not LANE=GB/s with LANE one of {', '.join(LANE_RATES)} "
+                             f"and a positive finite rate (e.g. pcie=25)")
+        out[name] = rate
+    return out
 
 
 @dataclass(frozen=True)
@@ -30,6 +49,8 @@ class EngineConfig:
     policy: str = "lru"                 # expert-cache eviction policy
     experts: str = "auto"               # auto | resident | tiered: where a GPU's experts live (tiers.choose_placement)
     cuda_graphs: bool = True            # decode steps replay CUDA graphs where device and provider allow
+    cpu_experts: str = "auto"           # auto | on | off: RAM-tier experts computed on the CPU lane (tiers.lanes)
+    lane_rates: str | None = None       # e.g. "pcie=25,cpu=12,disk=6" GB/s for the lane cost model; None: measured
     fused_kernels: bool = True          # CUDA decode steps on engine.kernels.triton_decode's fused kernels
 
     def __post_init__(self):
@@ -50,6 +71,9 @@ class EngineConfig:
                 raise ValueError(f"{name} is {n}; it must be 0 or more")
         if self.experts not in EXPERTS:
             raise ValueError(f"experts {self.experts!r} is not one of {', '.join(EXPERTS)}")
+        if self.cpu_experts not in CPU_EXPERTS:
+            raise ValueError(f"cpu_experts {self.cpu_experts!r} is not one of {', '.join(CPU_EXPERTS)}")
+        parse_lane_rates(self.lane_rates)
         for name in ("readers", "threads"):
             if (n := getattr(self, name)) is not None and n < 1:
                 raise ValueError(f"{name} is {n}; it must be at least 1")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import click
 
 from engine.errors import EngineError, Exit
-from engine.runtime import DTYPE_NAMES, EXPERTS, EngineConfig
+from engine.runtime import CPU_EXPERTS, DTYPE_NAMES, EXPERTS, EngineConfig
 from engine.tiers.cache import POLICIES
 
 device = click.option("--device", default=EngineConfig.device, show_default=True, help="cpu, cuda or cuda:N.")
@@ -26,7 +26,8 @@ ram_slots = click.option("--ram-slots", type=click.IntRange(min=0), default=None
                          help="Experts held in RAM (default: from the cgroup's memory limit).")
 readers = click.option("--readers", type=click.IntRange(min=1), default=None, help="O_DIRECT store reader threads.")
 cpu_layout = click.option("--cpu-layout", default=None,
-                          help="Pin threads to CPUs, NAME=CPULIST entries, e.g. readers=26-39.")
+                          help="Pin threads to CPUs, NAME=CPULIST entries, e.g. 'lane=2-23;readers=26-39' (lane: "
+                               "the CPU expert lane, readers: the store readers).")
 threads = click.option("--threads", type=click.IntRange(min=1), default=None,
                        help="CPU compute threads (default: 2 where 2 CPUs are available, as measured on 2 cores).")
 policy = click.option("--policy", type=click.Choice(sorted(POLICIES)), default=EngineConfig.policy, show_default=True,
@@ -35,6 +36,15 @@ policy = click.option("--policy", type=click.Choice(sorted(POLICIES)), default=E
 experts = click.option("--experts", type=click.Choice(EXPERTS), default=EngineConfig.experts, show_default=True,
                        help="Where the routed experts live on a GPU: auto = all on the GPU when they fit its budget "
                             "(free VRAM minus a reserve, or --gpu-slots), else tiered (GPU slots <- RAM <- store).")
+cpu_experts = click.option("--cpu-experts", type=click.Choice(CPU_EXPERTS), default=EngineConfig.cpu_experts,
+                           show_default=True,
+                           help="Tiered on a GPU: compute experts held in RAM on the CPU lane (the `lane=` CPUs of "
+                                "--cpu-layout) while the GPU computes its slots. auto = per pick, whichever of "
+                                "CPU and PCIe copy the lane rates make faster; on = always the CPU; off = always copy.")
+lane_rates = click.option("--lane-rates", default=None,
+                          help="Lane rates for --cpu-experts auto, LANE=GB/s entries, e.g. pcie=25,cpu=12,disk=6 "
+                               "(default: measured by the engine — disk and PCIe at load, the CPU at the first "
+                               "decode step).")
 cuda_graphs = click.option("--cuda-graphs/--no-cuda-graphs", default=EngineConfig.cuda_graphs, show_default=True,
                            help="Replay decode steps from CUDA graphs on a GPU (per batch size and context bucket).")
 fused_kernels = click.option("--fused-kernels/--no-fused-kernels", default=EngineConfig.fused_kernels,
@@ -45,9 +55,10 @@ fused_kernels = click.option("--fused-kernels/--no-fused-kernels", default=Engin
 
 def tiers(f):
     """Where the routed experts live and who reads them: --experts, --gpu-slots, --ram-slots, --readers,
-    --cpu-layout, --threads, --policy, and how a GPU decodes (--cuda-graphs, --fused-kernels)."""
-    for option in reversed((experts, gpu_slots, ram_slots, readers, cpu_layout, threads, policy, cuda_graphs,
-                            fused_kernels)):
+    --cpu-layout, --threads, --policy, where RAM-tier experts are computed (--cpu-experts, --lane-rates) and
+    how a GPU decodes (--cuda-graphs, --fused-kernels)."""
+    for option in reversed((experts, gpu_slots, ram_slots, readers, cpu_layout, threads, policy, cpu_experts,
+                            lane_rates, cuda_graphs, fused_kernels)):
         f = option(f)
     return f
 

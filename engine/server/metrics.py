@@ -3,6 +3,14 @@
 Engine totals (expert serves per tier, store bytes, token counts) are read from `LLM.counters()`
 at scrape time, so they count every token the engine ran, cancelled streams included; the
 server itself measures latencies and how many requests run or wait.
+
+Per lane of a tiered provider (engine.tiers.lanes: gpu, cpu, pcie, disk), so that a measured speed can
+stand beside its lane bound t >= max(t_gpu, B_pcie/BW_pcie, B_disk/BW_disk, B_cpu/BW_cpu):
+  kiln_lane_picks_total{lane}         gpu/cpu: picks computed there; pcie: records copied; disk: records read
+  kiln_lane_bytes_total{lane}         record bytes moved (pcie, disk) or computed from (gpu, cpu)
+  kiln_lane_busy_seconds_total{lane}  cpu: the lane thread's jobs; pcie: copy-stream time (CUDA events);
+                                      disk: read batches; gpu: 0 (a graph-replayed step is not timed inside)
+  kiln_lane_rate_bytes_per_second{lane,source}  the rates the cost model uses (source: config or measured)
 """
 from __future__ import annotations
 
@@ -40,11 +48,32 @@ class _EngineCollector:
                 ("failed_requests_total", "kiln_requests_failed", "Requests whose own generation failed (the others went on)"),
                 ("rejected_requests_total", "kiln_requests_rejected", "Requests refused with 429: the queue was full")):
             yield CounterMetricFamily(name, doc, value=float(c.get(key, 0)))
+        yield from _lane_metrics(c)
         if c.get("provider"):
             kind = GaugeMetricFamily("kiln_expert_provider", "1 for the provider that serves the routed experts",
                                      labels=["provider"])
             kind.add_metric([c["provider"]], 1.0)
             yield kind
+
+
+def _lane_metrics(c: dict):
+    lanes = c.get("lanes")
+    if not lanes:
+        return
+    for key, name, doc in (("picks", "kiln_lane_picks", "Expert picks (gpu, cpu), records copied (pcie) or read (disk), by lane"),
+                           ("bytes", "kiln_lane_bytes", "Record bytes each lane moved or computed from"),
+                           ("seconds", "kiln_lane_busy_seconds", "Busy seconds of each lane")):
+        family = CounterMetricFamily(name, doc, labels=["lane"])
+        for lane, counts in lanes.items():
+            family.add_metric([lane], float(counts.get(key, 0)))
+        yield family
+    rates = c.get("lane_rates")
+    if rates:
+        family = GaugeMetricFamily("kiln_lane_rate_bytes_per_second", "Lane rates the CPU-expert cost model uses",
+                                   labels=["lane", "source"])
+        for lane in ("pcie", "cpu", "disk"):
+            family.add_metric([lane, rates["source"].get(lane, "")], rates[f"{lane}_gbps"] * 1e9)
+        yield family
 
 
 class Metrics:

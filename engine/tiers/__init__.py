@@ -8,6 +8,7 @@ and the tiers they are built from:
   cache     — ExpertCache, eviction policies (LRU, LFU; Belady for the simulator), counters
   ram       — the RAM arena (cudaHostRegister'ed on CUDA) and RamTier (arena + cache + store readers)
   gpu       — GpuTier: GPU slots filled from the RAM tier on a side stream
+  lanes     — the CPU expert lane, the lane cost model (compute on the CPU vs copy to the GPU), lane counters
   readers   — O_DIRECT store readers (threads, optionally pinned to CPUs)
 simulate  — `engine simulate-cache`: policies vs Belady on a recorded routing trace
 """
@@ -93,7 +94,10 @@ def build_provider(checkpoint, store_dir, config: EngineConfig | None = None, *,
     store_dir: the packed store (it must come from this checkpoint; config.dtype, the record dtype, must
     then be None or the store's). gpu_slots / ram_slots None: sized from free VRAM / the memory cgroup
     (logged); on CUDA a gpu_slots below the store's records also makes `auto` tier.
-    cpu_layout: e.g. "readers=26-39" pins the reader threads. trace: append routing (JSON lines).
+    cpu_layout: e.g. "lane=2-23;readers=26-39" pins the CPU expert lane's and the readers' threads.
+    config.cpu_experts (auto/on/off) and config.lane_rates: the CPU expert lane of a tiered CUDA provider
+    (engine.tiers.lanes; the CPU device computes every expert on the CPU already). trace: append routing
+    (JSON lines).
     """
     from engine.errors import EngineError, Exit
     config = EngineConfig.of(config, **knobs)
@@ -153,12 +157,15 @@ def build_provider(checkpoint, store_dir, config: EngineConfig | None = None, *,
         gpu_slots = 0                  # the CPU computes straight from the RAM tier
     if ram_slots < 1:
         raise EngineError("RAM tier: no room for one expert slot (set --ram-slots)", Exit.IO)
-    reader_cpus = parse_cpu_layout(cpu_layout).get("readers")
+    layout_cpus = parse_cpu_layout(cpu_layout)
+    reader_cpus = layout_cpus.get("readers")
     readers = readers or max(1, min(16, len(reader_cpus or os.sched_getaffinity(0))))
-    log.info("expert tiers: %d GPU slots, %d RAM slots, %d store readers%s, policy %s", gpu_slots, ram_slots,
-             readers, f" on CPUs {sorted(reader_cpus)}" if reader_cpus else "", policy)
+    cpu_experts = config.cpu_experts if device.type == "cuda" else "off"
+    log.info("expert tiers: %d GPU slots, %d RAM slots, %d store readers%s, policy %s, CPU experts %s", gpu_slots,
+             ram_slots, readers, f" on CPUs {sorted(reader_cpus)}" if reader_cpus else "", policy, cpu_experts)
     return TieredExperts(m, store_dir, device=device, ram_slots=min(ram_slots, n), gpu_slots=min(gpu_slots, n),
-                         readers=readers, reader_cpus=reader_cpus, policy=policy, trace=trace)
+                         readers=readers, reader_cpus=reader_cpus, policy=policy, trace=trace,
+                         cpu_experts=cpu_experts, lane_cpus=layout_cpus.get("lane"), lane_rates=config.lane_rates)
 
 
 __all__ = ["EXPERTS", "ExpertPlacement", "build_provider", "choose_placement", "in_memory"]

@@ -6,11 +6,16 @@ Ordering, in the two directions a slot is shared:
   slot may still be read by a kernel in flight): the copy stream waits on the compute stream;
 - a kernel reading a slot runs after its copy: the compute stream waits on the copies' event
   (wait_copies), once per layer, not per expert.
-The RAM tier's slots feed these copies, so it waits for them (copies_done) before a refill.
+The RAM tier's slots feed these copies, so it waits for them (synchronize_copies) before a refill.
+
+On a CPU device the same tier is a "slot lane" in host memory (copies are plain memcpys, nothing to
+order): the lane split of engine.tiers.lanes runs on CPU CI with it, the slot side computed by the
+slot kernels under Triton's interpreter or their reference (tests/engine/test_cpu_lane.py).
 """
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -41,40 +46,72 @@ class GpuTier:
 
     def __init__(self, slots: int, layout: ExpertLayout, device: torch.device, policy: str):
         self.layout, self.device = layout, device
+        self.cuda = device.type == "cuda"
         self.cache = ExpertCache("gpu", slots, make_policy(policy))
-        self.data = torch.empty((slots, layout.record_elems), dtype=layout.dtype, device=device)
-        self.copy_stream = torch.cuda.Stream(device)
-        self.copies_done = torch.cuda.Event()
+        # Zeros, not empty: a slot the kernels read under a zero weight (a pick the CPU lane computes) must hold
+        # finite values even before the cache first fills it (0 * NaN is NaN).
+        self.data = torch.zeros((slots, layout.record_elems), dtype=layout.dtype, device=device)
+        self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
+        self.copies_done = torch.cuda.Event() if self.cuda else None
         self.pending = False                 # copies issued that the compute stream has not waited for
         self.copy_bytes = 0
+        self.copies = 0
+        self._copy_seconds = 0.0
+        self._timed: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []    # copy batches not yet timed
 
     def load(self, layer: int, experts: list[int], ram, pinned: set) -> set[int]:
         """Issue the copies that make each expert of `layer` resident in a GPU slot (does not wait for
         them); the RAM tier fetches from the store what it lacks, in chunks of its capacity. Keys in
         `pinned` are never evicted. → the experts that came from the store."""
+        self.copy_seconds                    # folds the finished batches' times in: the event list stays short
         need = [e for e in experts if ExpertKey(layer, e) not in self.cache]
         from_store: set[int] = set()
-        step = max(1, ram.cache.capacity)
+        step = max(1, ram.room(()))          # RAM slots a CPU-lane job holds are not for these chunks
         for i in range(0, len(need), step):
             chunk = need[i:i + step]
             # The RAM tier holds only this chunk for its copies (a refill waits for them), so it pins only the
             # chunk: pinning every GPU-pinned key there too could pin all of a small RAM tier.
             ram_slots, missed = ram.fetch(layer, chunk, ())
             from_store |= missed
-            compute = torch.cuda.current_stream(self.device)
-            self.copy_stream.wait_stream(compute)
-            with torch.cuda.stream(self.copy_stream):
+            if not self.cuda:
+                t0 = time.perf_counter()
                 for e in chunk:
                     slot, _ = self.cache.admit(ExpertKey(layer, e), pinned)
-                    self.data[slot].copy_(ram.arena.tensor(ram_slots[e], self.layout.dtype), non_blocking=True)
-                    self.copy_bytes += self.layout.record_bytes
-                self.copies_done.record(self.copy_stream)
-            self.pending = True
+                    self.data[slot].copy_(ram.arena.tensor(ram_slots[e], self.layout.dtype))
+                self._copy_seconds += time.perf_counter() - t0
+            else:
+                compute = torch.cuda.current_stream(self.device)
+                self.copy_stream.wait_stream(compute)
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                with torch.cuda.stream(self.copy_stream):
+                    start.record(self.copy_stream)
+                    for e in chunk:
+                        slot, _ = self.cache.admit(ExpertKey(layer, e), pinned)
+                        self.data[slot].copy_(ram.arena.tensor(ram_slots[e], self.layout.dtype), non_blocking=True)
+                    end.record(self.copy_stream)
+                    self.copies_done.record(self.copy_stream)
+                self._timed.append((start, end))
+                self.pending = True
+            self.copy_bytes += len(chunk) * self.layout.record_bytes
+            self.copies += len(chunk)
         return from_store
+
+    @property
+    def copy_seconds(self) -> float:
+        """Copy-stream busy time of the copies finished so far (CUDA events, read once they are done)."""
+        while self._timed and self._timed[0][1].query():
+            start, end = self._timed.pop(0)
+            self._copy_seconds += start.elapsed_time(end) / 1000
+        return self._copy_seconds
+
+    def synchronize_copies(self) -> None:
+        """The host waits for every copy issued so far (a RAM slot they read may then be refilled)."""
+        if self.cuda:
+            self.copies_done.synchronize()
 
     def wait_copies(self) -> None:
         """The compute stream waits for every copy issued so far (no host wait)."""
-        if self.pending:
+        if self.pending and self.cuda:
             torch.cuda.current_stream(self.device).wait_event(self.copies_done)
             self.pending = False
 

@@ -155,7 +155,8 @@ def default_ram_slots(record_bytes: int, records: int) -> int:
 class RamTier:
     """The RAM tier as a whole: which experts sit in which RamArena slot (an ExpertCache), and the store
     readers that fill a slot on a miss. `before_refill` is called before slots are overwritten: a GPU
-    tier whose copies may still be reading them waits there."""
+    tier whose copies may still be reading them waits there. Keys in `held` (the experts a CPU-lane job
+    is computing from) are never evicted until the job is collected."""
 
     def __init__(self, manifest, store_dir, *, slots: int, readers: int, reader_cpus: set[int] | None,
                  policy: str, pin_cuda: bool):
@@ -167,6 +168,11 @@ class RamTier:
         self.arena = RamArena(slots, manifest.record_bytes, pin_cuda=pin_cuda)
         self.readers = StoreReaders(Path(store_dir) / mf.DATA, readers, reader_cpus)
         self.before_refill = lambda: None
+        self.held: set = set()
+
+    def room(self, keys) -> int:
+        """How many more experts a fetch may admit besides `keys` without evicting a held key."""
+        return self.cache.capacity - len(self.held | set(keys))
 
     def fetch(self, layer: int, experts: list[int], pinned) -> tuple[dict[int, int], set[int]]:
         """Make every expert of `experts` (at most `cache.capacity` of them) resident in RAM, reading the
@@ -174,7 +180,7 @@ class RamTier:
         Keys in `pinned` (and these experts) are never evicted."""
         from engine.tiers.cache import ExpertKey
         keys = {e: ExpertKey(layer, e) for e in experts}
-        keep = set(pinned) | set(keys.values())
+        keep = set(pinned) | set(keys.values()) | self.held
         slots: dict[int, int] = {}
         for e in experts:
             r = self.cache.lookup(keys[e])

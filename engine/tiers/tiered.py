@@ -1,16 +1,24 @@
 """TieredExperts: the ExpertProvider over GPU slots ← page-locked RAM tier ← O_DIRECT store.
 
-This class only decides where each expert's record comes from; the arithmetic never depends on it:
+This class only decides where each expert's record comes from and which lane computes it; the arithmetic
+never depends on it:
 - on the CPU the experts are computed straight from their RAM slots (engine.experts.moe_forward,
   moe_reference's arithmetic operation for operation, in waves of at most the RAM tier's slots);
 - on a CUDA device they are copied into GPU slots on a side stream (engine.tiers.gpu) and computed
   there: a decode step's few pairs by the slot-indexed GEMV kernels from a slot table, prefill by
-  moe_forward in waves of at most the GPU tier's slots, so any tier sizes give the same result.
+  moe_forward in waves of at most the GPU tier's slots, so any tier sizes give the same result;
+- with the CPU expert lane (cpu_experts auto/on, engine.tiers.lanes) a decode step's picks whose expert
+  is in RAM but not in a GPU slot may instead be computed on the CPU, from the RAM slot, while the GPU
+  computes the slot picks (their slot-table entries weigh 0 there); the CPU partial sum is copied to the
+  device and added. lanes.split chooses per layer from the lane rates; hot experts are promoted to slots.
 Decode on CUDA needs one host read of the routing per MoE layer (the host must know what to copy);
 with a predictor (layer_ahead_predictor) the next layer's router applied to this layer's input
 predicts its experts, whose copies then overlap this layer's compute. That host read is the only
 host work, so the rest of a step is CUDA-graph capturable in pieces between the reads: under a
-graph Recorder (engine.gpu.graphs) forward hands the host step to the recorder instead of running it.
+graph Recorder (engine.gpu.graphs) forward hands the host step to the recorder instead of running it;
+with the CPU lane a second host step after the slot kernels collects the CPU's partial sum.
+A CPU device given gpu_slots has the same slot tier in host memory (engine.tiers.gpu): the lane split
+runs there as on a GPU, which is how CPU CI tests it.
 Not thread-safe: one model step calls forward at a time.
 """
 from __future__ import annotations
@@ -18,16 +26,20 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import torch
 
 from engine.experts import ExpertLayout, group_routes, moe_forward
-from engine.kernels.triton_moe import GEMV_MAX_PAIRS, slot_moe, triton_available
+from engine.kernels.triton_moe import GEMV_MAX_PAIRS, moe_from_slots, triton_available
 from engine.store import manifest as mf
 from engine.tiers.cache import ExpertCache, ExpertKey
 from engine.tiers.gpu import GpuTier
+from engine.tiers.lanes import Candidate, CpuLane, LaneCounters, LaneRates, lane_rates as rates_of, measure_rates, \
+    promotions, split
 from engine.tiers.ram import RamTier
 
 log = logging.getLogger("engine.tiers")
@@ -36,10 +48,34 @@ log = logging.getLogger("engine.tiers")
 Predictor = Callable[[int, torch.Tensor], "tuple[int, torch.Tensor] | None"]
 
 
+@dataclass
+class LayerTable:
+    """One MoE layer's decode staging, made by the first (eager) step and reused by every graph replay:
+    the slot of each pick, its lane mask (1: the slot kernels compute it, 0: the CPU lane does), and the
+    CPU lane's partial sum; each as a host row (page-locked on CUDA) and the device row the kernels read."""
+
+    slots_host: torch.Tensor
+    slots: torch.Tensor
+    mask_host: torch.Tensor
+    mask: torch.Tensor
+    out_host: torch.Tensor
+    out: torch.Tensor
+    out_zero: bool = False           # out already holds zeros (no CPU job wrote it since)
+
+
+@dataclass
+class CpuJob:
+    future: object                   # Future of (partial sum [T, H] on the host, busy seconds)
+    keys: set                        # RAM keys held until collected
+    picks: int
+    experts: int
+
+
 class TieredExperts:
     def __init__(self, manifest: mf.Manifest, store_dir: str | Path, *, device: str | torch.device = "cpu",
                  ram_slots: int, gpu_slots: int = 0, readers: int = 4, reader_cpus: set[int] | None = None,
-                 policy: str = "lru", trace: str | Path | None = None):
+                 policy: str = "lru", trace: str | Path | None = None, cpu_experts: str = "off",
+                 lane_cpus: set[int] | None = None, lane_rates: str | None = None):
         self.manifest = manifest
         self.layout: ExpertLayout = manifest.layout
         self.device = torch.device(device)
@@ -49,18 +85,41 @@ class TieredExperts:
         mf.check_order(manifest, self.device, store_dir)
         self.ram = RamTier(manifest, store_dir, slots=ram_slots, readers=readers, reader_cpus=reader_cpus,
                            policy=policy, pin_cuda=self.cuda)
-        self.gpu = GpuTier(gpu_slots, self.layout, self.device, policy) if self.cuda else None
+        # The slot tier: the GPU's, or on a CPU device given gpu_slots the same tier in host memory.
+        self.gpu = GpuTier(gpu_slots, self.layout, self.device, policy) if self.cuda or gpu_slots > 0 else None
         if self.gpu is not None:
-            self.ram.before_refill = self.gpu.copies_done.synchronize   # a RAM slot may still feed a copy
+            self.ram.before_refill = self.gpu.synchronize_copies   # a RAM slot may still feed a copy
         # A wave of experts must fit every tier it passes through (the GPU tier loads RAM-sized chunks).
-        self.wave = self.gpu.cache.capacity if self.cuda else ram_slots
+        self.wave = self.gpu.cache.capacity if self.gpu is not None else ram_slots
         self.predictor: Predictor | None = None
         self.recorder = None             # a graph Recorder while engine.gpu.graphs captures a decode step
         self.served = {"gpu": 0, "ram": 0, "store": 0}
         self.origin: dict[ExpertKey, str] = {}   # prefetched key -> the tier it came from (honest counters)
         self.host_seconds = 0.0
-        self._tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}   # layer -> (pinned, device) slot table
+        self._tables: dict[int, LayerTable] = {}
         self._trace = open(trace, "a") if trace else None
+        self.lanes = LaneCounters()
+        self.heat: Counter = Counter()   # decode picks per ExpertKey: which experts a GPU slot should keep
+        # The CPU lane needs a slot tier to split against (without one the CPU computes everything anyway).
+        self.cpu_experts = cpu_experts if self.gpu is not None and ram_slots >= 2 else "off"
+        self.lane: CpuLane | None = None
+        self._rates: LaneRates | None = None
+        self._measured: dict = {}
+        self._job: CpuJob | None = None
+        if self.cpu_experts != "off":
+            self.lane = CpuLane(lane_cpus)
+            self._given_rates = lane_rates
+            self._measured = measure_rates(self, lane_rates, ("disk", "pcie"))    # the CPU's at the first decode
+            log.info("CPU expert lane: %s on CPUs %s", self.cpu_experts,
+                     sorted(self.lane.cpus) if self.lane.cpus else "(unpinned)")
+
+    @property
+    def rates(self) -> LaneRates | None:
+        """The lane rates the cost model uses (None without a CPU lane); the CPU's measured on first use."""
+        if self._rates is None and self.lane is not None:
+            self._rates = rates_of(measure_rates(self, self._given_rates, ("cpu",), self._measured))
+            log.info("lane rates: %s", self._rates.as_dict())
+        return self._rates
 
     @property
     def readers(self):
@@ -78,73 +137,134 @@ class TieredExperts:
 
     # -- ExpertProvider -------------------------------------------------------------------------
     def forward(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        if self.gpu is not None and topk_ids.numel() <= GEMV_MAX_PAIRS and self.graph_pairs_ok(topk_ids.numel()) \
-                and triton_available(self.device):
+        if self.gpu is not None and self.graph_pairs_ok(topk_ids.numel()) \
+                and (triton_available(self.device) or not self.cuda):
             return self._decode_from_slots(layer, x, topk_ids, topk_weights)
         routes = group_routes(topk_ids)               # ascending experts: the order moe_reference visits them in
         picks = {r.expert: len(r.tokens) for r in routes}
         self._record_trace(layer, list(picks))
-        resolve = (lambda wave: self._resolve_gpu(layer, wave, picks)) if self.cuda else \
+        lane = "gpu" if self.gpu is not None else "cpu"
+        self.lanes.add(lane, topk_ids.numel(), len(picks) * self.layout.record_bytes)
+        resolve = (lambda wave: self._resolve_gpu(layer, wave, picks)) if self.gpu is not None else \
             (lambda wave: self._resolve_ram(layer, wave, picks))
         return moe_forward(x, topk_weights, routes, resolve, self.wave)
 
     def counters(self) -> dict:
         gpu = self.gpu.cache if self.gpu is not None else ExpertCache("gpu", 0)     # the CPU has no GPU tier
         tiers = {name: {"slots": c.capacity, **c.stats.as_dict()} for name, c in (("gpu", gpu), ("ram", self.ram.cache))}
+        lanes = self.lanes.as_dict()
+        if self.gpu is not None:
+            lanes["pcie"] = {"picks": self.gpu.copies, "bytes": self.gpu.copy_bytes,
+                             "seconds": round(self.gpu.copy_seconds, 6)}
+        r = self.ram.readers
+        lanes["disk"] = {"picks": r.reads, "bytes": r.bytes_read, "seconds": round(r.seconds, 6)}
         return {
             "provider": "tiered",
             "served": dict(self.served),
-            "store_read_bytes": self.ram.readers.bytes_read,
-            "store_reads": self.ram.readers.reads,
-            "read_seconds": round(self.ram.readers.seconds, 4),
+            "store_read_bytes": r.bytes_read,
+            "store_reads": r.reads,
+            "read_seconds": round(r.seconds, 4),
             "pcie_bytes": self.gpu.copy_bytes if self.gpu is not None else 0,
             "host_seconds": round(self.host_seconds, 4),
             "tiers": tiers,
             "policy": self.ram.cache.policy.name,
+            "cpu_experts": self.cpu_experts,
+            "lanes": lanes,
+            "lane_rates": self._rates.as_dict() if self._rates is not None else None,
         }
 
-    # -- decode on CUDA: one slot table per layer, the GEMV kernels ---------------------------------
+    # -- decode from slots: one slot table per layer, the GEMV kernels; the CPU lane beside them --------
     def _decode_from_slots(self, layer, x, topk_ids, topk_weights):
         n = topk_ids.numel()
         pred = self.predictor(layer, x) if self.predictor else None
         flat = topk_ids.reshape(-1)
         routed = torch.cat([flat, pred[1].reshape(-1)]) if pred else flat
-        table = self._table(layer)
+        table = self._table(layer, x)
+        lane = self.lane is not None     # fixed for the provider's life: a captured step has one shape
 
         def place():
-            self._place(layer, routed, n, pred[0] if pred else None, table)
+            self._place(layer, routed, n, pred[0] if pred else None, table,
+                        (x, topk_ids, topk_weights) if lane else None)
 
         if self.recorder is not None:
             self.recorder.cut(place)      # captured: the host step runs between this piece and the next
         else:
             place()
-        slots = table[1][:n].view(topk_ids.shape)
-        return slot_moe(x, self.gpu.data, slots, topk_weights, self.layout)
+        slots = table.slots[:n].view(topk_ids.shape)
+        weights = topk_weights * table.mask[:n].view(topk_ids.shape) if lane else topk_weights
+        y = moe_from_slots(x, self.gpu.data, slots, weights, self.layout, topk_ids)
+        if not lane:
+            return y
+        t = x.shape[0]
+        if self.recorder is not None:
+            self.recorder.cut(lambda: self._collect(table, t))   # the CPU's sum lands while the slot kernels run
+        else:
+            self._collect(table, t)
+        return y + table.out[:t]
 
-    def _table(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer's slot table: a page-locked host staging row and the device row the kernels read; made
-        on the first (eager) step, never during a capture."""
+    def _table(self, layer: int, x: torch.Tensor) -> LayerTable:
+        """Layer's staging (LayerTable); made on the first (eager) step, never during a capture."""
         if layer not in self._tables:
             assert self.recorder is None, "slot tables are made by an eager step before any capture"
-            self._tables[layer] = (torch.empty(GEMV_MAX_PAIRS, dtype=torch.int32, pin_memory=True),
-                                   torch.empty(GEMV_MAX_PAIRS, dtype=torch.int32, device=self.device))
+            pin, dev = self.cuda, self.device
+            rows = (GEMV_MAX_PAIRS, x.shape[-1])
+            out = torch.zeros(rows, dtype=x.dtype, device=dev)
+            self._tables[layer] = LayerTable(
+                torch.empty(GEMV_MAX_PAIRS, dtype=torch.int32, pin_memory=pin),
+                torch.zeros(GEMV_MAX_PAIRS, dtype=torch.int32, device=dev),
+                torch.ones(GEMV_MAX_PAIRS, dtype=x.dtype, pin_memory=pin),
+                torch.ones(GEMV_MAX_PAIRS, dtype=x.dtype, device=dev),
+                torch.zeros(rows, dtype=x.dtype, pin_memory=pin) if self.cuda else out, out, True)
         return self._tables[layer]
 
-    def _place(self, layer: int, routed: torch.Tensor, n: int, nxt: int | None, table) -> None:
-        """The host step of a decode layer: read the routing (and the prediction), copy what is missing
-        into GPU slots, fill the slot table, then start the next layer's predicted copies."""
+    def _place(self, layer: int, routed: torch.Tensor, n: int, nxt: int | None, table: LayerTable,
+               step: tuple | None) -> None:
+        """The host step of a decode layer: read the routing (and the prediction); choose each pick's lane
+        (step: this layer's (x, topk_ids, topk_weights) where the CPU lane exists); start the CPU lane's job,
+        copy what the GPU lacks into its slots, fill the slot table, promote hot CPU-lane experts and start
+        the next layer's predicted copies — the store reads, PCIe copies and CPU experts then run at once."""
         t0 = time.perf_counter()
         host = routed.tolist()              # the one device read of this layer
         ids, ahead = host[:n], host[n:]
         uniq = sorted(set(ids))
         self._record_trace(layer, uniq)
         self._count(layer, ids)
-        keys = {ExpertKey(layer, e) for e in uniq}
-        self.gpu.load(layer, uniq, self.ram, keys)
+        self.heat.update(ExpertKey(layer, e) for e in ids)
+        cpu: list[int] = []
+        cands: dict[int, Candidate] = {}
+        if step is not None:
+            tokens = Counter(ids)
+            cands = {e: Candidate(e, tokens[e], self.heat[ExpertKey(layer, e)]) for e in uniq
+                     if ExpertKey(layer, e) not in self.gpu.cache}
+            in_slots = len(uniq) - len(cands)
+            _, cpu = split(list(cands.values()), self.rates, self.layout.record_bytes, self.cpu_experts,
+                           self.gpu.cache.capacity - in_slots)
+            # The RAM tier holds the CPU lane's records until the job is collected; keep one slot for copies.
+            cpu = sorted(cpu[:max(0, self.ram.cache.capacity - 1)])
+            if cpu:
+                self._start_cpu_job(layer, cpu, step)
+        on_cpu = set(cpu)
+        gpu_experts = [e for e in uniq if e not in on_cpu]
+        keys = {ExpertKey(layer, e) for e in gpu_experts}
+        # The CPU lane's store reads came first, so its job starts before these: the copies' reads and
+        # PCIe transfers then overlap the CPU experts.
+        self.gpu.load(layer, gpu_experts, self.ram, keys)
         self.gpu.wait_copies()
-        staging, dev = table
-        staging[:n] = torch.tensor([self.gpu.slot(layer, e) for e in ids], dtype=torch.int32)
-        dev[:n].copy_(staging[:n], non_blocking=True)
+        # A CPU-lane pick's entry points at a slot the kernels read under weight 0: one this layer keeps (with
+        # no slot filled yet, slot 0's zeros; a copy landing there meanwhile holds finite values too).
+        dummy = next(iter(keys), None) or next(iter(self.gpu.cache.resident()), None)
+        if dummy is not None:
+            keys = keys | {dummy}
+        dummy_slot = self.gpu.cache.slot_of(dummy) if dummy is not None else 0
+        table.slots_host[:n] = torch.tensor([dummy_slot if e in on_cpu else self.gpu.slot(layer, e) for e in ids],
+                                            dtype=torch.int32)
+        table.slots[:n].copy_(table.slots_host[:n], non_blocking=True)
+        self.lanes.add("gpu", n - sum(e in on_cpu for e in ids), len(gpu_experts) * self.layout.record_bytes)
+        if step is not None:
+            table.mask_host[:n] = torch.tensor([0.0 if e in on_cpu else 1.0 for e in ids])
+            table.mask[:n].copy_(table.mask_host[:n], non_blocking=True)
+            if cpu and dummy is not None:
+                self._promote(layer, [cands[e] for e in cpu], len(gpu_experts) - (len(uniq) - len(cands)), keys)
         if nxt is not None:                 # prefetch the next layer while this one computes: best effort
             want = sorted(set(ahead))
             if len(keys) + len(want) <= self.gpu.cache.capacity:
@@ -154,6 +274,57 @@ class TieredExperts:
                 for e in missing:
                     self.origin[ExpertKey(nxt, e)] = "store" if e in from_store else "ram"
         self.host_seconds += time.perf_counter() - t0
+
+    def _start_cpu_job(self, layer: int, experts: list[int], step: tuple) -> None:
+        """Fetch the CPU lane's experts into RAM (reading the store for those it lacks), hold them there, and
+        hand the lane their partial sum: moe_forward over just these experts, in expert order."""
+        x, topk_ids, topk_weights = step
+        ram_slots, _ = self.ram.fetch(layer, experts, ())
+        keys = {ExpertKey(layer, e) for e in experts}
+        self.ram.held |= keys
+        views = [self.layout.views(self.ram.arena.tensor(ram_slots[e], self.layout.dtype)) for e in experts]
+        on_cpu = set(experts)
+        host = "cpu"
+        xs, ids, ws = x.to(host), topk_ids.to(host), topk_weights.to(host)
+        routes = [r for r in group_routes(ids) if r.expert in on_cpu]
+        fut = self.lane.submit(moe_forward, xs, ws, routes, lambda wave: views, len(experts))
+        self._job = CpuJob(fut, keys, sum(len(r.tokens) for r in routes), len(experts))
+
+    def _collect(self, table: LayerTable, t: int) -> None:
+        """The second host step of a decode layer: the CPU lane's partial sum into table.out (zeros when the
+        lane had no pick this layer), copied to the device while the slot kernels run."""
+        job, self._job = self._job, None
+        if job is None:
+            if not table.out_zero:
+                table.out.zero_()
+                table.out_zero = True
+            return
+        try:
+            y, seconds = job.future.result()
+        finally:
+            self.ram.held -= job.keys
+        table.out_host[:t].copy_(y)
+        if table.out_host is not table.out:
+            table.out[:t].copy_(table.out_host[:t], non_blocking=True)
+        table.out_zero = False
+        self.lanes.add("cpu", job.picks, job.experts * self.layout.record_bytes, seconds)
+
+    def _promote(self, layer: int, cpu: list[Candidate], copies: int, pinned: set) -> None:
+        """Copy the CPU lane's hottest experts into GPU slots too, for their next picks (lanes.promotions: as
+        many as the PCIe lane copies while the CPU computes), each only while it is hotter than the slot it
+        would take. Not waited for here: the next layer's wait_copies covers them."""
+        cache = self.gpu.cache
+        for e in promotions(cpu, self.rates, self.layout.record_bytes, copies, None, cache.capacity - len(pinned)):
+            key = ExpertKey(layer, e)
+            if len(cache) >= cache.capacity:
+                try:
+                    victim = cache.policy.victim(pinned)
+                except LookupError:
+                    return
+                if self.heat[victim] >= self.heat[key]:
+                    return                   # the rest are no hotter (promotions orders them hottest first)
+            self.gpu.load(layer, [e], self.ram, pinned | {key})
+            pinned = pinned | {key}
 
     def _count(self, layer: int, ids: list[int]) -> None:
         """Where each pick is served from, before anything is loaded (prefetched ones by their origin)."""
@@ -194,6 +365,11 @@ class TieredExperts:
             self._trace.write(json.dumps({"layer": layer, "experts": experts}) + "\n")
 
     def close(self) -> None:
+        if self._job is not None:        # a step that failed between its two host steps
+            self._job.future.result()
+            self._job = None
+        if self.lane is not None:
+            self.lane.close()
         self.ram.close()
         if self._trace:
             self._trace.close()

@@ -141,7 +141,10 @@ def test_tiered_engine_decodes_from_graph_pieces_with_the_resident_tokens(tiny_s
     from engine.tiers.tiered import TieredExperts
     ck, store = tiny_store
     with caplog.at_level(logging.INFO, logger="engine.tiers"):
-        tiered = LLM.load(ck, store, device="cuda", max_context=256, max_batch=3, gpu_slots=16, ram_slots=9)
+        # cpu_experts off: every pick on the GPU, so the resident engine's tokens bit for bit and one cut per
+        # layer (the CPU lane's split is tests/engine/test_cpu_lane_cuda.py's)
+        tiered = LLM.load(ck, store, device="cuda", max_context=256, max_batch=3, gpu_slots=16, ram_slots=9,
+                          cpu_experts="off")
     with tiered, LLM.load(ck, store, device="cuda", max_context=256, max_batch=3, cuda_graphs=False) as ref:
         p = tiered.model.provider
         assert isinstance(p, TieredExperts) and tiered.model.graphs is not None and p.predictor is not None
@@ -153,7 +156,7 @@ def test_tiered_engine_decodes_from_graph_pieces_with_the_resident_tokens(tiny_s
         assert g.replays >= 24 and g.pieces_per_step == 3 + 1        # cut at each of the 3 MoE layers
         c = p.counters()
         assert c["store_read_bytes"] > 0 and c["served"]["store"] > 0 and c["pcie_bytes"] > 0
-        forced = LLM.load(ck, store, device="cuda", max_context=256, max_batch=3, experts="tiered")
+        forced = LLM.load(ck, store, device="cuda", max_context=256, max_batch=3, experts="tiered", cpu_experts="off")
         with forced:
             assert isinstance(forced.model.provider, TieredExperts)
             assert _one_by_one(forced, PROMPTS[:1]) == want[:1]
@@ -166,7 +169,7 @@ def test_graph_decode_equals_eager_as_the_batch_grows_and_shrinks(tiny_store, pl
     non-contiguous slots, a KV bucket crossed (positions past 256)."""
     from engine.loader import load_model
     ck, store = tiny_store
-    kw = {"experts": placement, "gpu_slots": 16 if placement == "tiered" else None}
+    kw = {"experts": placement, "gpu_slots": 16 if placement == "tiered" else None, "cpu_experts": "off"}
     models = [load_model(ck, store_dir=store, device=DEV, max_context=512, max_batch=4, cuda_graphs=g, **kw)
               for g in (True, False)]
     assert models[0].graphs is not None and models[1].graphs is None
@@ -228,7 +231,8 @@ def test_offload_never_changes_a_token_and_graphs_match_eager(synth_model):
 
 
 @needs_cuda
-@pytest.mark.parametrize("flags,provider", [([], "resident"), (["--experts", "tiered", "--gpu-slots", "16"], "tiered")])
+@pytest.mark.parametrize("flags,provider", [([], "resident"),
+                                            (["--experts", "tiered", "--gpu-slots", "16", "--cpu-experts", "off"], "tiered")])
 def test_engine_serve_on_cuda_streams_from_graphs(tiny_store, tmp_path, flags, provider):
     """A real `engine serve --device cuda` subprocess: the streamed completion's tokens come from CUDA-graph
     replays of the provider its /metrics names, and equal the in-process engine's greedy tokens."""

@@ -18,6 +18,15 @@ from engine.store.pack import pack_store
     ({"ram_slots": -1}, "ram_slots is -1; it must be 0 or more"),
     ({"readers": 0}, "readers is 0; it must be at least 1"),
     ({"threads": 0}, "threads is 0; it must be at least 1"),
+    ({"cpu_experts": "maybe"}, "cpu_experts 'maybe' is not one of auto, on, off"),
+    ({"lane_rates": "pcie=fast"}, "lane rate 'pcie=fast' is not LANE=GB/s with LANE one of pcie, cpu, disk and a "
+                                  "positive finite rate (e.g. pcie=25)"),
+    ({"lane_rates": "pcie=25,nvlink=900"}, "lane rate 'nvlink=900' is not LANE=GB/s with LANE one of pcie, cpu, "
+                                           "disk and a positive finite rate (e.g. pcie=25)"),
+    ({"lane_rates": "cpu=0"}, "lane rate 'cpu=0' is not LANE=GB/s with LANE one of pcie, cpu, disk and a "
+                              "positive finite rate (e.g. pcie=25)"),
+    ({"lane_rates": "disk=nan"}, "lane rate 'disk=nan' is not LANE=GB/s with LANE one of pcie, cpu, disk and a "
+                                 "positive finite rate (e.g. pcie=25)"),
 ])
 def test_a_bad_knob_is_refused_by_name(knobs, message):
     with pytest.raises(ValueError) as e:
@@ -51,6 +60,19 @@ def test_the_config_reaches_the_tiers_whole(tiny_checkpoint, tmp_path):
         counters = llm.model.provider.counters()
         assert counters["policy"] == "lfu" and counters["tiers"]["ram"]["slots"] == 3
         assert llm.max_context == 32 and llm.model.kv.slots == 2
+
+
+def test_lane_rates_parse_as_gb_per_second():
+    from engine.runtime import parse_lane_rates
+    assert parse_lane_rates("pcie=25, cpu=12.5;disk=6") == {"pcie": 25.0, "cpu": 12.5, "disk": 6.0}
+    assert parse_lane_rates(None) == {} == parse_lane_rates("")
+
+
+def test_serve_refuses_a_bad_lane_rate_in_one_line(tiny_checkpoint, capsys):
+    rc = main(["serve", "--model", str(tiny_checkpoint("qwen3_moe", layers=2)), "--lane-rates", "pcie=-1",
+               "--port", "0"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and "lane rate 'pcie=-1'" in err
 
 
 def test_serve_refuses_a_bad_knob_in_one_line_before_it_binds(tiny_checkpoint, capsys):
