@@ -15,7 +15,6 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 DEV = torch.device("cuda")
 
 from tests.engine.test_gpu_path import tiny_store  # noqa: E402,F401  (3 layers, 16 experts, top-4; bf16 rows store)
-from tests.engine.test_server_errors import serve_proc, wait_ready  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -105,6 +104,8 @@ def test_bf16_cpu_lane_stays_within_bf16_rounding_of_the_gpu(tiny_store):
 def test_engine_serve_cuda_cpu_experts_on_reports_the_cpu_lane(tiny_store):
     """A real `engine serve --device cuda --experts tiered --cpu-experts on`: completions stream, and /metrics
     counts picks on the cpu lane and the rates it was given."""
+    pytest.importorskip("openai", reason="the server test helpers use the official client")
+    from tests.engine.test_server_errors import serve_proc, wait_ready
     import requests
     model_dir, store = tiny_store
     p = serve_proc("--model", str(model_dir), "--store", str(store), "--device", "cuda", "--port", "0", "--ctx", "256",
