@@ -1,7 +1,7 @@
-"""Kiln's served engine on one H200, through HTTP, beside the same engine in-process and llama.cpp on the
-same weights, in one run (issue 13).
+"""Kiln's served engine on one H200, through HTTP, beside the same engine in-process, in one run (issue 13).
+The peer, llama.cpp on the same weights and budget, is bench/h200_peer.py's (it imports this file's client).
 
-  python3 bench/h200_served.py --work /tmp/kb --tokenizer DIR --llama DIR --out bench/results/<date>-h200-served.json
+  python3 bench/h200_served.py --work /tmp/kb --tokenizer DIR --out bench/results/<date>-h200-served.json
 
 1. Lanes of this machine (HBM, pinned PCIe, O_DIRECT disk, DRAM): bench/h200_moe.py's measure_lanes, plus
    a 16-thread DRAM read (the CPU lane llama.cpp's --n-cpu-moe uses).
@@ -16,11 +16,7 @@ same weights, in one run (issue 13).
    showing the provider and the decode-graph replays.
    Decoding: greedy for resident (routing does not change its cost), sampled at temperature 1 (seeded) for
    tiered, so that the routing follows the tokens instead of a greedy loop's repeats (a cache's best case).
-4. llama.cpp (prebuilt for sm_90, --llama DIR): the same weights converted to GGUF bf16 with llama.cpp's own
-   converter class (experts read from the store, the vocabulary from ggml-vocab-qwen2.gguf), llama-bench
-   `-p 512,8192 -n 128 -r 3` all on the GPU and with `--n-cpu-moe 7` (17 of 24 layers' experts on the GPU:
-   the 24 GB budget).
-5. Each figure beside its lane bound (ANCHORS.md): t >= max(t_non_expert + B_gpu/BW_hbm, B_pcie/BW_pcie,
+4. Each figure beside its lane bound (ANCHORS.md): t >= max(t_non_expert + B_gpu/BW_hbm, B_pcie/BW_pcie,
    B_disk/BW_disk, B_cpu/BW_dram), bytes per token from this run's counters.
 Prints a table last; writes everything to --out after every part.
 """
@@ -202,50 +198,73 @@ def metrics(base: str) -> dict:
     return out
 
 
-def served(model_dir, store, args: list[str], vocab, steps, prefill, sampled, log_path: Path) -> dict:
+def wait_ready(proc: subprocess.Popen, base: str, log_path: Path, what: str, limit_s: float = 400) -> float:
+    """Poll GET /health until 200 (engine serve and llama-server both answer it once loaded); seconds taken."""
     import requests
+    t0 = time.perf_counter()
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited {proc.returncode}: {log_path.read_text()[-2000:]}")
+        try:
+            if requests.get(f"{base}/health", timeout=5).status_code == 200:
+                return time.perf_counter() - t0
+        except requests.RequestException:
+            pass
+        if time.perf_counter() - t0 > limit_s:
+            raise RuntimeError(f"{what} did not become ready in {limit_s:.0f} s")
+        time.sleep(0.5)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """SIGTERM the server's process group (started with start_new_session), SIGKILL after 30 s."""
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def completions_client(base: str, model: str, usage: list[dict], timings: list[dict] | None = None):
+    """measure()'s make_stream over HTTP: streamed /v1/completions with token-id prompts and usage included,
+    the same requests whichever server. Each stream's token count is the server's own (its streamed usage);
+    `timings` collects what a server reports about itself in its last chunk (llama-server does)."""
+    import requests
+
+    def make(prompt, n, temp, seed):
+        body = {"model": model, "prompt": prompt, "max_tokens": n, "temperature": temp, "seed": seed,
+                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+
+        def gen(out):
+            with requests.post(f"{base}/v1/completions", json=body, stream=True, timeout=600) as r:
+                r.raise_for_status()
+                for line in r.iter_lines():
+                    if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                        continue
+                    ev = json.loads(line[6:])
+                    if ev.get("usage"):
+                        usage.append(ev["usage"])
+                        out["tokens"] = ev["usage"]["completion_tokens"]     # the server's own count
+                    if timings is not None and ev.get("timings"):
+                        timings.append(ev["timings"])
+                    if ev.get("choices") and ev["choices"][0].get("text"):
+                        yield ev
+        return gen
+    return make
+
+
+def served(model_dir, store, args: list[str], vocab, steps, prefill, sampled, log_path: Path) -> dict:
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "engine", "serve", "--model", str(model_dir), "--store", str(store), "--device", "cuda",
            "--port", str(port), "--ctx", str(prefill + 512), "--max-batch", str(STREAMS), "--served-name", "synth",
            "--log-level", "warning", *args]
-    t0 = time.perf_counter()
     logf = open(log_path, "w")
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"engine serve exited {proc.returncode}: {log_path.read_text()[-2000:]}")
-            try:
-                if requests.get(f"{base}/health", timeout=5).status_code == 200:
-                    break
-            except requests.RequestException:
-                pass
-            if time.perf_counter() - t0 > 400:
-                raise RuntimeError("engine serve did not become ready in 400 s")
-            time.sleep(0.5)
-        load_s = time.perf_counter() - t0
+        load_s = wait_ready(proc, base, log_path, "engine serve")
         usage: list[dict] = []
-
-        def make(prompt, n, temp, seed):
-            body = {"model": "synth", "prompt": prompt, "max_tokens": n, "temperature": temp, "seed": seed,
-                    "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-
-            def gen(out):
-                with requests.post(f"{base}/v1/completions", json=body, stream=True, timeout=600) as r:
-                    r.raise_for_status()
-                    for line in r.iter_lines():
-                        if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                            continue
-                        ev = json.loads(line[6:])
-                        if ev.get("usage"):
-                            usage.append(ev["usage"])
-                            out["tokens"] = ev["usage"]["completion_tokens"]     # the server's own count
-                        if ev.get("choices") and ev["choices"][0].get("text"):
-                            yield ev
-            return gen
-
-        res = measure(make, vocab, steps, prefill, sampled, lambda: metrics(base))
+        res = measure(completions_client(base, "synth", usage), vocab, steps, prefill, sampled, lambda: metrics(base))
         res["load_s"] = round(load_s, 1)
         res["streamed_usage_last"] = usage[-1] if usage else None
         res["streamed_usage_seen"] = len(usage)
@@ -253,12 +272,7 @@ def served(model_dir, store, args: list[str], vocab, steps, prefill, sampled, lo
         res["command"] = " ".join(["python3", "-m", "engine", "serve", *cmd[4:]])
         return res
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop(proc)
         logf.close()
 
 
@@ -309,41 +323,6 @@ def attach_bound(res: dict, tiered: bool, served_side: bool, tb: dict, lanes: di
     res["fraction_of_bound"] = round(res["decode_tps"] / res["bound_tps"], 3)
 
 
-# ------------------------------------------------------------------ llama.cpp
-
-def gguf_convert(model_dir: Path, store: Path, llama: Path, out: Path) -> dict:
-    t0 = time.perf_counter()
-    r = subprocess.run([sys.executable, str(REPO / "bench" / "gguf_from_store.py"), "--model", str(model_dir),
-                        "--store", str(store), "--llama-src", str(llama / "src"), "--out", str(out)],
-                       capture_output=True, text=True)
-    if r.returncode != 0:
-        raise RuntimeError(f"GGUF conversion failed: {r.stderr[-3000:]}")
-    return {"seconds": round(time.perf_counter() - t0, 1), "gguf_bytes": out.stat().st_size,
-            "log_tail": r.stderr[-600:]}
-
-
-def llama_bench(llama: Path, gguf: Path, extra: list[str]) -> dict:
-    libs = [str(llama / "bin"), "/usr/local/cuda/lib64", "/usr/local/cuda-13.0/lib64", os.environ.get("LD_LIBRARY_PATH", "")]
-    env = dict(os.environ, LD_LIBRARY_PATH=":".join(filter(None, libs)))
-    cmd = [str(llama / "bin" / "llama-bench"), "-m", str(gguf), "-ngl", "99", "-p", "512,8192", "-n", "128", "-r", "3",
-           "-o", "json", *extra]
-    t0 = time.perf_counter()
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=400)
-    if r.returncode != 0:
-        raise RuntimeError(f"llama-bench failed ({r.returncode}): {r.stderr[-2000:]}")
-    rows = json.loads(r.stdout)
-    out = {"command": " ".join(["llama-bench", *cmd[1:]]), "seconds": round(time.perf_counter() - t0, 1)}
-    for row in rows:
-        if row.get("n_gen"):
-            out["decode_tps"] = round(row["avg_ts"], 1)
-            out["decode_tps_stdev"] = round(row.get("stddev_ts", 0), 1)
-        else:
-            out[f"prefill_tps_{row['n_prompt']}"] = round(row["avg_ts"], 1)
-    out["backends"] = sorted({row.get("backends", "") for row in rows})
-    out["stderr_tail"] = r.stderr[-400:]
-    return out
-
-
 # ------------------------------------------------------------------ main
 
 def main():
@@ -351,11 +330,10 @@ def main():
     ap.add_argument("--work", default="/tmp/kiln-bench")
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / f"{date.today()}-h200-served.json"))
     ap.add_argument("--tokenizer", required=True, help="a Qwen2 tokenizer directory (tokenizer.json + config)")
-    ap.add_argument("--llama", default=None, help="llama.cpp: DIR/bin (llama-bench + libs), DIR/src (converter)")
     ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--steps", type=int, default=128)
     ap.add_argument("--prefill", type=int, default=8192)
-    ap.add_argument("--skip", default="", help="comma list: resident,tiered,served,inprocess,llama")
+    ap.add_argument("--skip", default="", help="comma list: resident,tiered,served,inprocess")
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     work = Path(args.work)
@@ -442,34 +420,10 @@ def main():
     gc.collect()
     torch.cuda.empty_cache()
 
-    if args.llama and "llama" not in skip:
-        llama = Path(args.llama)
-        gguf = work / "synth-bf16.gguf"
-        try:
-            result["gguf"] = gguf_convert(model_dir, store, llama, gguf)
-            save()
-            peer = {"all_gpu_bf16": llama_bench(llama, gguf, [])}
-            peer["all_gpu_bf16"].update(resident_bound(tb, lanes))
-            save()
-            cpu = llama_bench(llama, gguf, ["--n-cpu-moe", "7"])
-            cpu_bytes = 7 * cfg["num_experts_per_tok"] * m.record_bytes
-            t = {"gpu_hbm": (tb["non_expert_bytes_per_token"] + 17 * cfg["num_experts_per_tok"] * m.record_bytes) / (lanes["hbm_gbps"] * 1e9),
-                 "cpu": cpu_bytes / (lanes["dram_read_16t_gbps"] * 1e9)}
-            cpu.update({"lane_seconds_per_token": {k: round(v, 6) for k, v in t.items()},
-                        "bound_tps": round(1 / max(t.values()), 1), "layers_experts_on_cpu": 7})
-            peer["n_cpu_moe_7_bf16"] = cpu
-            for p in peer.values():
-                p["fraction_of_bound"] = round(p["decode_tps"] / p["bound_tps"], 3)
-            result["runs"]["llama_cpp"] = peer
-        except Exception as e:            # the peer failing must not lose Kiln's figures
-            result["runs"]["llama_cpp"] = {"error": str(e)[-3000:]}
-        save()
-        log("llama.cpp:", result["runs"]["llama_cpp"])
-
     # --- targets (issue 13)
     runs = result["runs"]
     t: dict = {}
-    res_, tie, peer = runs.get("resident", {}), runs.get("tiered_24gb", {}), runs.get("llama_cpp", {})
+    res_, tie = runs.get("resident", {}), runs.get("tiered_24gb", {})
     for name, r in (("resident", res_), ("tiered_24gb", tie)):
         if "served" in r and "inprocess" in r:
             t[f"{name}_served_over_inprocess_decode"] = r["served"]["served_over_inprocess"].get("decode_tps")
@@ -477,15 +431,8 @@ def main():
         t["tiered_inprocess_fraction_of_bound_gpu_lane_measured"] = round(
             tie["inprocess"]["decode_tps"] / tie["inprocess"].get("bound_tps_gpu_lane_measured", tie["inprocess"]["bound_tps"]), 3)
         t["tiered_inprocess_fraction_of_bound_hbm"] = tie["inprocess"]["fraction_of_bound"]
-    if "all_gpu_bf16" in peer and "inprocess" in res_:
-        t["resident_over_llama_cpp_all_gpu_decode"] = round(res_["inprocess"]["decode_tps"] / peer["all_gpu_bf16"]["decode_tps"], 3)
-        if "served" in res_:
-            t["resident_served_over_llama_cpp_all_gpu_decode"] = round(res_["served"]["decode_tps"] / peer["all_gpu_bf16"]["decode_tps"], 3)
-    if "n_cpu_moe_7_bf16" in peer and "inprocess" in tie:
-        t["tiered_over_llama_cpp_n_cpu_moe_7_decode"] = round(tie["inprocess"]["decode_tps"] / peer["n_cpu_moe_7_bf16"]["decode_tps"], 3)
     result["targets"] = {**t, "required": {"served_over_inprocess_decode": ">= 0.9",
-                                          "tiered_fraction_of_bound": ">= 0.6",
-                                          "resident_over_llama_cpp_all_gpu_decode": ">= 1.0"}}
+                                          "tiered_fraction_of_bound": ">= 0.6"}}
     save()
 
     log("\n| run | side | decode tok/s | 4 streams agg | TTFT 128 (s) | 8k prefill tok/s | bound tok/s | of bound |")
@@ -494,9 +441,6 @@ def main():
         for side, r in runs.get(name, {}).items():
             log(f"| {name} | {side} | {r['decode_tps']} | {r['decode_tps_4_streams_aggregate']} | {r['ttft_s_128_prompt']} | "
                 f"{r['prefill_tps']} | {r['bound_tps']} | {r['fraction_of_bound']} |")
-    for name, r in peer.items() if isinstance(peer, dict) and "error" not in peer else []:
-        log(f"| llama.cpp {name} | llama-bench | {r.get('decode_tps')} | | | {r.get('prefill_tps_8192')} | "
-            f"{r.get('bound_tps')} | {r.get('fraction_of_bound')} |")
     log("targets:", json.dumps(result["targets"]))
     log("wrote", out)
 
