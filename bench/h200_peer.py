@@ -48,7 +48,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from bench.h200_moe import CARD_BYTES, WORKSPACE  # noqa: E402
-from bench.h200_served import STREAMS, completions_client, free_port, measure, stop, wait_ready  # noqa: E402
+from bench.h200_served import (STREAMS, completions_client, free_port, gguf_convert, measure, stop,  # noqa: E402
+                               wait_ready)
 
 GIB = 1 << 30
 PHASES = ("convert", "quantize", "bench-bf16", "bench-q4", "serve-bf16", "serve-q4", "report")
@@ -244,18 +245,6 @@ def measure_lanes_here(w: Work, sample_file: Path) -> dict | None:
     lanes["measured_on"] = str(sample_file)
     (w.dir / "lanes.json").write_text(json.dumps(lanes) + "\n")
     return lanes
-
-
-def gguf_convert(model_dir: Path, store: Path, llama_src: Path, out: Path, timeout_s: float) -> dict:
-    """The checkpoint as GGUF bf16 through llama.cpp's own converter class (bench/gguf_from_store.py)."""
-    t0 = time.perf_counter()
-    r = subprocess.run([sys.executable, str(REPO / "bench" / "gguf_from_store.py"), "--model", str(model_dir),
-                        "--store", str(store), "--llama-src", str(llama_src), "--out", str(out)],
-                       capture_output=True, text=True, timeout=timeout_s)
-    if r.returncode != 0:
-        raise RuntimeError(f"GGUF conversion failed: {r.stderr[-3000:]}")
-    return {"seconds": round(time.perf_counter() - t0, 1), "gguf_bytes": out.stat().st_size,
-            "log_tail": r.stderr[-600:]}
 
 
 def ensure_bf16(w: Work, clock: Clock, res: dict) -> Path:

@@ -1,7 +1,8 @@
-"""Kiln's served engine on one H200, through HTTP, beside the same engine in-process, in one run (issue 13).
-The peer, llama.cpp on the same weights and budget, is bench/h200_peer.py's (it imports this file's client).
+"""Kiln's served engine on one H200, through HTTP, beside the same engine in-process and llama.cpp on the
+same weights, in one run (issue 13). bench/h200_peer.py measures the peer in phases that each fit a device call,
+with this file's HTTP client, and through llama-server too.
 
-  python3 bench/h200_served.py --work /tmp/kb --tokenizer DIR --out bench/results/<date>-h200-served.json
+  python3 bench/h200_served.py --work /tmp/kb --tokenizer DIR --llama DIR --out bench/results/<date>-h200-served.json
 
 1. Lanes of this machine (HBM, pinned PCIe, O_DIRECT disk, DRAM): bench/h200_moe.py's measure_lanes, plus
    a 16-thread DRAM read (the CPU lane llama.cpp's --n-cpu-moe uses).
@@ -16,7 +17,11 @@ The peer, llama.cpp on the same weights and budget, is bench/h200_peer.py's (it 
    showing the provider and the decode-graph replays.
    Decoding: greedy for resident (routing does not change its cost), sampled at temperature 1 (seeded) for
    tiered, so that the routing follows the tokens instead of a greedy loop's repeats (a cache's best case).
-4. Each figure beside its lane bound (ANCHORS.md): t >= max(t_non_expert + B_gpu/BW_hbm, B_pcie/BW_pcie,
+4. llama.cpp (prebuilt for sm_90, --llama DIR): the same weights converted to GGUF bf16 with llama.cpp's own
+   converter class (experts read from the store, the vocabulary from ggml-vocab-qwen2.gguf), llama-bench
+   `-p 512,8192 -n 128 -r 3` all on the GPU and with `--n-cpu-moe 7` (17 of 24 layers' experts on the GPU:
+   the 24 GB budget).
+5. Each figure beside its lane bound (ANCHORS.md): t >= max(t_non_expert + B_gpu/BW_hbm, B_pcie/BW_pcie,
    B_disk/BW_disk, B_cpu/BW_dram), bytes per token from this run's counters.
 Prints a table last; writes everything to --out after every part.
 """
@@ -227,8 +232,9 @@ def stop(proc: subprocess.Popen) -> None:
 
 def completions_client(base: str, model: str, usage: list[dict], timings: list[dict] | None = None):
     """measure()'s make_stream over HTTP: streamed /v1/completions with token-id prompts and usage included,
-    the same requests whichever server. Each stream's token count is the server's own (its streamed usage);
-    `timings` collects what a server reports about itself in its last chunk (llama-server does)."""
+    the same requests whichever server (bench/h200_peer.py sends llama-server these). Each stream's token count
+    is the server's own (its streamed usage); `timings` collects what a server reports about itself in its last
+    chunk (llama-server does)."""
     import requests
 
     def make(prompt, n, temp, seed):
@@ -323,6 +329,42 @@ def attach_bound(res: dict, tiered: bool, served_side: bool, tb: dict, lanes: di
     res["fraction_of_bound"] = round(res["decode_tps"] / res["bound_tps"], 3)
 
 
+# ------------------------------------------------------------------ llama.cpp
+
+def gguf_convert(model_dir: Path, store: Path, llama_src: Path, out: Path, timeout_s: float | None = None) -> dict:
+    """The checkpoint as GGUF bf16 through llama.cpp's own converter class (bench/gguf_from_store.py)."""
+    t0 = time.perf_counter()
+    r = subprocess.run([sys.executable, str(REPO / "bench" / "gguf_from_store.py"), "--model", str(model_dir),
+                        "--store", str(store), "--llama-src", str(llama_src), "--out", str(out)],
+                       capture_output=True, text=True, timeout=timeout_s)
+    if r.returncode != 0:
+        raise RuntimeError(f"GGUF conversion failed: {r.stderr[-3000:]}")
+    return {"seconds": round(time.perf_counter() - t0, 1), "gguf_bytes": out.stat().st_size,
+            "log_tail": r.stderr[-600:]}
+
+
+def llama_bench(llama: Path, gguf: Path, extra: list[str]) -> dict:
+    libs = [str(llama / "bin"), "/usr/local/cuda/lib64", "/usr/local/cuda-13.0/lib64", os.environ.get("LD_LIBRARY_PATH", "")]
+    env = dict(os.environ, LD_LIBRARY_PATH=":".join(filter(None, libs)))
+    cmd = [str(llama / "bin" / "llama-bench"), "-m", str(gguf), "-ngl", "99", "-p", "512,8192", "-n", "128", "-r", "3",
+           "-o", "json", *extra]
+    t0 = time.perf_counter()
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=400)
+    if r.returncode != 0:
+        raise RuntimeError(f"llama-bench failed ({r.returncode}): {r.stderr[-2000:]}")
+    rows = json.loads(r.stdout)
+    out = {"command": " ".join(["llama-bench", *cmd[1:]]), "seconds": round(time.perf_counter() - t0, 1)}
+    for row in rows:
+        if row.get("n_gen"):
+            out["decode_tps"] = round(row["avg_ts"], 1)
+            out["decode_tps_stdev"] = round(row.get("stddev_ts", 0), 1)
+        else:
+            out[f"prefill_tps_{row['n_prompt']}"] = round(row["avg_ts"], 1)
+    out["backends"] = sorted({row.get("backends", "") for row in rows})
+    out["stderr_tail"] = r.stderr[-400:]
+    return out
+
+
 # ------------------------------------------------------------------ main
 
 def main():
@@ -330,10 +372,11 @@ def main():
     ap.add_argument("--work", default="/tmp/kiln-bench")
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / f"{date.today()}-h200-served.json"))
     ap.add_argument("--tokenizer", required=True, help="a Qwen2 tokenizer directory (tokenizer.json + config)")
+    ap.add_argument("--llama", default=None, help="llama.cpp: DIR/bin (llama-bench + libs), DIR/src (converter)")
     ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--steps", type=int, default=128)
     ap.add_argument("--prefill", type=int, default=8192)
-    ap.add_argument("--skip", default="", help="comma list: resident,tiered,served,inprocess")
+    ap.add_argument("--skip", default="", help="comma list: resident,tiered,served,inprocess,llama")
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     work = Path(args.work)
@@ -420,10 +463,34 @@ def main():
     gc.collect()
     torch.cuda.empty_cache()
 
+    if args.llama and "llama" not in skip:
+        llama = Path(args.llama)
+        gguf = work / "synth-bf16.gguf"
+        try:
+            result["gguf"] = gguf_convert(model_dir, store, llama / "src", gguf)
+            save()
+            peer = {"all_gpu_bf16": llama_bench(llama, gguf, [])}
+            peer["all_gpu_bf16"].update(resident_bound(tb, lanes))
+            save()
+            cpu = llama_bench(llama, gguf, ["--n-cpu-moe", "7"])
+            cpu_bytes = 7 * cfg["num_experts_per_tok"] * m.record_bytes
+            t = {"gpu_hbm": (tb["non_expert_bytes_per_token"] + 17 * cfg["num_experts_per_tok"] * m.record_bytes) / (lanes["hbm_gbps"] * 1e9),
+                 "cpu": cpu_bytes / (lanes["dram_read_16t_gbps"] * 1e9)}
+            cpu.update({"lane_seconds_per_token": {k: round(v, 6) for k, v in t.items()},
+                        "bound_tps": round(1 / max(t.values()), 1), "layers_experts_on_cpu": 7})
+            peer["n_cpu_moe_7_bf16"] = cpu
+            for p in peer.values():
+                p["fraction_of_bound"] = round(p["decode_tps"] / p["bound_tps"], 3)
+            result["runs"]["llama_cpp"] = peer
+        except Exception as e:            # the peer failing must not lose Kiln's figures
+            result["runs"]["llama_cpp"] = {"error": str(e)[-3000:]}
+        save()
+        log("llama.cpp:", result["runs"]["llama_cpp"])
+
     # --- targets (issue 13)
     runs = result["runs"]
     t: dict = {}
-    res_, tie = runs.get("resident", {}), runs.get("tiered_24gb", {})
+    res_, tie, peer = runs.get("resident", {}), runs.get("tiered_24gb", {}), runs.get("llama_cpp", {})
     for name, r in (("resident", res_), ("tiered_24gb", tie)):
         if "served" in r and "inprocess" in r:
             t[f"{name}_served_over_inprocess_decode"] = r["served"]["served_over_inprocess"].get("decode_tps")
@@ -431,8 +498,15 @@ def main():
         t["tiered_inprocess_fraction_of_bound_gpu_lane_measured"] = round(
             tie["inprocess"]["decode_tps"] / tie["inprocess"].get("bound_tps_gpu_lane_measured", tie["inprocess"]["bound_tps"]), 3)
         t["tiered_inprocess_fraction_of_bound_hbm"] = tie["inprocess"]["fraction_of_bound"]
+    if "all_gpu_bf16" in peer and "inprocess" in res_:
+        t["resident_over_llama_cpp_all_gpu_decode"] = round(res_["inprocess"]["decode_tps"] / peer["all_gpu_bf16"]["decode_tps"], 3)
+        if "served" in res_:
+            t["resident_served_over_llama_cpp_all_gpu_decode"] = round(res_["served"]["decode_tps"] / peer["all_gpu_bf16"]["decode_tps"], 3)
+    if "n_cpu_moe_7_bf16" in peer and "inprocess" in tie:
+        t["tiered_over_llama_cpp_n_cpu_moe_7_decode"] = round(tie["inprocess"]["decode_tps"] / peer["n_cpu_moe_7_bf16"]["decode_tps"], 3)
     result["targets"] = {**t, "required": {"served_over_inprocess_decode": ">= 0.9",
-                                          "tiered_fraction_of_bound": ">= 0.6"}}
+                                          "tiered_fraction_of_bound": ">= 0.6",
+                                          "resident_over_llama_cpp_all_gpu_decode": ">= 1.0"}}
     save()
 
     log("\n| run | side | decode tok/s | 4 streams agg | TTFT 128 (s) | 8k prefill tok/s | bound tok/s | of bound |")
@@ -441,6 +515,9 @@ def main():
         for side, r in runs.get(name, {}).items():
             log(f"| {name} | {side} | {r['decode_tps']} | {r['decode_tps_4_streams_aggregate']} | {r['ttft_s_128_prompt']} | "
                 f"{r['prefill_tps']} | {r['bound_tps']} | {r['fraction_of_bound']} |")
+    for name, r in peer.items() if isinstance(peer, dict) and "error" not in peer else []:
+        log(f"| llama.cpp {name} | llama-bench | {r.get('decode_tps')} | | | {r.get('prefill_tps_8192')} | "
+            f"{r.get('bound_tps')} | {r.get('fraction_of_bound')} |")
     log("targets:", json.dumps(result["targets"]))
     log("wrote", out)
 
