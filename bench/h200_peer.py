@@ -48,8 +48,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from bench.h200_moe import CARD_BYTES, WORKSPACE  # noqa: E402
-from bench.h200_served import (STREAMS, completions_client, free_port, gguf_convert, measure, stop,  # noqa: E402
-                               wait_ready)
+from bench.h200_served import (STREAMS, completions_client, free_port, gguf_convert, llama_bench_figures,  # noqa: E402
+                               measure, stop, wait_ready)
 
 GIB = 1 << 30
 PHASES = ("convert", "quantize", "bench-bf16", "bench-q4", "serve-bf16", "serve-q4", "report")
@@ -247,39 +247,39 @@ def measure_lanes_here(w: Work, sample_file: Path) -> dict | None:
     return lanes
 
 
+def cached(path: Path, res: dict, key: str, make) -> Path:
+    """`path` as it is in --work, else made by make(partial) -> its record under res[key], then renamed into place
+    (a call killed half-way leaves only the .partial)."""
+    if path.exists():
+        res.setdefault(key, {"reused": True, "bytes": path.stat().st_size})
+        return path
+    partial = path.with_suffix(".gguf.partial")
+    res[key] = make(partial)
+    os.replace(partial, path)
+    log(f"{key}: {res[key]['seconds']} s, {path.stat().st_size / 1e9:.2f} GB")
+    return path
+
+
 def ensure_bf16(w: Work, clock: Clock, res: dict) -> Path:
-    gguf = w.gguf("bf16")
-    if gguf.exists():
-        res.setdefault("gguf_bf16", {"reused": True, "bytes": gguf.stat().st_size})
-        return gguf
-    res["synth"] = synth(w, clock)
-    need(clock, 40 if w.tiny else 240, "GGUF bf16 conversion (182 s on the H200 last time)")
-    partial = gguf.with_suffix(".gguf.partial")
-    conv = gguf_convert(w.model, w.store, w.src, partial, timeout_s=max(1, clock.left()))
-    os.replace(partial, gguf)
-    res["gguf_bf16"] = conv
-    log(f"convert: {conv['seconds']} s, {conv['gguf_bytes'] / 1e9:.2f} GB")
-    return gguf
+    def make(partial: Path) -> dict:
+        res["synth"] = synth(w, clock)
+        need(clock, 40 if w.tiny else 240, "GGUF bf16 conversion (182 s on the H200 last time)")
+        return gguf_convert(w.model, w.store, w.src, partial, timeout_s=max(1, clock.left()))
+    return cached(w.gguf("bf16"), res, "gguf_bf16", make)
 
 
 def ensure_q4(w: Work, clock: Clock, res: dict) -> Path:
-    q4 = w.gguf("q4")
-    if q4.exists():
-        res.setdefault("gguf_q4", {"reused": True, "bytes": q4.stat().st_size})
-        return q4
-    bf16 = ensure_bf16(w, clock, res)
-    need(clock, 20 if w.tiny else 200, "llama-quantize Q4_K_M")
-    partial = q4.with_suffix(".gguf.partial")
-    cmd = [str(w.bin / "llama-quantize"), str(bf16), str(partial), "Q4_K_M"]
-    t0 = time.perf_counter()
-    r = subprocess.run(cmd, capture_output=True, text=True, env=llama_env(w.bin), timeout=max(1, clock.left()))
-    if r.returncode != 0:
-        raise RuntimeError(f"llama-quantize failed ({r.returncode}): {r.stderr[-2000:]}")
-    os.replace(partial, q4)
-    res["gguf_q4"] = {"command": " ".join(["llama-quantize", *cmd[1:]]), "seconds": round(time.perf_counter() - t0, 1),
-                      "gguf_bytes": q4.stat().st_size, "log_tail": (r.stdout + r.stderr)[-800:]}
-    log(f"quantize: {res['gguf_q4']['seconds']} s, {q4.stat().st_size / 1e9:.2f} GB")
-    return q4
+    def make(partial: Path) -> dict:
+        bf16 = ensure_bf16(w, clock, res)
+        need(clock, 20 if w.tiny else 200, "llama-quantize Q4_K_M")
+        cmd = [str(w.bin / "llama-quantize"), str(bf16), str(partial), "Q4_K_M"]
+        t0 = time.perf_counter()
+        r = subprocess.run(cmd, capture_output=True, text=True, env=llama_env(w.bin), timeout=max(1, clock.left()))
+        if r.returncode != 0:
+            raise RuntimeError(f"llama-quantize failed ({r.returncode}): {r.stderr[-2000:]}")
+        return {"command": " ".join(["llama-quantize", *cmd[1:]]), "seconds": round(time.perf_counter() - t0, 1),
+                "gguf_bytes": partial.stat().st_size, "log_tail": (r.stdout + r.stderr)[-800:]}
+    return cached(w.gguf("q4"), res, "gguf_q4", make)
 
 
 def ensure_lanes(w: Work, gguf: Path, res: dict) -> dict | None:
@@ -340,12 +340,7 @@ def llama_bench(w: Work, gguf: Path, n_cpu_moe: int, timeout_s: float, repack: b
     out["seconds"] = round(time.perf_counter() - t0, 1)
     out.update(mem.result())
     rows = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
-    for row in rows:
-        if row.get("n_gen"):
-            out["decode_tps"] = round(row["avg_ts"], 1)
-            out["decode_tps_stdev"] = round(row.get("stddev_ts", 0), 1)
-        else:
-            out[f"prefill_tps_{row['n_prompt']}"] = round(row["avg_ts"], 1)
+    out.update(llama_bench_figures(rows))
     if rows:
         out.update({k: rows[0].get(k) for k in ("backends", "n_threads", "n_batch", "n_ubatch", "flash_attn", "build_number")})
     out["stderr_tail"] = stderr[-400:]

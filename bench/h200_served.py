@@ -343,6 +343,18 @@ def gguf_convert(model_dir: Path, store: Path, llama_src: Path, out: Path, timeo
             "log_tail": r.stderr[-600:]}
 
 
+def llama_bench_figures(rows: list[dict]) -> dict:
+    """llama-bench's JSON rows -> decode tok/s (the -n test) and prefill tok/s per prompt length (the -p tests)."""
+    out = {}
+    for row in rows:
+        if row.get("n_gen"):
+            out["decode_tps"] = round(row["avg_ts"], 1)
+            out["decode_tps_stdev"] = round(row.get("stddev_ts", 0), 1)
+        else:
+            out[f"prefill_tps_{row['n_prompt']}"] = round(row["avg_ts"], 1)
+    return out
+
+
 def llama_bench(llama: Path, gguf: Path, extra: list[str]) -> dict:
     libs = [str(llama / "bin"), "/usr/local/cuda/lib64", "/usr/local/cuda-13.0/lib64", os.environ.get("LD_LIBRARY_PATH", "")]
     env = dict(os.environ, LD_LIBRARY_PATH=":".join(filter(None, libs)))
@@ -353,13 +365,8 @@ def llama_bench(llama: Path, gguf: Path, extra: list[str]) -> dict:
     if r.returncode != 0:
         raise RuntimeError(f"llama-bench failed ({r.returncode}): {r.stderr[-2000:]}")
     rows = json.loads(r.stdout)
-    out = {"command": " ".join(["llama-bench", *cmd[1:]]), "seconds": round(time.perf_counter() - t0, 1)}
-    for row in rows:
-        if row.get("n_gen"):
-            out["decode_tps"] = round(row["avg_ts"], 1)
-            out["decode_tps_stdev"] = round(row.get("stddev_ts", 0), 1)
-        else:
-            out[f"prefill_tps_{row['n_prompt']}"] = round(row["avg_ts"], 1)
+    out = {"command": " ".join(["llama-bench", *cmd[1:]]), "seconds": round(time.perf_counter() - t0, 1),
+           **llama_bench_figures(rows)}
     out["backends"] = sorted({row.get("backends", "") for row in rows})
     out["stderr_tail"] = r.stderr[-400:]
     return out
