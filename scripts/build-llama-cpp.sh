@@ -90,9 +90,10 @@ CMAKE_FLAGS=(
   -DLLAMA_BUILD_NUMBER="${VERSION%%.*}"                  # so `llama-server --version` names the build
 )
 cpu_flags=$(grep -m1 '^flags' /proc/cpuinfo 2>/dev/null || uname -m)
+peer_key=()                            # no line at all for the CPU mode: its key (and every cached tree) stays as it was
+[ "$MODE" = server-dl ] && peer_key=("$(sha256sum <"$PEER")")
 key=$(printf '%s\n' "$SHA256" "${CMAKE_FLAGS[*]}" "${TARGETS[*]}" "$(c++ --version | head -1)" \
-        "$( [ "$NATIVE" = ON ] && echo "$cpu_flags" )" "$( [ "$MODE" = server-dl ] && sha256sum <"$PEER" )" \
-      | sha256sum | cut -c1-16)
+        "$( [ "$NATIVE" = ON ] && echo "$cpu_flags" )" "${peer_key[@]}" | sha256sum | cut -c1-16)
 
 have_build() { [ "$(cat "$DEST/.kiln-stamp" 2>/dev/null)" = "$key" ] && [ -x "$DEST/bin/llama-server" ] \
                  && { [ "$MODE" = cpu ] || [ -s "$DEST/llama-server-dl.tar.xz" ]; }; }
