@@ -1,5 +1,6 @@
 """Kiln's served engine on one H200, through HTTP, beside the same engine in-process and llama.cpp on the
-same weights, in one run (issue 13).
+same weights, in one run (issue 13). bench/h200_peer.py measures the peer in phases that each fit a device call,
+with this file's HTTP client, and through llama-server too.
 
   python3 bench/h200_served.py --work /tmp/kb --tokenizer DIR --llama DIR --out bench/results/<date>-h200-served.json
 
@@ -203,50 +204,74 @@ def metrics(base: str) -> dict:
     return out
 
 
-def served(model_dir, store, args: list[str], vocab, steps, prefill, sampled, log_path: Path) -> dict:
+def wait_ready(proc: subprocess.Popen, base: str, log_path: Path, what: str, limit_s: float = 400) -> float:
+    """Poll GET /health until 200 (engine serve and llama-server both answer it once loaded); seconds taken."""
     import requests
+    t0 = time.perf_counter()
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited {proc.returncode}: {log_path.read_text()[-2000:]}")
+        try:
+            if requests.get(f"{base}/health", timeout=5).status_code == 200:
+                return time.perf_counter() - t0
+        except requests.RequestException:
+            pass
+        if time.perf_counter() - t0 > limit_s:
+            raise RuntimeError(f"{what} did not become ready in {limit_s:.0f} s")
+        time.sleep(0.5)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """SIGTERM the server's process group (started with start_new_session), SIGKILL after 30 s."""
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def completions_client(base: str, model: str, usage: list[dict], timings: list[dict] | None = None):
+    """measure()'s make_stream over HTTP: streamed /v1/completions with token-id prompts and usage included,
+    the same requests whichever server (bench/h200_peer.py sends llama-server these). Each stream's token count
+    is the server's own (its streamed usage); `timings` collects what a server reports about itself in its last
+    chunk (llama-server does)."""
+    import requests
+
+    def make(prompt, n, temp, seed):
+        body = {"model": model, "prompt": prompt, "max_tokens": n, "temperature": temp, "seed": seed,
+                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+
+        def gen(out):
+            with requests.post(f"{base}/v1/completions", json=body, stream=True, timeout=600) as r:
+                r.raise_for_status()
+                for line in r.iter_lines():
+                    if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                        continue
+                    ev = json.loads(line[6:])
+                    if ev.get("usage"):
+                        usage.append(ev["usage"])
+                        out["tokens"] = ev["usage"]["completion_tokens"]     # the server's own count
+                    if timings is not None and ev.get("timings"):
+                        timings.append(ev["timings"])
+                    if ev.get("choices") and ev["choices"][0].get("text"):
+                        yield ev
+        return gen
+    return make
+
+
+def served(model_dir, store, args: list[str], vocab, steps, prefill, sampled, log_path: Path) -> dict:
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "engine", "serve", "--model", str(model_dir), "--store", str(store), "--device", "cuda",
            "--port", str(port), "--ctx", str(prefill + 512), "--max-batch", str(STREAMS), "--served-name", "synth",
            "--log-level", "warning", *args]
-    t0 = time.perf_counter()
     logf = open(log_path, "w")
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"engine serve exited {proc.returncode}: {log_path.read_text()[-2000:]}")
-            try:
-                if requests.get(f"{base}/health", timeout=5).status_code == 200:
-                    break
-            except requests.RequestException:
-                pass
-            if time.perf_counter() - t0 > 400:
-                raise RuntimeError("engine serve did not become ready in 400 s")
-            time.sleep(0.5)
-        load_s = time.perf_counter() - t0
+        load_s = wait_ready(proc, base, log_path, "engine serve")
         usage: list[dict] = []
-
-        def make(prompt, n, temp, seed):
-            body = {"model": "synth", "prompt": prompt, "max_tokens": n, "temperature": temp, "seed": seed,
-                    "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-
-            def gen(out):
-                with requests.post(f"{base}/v1/completions", json=body, stream=True, timeout=600) as r:
-                    r.raise_for_status()
-                    for line in r.iter_lines():
-                        if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                            continue
-                        ev = json.loads(line[6:])
-                        if ev.get("usage"):
-                            usage.append(ev["usage"])
-                            out["tokens"] = ev["usage"]["completion_tokens"]     # the server's own count
-                        if ev.get("choices") and ev["choices"][0].get("text"):
-                            yield ev
-            return gen
-
-        res = measure(make, vocab, steps, prefill, sampled, lambda: metrics(base))
+        res = measure(completions_client(base, "synth", usage), vocab, steps, prefill, sampled, lambda: metrics(base))
         res["load_s"] = round(load_s, 1)
         res["streamed_usage_last"] = usage[-1] if usage else None
         res["streamed_usage_seen"] = len(usage)
@@ -254,12 +279,7 @@ def served(model_dir, store, args: list[str], vocab, steps, prefill, sampled, lo
         res["command"] = " ".join(["python3", "-m", "engine", "serve", *cmd[4:]])
         return res
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop(proc)
         logf.close()
 
 
@@ -312,15 +332,28 @@ def attach_bound(res: dict, tiered: bool, served_side: bool, tb: dict, lanes: di
 
 # ------------------------------------------------------------------ llama.cpp
 
-def gguf_convert(model_dir: Path, store: Path, llama: Path, out: Path) -> dict:
+def gguf_convert(model_dir: Path, store: Path, llama_src: Path, out: Path, timeout_s: float | None = None) -> dict:
+    """The checkpoint as GGUF bf16 through llama.cpp's own converter class (bench/gguf_from_store.py)."""
     t0 = time.perf_counter()
     r = subprocess.run([sys.executable, str(REPO / "bench" / "gguf_from_store.py"), "--model", str(model_dir),
-                        "--store", str(store), "--llama-src", str(llama / "src"), "--out", str(out)],
-                       capture_output=True, text=True)
+                        "--store", str(store), "--llama-src", str(llama_src), "--out", str(out)],
+                       capture_output=True, text=True, timeout=timeout_s)
     if r.returncode != 0:
         raise RuntimeError(f"GGUF conversion failed: {r.stderr[-3000:]}")
     return {"seconds": round(time.perf_counter() - t0, 1), "gguf_bytes": out.stat().st_size,
             "log_tail": r.stderr[-600:]}
+
+
+def llama_bench_figures(rows: list[dict]) -> dict:
+    """llama-bench's JSON rows -> decode tok/s (the -n test) and prefill tok/s per prompt length (the -p tests)."""
+    out = {}
+    for row in rows:
+        if row.get("n_gen"):
+            out["decode_tps"] = round(row["avg_ts"], 1)
+            out["decode_tps_stdev"] = round(row.get("stddev_ts", 0), 1)
+        else:
+            out[f"prefill_tps_{row['n_prompt']}"] = round(row["avg_ts"], 1)
+    return out
 
 
 def llama_bench(llama: Path, gguf: Path, extra: list[str]) -> dict:
@@ -335,13 +368,8 @@ def llama_bench(llama: Path, gguf: Path, extra: list[str]) -> dict:
     if r.returncode != 0:
         raise RuntimeError(f"llama-bench failed ({r.returncode}): {r.stderr[-2000:]}")
     rows = json.loads(r.stdout)
-    out = {"command": " ".join(["llama-bench", *cmd[1:]]), "seconds": round(time.perf_counter() - t0, 1)}
-    for row in rows:
-        if row.get("n_gen"):
-            out["decode_tps"] = round(row["avg_ts"], 1)
-            out["decode_tps_stdev"] = round(row.get("stddev_ts", 0), 1)
-        else:
-            out[f"prefill_tps_{row['n_prompt']}"] = round(row["avg_ts"], 1)
+    out = {"command": " ".join(["llama-bench", *cmd[1:]]), "seconds": round(time.perf_counter() - t0, 1),
+           **llama_bench_figures(rows)}
     out["backends"] = sorted({row.get("backends", "") for row in rows})
     out["stderr_tail"] = r.stderr[-400:]
     return out
@@ -477,7 +505,7 @@ def main():
         llama = Path(args.llama)
         gguf = work / "synth-bf16.gguf"
         try:
-            result["gguf"] = gguf_convert(model_dir, store, llama, gguf)
+            result["gguf"] = gguf_convert(model_dir, store, llama / "src", gguf)
             save()
             peer = {"all_gpu_bf16": llama_bench(llama, gguf, [])}
             peer["all_gpu_bf16"].update(resident_bound(tb, lanes))

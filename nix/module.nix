@@ -283,8 +283,8 @@ let
     };
   };
 
-  defaultUser = cfg.user == "kiln";
-  defaultGroup = cfg.group == "kiln";
+  defaultUser = cfg.user == kiln.defaultOptions.user;
+  defaultGroup = cfg.group == kiln.defaultOptions.group;
 
   # --- assertions: each names the recipe, the option and the limit ---------------------------
   recipeAssertions = name: r:
@@ -353,17 +353,17 @@ in
     };
     stateDir = mkOption {
       type = types.str;
-      default = "/var/lib/kiln";
+      default = kiln.defaultOptions.stateDir;
       description = "Kiln's state: models, stores, mounted files, evidence.";
     };
     user = mkOption {
       type = types.str;
-      default = "kiln";
+      default = kiln.defaultOptions.user;
       description = "User the units (and containers' --user steps) run as. Only the default `kiln` is created by this module; another name must be an existing user, left as it is.";
     };
     group = mkOption {
       type = types.str;
-      default = "kiln";
+      default = kiln.defaultOptions.group;
       description = "Group of `user` (only the default `kiln` is created).";
     };
     uid = mkOption {

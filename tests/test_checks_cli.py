@@ -14,7 +14,7 @@ import tool.checks.load as load_mod
 from tests.fixtures.openai_server import OpenAIServer
 from tool.checks.runner import run_checks
 from tool.cli import cli, main
-from tool.recipes import parse
+from tool.recipe_file import parse
 
 
 @pytest.fixture(autouse=True)

@@ -12,7 +12,7 @@ uvicorn = pytest.importorskip("uvicorn")
 from engine.llm import LLM  # noqa: E402
 from engine.server.app import create_app  # noqa: E402
 from tool.checks.runner import run_gates  # noqa: E402
-from tool.recipes import parse  # noqa: E402
+from tool.recipe_file import parse  # noqa: E402
 
 from tests.fixtures.served import Served  # noqa: E402
 from tests.test_checks import IGNORE_HOST  # noqa: E402

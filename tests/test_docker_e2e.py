@@ -99,7 +99,7 @@ def write_recipe(recipes: Path, image: str, wheel_sha256: str) -> Path:
     p = recipes / "cpu" / "any" / "kiln-test.container.1k.json"
     p.parent.mkdir(parents=True, exist_ok=True)
     p.write_text(json.dumps(data, indent=1))
-    from tool.recipes import parse
+    from tool.recipe_file import parse
     from tool.validate import validate_recipe
     assert validate_recipe(parse(p)) == []
     return p

@@ -25,7 +25,7 @@ from click.testing import CliRunner
 
 from tool.cli import main
 from tool.errors import Exit
-from tool.recipes import MAX_RECIPE_BYTES
+from tool.recipe_file import MAX_RECIPE_BYTES
 
 REPO = Path(__file__).resolve().parent.parent
 TOOL = str(Path(sys.executable).parent / "tool")

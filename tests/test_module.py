@@ -284,6 +284,19 @@ def test_the_kiln_user_has_static_ids_outside_the_dynamic_range():
     assert failed(mods) == []
 
 
+def test_the_module_defaults_are_the_compilers():
+    """stateDir, user, group, uid and gid default to nix/lib's defaultOptions, the one place each is written in
+    Nix (the module used to spell "/var/lib/kiln" and "kiln" again)."""
+    cfg = evaluate([enable("smollm2-135m")], "config.services.kiln")
+    lib = json.loads(subprocess.run(
+        ["nix-instantiate", "--eval", "--strict", "--json", "-E", f"(import {REPO / 'nix' / 'lib'}).defaultOptions"],
+        capture_output=True, text=True, check=True).stdout)
+    assert {k: cfg[k] for k in ("stateDir", "user", "group", "uid", "gid")} == \
+        {k: lib[k] for k in ("stateDir", "user", "group", "uid", "gid")}
+    spelled = [f.name for f in (REPO / "nix").rglob("*.nix") if f.name != "tests.nix" and '"/var/lib/kiln"' in f.read_text()]
+    assert spelled == ["options.nix"]
+
+
 def test_an_existing_user_is_honoured():
     existing = ('{ users.users.alice = { isNormalUser = true; uid = 1000; group = "users"; home = "/home/alice"; };'
                 '  users.groups.users.gid = 100;'

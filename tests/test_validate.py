@@ -18,7 +18,7 @@ import pytest
 from click.testing import CliRunner
 from jsonschema import Draft202012Validator
 
-from tool import recipes, validate
+from tool import recipe_file, recipes, validate
 from tool.cli import cli
 from tool.errors import Exit, RecipeError
 
@@ -365,7 +365,7 @@ def test_rules_never_crash_on_malformed_parts(at_repo, tmp_path):
                 if node[where[-1]] == wrong:
                     continue
                 node[where[-1]] = wrong
-                problems = validate.check_recipe(recipes.Recipe(tmp_path / "r.json", d, b""))
+                problems = validate.check_recipe(recipe_file.Recipe(tmp_path / "r.json", d, b""))
                 assert all(p.message for p in problems)
                 checked += 1
     assert checked > 500
@@ -484,3 +484,17 @@ def test_the_installed_console_script(at_repo):
         "2 recipes, 2 errors\n")
     good = subprocess.run([str(tool), "validate"], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
     assert (good.returncode, good.stdout, good.stderr) == (0, "", "3 recipes, 0 errors\n")
+
+
+def test_recipe_modules_import_one_way():
+    """recipes → validate → recipe_file, no circle: the validator and the file reader load without the loader
+    (before, tool.validate imported tool.recipes, which imported tool.validate back inside load())."""
+    for code in ("import sys, tool.validate; assert 'tool.recipes' not in sys.modules; print('ok')",
+                 "import sys, tool.recipe_file; "
+                 "assert not {'tool.recipes', 'tool.validate'} & set(sys.modules); print('ok')"):
+        r = subprocess.run([sys.executable, "-c", code], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+                           capture_output=True, text=True, timeout=60)
+        assert (r.returncode, r.stdout) == (0, "ok\n"), r.stderr
+    source = (REPO / "tool" / "recipes.py").read_text()
+    assert "import validate_recipe" in source.split('"""', 2)[2].split("\ndef ", 1)[0], \
+        "tool.recipes imports the validator at the top, not lazily inside load()"

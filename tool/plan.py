@@ -10,7 +10,7 @@ import pwd
 import shlex
 
 from tool import nixeval
-from tool.recipes import Recipe
+from tool.recipe_file import Recipe
 
 STEP_ORDER = ("fetch", "prepare", "verify", "serve", "check")
 SERVICE_USER = "kiln"

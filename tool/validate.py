@@ -30,7 +30,7 @@ from jsonschema.exceptions import ValidationError, best_match
 
 from tool import REPO_ROOT
 from tool.errors import RecipeError, printable
-from tool.recipes import Recipe, parse, real_path, recipe_files, recipes_dirs
+from tool.recipe_file import Recipe, parse, real_path, recipe_files, recipes_dirs
 
 SCHEMA_PATH = REPO_ROOT / "recipes" / "schema.json"
 
@@ -574,7 +574,7 @@ def expand(paths: Iterable[str | os.PathLike]) -> list[Path]:
 
 
 def check_paths(paths: Iterable[str | os.PathLike] | None = None) -> tuple[list[Path], list[Problem]]:
-    """Validate files together (None: every recipe under tool.recipes.recipes_dirs())."""
+    """Validate files together (None: every recipe under tool.recipe_file.recipes_dirs())."""
     files = expand(paths) if paths else recipe_files()
     problems: list[Problem] = []
     parsed: list[Recipe] = []

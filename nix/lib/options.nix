@@ -18,7 +18,7 @@ let
     else rt.native.memory_swap_bytes or memory;
 in
 rec {
-  # The defaults, documented in one place (the module's option defaults mirror these).
+  # The defaults, in one place: the NixOS module's option defaults are these (kiln.defaultOptions).
   defaults = {
     stateDir = "/var/lib/kiln";
     user = "kiln";
