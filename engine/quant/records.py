@@ -86,7 +86,7 @@ _SEARCH_ROWS = 64           # rows searched at once: candidates x rows x in floa
 
 def _int8_scales(wg: torch.Tensor, divisors: tuple[int, ...]) -> torch.Tensor:
     """[rows, groups, g] float32 → the fp16 scale of each group [rows, groups], the best of absmax/n."""
-    n = torch.tensor(divisors, dtype=torch.float32)
+    n = torch.tensor(divisors, dtype=torch.float32, device=wg.device)
     out = []
     for part in wg.split(_SEARCH_ROWS):
         amax = part.abs().amax(-1, keepdim=True)                         # [r, ng, 1]
