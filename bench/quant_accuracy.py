@@ -16,6 +16,7 @@ with their dequantized values (what their dequantize-per-call CPU path computes)
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import sys
@@ -34,6 +35,36 @@ PROMPTS = ["Name three primary colors, comma separated.", "What is 17 * 23? Repl
            "What's the weather in Paris right now?"]
 
 
+# Records measured. Served: the records as pack-store makes them and the CPU computes them (int8 dequantized
+# per call, 4-bit through torch's int4 kernel with bf16 activations). Sweep ("scheme gN ..."): a group size
+# or scale rule, its weights dequantized into fp32 records, so the grid alone is measured; "former" is the
+# default before this measurement: 128 where it divides the input dimension, else 64, int8 scaled absmax/127.
+SERVED = ("bf16", "int8", "int4", "q4_1")
+SWEEP = {"int8 former": ("int8", "former", (127,)), "int4 former": ("int4", "former", None),
+         "int4 g64": ("int4", 64, None), "int8 g32 absmax": ("int8", 32, (127,)),
+         "int4 g128": ("int4", 128, None), "int4 g32 fp32": ("int4", 32, None)}
+
+
+def _former_group(inp: int) -> int:
+    return next(g for g in (128, 64, 32) if inp % g == 0)
+
+
+def sweep_matrix(spec, w: torch.Tensor) -> torch.Tensor:
+    """One matrix quantized by a SWEEP spec and dequantized (float32)."""
+    from engine.quant.records import dequantize_matrix, quantize_int4, quantize_int8
+    scheme, group, divisors = spec
+    g = _former_group(w.shape[1]) if group == "former" else group
+    buf = quantize_int8(w, g, divisors) if scheme == "int8" else quantize_int4(w, g)
+    return dequantize_matrix(scheme, buf, *w.shape, group=g)
+
+
+def applies(ck, variant: str) -> bool:
+    """A sweep group that does not divide both input dimensions (SmolLM2's 576 and 128) is left out."""
+    if variant not in SWEEP or SWEEP[variant][1] == "former":
+        return True
+    return all(n % SWEEP[variant][1] == 0 for n in (ck.hidden, ck.moe_intermediate))
+
+
 def provider(ck, variant: str, gguf: str | None):
     """An all-in-memory provider of `variant` records. An upcycled checkpoint's identical experts share one
     record (made once per layer). 8-bit records, which the CPU serves by dequantizing per call, are held here
@@ -45,6 +76,9 @@ def provider(ck, variant: str, gguf: str | None):
         layout, make = record_source(ck, dtype=torch.float32 if variant == "fp32" else torch.bfloat16, order="cols")
     elif variant == "q4_1":
         layout, make = record_source(ck, order="cols", quant="gguf", gguf=gguf)
+    elif variant in SWEEP:
+        layout = ExpertLayout(ck.hidden, ck.moe_intermediate, torch.float32, "cols")
+        make = lambda l, e: layout.pack(*(sweep_matrix(SWEEP[variant], m.float()) for m in ck.expert(l, e)))  # noqa: E731
     else:
         layout, make = record_source(ck, order="cols", quant=variant)
     if layout.quantized and not layout.quantized.cpu_int4:
@@ -88,15 +122,18 @@ def run_model(model_dir, ck, variant, gguf, chunks, prompts, dtype="float32") ->
     return out, greedy
 
 
-def measure(name, model_dir, variants, chunks, prompts, gguf=None, tokenizer=None) -> dict:
+def measure(name, model_dir, variants, chunks, prompts, gguf=None, tokenizer=None, res=None, saved=lambda: None) -> dict:
+    """Every variant against the fp32 reference, into `res` (a dict), calling saved() after each one so a
+    long run that is stopped keeps what it measured."""
     from engine.checkpoint import Checkpoint
     ck = Checkpoint(model_dir)
     t0 = time.time()
     ref, ref_greedy = run_model(model_dir, ck, "fp32", gguf, chunks, prompts)
-    res = {"reference": "fp32", "load_avg": [round(os.getloadavg()[0], 2)], "variants": {}}
+    res = {} if res is None else res
+    res.update({"reference": "fp32", "load_avg": [round(os.getloadavg()[0], 2)], "variants": {}})
     if tokenizer:
         res["reference_greedy"] = [tokenizer.decode(t) for t in ref_greedy]
-    for v in variants:
+    for v in (v for v in variants if applies(ck, v)):
         logits, greedy = run_model(model_dir, ck, v, gguf, chunks, prompts)
         r = compare(ref, logits)
         same = [next((i for i, (a, b) in enumerate(zip(g, rg)) if a != b), None) for g, rg in zip(greedy, ref_greedy)]
@@ -106,9 +143,10 @@ def measure(name, model_dir, variants, chunks, prompts, gguf=None, tokenizer=Non
             r["greedy"] = [tokenizer.decode(t) for t in greedy]
         res["variants"][v] = r
         res["load_avg"].append(round(os.getloadavg()[0], 2))
-        print(f"{name:8} {v:5} top-1 {r['top1_agreement']:.4f}  KL {r['kl_mean_nats']:.5f}  "
+        res["seconds"] = round(time.time() - t0, 1)
+        saved()
+        print(f"{name:8} {v:16} top-1 {r['top1_agreement']:.4f}  KL {r['kl_mean_nats']:.5f}  "
               f"greedy identical {r['greedy_prompts_identical']}/{len(prompts)} {same}", flush=True)
-    res["seconds"] = round(time.time() - t0, 1)
     return res
 
 
@@ -134,21 +172,35 @@ def main():
     prompts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True) for p in PROMPTS]
     prompts = [p if isinstance(p, list) else p["input_ids"] for p in prompts]
     out = {"what": __doc__.strip().splitlines()[0], "date": time.strftime("%Y-%m-%d %H:%M"),
-           "positions_per_model": need, "prompts": PROMPTS, "greedy_tokens": GREEDY, "models": {}}
-    out["models"]["smollm2-135m"] = measure("smollm2", args.smollm2, ["bf16", "int8", "int4", "q4_1"], chunks,
-                                            prompts, gguf=args.gguf, tokenizer=tok)
+           "command": "python3 bench/quant_accuracy.py " + " ".join(sys.argv[1:]),
+           "text_tokens_sha256": hashlib.sha256(json.dumps(ids[:need]).encode()).hexdigest()[:16],
+           "positions_per_model": need, "served": list(SERVED), "sweep": {k: list(map(str, v[:2])) for k, v in SWEEP.items()}, "prompts": PROMPTS, "greedy_tokens": GREEDY, "models": {}}
+    out["complete"] = False
+
+    def saved():
+        tmp = Path(args.out + ".tmp")
+        tmp.write_text(json.dumps(out, indent=2) + "\n")
+        tmp.replace(args.out)
+    # The synthetic checkpoint first (seconds), then SmolLM2's served records, then its sweep (an hour on a
+    # busy 2-core host): the JSON is rewritten after every variant.
     from tests.fixtures.tiny_models import make_tiny_checkpoint
     with tempfile.TemporaryDirectory() as d:
-        synth = make_tiny_checkpoint("qwen3_moe", d, hidden=256, experts=16, layers=4, top_k=4)
+        synth = make_tiny_checkpoint("qwen3_moe", d, hidden=256, experts=16, layers=4, top_k=4, dtype="bfloat16")
         g = torch.Generator().manual_seed(0)
         rchunks = [torch.randint(0, 384, (args.chunk,), generator=g).tolist() for _ in range(args.chunks)]
         rprompts = [torch.randint(0, 384, (12,), generator=g).tolist() for _ in range(len(PROMPTS))]
-        out["models"]["synthetic-qwen3-moe"] = measure("synth", synth, ["bf16", "int8", "int4"], rchunks, rprompts)
-    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
-    print(f"\n{'model':20} {'records':7} {'top-1':>7} {'KL nats':>9} {'greedy =':>8}")
+        out["models"]["synthetic-qwen3-moe-bf16"] = {}
+        measure("synth", synth, ["int8", "int4", *SWEEP], rchunks, rprompts,
+                res=out["models"]["synthetic-qwen3-moe-bf16"], saved=saved)
+    out["models"]["smollm2-135m"] = {}
+    measure("smollm2", args.smollm2, [*SERVED, *SWEEP], chunks, prompts, gguf=args.gguf, tokenizer=tok,
+            res=out["models"]["smollm2-135m"], saved=saved)
+    out["complete"] = True
+    saved()
+    print(f"\n{'model':20} {'records':16} {'top-1':>7} {'KL nats':>9} {'greedy =':>8}")
     for mname, m in out["models"].items():
         for v, r in m["variants"].items():
-            print(f"{mname:20} {v:7} {r['top1_agreement']:7.4f} {r['kl_mean_nats']:9.5f} "
+            print(f"{mname:20} {v:16} {r['top1_agreement']:7.4f} {r['kl_mean_nats']:9.5f} "
                   f"{r['greedy_prompts_identical']:>4}/{len(PROMPTS)}")
 
 

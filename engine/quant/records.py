@@ -5,8 +5,8 @@ each matrix's bytes starting 64-byte aligned, the whole padded to 4 KiB. Quantiz
 group-wise along the input dimension (each output row's `in` weights in groups of `group_size(in)`).
 
 Schemes (the manifest's `quant`):
-  int8  from a float checkpoint: symmetric, w = q·s, q ∈ [-127, 127], s fp16 per group. At 8 bits the
-        asymmetric zero point buys nothing measurable, and symmetric keeps the kernel a plain scale.
+  int8  from a float checkpoint: symmetric, w = q·s, q ∈ [-127, 127], s fp16 per group, the best of a few
+        candidates (quantize_int8). Symmetric keeps the kernels a plain scale.
   int4  from a float checkpoint: asymmetric, w = (q - 8)·s + z, q ∈ [0, 15], s and z bf16 per group.
         4 bits leave 16 levels: a zero point lets a skewed group use all of them (bench/quant_accuracy.py
         measures int4 vs its baseline); the (q - 8)·s + z form with bf16 s, z is exactly what torch's CPU
@@ -21,9 +21,9 @@ kernels read; for GGUF schemes the file's blocks unchanged). `cols` is the CPU k
 the operand torch.ops.aten._weight_int4pack_mm_for_cpu reads; the 4-bit codes are the same, q4_1's and
 q4_k's fp16-derived scales are rounded to bf16 (int4's already are). For the 8-bit schemes cols == rows.
 
-Group size: 128 where it divides the input dimension, else 64, else 32 (SmolLM2's hidden 576 = 4.5 x 128,
-so its gate/up use 64); a function of the shape, so the manifest needs no field for it. GGUF schemes keep
-their block sizes (32; q4_k 256 with 32-wide sub-blocks).
+Group size: 32 for int8 and int4 (GROUP, chosen by measurement: bench/quant_accuracy.py), so the manifest's
+scheme fixes it and needs no field for it. GGUF schemes keep their block sizes (32; q4_k 256 with
+32-wide sub-blocks).
 """
 from __future__ import annotations
 
@@ -38,6 +38,12 @@ SCHEMES = ("int8", "int4", "q8_0", "q4_1", "q4_k")
 FROM_FLOAT = ("int8", "int4")
 GGUF_BLOCK = {"q8_0": (32, 34), "q4_1": (32, 20), "q4_k": (256, 144)}   # scheme -> (weights, bytes) per block
 FOUR_BIT = ("int4", "q4_1", "q4_k")
+# Weights per scale of the schemes quantized here: 32 for both, chosen by bench/quant_accuracy.py
+# (bench/results/quant_accuracy.json: groups 32/64/128 on SmolLM2 and on a bf16 synthetic checkpoint).
+# int4: SmolLM2's weights come from a Q4_1 GGUF (groups of 32, min/max), so a 32-group min/max grid lands
+# on the file's own grid, while a 64- or 128-group one falls between it. The price is bytes: 5 bits a
+# weight (Q4_1's, Q8_0's 8.5 for int8) against 4.25 (8.125) at 128.
+GROUP = {"int8": 32, "int4": 32}
 INT4PACK_N = 64        # torch's CPU int4pack tiles 64 output rows together
 
 
@@ -49,43 +55,70 @@ def group_size(inp: int, scheme: str = "int4") -> int:
     """Weights per scale along the input dimension."""
     if scheme in GGUF_BLOCK:
         return 32 if scheme == "q4_k" else GGUF_BLOCK[scheme][0]    # q4_k: its sub-blocks carry the scales
-    for g in (128, 64, 32):
-        if inp % g == 0:
-            return g
-    raise ValueError(f"input dimension {inp} is not a multiple of 32, so it cannot be quantized group-wise")
+    g = GROUP[scheme]
+    if inp % g:
+        raise ValueError(f"input dimension {inp} is not a multiple of {scheme}'s group {g}, so it cannot be "
+                         f"quantized group-wise")
+    return g
 
 
 # ------------------------------------------------------------------ one matrix [out, in], rows form
 
-def matrix_bytes(scheme: str, out: int, inp: int) -> int:
-    """Bytes of one matrix in the rows form."""
+def matrix_bytes(scheme: str, out: int, inp: int, group: int | None = None) -> int:
+    """Bytes of one matrix in the rows form (int8/int4: `group` weights per scale, else group_size's)."""
     if scheme in GGUF_BLOCK:
         per, size = GGUF_BLOCK[scheme]
         return out * (inp // per) * size
-    ng = inp // group_size(inp, scheme)
+    ng = inp // (group or group_size(inp, scheme))
     if scheme == "int8":
         return out * inp + out * ng * 2
     return out * inp // 2 + out * ng * 4
 
 
-def quantize_int8(w: torch.Tensor) -> torch.Tensor:
-    """[out, in] float → rows-form bytes: q int8 [out, in] | s fp16 [out, in/g]."""
+# int8's scale candidates: s = absmax/n, n = 127, 126, ..., 96, each rounded to fp16 as stored; the one with
+# the least squared error over its group is kept (ties: the largest n). absmax/127 alone leaves SmolLM2's
+# weights 0.54 % off (relative), 4x bf16's rounding, and costs it 2 % of its top-1; the search halves
+# that error on a checkpoint converted from a 4-bit GGUF (a grid the int8 one can be laid on) and cuts
+# it by a tenth on bf16 weights (bench/quant_accuracy.py). A pack-time cost only: the format is unchanged.
+INT8_SCALE_DIVISORS = tuple(range(127, 95, -1))
+_SEARCH_ROWS = 64           # rows searched at once: candidates x rows x in floats stay a few MB
+
+
+def _int8_scales(wg: torch.Tensor, divisors: tuple[int, ...]) -> torch.Tensor:
+    """[rows, groups, g] float32 → the fp16 scale of each group [rows, groups], the best of absmax/n."""
+    n = torch.tensor(divisors, dtype=torch.float32, device=wg.device)
+    out = []
+    for part in wg.split(_SEARCH_ROWS):
+        amax = part.abs().amax(-1, keepdim=True)                         # [r, ng, 1]
+        cand = (amax / n).to(torch.float16).float()                      # [r, ng, C]
+        safe = torch.where(cand > 0, cand, 1)[..., None]
+        err = ((torch.round(part[..., None, :] / safe).clamp(-127, 127) * safe - part[..., None, :]) ** 2).sum(-1)
+        best = err.argmin(-1, keepdim=True)                              # first minimum: the largest n
+        out.append(cand.gather(-1, best)[..., 0].to(torch.float16))
+    return torch.cat(out)
+
+
+def quantize_int8(w: torch.Tensor, group: int | None = None,
+                  divisors: tuple[int, ...] = INT8_SCALE_DIVISORS) -> torch.Tensor:
+    """[out, in] float → rows-form bytes: q int8 [out, in] | s fp16 [out, in/g]; s the best of absmax/n for n
+    in `divisors` (see INT8_SCALE_DIVISORS; (127,) is plain absmax scaling), the codes rounded for that
+    fp16 value."""
     out, inp = w.shape
-    g = group_size(inp, "int8")
+    g = group or group_size(inp, "int8")
     wg = w.float().reshape(out, inp // g, g)
-    s = (wg.abs().amax(-1) / 127).to(torch.float16)
+    s = _int8_scales(wg, divisors)
     sf = s.float()
     q = torch.where(sf[..., None] > 0, torch.round(wg / torch.where(sf > 0, sf, 1)[..., None]), 0)
     q = q.clamp(-127, 127).to(torch.int8)
     return torch.cat([q.reshape(-1).view(torch.uint8), s.reshape(-1).view(torch.uint8)])
 
 
-def quantize_int4(w: torch.Tensor) -> torch.Tensor:
+def quantize_int4(w: torch.Tensor, group: int | None = None) -> torch.Tensor:
     """[out, in] float → rows-form bytes: codes [out, in/2] (byte j: q[2j] | q[2j+1] << 4) | (s, z) bf16
     [out, in/g, 2], w ≈ (q - 8)·s + z. s and z are rounded to bf16 first and the codes chosen for the
     rounded values, so dequantization reproduces exactly what the codes were fitted to."""
     out, inp = w.shape
-    g = group_size(inp, "int4")
+    g = group or group_size(inp, "int4")
     wg = w.float().reshape(out, inp // g, g)
     lo, hi = wg.amin(-1), wg.amax(-1)
     s = ((hi - lo) / 15).to(torch.bfloat16).float()
@@ -115,16 +148,17 @@ def _q4_k_scales(sc_bytes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return sc, mn
 
 
-def dequantize_matrix(scheme: str, buf: torch.Tensor, out: int, inp: int) -> torch.Tensor:
-    """Rows-form bytes → float32 [out, in]: the reference every kernel is tested against. The GGUF
-    schemes compute as gguf's own dequantize does, operation for operation (bitwise equal)."""
+def dequantize_matrix(scheme: str, buf: torch.Tensor, out: int, inp: int, group: int | None = None) -> torch.Tensor:
+    """Rows-form bytes → float32 [out, in]: the reference every kernel is tested against (int8/int4 made with
+    `group`, else group_size's). The GGUF schemes compute as gguf's own dequantize does, operation for
+    operation (bitwise equal)."""
     if scheme == "int8":
-        g = group_size(inp, scheme)
+        g = group or group_size(inp, scheme)
         q = buf[:out * inp].view(torch.int8).reshape(out, inp // g, g).float()
         s = buf[out * inp:].view(torch.float16).reshape(out, inp // g, 1).float()
         return (q * s).reshape(out, inp)
     if scheme == "int4":
-        g = group_size(inp, scheme)
+        g = group or group_size(inp, scheme)
         codes = buf[:out * inp // 2].reshape(out, inp // 2)
         q = torch.stack([codes & 15, codes >> 4], -1).reshape(out, inp // g, g).float()
         sz = buf[out * inp // 2:].view(torch.bfloat16).reshape(out, inp // g, 2).float()
