@@ -204,6 +204,53 @@ def engine_row(model: Path, store: str, tokens: int) -> float:
     return rate
 
 
+# torch.profiler op names → where a decode step's time goes
+GROUPS = {"aten::_weight_int4pack_mm_for_cpu": "int4 expert GEMV (Q4_1 records)",
+          "aten::mm": "fp32 dense GEMV (qkv, o, router, lm_head)", "aten::bmm": "fp32 dense GEMV (qkv, o, router, lm_head)",
+          "aten::addmm": "fp32 dense GEMV (qkv, o, router, lm_head)",
+          "aten::_scaled_dot_product_flash_attention_for_cpu": "attention (SDPA)"}
+
+
+def profile_decode(model: Path, store: Path, threads: int, steps: int) -> dict:
+    """One decode step's self CPU time by kind (torch.profiler), the recipe's RAM tier and KV cache, the
+    model's own steps after the demo prompt's prefill; 'other' is every remaining op (norms, rotary, KV
+    writes, routing, views, casts: per-op overhead) plus the Python between them (wall − profiled)."""
+    sys.path.insert(0, str(REPO / "bench"))
+    import torch
+    from smollm2_demo_speed import PROMPT
+    from torch.profiler import ProfilerActivity, profile
+    from engine.llm import LLM
+    from transformers import AutoTokenizer
+    recipe = json.loads(RECIPE.read_text())
+    args = recipe["steps"]["serve"]["args"]
+    tok = AutoTokenizer.from_pretrained(model)
+    prompt = tok.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True)
+    prompt = prompt if isinstance(prompt, list) else prompt["input_ids"]
+    with LLM.load(model, store, max_context=int(args[args.index("--ctx") + 1]),
+                  max_batch=recipe["serve"]["max_batch_size"], ram_slots=int(args[args.index("--ram-slots") + 1]),
+                  threads=threads) as llm, torch.inference_mode():
+        m, n = llm.model, len(prompt)
+        m.prefill(prompt, 0)
+        for i in range(5):
+            m.decode_step([5], [0], [n + i])
+        t0 = time.perf_counter()
+        for i in range(steps):
+            m.decode_step([5], [0], [n + 5 + i])
+        wall = (time.perf_counter() - t0) / steps
+        with profile(activities=[ProfilerActivity.CPU]) as p:
+            for i in range(steps):
+                m.decode_step([5], [0], [n + 5 + steps + i])
+    by: dict[str, float] = {}
+    calls: dict[str, int] = {}
+    for e in p.key_averages():
+        g = GROUPS.get(e.key, "other ops")
+        by[g] = by.get(g, 0.0) + e.self_cpu_time_total / 1e3 / steps
+        calls[g] = calls.get(g, 0) + e.count // steps
+    return {"threads": threads, "steps": steps, "step_ms_unprofiled": round(wall * 1e3, 2),
+            "ms_per_step": {k: round(v, 2) for k, v in sorted(by.items(), key=lambda kv: -kv[1])},
+            "op_calls_per_step": calls, "loadavg_1m": round(os.getloadavg()[0], 2)}
+
+
 def engine_only(paths: dict, rounds: int, tokens: int) -> dict:
     """llama.cpp unavailable: the engine's q4_1 against its own fp32 path, interleaved fresh processes."""
     import statistics
@@ -230,6 +277,10 @@ def engine_only(paths: dict, rounds: int, tokens: int) -> dict:
 
 
 def main():
+    if "--profile-row" in sys.argv:
+        i = sys.argv.index("--profile-row")
+        print(json.dumps(profile_decode(Path(sys.argv[i + 1]), Path(sys.argv[i + 2]), int(sys.argv[i + 3]), 20)))
+        return
     if "--row" in sys.argv:
         i = sys.argv.index("--row")
         engine_row(Path(sys.argv[i + 1]), sys.argv[i + 2], int(sys.argv[i + 3]))
@@ -246,6 +297,8 @@ def main():
     ap.add_argument("--direct", action="store_true",
                     help="Time engine and llama-server in alternating rounds without the gate's host-quiet rules "
                          "(a figure on a busy host; each round's load and CPU pressure recorded).")
+    ap.add_argument("--profile", action="store_true",
+                    help="Profile the q4_1 store's decode step in-process on 1 and 2 threads instead of timing servers.")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=48)
     args = ap.parse_args()
@@ -266,6 +319,18 @@ def main():
     evidence.mkdir(exist_ok=True)
     out = {"what": __doc__.strip().splitlines()[0], "date": time.strftime("%Y-%m-%d %H:%M"), "gguf": str(gguf),
            "llama_server": str(args.llama_server), "load_avg_start": os.getloadavg(), "variants": {}}
+    if args.profile:
+        out["what"] = "where the engine's quantized decode step spends its time (torch.profiler, self CPU time)"
+        out["profiles"] = []
+        for th in (1, 2):          # each in a fresh process, as a server is
+            r = sh([sys.executable, __file__, "--profile-row", str(paths["model"]), str(paths["q4_1"]), str(th),
+                    "--out", "-"], capture_output=True, text=True)
+            if r.returncode:
+                raise SystemExit(f"profile failed: {r.stderr[-1500:]}")
+            out["profiles"].append(json.loads(r.stdout.strip().splitlines()[-1]))
+        args.out.write_text(json.dumps(out, indent=2) + "\n")
+        print(json.dumps(out["profiles"], indent=2))
+        return
     if args.direct:
         out["what"] = ("engine serve vs llama-server on the same GGUF, alternating streamed rounds, medians "
                        "(--direct: no host-quiet rule; each round's load and CPU pressure beside it)")
