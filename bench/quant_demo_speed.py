@@ -9,7 +9,15 @@ kernel) and fp32 (the store before it) — `engine serve` runs as the recipe's s
 `--baseline llama.cpp`: llama-server on the same GGUF (its default threads: 2 on a 2-CPU host), the same chat
 prompt and token count, streamed over HTTP, rounds interleaved with the baseline's, medians, the host's load
 and CPU pressure recorded per round (the gate's own rules: tool/checks/speed.py). The engine's peak RSS
-(VmHWM) is printed beside its figures.
+(VmHWM) is printed beside its figures. The engine's argv gets --max-batch serve.max_batch_size, as
+nix/lib/native.nix appends it.
+
+--direct times the same two servers without the gate's host-quiet rules (which, on a shared box, refuse to
+judge a busy host and then run one round and no baseline): both up at once, rounds alternating engine,
+llama.cpp, engine, …, each streamed as the gate streams one (tool.checks.speed.time_stream), with the load
+average and CPU pressure of each round beside it; medians and their ratio.
+
+  python3 bench/quant_demo_speed.py --direct --variants q4_1 --rounds 5 --tokens 64 --out bench/results/quant_demo_speed.json
 """
 from __future__ import annotations
 
@@ -51,10 +59,12 @@ def prepare(gguf: Path, work: Path, variants: list[str]) -> dict[str, Path]:
 
 
 def serve_args(model: Path, store: Path, port: int) -> list[str]:
-    """The recipe's serve step, its placeholders filled."""
-    args = json.loads(RECIPE.read_text())["steps"]["serve"]["args"]
+    """The recipe's serve step, its placeholders filled, and --max-batch from serve.max_batch_size appended
+    last, as nix/lib/native.nix compiles it (the KV cache is sized from the recipe)."""
+    recipe = json.loads(RECIPE.read_text())
     fill = {"@store@/model": str(model), "@store@/experts": str(store), "@host@": "127.0.0.1", "@port@": str(port)}
-    return [fill.get(a, a) for a in args]
+    return [*(fill.get(a, a) for a in recipe["steps"]["serve"]["args"]),
+            "--max-batch", str(recipe["serve"]["max_batch_size"])]
 
 
 def vm(pid: int, key: str) -> int | None:
@@ -68,28 +78,10 @@ def vm(pid: int, key: str) -> int | None:
 
 
 def run_variant(name: str, paths: dict, gguf: Path, llama: Path, evidence: Path) -> dict:
-    from tool.checks.llama_cpp import free_port
-    port = free_port()
-    log = open(evidence / f"engine-{name}.log", "w")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.Popen([*ENGINE, *serve_args(paths["model"], paths[name], port)], cwd=REPO, env=env,
-                            stdout=log, stderr=subprocess.STDOUT)
-    t0 = time.monotonic()
+    proc, url, log, load_s = start_engine(name, paths, evidence)
     try:
-        while True:
-            if proc.poll() is not None:
-                raise SystemExit(f"engine serve ({name}) exited {proc.returncode}: see {log.name}")
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() - t0 > 900:
-                raise SystemExit(f"engine serve ({name}) not ready in 900 s")
-            time.sleep(1)
-        load_s = time.monotonic() - t0
         out = evidence / f"check-{name}.json"
-        r = sh([*TOOL, "check", str(RECIPE), "--endpoint", f"http://127.0.0.1:{port}/v1", "--gates", "speed",
+        r = sh([*TOOL, "check", str(RECIPE), "--endpoint", url, "--gates", "speed",
                 "--baseline", "llama.cpp", "--llama-server", str(llama), "--baseline-gguf", str(gguf),
                 "--json", str(out), "--evidence-dir", str(evidence)], capture_output=True, text=True)
         print(r.stdout[-3000:], file=sys.stderr)
@@ -98,6 +90,77 @@ def run_variant(name: str, paths: dict, gguf: Path, llama: Path, evidence: Path)
                 "engine_rss_peak_bytes": vm(proc.pid, "VmHWM"), "tool_check_exit": r.returncode,
                 "speed": find_speed(ev), "store_record_bytes": json.loads((paths[name] / "manifest.json").read_text())["record_bytes"]}
     finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
+def start_engine(name: str, paths: dict, evidence: Path):
+    """`engine serve` as the recipe says, on a free port; (process, base URL, log) once /health is 200."""
+    from tool.checks.llama_cpp import free_port
+    port = free_port()
+    log = open(evidence / f"engine-{name}.log", "w")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.Popen([*ENGINE, *serve_args(paths["model"], paths[name], port)], cwd=REPO, env=env,
+                            stdout=log, stderr=subprocess.STDOUT)
+    t0 = time.monotonic()
+    while True:
+        if proc.poll() is not None:
+            raise SystemExit(f"engine serve ({name}) exited {proc.returncode}: see {log.name}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
+                return proc, f"http://127.0.0.1:{port}/v1", log, time.monotonic() - t0
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() - t0 > 900:
+            proc.kill()
+            raise SystemExit(f"engine serve ({name}) not ready in 900 s")
+        time.sleep(1)
+
+
+def direct(name: str, paths: dict, gguf: Path, llama: Path, evidence: Path, rounds: int, tokens: int) -> dict:
+    """Both servers up at once (an idle one costs no CPU), timed in alternating rounds over HTTP exactly as
+    the speed gate times a round (tool.checks.speed.time_stream on the gate's chat prompt, ignore_eos,
+    greedy): no host-quiet rule, so a figure comes out on a busy host, each round with the load average
+    and the CPU pressure (share of its wall time some task waited for a CPU) it ran under. Medians."""
+    import statistics
+    from tool.checks import hostload
+    from tool.checks.client import Client
+    from tool.checks.llama_cpp import LlamaServerProcess
+    from tool.checks.speed import MESSAGES, time_stream
+    recipe = json.loads(RECIPE.read_text())
+    served, ctx = recipe["serve"]["served_name"], recipe["serve"]["context"]
+    proc, url, log, ready_s = start_engine(name, paths, evidence)
+    llama_srv = LlamaServerProcess(llama, gguf, ctx=ctx, alias=served)
+    try:
+        llama_srv.start()
+        clients = {"engine": Client(url, timeout_s=600), "llama.cpp": Client(llama_srv.url, timeout_s=600)}
+        body = {"model": served, "messages": MESSAGES, "max_tokens": tokens, "temperature": 0.0, "ignore_eos": True,
+                "stream_options": {"include_usage": True}}
+        for c in clients.values():                                   # untimed warm-up, as the gate gives one
+            c.chat({k: v for k, v in body.items() if k != "stream_options"} | {"max_tokens": 8})
+        got: dict[str, list[dict]] = {k: [] for k in clients}
+        for _ in range(rounds):
+            for side, c in clients.items():
+                a0 = hostload.snapshot()
+                ans = c.stream_chat(body)
+                h = hostload.between(a0, hostload.snapshot())
+                timed = time_stream(ans)
+                got[side].append({"decode_tps": round(timed[0], 2) if timed else None, "tokens": timed[1] if timed else None,
+                                  "ttft_s": ans.ttft_s, "loadavg_1m": h["loadavg"][0] if h["loadavg"] else None,
+                                  "cpu_pressure_some": h["cpu_pressure_some"]})
+                print(f"  {side:9} {got[side][-1]}", file=sys.stderr, flush=True)
+        med = {k: statistics.median(r["decode_tps"] for r in v if r["decode_tps"]) for k, v in got.items()}
+        return {"engine_ready_s": round(ready_s, 1), "engine_rss_peak_bytes": vm(proc.pid, "VmHWM"),
+                "llama_server_argv": llama_srv.argv, "rounds": got, "median_decode_tps": med,
+                "vs_llama_cpp": round(med["engine"] / med["llama.cpp"], 3),
+                "store_record_bytes": json.loads((paths[name] / "manifest.json").read_text())["record_bytes"]}
+    finally:
+        llama_srv.stop()
+        llama_srv.remove_log()
         proc.terminate()
         try:
             proc.wait(30)
@@ -141,6 +204,53 @@ def engine_row(model: Path, store: str, tokens: int) -> float:
     return rate
 
 
+# torch.profiler op names → where a decode step's time goes
+GROUPS = {"aten::_weight_int4pack_mm_for_cpu": "int4 expert GEMV (Q4_1 records)",
+          "aten::mm": "fp32 dense GEMV (qkv, o, router, lm_head)", "aten::bmm": "fp32 dense GEMV (qkv, o, router, lm_head)",
+          "aten::addmm": "fp32 dense GEMV (qkv, o, router, lm_head)",
+          "aten::_scaled_dot_product_flash_attention_for_cpu": "attention (SDPA)"}
+
+
+def profile_decode(model: Path, store: Path, threads: int, steps: int) -> dict:
+    """One decode step's self CPU time by kind (torch.profiler), the recipe's RAM tier and KV cache, the
+    model's own steps after the demo prompt's prefill; 'other' is every remaining op (norms, rotary, KV
+    writes, routing, views, casts: per-op overhead) plus the Python between them (wall − profiled)."""
+    sys.path.insert(0, str(REPO / "bench"))
+    import torch
+    from smollm2_demo_speed import PROMPT
+    from torch.profiler import ProfilerActivity, profile
+    from engine.llm import LLM
+    from transformers import AutoTokenizer
+    recipe = json.loads(RECIPE.read_text())
+    args = recipe["steps"]["serve"]["args"]
+    tok = AutoTokenizer.from_pretrained(model)
+    prompt = tok.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True)
+    prompt = prompt if isinstance(prompt, list) else prompt["input_ids"]
+    with LLM.load(model, store, max_context=int(args[args.index("--ctx") + 1]),
+                  max_batch=recipe["serve"]["max_batch_size"], ram_slots=int(args[args.index("--ram-slots") + 1]),
+                  threads=threads) as llm, torch.inference_mode():
+        m, n = llm.model, len(prompt)
+        m.prefill(prompt, 0)
+        for i in range(5):
+            m.decode_step([5], [0], [n + i])
+        t0 = time.perf_counter()
+        for i in range(steps):
+            m.decode_step([5], [0], [n + 5 + i])
+        wall = (time.perf_counter() - t0) / steps
+        with profile(activities=[ProfilerActivity.CPU]) as p:
+            for i in range(steps):
+                m.decode_step([5], [0], [n + 5 + steps + i])
+    by: dict[str, float] = {}
+    calls: dict[str, int] = {}
+    for e in p.key_averages():
+        g = GROUPS.get(e.key, "other ops")
+        by[g] = by.get(g, 0.0) + e.self_cpu_time_total / 1e3 / steps
+        calls[g] = calls.get(g, 0) + e.count // steps
+    return {"threads": threads, "steps": steps, "step_ms_unprofiled": round(wall * 1e3, 2),
+            "ms_per_step": {k: round(v, 2) for k, v in sorted(by.items(), key=lambda kv: -kv[1])},
+            "op_calls_per_step": calls, "loadavg_1m": round(os.getloadavg()[0], 2)}
+
+
 def engine_only(paths: dict, rounds: int, tokens: int) -> dict:
     """llama.cpp unavailable: the engine's q4_1 against its own fp32 path, interleaved fresh processes."""
     import statistics
@@ -167,6 +277,10 @@ def engine_only(paths: dict, rounds: int, tokens: int) -> dict:
 
 
 def main():
+    if "--profile-row" in sys.argv:
+        i = sys.argv.index("--profile-row")
+        print(json.dumps(profile_decode(Path(sys.argv[i + 1]), Path(sys.argv[i + 2]), int(sys.argv[i + 3]), 20)))
+        return
     if "--row" in sys.argv:
         i = sys.argv.index("--row")
         engine_row(Path(sys.argv[i + 1]), sys.argv[i + 2], int(sys.argv[i + 3]))
@@ -180,6 +294,11 @@ def main():
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--engine-only", action="store_true",
                     help="No llama.cpp: time the engine's q4_1 against its fp32 path (interleaved rounds).")
+    ap.add_argument("--direct", action="store_true",
+                    help="Time engine and llama-server in alternating rounds without the gate's host-quiet rules "
+                         "(a figure on a busy host; each round's load and CPU pressure recorded).")
+    ap.add_argument("--profile", action="store_true",
+                    help="Profile the q4_1 store's decode step in-process on 1 and 2 threads instead of timing servers.")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=48)
     args = ap.parse_args()
@@ -200,6 +319,31 @@ def main():
     evidence.mkdir(exist_ok=True)
     out = {"what": __doc__.strip().splitlines()[0], "date": time.strftime("%Y-%m-%d %H:%M"), "gguf": str(gguf),
            "llama_server": str(args.llama_server), "load_avg_start": os.getloadavg(), "variants": {}}
+    if args.profile:
+        out["what"] = "where the engine's quantized decode step spends its time (torch.profiler, self CPU time)"
+        out["profiles"] = []
+        for th in (1, 2):          # each in a fresh process, as a server is
+            r = sh([sys.executable, __file__, "--profile-row", str(paths["model"]), str(paths["q4_1"]), str(th),
+                    "--out", "-"], capture_output=True, text=True)
+            if r.returncode:
+                raise SystemExit(f"profile failed: {r.stderr[-1500:]}")
+            out["profiles"].append(json.loads(r.stdout.strip().splitlines()[-1]))
+        args.out.write_text(json.dumps(out, indent=2) + "\n")
+        print(json.dumps(out["profiles"], indent=2))
+        return
+    if args.direct:
+        out["what"] = ("engine serve vs llama-server on the same GGUF, alternating streamed rounds, medians "
+                       "(--direct: no host-quiet rule; each round's load and CPU pressure beside it)")
+        out["tokens"] = args.tokens
+        for name in args.variants.split(","):
+            out["variants"][name] = direct(name, paths, gguf, args.llama_server, evidence, args.rounds, args.tokens)
+        args.out.write_text(json.dumps(out, indent=2, default=str) + "\n")
+        print(f"\n{'engine':7} {'record MB':>9} {'engine tok/s':>12} {'llama.cpp tok/s':>15} {'ratio':>6} {'RSS peak GB':>11}")
+        for name, v in out["variants"].items():
+            m = v["median_decode_tps"]
+            print(f"{name:7} {v['store_record_bytes'] / 1e6:9.2f} {m['engine']:12.1f} {m['llama.cpp']:15.1f} "
+                  f"{v['vs_llama_cpp']:6.2f} {(v['engine_rss_peak_bytes'] or 0) / 1e9:11.2f}")
+        return
     for name in args.variants.split(","):
         out["variants"][name] = run_variant(name, paths, gguf, args.llama_server, evidence)
         out["variants"][name]["load_avg_after"] = os.getloadavg()

@@ -7,13 +7,17 @@ real MoE (routing, expert records, a store to read them from).
 
 Tensors are dequantized here with the `gguf` package and mapped by llama.cpp's own names, undoing the Q/K
 row permutation llama.cpp applies for its rotary layout. The tokenizer and chat template come from the
-GGUF through transformers' GGUF tokenizer converter. Everything is written to a staging directory beside
+GGUF through transformers' GGUF tokenizer converter. With expert_weights off (`--no-expert-weights`) the
+experts are not written at all: a store packed from the GGUF's own blocks (`pack-store --quant gguf`) is
+then the only home of the routed experts, and config.json names the GGUF's sha256 (GGUF_SHA256_KEY) so
+pack-store can still refuse another model's GGUF (engine.quant.source). Everything is written to a staging directory beside
 --out, hashed into kiln-files.json (engine.store.model_manifest: what `engine verify-model` and `engine
 serve` check) and renamed into place at the end, so an interrupted convert publishes nothing.
 """
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import re
@@ -26,6 +30,7 @@ from engine.errors import EngineError, Exit
 from engine.experts import DTYPES
 from engine.store import model_manifest
 
+GGUF_SHA256_KEY = "kiln_source_gguf_sha256"   # config.json: the GGUF a checkpoint without experts came from
 SHARD_BYTES = 1 << 30           # shards of ≤ ~1 GiB: bounded memory while writing, a few files to read
 
 # llama.cpp tensor name (per block) → Llama name in transformers; the MLP ones become expert weights.
@@ -192,7 +197,8 @@ class ShardWriter:
         (self.out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
 
-def write_checkpoint(reader, d: DenseLlama, out: Path, experts: int, seed: int, dtype) -> None:
+def write_checkpoint(reader, d: DenseLlama, out: Path, experts: int, seed: int, dtype,
+                     expert_weights: bool = True) -> None:
     import numpy as np
     import torch
     from gguf import dequantize
@@ -202,8 +208,11 @@ def write_checkpoint(reader, d: DenseLlama, out: Path, experts: int, seed: int, 
     seen = set()
     for t in reader.tensors:
         base, _, suffix = t.name.rpartition(".")
-        w = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32))  # a copy: F32 data is a read-only mmap
         parts = base.split(".")
+        if not expert_weights and parts[0] == "blk" and len(parts) == 3 and parts[2] in _MLP:
+            seen.add(t.name)
+            continue        # not even dequantized: their records come from the GGUF's blocks (pack-store --quant gguf)
+        w = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32))  # a copy: F32 data is a read-only mmap
         if suffix != "weight":
             raise EngineError(f"GGUF tensor {t.name}: biases are not expected in a llama model", Exit.BAD_MODEL)
         if parts[0] == "blk" and len(parts) == 3:
@@ -257,8 +266,9 @@ def write_tokenizer(gguf: Path, out: Path, d: DenseLlama) -> None:
 
 
 def convert_gguf(gguf: Path, out: Path, experts: int, top_k: int, seed: int, dtype: str = "float32",
-                 force: bool = False) -> Path:
-    """Convert and publish atomically; raises EngineError with a one-line reason."""
+                 force: bool = False, expert_weights: bool = True) -> Path:
+    """Convert and publish atomically; raises EngineError with a one-line reason. expert_weights=False:
+    the routed experts are left out (see the module docstring)."""
     try:
         from gguf import GGUFReader
     except ImportError:
@@ -276,14 +286,17 @@ def convert_gguf(gguf: Path, out: Path, experts: int, top_k: int, seed: int, dty
     dense = read_dense(reader, gguf)
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    need, free = _estimate_bytes(dense, experts, dtype), shutil.disk_usage(out.parent).free
+    need, free = _estimate_bytes(dense, experts if expert_weights else 0, dtype), shutil.disk_usage(out.parent).free
     if free < need:         # refuse before minutes of work; ENOSPC below still catches a disk filled meanwhile
         raise EngineError(f"{out.parent}: disk full: converting needs about {_size(need)}, {_size(free)} free", Exit.IO)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
     try:
-        (staging / "config.json").write_text(json.dumps(mixtral_config(dense, experts, top_k, dtype), indent=2) + "\n")
+        config = mixtral_config(dense, experts, top_k, dtype)
+        if not expert_weights:
+            config[GGUF_SHA256_KEY] = file_sha256(gguf)
+        (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         write_tokenizer(gguf, staging, dense)
-        write_checkpoint(reader, dense, staging, experts, seed, DTYPES[dtype])
+        write_checkpoint(reader, dense, staging, experts, seed, DTYPES[dtype], expert_weights)
         model_manifest.write(staging)           # every file the server reads, hashed before it is published
         _make_durable(staging)
         _publish(staging, out)
@@ -294,6 +307,11 @@ def convert_gguf(gguf: Path, out: Path, experts: int, top_k: int, seed: int, dty
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return out
+
+
+def file_sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def _size(n: int) -> str:

@@ -20,12 +20,15 @@ from engine.experts import DTYPES
 @click.option("--seed", default=0, show_default=True, type=int, help="Seed of the random router.")
 @click.option("--dtype", default="float32", show_default=True, type=click.Choice(sorted(DTYPES)),
               help="Dtype of the written weights (float32 keeps the dequantized values exactly).")
+@click.option("--expert-weights/--no-expert-weights", default=True, show_default=True,
+              help="Write the experts' float copies. --no-expert-weights: leave them out, for a store packed "
+                   "from this GGUF's own blocks (pack-store --quant gguf --gguf FILE), which then holds them alone.")
 @click.option("--force", is_flag=True, help="Replace --out if it exists.")
-def convert(gguf, out, experts, top_k, seed, dtype, force):
+def convert(gguf, out, experts, top_k, seed, dtype, expert_weights, force):
     """Convert a dense GGUF model into a sparse-upcycled Mixtral checkpoint.
 
     Every MLP becomes EXPERTS identical experts behind a seeded router (top-K, weights renormalised), so the
     result computes the dense model's function. Exit codes: 3 bad GGUF, 4 gguf missing, 6 disk full/unwritable.
     """
-    path = convert_gguf(gguf, out, experts, top_k, seed, dtype, force)
+    path = convert_gguf(gguf, out, experts, top_k, seed, dtype, force, expert_weights)
     click.echo(str(path))

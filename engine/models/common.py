@@ -256,6 +256,10 @@ class MoEModel(nn.Module):
         head = w.maybe("lm_head.weight")
         self.lm_head = head if head is not None else self.embed       # tie_word_embeddings
         self.head = Projection(self.lm_head)                            # on the CPU a transposed copy (tied or not)
+        if head is None and self.head.cpu:
+            # Tied on the CPU: the embedding reads its rows from that copy (the same values), so the vocabulary
+            # is held once, not twice (113 MB of SmolLM2's fp32 RSS; bench/demo_memory.py).
+            self.embed = self.lm_head = self.head.weight.t()
         moe = set(cfg.moe_layers)
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, w, l, kv, self.build_moe(w, l) if l in moe else self.build_dense(w, l))

@@ -26,6 +26,9 @@ def record_source(ck, *, dtype: torch.dtype | None = None, order: str = "rows", 
         raise EngineError("--gguf FILE goes with --quant gguf (the file's own expert blocks), and only with it",
                           Exit.USAGE)
     if quant in ("none", "int8", "int4"):
+        if not ck.has_experts:
+            raise EngineError(f"{ck.dir}: holds no expert weights (engine convert --no-expert-weights); pack its "
+                              f"store from the GGUF's own blocks: --quant gguf --gguf FILE", Exit.USAGE)
         try:
             layout = ck.layout(dtype, order, quant)
         except (AssertionError, ValueError) as e:
@@ -42,6 +45,8 @@ def record_source(ck, *, dtype: torch.dtype | None = None, order: str = "rows", 
         raise EngineError(f"{src.path}: its {src.scheme} experts cannot be {order} records ({e})", Exit.BAD_MODEL) from None
     if ck.has_experts:
         check_gguf_matches(ck, src, layout)
+    else:
+        check_gguf_is_the_source(ck, src.path)
     if not src.shared_across_experts:
         return layout, lambda l, e: layout.quantized.pack_blocks(*src.blocks(l, e))
     last: dict = {}
@@ -52,6 +57,21 @@ def record_source(ck, *, dtype: torch.dtype | None = None, order: str = "rows", 
             last[l] = layout.quantized.pack_blocks(*src.blocks(l, 0))
         return last[l].clone()
     return layout, make_shared
+
+
+def check_gguf_is_the_source(ck, path) -> None:
+    """A checkpoint converted without its experts names the GGUF it came from (engine.convert.GGUF_SHA256_KEY):
+    its experts are that file's, so any other file is refused by name."""
+    import hashlib
+    from engine.convert import GGUF_SHA256_KEY
+    want = ck.config.get(GGUF_SHA256_KEY)
+    if want is None:
+        return              # engine synth's store-backed checkpoints name no GGUF
+    with open(path, "rb") as f:
+        got = hashlib.file_digest(f, "sha256").hexdigest()
+    if got != want:
+        raise EngineError(f"{path}: sha256 {got[:12]}… is not {ck.dir}'s source GGUF ({want[:12]}…); "
+                          f"its experts would not be this checkpoint's", Exit.BAD_MODEL)
 
 
 def check_gguf_matches(ck, src, layout: ExpertLayout) -> None:

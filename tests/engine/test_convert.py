@@ -162,3 +162,44 @@ def test_a_full_disk_is_one_line_and_publishes_nothing(gguf, tmp_path):
         assert os.listdir(mnt) == []
     finally:
         subprocess.run(["umount", str(mnt)], check=True)
+
+
+def test_without_expert_weights_the_gguf_packs_the_same_store_and_only_its_own_gguf(gguf, converted, tmp_path):
+    """--no-expert-weights leaves the experts' float copies out (2.7 GB of the demo's 2.9 GB): the recipe packs
+    its store from the GGUF's own Q4_1 blocks, which then hold the experts alone. That store is byte for byte
+    the one packed beside a full conversion; another file than the source GGUF is refused by its sha256, and a
+    float/int pack of the expert-less checkpoint is refused in one line, before anything is written."""
+    from engine.checkpoint import Checkpoint
+    from engine.convert import GGUF_SHA256_KEY
+
+    lean = tmp_path / "lean"
+    r = subprocess.run([*ENGINE, "convert", "--gguf", str(gguf), "--out", str(lean), "--no-expert-weights"],
+                       capture_output=True, text=True, cwd=REPO)
+    assert r.returncode == 0, r.stderr
+    ck, full = Checkpoint(lean), Checkpoint(converted)
+    assert not ck.has_experts and full.has_experts
+    assert set(ck.names()) == set(full.non_expert_names())
+    size = lambda d: sum(p.stat().st_size for p in d.iterdir())          # noqa: E731
+    assert size(lean) < 0.2 * size(converted)
+    assert json.loads((lean / "config.json").read_text())[GGUF_SHA256_KEY] == pins()["sha256"]
+    assert subprocess.run([*ENGINE, "verify-model", "--model", str(lean)], capture_output=True).returncode == 0
+
+    stores = {}
+    for name, model in (("lean", lean), ("full", converted)):
+        stores[name] = tmp_path / f"store-{name}"
+        r = subprocess.run([*ENGINE, "pack-store", "-q", "--model", str(model), "--store", str(stores[name]),
+                            "--order", "cols", "--quant", "gguf", "--gguf", str(gguf)], capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+    assert (stores["lean"] / "experts.bin").read_bytes() == (stores["full"] / "experts.bin").read_bytes()
+
+    other = tmp_path / "other.gguf"
+    data = bytearray(gguf.read_bytes())
+    data[-1] ^= 1                                   # the last tensor byte: still a readable GGUF
+    other.write_bytes(data)
+    r = subprocess.run([*ENGINE, "pack-store", "--model", str(lean), "--store", str(tmp_path / "t"), "--order", "cols",
+                        "--quant", "gguf", "--gguf", str(other)], capture_output=True, text=True)
+    assert (r.returncode, r.stderr.count("\n")) == (3, 1) and "source GGUF" in r.stderr, r.stderr
+    r = subprocess.run([*ENGINE, "pack-store", "--model", str(lean), "--store", str(tmp_path / "u")],
+                       capture_output=True, text=True)
+    assert (r.returncode, r.stderr.count("\n")) == (2, 1) and "--quant gguf" in r.stderr, r.stderr
+    assert not (tmp_path / "t").exists() and not (tmp_path / "u").exists()
