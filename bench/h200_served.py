@@ -19,8 +19,10 @@ with this file's HTTP client, and through llama-server too.
    tiered, so that the routing follows the tokens instead of a greedy loop's repeats (a cache's best case).
 4. llama.cpp (prebuilt for sm_90, --llama DIR): the same weights converted to GGUF bf16 with llama.cpp's own
    converter class (experts read from the store, the vocabulary from ggml-vocab-qwen2.gguf), llama-bench
-   `-p 512,8192 -n 128 -r 3` all on the GPU and with `--n-cpu-moe 7` (17 of 24 layers' experts on the GPU:
-   the 24 GB budget).
+   `-p 8192 -n 128 -r 2` all on the GPU and, with --llama-n-cpu-moe, with `--n-cpu-moe 7` (17 of 24 layers'
+   experts on the GPU: the 24 GB budget). bench/h200_peer.py runs the fuller peer set in phases.
+   --configs picks the placements: the fused-kernel A/B (resident_torch_ops) and int4 records (engine synth
+   --quant int4: resident_int4, budget_24gb_int4) beside resident and tiered_24gb.
 5. Each figure beside its lane bound (ANCHORS.md): t >= max(t_non_expert + B_gpu/BW_hbm, B_pcie/BW_pcie,
    B_disk/BW_disk, B_cpu/BW_dram), bytes per token from this run's counters.
 Prints a table last; writes everything to --out after every part.
