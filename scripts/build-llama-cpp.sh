@@ -120,7 +120,7 @@ if ! echo "$SHA256  $sdist" | sha256sum -c --status 2>/dev/null; then
 fi
 
 final=$parent/$PREFIX$key
-work=$(mktemp -d "$parent/${PREFIX}build.XXXXXX")
+work=$(realpath "$(mktemp -d "$parent/${PREFIX}build.XXXXXX")")   # absolute: steps below run from inside it
 trap 'rm -rf "$work"; rm -f "${req:-}"' EXIT
 echo "build-llama-cpp: building ${TARGETS[*]} ($VERSION, GGML_NATIVE=$NATIVE, -j$JOBS) in $work" >&2
 start=$(date +%s)
@@ -161,7 +161,7 @@ if [ "$MODE" = server-dl ]; then
   cp -a "$out/src" "$pack/"
   shipped=(llama-server)
   for f in "$out/bin"/lib*.so*; do
-    case "$(basename "$f")" in libllama.so*|libllama-common.so*|libggml*) ;; *) shipped+=("$(basename "$f")");; esac
+    [ -e "$work/peer/$(basename "$f")" ] || [ -L "$work/peer/$(basename "$f")" ] || shipped+=("$(basename "$f")")
   done
   for f in "${shipped[@]}"; do
     cp -a "$out/bin/$f" "$pack/"
