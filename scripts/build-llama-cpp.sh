@@ -142,7 +142,11 @@ if [ "$MODE" = server-dl ]; then
   nice -n 10 ninja -C "$work/build" -j "$JOBS" "${objs[@]}" >"$work/build.log" 2>&1 || { tail -60 "$work/build.log" >&2; exit 5; }
   cp -a "$work/peer/." "$work/build/bin/"
   grep -v -- ' -c ' "$work/commands" | grep -Ev "$theirs|cmake_symlink_library bin/lib(ggml|llama)[.-]" >"$work/links.sh"
-  (cd "$work/build" && nice -n 10 bash -e "$work/links.sh") >>"$work/build.log" 2>&1 || { tail -60 "$work/build.log" >&2; exit 5; }
+  # each command in its own shell from the build tree, as ninja runs them (one of them cds elsewhere)
+  while IFS= read -r cmd; do
+    (cd "$work/build" && nice -n 10 bash -ec "$cmd") >>"$work/build.log" 2>&1 \
+      || { tail -30 "$work/build.log" >&2; trap - EXIT; echo "build-llama-cpp: link step failed; objects kept in $work" >&2; exit 5; }
+  done <"$work/links.sh"
 else
   nice -n 10 cmake --build "$work/build" --target "${TARGETS[@]}" -j "$JOBS" >"$work/build.log" 2>&1 \
     || { tail -60 "$work/build.log" >&2; exit 5; }
