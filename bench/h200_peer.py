@@ -241,6 +241,7 @@ def measure_lanes_here(w: Work, sample_file: Path) -> dict | None:
     record = 9437184                                    # one bf16 expert record of this shape (4 KiB-aligned)
     lanes = measure_lanes(sample_file, record, sample_file.stat().st_size // record)
     lanes["dram_read_16t_gbps"] = dram_read_gbps(16)
+    torch.cuda.empty_cache()                # llama.cpp's runs after this get the GPU back (less this process's context)
     lanes = {k: round(v, 2) for k, v in lanes.items()}
     lanes["measured_on"] = str(sample_file)
     (w.dir / "lanes.json").write_text(json.dumps(lanes) + "\n")

@@ -120,7 +120,7 @@ if ! echo "$SHA256  $sdist" | sha256sum -c --status 2>/dev/null; then
 fi
 
 final=$parent/$PREFIX$key
-work=$(mktemp -d "$parent/${PREFIX}build.XXXXXX")
+work=$(realpath "$(mktemp -d "$parent/${PREFIX}build.XXXXXX")")   # absolute: steps below run from inside it
 trap 'rm -rf "$work"; rm -f "${req:-}"' EXIT
 echo "build-llama-cpp: building ${TARGETS[*]} ($VERSION, GGML_NATIVE=$NATIVE, -j$JOBS) in $work" >&2
 start=$(date +%s)
@@ -142,7 +142,11 @@ if [ "$MODE" = server-dl ]; then
   nice -n 10 ninja -C "$work/build" -j "$JOBS" "${objs[@]}" >"$work/build.log" 2>&1 || { tail -60 "$work/build.log" >&2; exit 5; }
   cp -a "$work/peer/." "$work/build/bin/"
   grep -v -- ' -c ' "$work/commands" | grep -Ev "$theirs|cmake_symlink_library bin/lib(ggml|llama)[.-]" >"$work/links.sh"
-  (cd "$work/build" && nice -n 10 bash -e "$work/links.sh") >>"$work/build.log" 2>&1 || { tail -60 "$work/build.log" >&2; exit 5; }
+  # each command in its own shell from the build tree, as ninja runs them (one of them cds elsewhere)
+  while IFS= read -r cmd; do
+    (cd "$work/build" && nice -n 10 bash -ec "$cmd") >>"$work/build.log" 2>&1 \
+      || { tail -30 "$work/build.log" >&2; trap - EXIT; echo "build-llama-cpp: link step failed; objects kept in $work" >&2; exit 5; }
+  done <"$work/links.sh"
 else
   nice -n 10 cmake --build "$work/build" --target "${TARGETS[@]}" -j "$JOBS" >"$work/build.log" 2>&1 \
     || { tail -60 "$work/build.log" >&2; exit 5; }
@@ -161,7 +165,7 @@ if [ "$MODE" = server-dl ]; then
   cp -a "$out/src" "$pack/"
   shipped=(llama-server)
   for f in "$out/bin"/lib*.so*; do
-    case "$(basename "$f")" in libllama.so*|libllama-common.so*|libggml*) ;; *) shipped+=("$(basename "$f")");; esac
+    [ -e "$work/peer/$(basename "$f")" ] || [ -L "$work/peer/$(basename "$f")" ] || shipped+=("$(basename "$f")")
   done
   for f in "${shipped[@]}"; do
     cp -a "$out/bin/$f" "$pack/"
