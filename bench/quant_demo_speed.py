@@ -93,12 +93,16 @@ def run_variant(name: str, paths: dict, gguf: Path, llama: Path, evidence: Path)
                 "engine_rss_peak_bytes": vm(proc.pid, "VmHWM"), "tool_check_exit": r.returncode,
                 "speed": find_speed(ev), "store_record_bytes": json.loads((paths[name] / "manifest.json").read_text())["record_bytes"]}
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
+        stop_engine(proc, log)
+
+
+def stop_engine(proc: subprocess.Popen, log) -> None:
+    proc.terminate()
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    log.close()
 
 
 def start_engine(name: str, paths: dict, evidence: Path):
@@ -164,12 +168,7 @@ def direct(name: str, paths: dict, gguf: Path, llama: Path, evidence: Path, roun
     finally:
         llama_srv.stop()
         llama_srv.remove_log()
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
+        stop_engine(proc, log)
 
 
 def find_speed(ev) -> dict:
