@@ -388,6 +388,9 @@ def llama_served(w: Work, gguf: Path, n_cpu_moe: int, sampled: bool, vocab: int,
         proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=llama_env(w.bin), start_new_session=True)
         try:
             load_s = wait_ready(proc, base, log_path, "llama-server", limit_s=min(400, clock.left()))
+            # which backends it loaded (libggml-cuda.so, a CPU variant): its log does not say at default verbosity
+            maps = Path(f"/proc/{proc.pid}/maps").read_text().splitlines()
+            backends = sorted({line.split()[-1] for line in maps if "/libggml-" in line and line.split()[-1].endswith(".so")})
             usage, timings = [], []
             res = measure(completions_client(base, "synth", usage, timings), vocab, a.steps, a.prefill, sampled)
             res["load_s"] = round(load_s, 1)
@@ -398,9 +401,7 @@ def llama_served(w: Work, gguf: Path, n_cpu_moe: int, sampled: bool, vocab: int,
             stop(proc)
             logf.close()
     res.update(mem.result())
-    text = log_path.read_text(errors="replace")
-    res["backends_loaded"] = sorted({line.split("loaded ", 1)[1].strip() for line in text.splitlines()
-                                     if "load_backend: loaded" in line})
+    res["backends_loaded"] = backends
     res["command"] = " ".join(["llama-server", *cmd[1:]])
     return res
 
