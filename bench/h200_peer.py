@@ -388,6 +388,9 @@ def llama_served(w: Work, gguf: Path, n_cpu_moe: int, sampled: bool, vocab: int,
         proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=llama_env(w.bin), start_new_session=True)
         try:
             load_s = wait_ready(proc, base, log_path, "llama-server", limit_s=min(400, clock.left()))
+            # which backends it loaded (libggml-cuda.so, a CPU variant): its log does not say at default verbosity
+            maps = Path(f"/proc/{proc.pid}/maps").read_text().splitlines()
+            backends = sorted({line.split()[-1] for line in maps if "/libggml-" in line and line.split()[-1].endswith(".so")})
             usage, timings = [], []
             res = measure(completions_client(base, "synth", usage, timings), vocab, a.steps, a.prefill, sampled)
             res["load_s"] = round(load_s, 1)
@@ -398,9 +401,7 @@ def llama_served(w: Work, gguf: Path, n_cpu_moe: int, sampled: bool, vocab: int,
             stop(proc)
             logf.close()
     res.update(mem.result())
-    text = log_path.read_text(errors="replace")
-    res["backends_loaded"] = sorted({line.split("loaded ", 1)[1].strip() for line in text.splitlines()
-                                     if "load_backend: loaded" in line})
+    res["backends_loaded"] = backends
     res["command"] = " ".join(["llama-server", *cmd[1:]])
     return res
 
@@ -443,8 +444,13 @@ def load_phases(paths: list[Path]) -> dict:
     return out
 
 
+# Kiln's run (bench/h200_served.py's names) standing beside each llama.cpp placement, per quantization
+KILN_RUNS = {"bf16": {"all_gpu": "resident", "budget": "tiered_24gb"},
+             "q4": {"all_gpu": "resident_int4", "budget": "budget_24gb_int4"}}
+
+
 def kiln_side(kiln: dict | None, run: str) -> dict | None:
-    """Kiln's served figures for the matching placement: resident <-> all on the GPU, tiered <-> the budget."""
+    """Kiln's served figures of that run (in-process where it was not served)."""
     if not kiln:
         return None
     r = kiln.get("runs", {}).get(run, {})
@@ -462,23 +468,25 @@ def report(args) -> dict:
         for name in dict.fromkeys([*bench, *serve]):
             b, s = bench.get(name, {}), serve.get(name, {})
             is_budget = name.endswith("_budget") or (name == "all_gpu" and budget and budget["n_cpu_moe"] == 0)
-            k = kiln_side(kiln, "resident" if name == "all_gpu" else "tiered_24gb") if quant == "bf16" and (
-                name == "all_gpu" or name.endswith("_budget")) else None
+            # all on the GPU beside Kiln's resident run; the budget's placement beside Kiln's 24 GB run (with N = 0
+            # all on the GPU is both)
+            sides = (["all_gpu"] if name == "all_gpu" else []) + (["budget"] if is_budget else [])
+            kilns = {side: kiln_side(kiln, KILN_RUNS[quant][side]) for side in sides}
             rows.append({"quant": quant, "run": name, "n_cpu_moe": b.get("n_cpu_moe", s.get("n_cpu_moe")),
-                         "is_24gb_budget": bool(is_budget), "llama_bench": b, "llama_server": s, "kiln_served": k})
+                         "is_24gb_budget": bool(is_budget), "llama_bench": b, "llama_server": s,
+                         "kiln_served": {side: k for side, k in kilns.items() if k} or None,
+                         "kiln_runs": {side: KILN_RUNS[quant][side] for side in sides}})
     for r in rows:
-        k, b, s = r["kiln_served"], r["llama_bench"], r["llama_server"]
-        if not k:
-            continue
-        key = "all_gpu" if r["run"] == "all_gpu" else "budget"
-        if b.get("decode_tps"):
-            targets[f"{r['quant']}_{key}_kiln_over_llama_bench_decode"] = round(k["decode_tps"] / b["decode_tps"], 3)
-        if s.get("decode_tps"):
-            targets[f"{r['quant']}_{key}_kiln_over_llama_server_decode"] = round(k["decode_tps"] / s["decode_tps"], 3)
-        if b.get("prefill_tps_8192"):
-            targets[f"{r['quant']}_{key}_kiln_over_llama_bench_prefill_8k"] = round(k["prefill_tps"] / b["prefill_tps_8192"], 3)
-        if s.get("prefill_tps"):
-            targets[f"{r['quant']}_{key}_kiln_over_llama_server_prefill_8k"] = round(k["prefill_tps"] / s["prefill_tps"], 3)
+        b, s = r["llama_bench"], r["llama_server"]
+        for key, k in (r["kiln_served"] or {}).items():
+            if b.get("decode_tps"):
+                targets[f"{r['quant']}_{key}_kiln_over_llama_bench_decode"] = round(k["decode_tps"] / b["decode_tps"], 3)
+            if s.get("decode_tps"):
+                targets[f"{r['quant']}_{key}_kiln_over_llama_server_decode"] = round(k["decode_tps"] / s["decode_tps"], 3)
+            if b.get("prefill_tps_8192"):
+                targets[f"{r['quant']}_{key}_kiln_over_llama_bench_prefill_8k"] = round(k["prefill_tps"] / b["prefill_tps_8192"], 3)
+            if s.get("prefill_tps"):
+                targets[f"{r['quant']}_{key}_kiln_over_llama_server_prefill_8k"] = round(k["prefill_tps"] / s["prefill_tps"], 3)
     out = {"date": str(date.today()), "command": " ".join(["python3"] + sys.argv),
            "phases": {p: {k: v for k, v in d.items() if k not in ("llama_bench", "llama_server")} for p, d in phases.items()},
            "rows": rows,
@@ -492,7 +500,8 @@ def report(args) -> dict:
         "TTFT 128 (s) | server 8k prefill | bound tok/s | Kiln served decode | Kiln 8k prefill |")
     log("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        b, s, k = r["llama_bench"], r["llama_server"], r["kiln_served"] or {}
+        b, s = r["llama_bench"], r["llama_server"]
+        k = next(iter((r["kiln_served"] or {}).values()), {})
         log(f"| {r['quant']} | {r['run']}{' (24 GB budget)' if r['is_24gb_budget'] else ''} | {f(r['n_cpu_moe'])} | "
             f"{f(b.get('decode_tps'))} | {f(b.get('prefill_tps_512'))} | {f(b.get('prefill_tps_8192'))} | "
             f"{f(b.get('gpu_memory_peak_gib', s.get('gpu_memory_peak_gib')))} | {f(s.get('decode_tps'))} | "

@@ -99,20 +99,29 @@ def test_the_report_sets_each_placement_beside_kilns(tmp_path, capsys):
     one.mkdir(), two.mkdir()
     phase_file(one, "bench-bf16", {"budget_24gb": {"n_cpu_moe": 8}, "llama_bench": bench})
     phase_file(two, "serve-bf16", {"budget_24gb": {"n_cpu_moe": 8}, "llama_server": serve})
+    phase_file(two, "bench-q4", {"budget_24gb": {"n_cpu_moe": 0},
+                                 "llama_bench": {"all_gpu": {"n_cpu_moe": 0, "decode_tps": 500.0}}})
     kiln = tmp_path / "kiln.json"
     kiln.write_text(json.dumps({"date": "d", "command": "c", "runs": {
         "resident": {"served": {"decode_tps": 200.0, "prefill_tps": 3000.0}},
-        "tiered_24gb": {"served": {"decode_tps": 150.0, "prefill_tps": 2400.0}}}}))
+        "tiered_24gb": {"served": {"decode_tps": 150.0, "prefill_tps": 2400.0}},
+        "resident_int4": {"inprocess": {"decode_tps": 250.0, "prefill_tps": 1.0}},
+        "budget_24gb_int4": {"inprocess": {"decode_tps": 400.0, "prefill_tps": 1.0}}}}))
     args = type("A", (), {"from_": [str(one), str(two)], "kiln": str(kiln)})()
     out = peer.report(args)
-    rows = {r["run"]: r for r in out["rows"]}
+    q4 = [r for r in out["rows"] if r["quant"] == "q4"]
+    rows = {r["run"]: r for r in out["rows"] if r["quant"] == "bf16"}
     assert list(rows) == ["all_gpu", "n_cpu_moe_8_budget", "n_cpu_moe_7"]
+    # Q4_K_M all fits: all on the GPU is the budget too, beside both of Kiln's int4 runs
+    assert [r["kiln_runs"] for r in q4] == [{"all_gpu": "resident_int4", "budget": "budget_24gb_int4"}]
     assert rows["n_cpu_moe_8_budget"]["is_24gb_budget"] and not rows["all_gpu"]["is_24gb_budget"]
     assert rows["n_cpu_moe_7"]["kiln_served"] is None         # an extra has no Kiln counterpart
+    assert rows["n_cpu_moe_8_budget"]["kiln_runs"] == {"budget": "tiered_24gb"}
     t = out["targets"]
     assert t["bf16_budget_kiln_over_llama_bench_decode"] == 1.5
     assert t["bf16_budget_kiln_over_llama_server_prefill_8k"] == 2.0
     assert t["bf16_all_gpu_kiln_over_llama_bench_decode"] == 0.5
+    assert (t["q4_all_gpu_kiln_over_llama_bench_decode"], t["q4_budget_kiln_over_llama_bench_decode"]) == (0.5, 0.8)
     assert "| bf16 | n_cpu_moe_8_budget (24 GB budget) | 8 | 100.0 |" in capsys.readouterr().out
 
 
