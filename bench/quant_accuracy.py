@@ -7,7 +7,7 @@ greedy tokens on the demo prompts.
 MODEL_DIR is `engine convert`'s checkpoint of the GGUF (fp32: the GGUF's weights dequantized exactly), so the
 fp32 model is the reference; against it: bf16 records, int8 and int4 quantized at pack time from those fp32
 weights, and q4_1 (the GGUF's own blocks in the CPU's int4 layout: what the demo serves). The synthetic
-checkpoint (tests/fixtures/tiny_models: a random Qwen3-MoE, 16 experts of 256 x 128) is measured the same
+checkpoint (tests/fixtures/tiny_models: a random bf16 Qwen3-MoE, 16 experts of 256 x 128) is measured the same
 way on random tokens. Positions: --chunks sequences of --chunk tokens from this repository's docs,
 each prefilled whole (every position's logits, teacher-forced). KL is KL(reference ‖ quantized) in nats,
 mean over positions. 4-bit records compute with the CPU's int4 kernel, as the engine serves them; 8-bit ones

@@ -25,17 +25,7 @@ import torch.nn.functional as F
 set_compute_threads(2)
 MD = sys.argv[1]
 ck = Checkpoint(MD)
-def sym8(w, g, sdt=torch.float16, clip=1.0):
-    o, i = w.shape; wg = w.reshape(o, i//g, g)
-    s = (clip * wg.abs().amax(-1)/127).to(sdt).float()
-    q = torch.round(wg / s.clamp_min(1e-30)[..., None]).clamp(-127, 127)
-    return (q * s[..., None]).reshape(o, i)
-def asym(w, g, bits, sdt=torch.float16):
-    o, i = w.shape; wg = w.reshape(o, i//g, g)
-    lo, hi = wg.amin(-1), wg.amax(-1); L = 2**bits - 1
-    s = ((hi-lo)/L).to(sdt).float(); z = lo.to(sdt).float()
-    q = torch.round((wg - z[..., None]) / s.clamp_min(1e-30)[..., None]).clamp(0, L)
-    return (q * s[..., None] + z[..., None]).reshape(o, i)
+from quant_weight_error import asym, sym8  # noqa: E402  (this directory: the same grids)
 gen = torch.Generator().manual_seed(1)
 def noise(rel):
     def f(w):
@@ -61,8 +51,8 @@ V = {
  "noise0.6%": noise(0.0061),
  "noise0.135%": noise(0.00135),
  "sym8g32": lambda w: sym8(w, 32),
- "asym8g32f16": lambda w: asym(w, 32, 8),
- "asym8g128f16": lambda w: asym(w, 128, 8) if w.shape[1] % 128 == 0 else asym(w, 64, 8),
+ "asym8g32f16": lambda w: asym(w, 32, 8, torch.float16),
+ "asym8g128f16": lambda w: asym(w, 128 if w.shape[1] % 128 == 0 else 64, 8, torch.float16),
  "sym8g32s32": sym8s,
  "sym8g32s16": lambda w: sym8s(w, 32, [127. - k for k in range(16)]),
 }

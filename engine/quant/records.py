@@ -77,9 +77,10 @@ def matrix_bytes(scheme: str, out: int, inp: int, group: int | None = None) -> i
 
 # int8's scale candidates: s = absmax/n, n = 127, 126, ..., 96, each rounded to fp16 as stored; the one with
 # the least squared error over its group is kept (ties: the largest n). absmax/127 alone leaves SmolLM2's
-# weights 0.54 % off (relative), 4x bf16's rounding, and costs it 2 % of its top-1; the search halves
-# that error on a checkpoint converted from a 4-bit GGUF (a grid the int8 one can be laid on) and cuts
-# it by a tenth on bf16 weights (bench/quant_accuracy.py). A pack-time cost only: the format is unchanged.
+# weights 0.54 % off in groups of 32 (relative), 4x bf16's rounding, and costs it 2 % of its top-1; the
+# search halves that error on a checkpoint converted from a 4-bit GGUF (a grid the int8 one can be laid
+# on: top-1 0.993) and cuts it by about a tenth on Gaussian weights (bench/quant_accuracy.py,
+# bench/probes/quant_noise_floor.py). A pack-time cost only (32 candidates): the format is unchanged.
 INT8_SCALE_DIVISORS = tuple(range(127, 95, -1))
 _SEARCH_ROWS = 64           # rows searched at once: candidates x rows x in floats stay a few MB
 
