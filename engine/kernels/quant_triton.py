@@ -46,6 +46,8 @@ def _row_bytes(scheme: str, inp: int) -> int:
 
 
 if triton is not None:
+    from engine.kernels.triton_moe import swiglu
+
     @triton.jit
     def _fp16_at(p):
         return tl.load(p.to(tl.pointer_type(tl.float16))).to(tl.float32)
@@ -118,10 +120,7 @@ if triton is not None:
             acc_g += tl.sum(g * xv[None, :], axis=1)
             u = _weights(rec + UP, rows, cols, m, I, H, FMT, G).to(out_ty).to(tl.float32)
             acc_u += tl.sum(u * xv[None, :], axis=1)
-        g = acc_g.to(out_ty).to(tl.float32)
-        u = acc_u.to(out_ty).to(tl.float32)
-        s = (g * tl.sigmoid(g)).to(out_ty).to(tl.float32)
-        tl.store(h_ptr + p * I + rows, (s * u).to(out_ty), mask=rmask)
+        tl.store(h_ptr + p * I + rows, swiglu(acc_g, acc_u, out_ty), mask=rmask)
 
     @triton.jit
     def _down_gemv(h_ptr, arena_ptr, slot_ptr, w_ptr, y_ptr, H: tl.constexpr, I: tl.constexpr, REC: tl.constexpr,
@@ -188,11 +187,7 @@ if triton is not None:
         for gi in range(0, H // G, SPAN):
             acc_g += _group_dot(rec + GATE, r64, rmask, x_row, gi, I, H, FMT, G, BLOCK_I, SPAN)
             acc_u += _group_dot(rec + UP, r64, rmask, x_row, gi, I, H, FMT, G, BLOCK_I, SPAN)
-        out_ty = h_ptr.dtype.element_ty
-        g = acc_g.to(out_ty).to(tl.float32)
-        u = acc_u.to(out_ty).to(tl.float32)
-        s = (g * tl.sigmoid(g)).to(out_ty).to(tl.float32)
-        tl.store(h_ptr + p * I + rows, (s * u).to(out_ty), mask=rmask)
+        tl.store(h_ptr + p * I + rows, swiglu(acc_g, acc_u, h_ptr.dtype.element_ty), mask=rmask)
 
     @triton.jit
     def _down_gemv_grouped(h_ptr, arena_ptr, slot_ptr, w_ptr, y_ptr, SLOT_OFF, H: tl.constexpr, I: tl.constexpr,
@@ -238,11 +233,9 @@ if triton is not None:
             else:
                 acc_g += tl.dot(xt, tl.trans(g))
                 acc_u += tl.dot(xt, tl.trans(u))
-        g = acc_g.to(out_ty).to(tl.float32)
-        u = acc_u.to(out_ty).to(tl.float32)
-        s = (g * tl.sigmoid(g)).to(out_ty).to(tl.float32)
+        hv = swiglu(acc_g, acc_u, out_ty)
         dst = h_ptr + pairs[:, None].to(tl.int64) * I + rows[None, :]
-        tl.store(dst, (s * u).to(out_ty), mask=pmask[:, None] & rmask[None, :])
+        tl.store(dst, hv, mask=pmask[:, None] & rmask[None, :])
 
     @triton.jit
     def _down_gemm(h_ptr, arena_ptr, block_slot_ptr, pair_ptr, w_ptr, y_ptr, P, H: tl.constexpr, I: tl.constexpr,

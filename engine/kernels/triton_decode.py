@@ -19,8 +19,6 @@ Triton (no Hopper-only features): the same source runs on sm_86 and sm_90.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
 try:  # Triton ships with CUDA builds of torch; CPU-only installs use the torch forms.
@@ -32,13 +30,6 @@ except ImportError:  # pragma: no cover - depends on the install
 ATTN_BLOCK = 64         # keys per attention load
 ATTN_KEYS = 128         # keys per attention program, until ATTN_MAX_SPLITS programs share a sequence's head
 ATTN_MAX_SPLITS = 64
-
-
-def available(device: torch.device) -> bool:
-    """Triton can run these kernels on `device`: a CUDA device, or CPU tensors under TRITON_INTERPRET=1 (tests)."""
-    if triton is None:
-        return False
-    return device.type == "cuda" or (device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
 
 
 def serves_on(device: torch.device) -> bool:

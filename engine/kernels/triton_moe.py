@@ -37,6 +37,15 @@ def triton_available(device: torch.device) -> bool:
 
 if triton is not None:
     @triton.jit
+    def swiglu(acc_g, acc_u, ty: tl.constexpr):
+        """silu(g)·u from fp32 gate/up sums, each rounded to the model dtype where torch's F.linear and silu round
+        (every expert kernel's epilogue: these GEMVs and the quantized kernels in engine.kernels.quant_triton)."""
+        g = acc_g.to(ty).to(tl.float32)
+        u = acc_u.to(ty).to(tl.float32)
+        s = (g * tl.sigmoid(g)).to(ty).to(tl.float32)
+        return (s * u).to(ty)
+
+    @triton.jit
     def _gate_up_kernel(x_ptr, arena_ptr, slot_ptr, h_ptr, SLOT_OFF, K: tl.constexpr, H: tl.constexpr,
                         I: tl.constexpr, REC: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr):
         p = tl.program_id(0)
@@ -59,11 +68,7 @@ if triton is not None:
             acc_g += tl.sum(g * xv[None, :], axis=1)
             u = tl.load(up + off, mask=m, other=0.0).to(tl.float32)
             acc_u += tl.sum(u * xv[None, :], axis=1)
-        out_ty = h_ptr.dtype.element_ty
-        g = acc_g.to(out_ty).to(tl.float32)
-        u = acc_u.to(out_ty).to(tl.float32)
-        s = (g * tl.sigmoid(g)).to(out_ty).to(tl.float32)
-        tl.store(h_ptr + p * I + rows, (s * u).to(out_ty), mask=rmask)
+        tl.store(h_ptr + p * I + rows, swiglu(acc_g, acc_u, h_ptr.dtype.element_ty), mask=rmask)
 
     @triton.jit
     def _down_kernel(h_ptr, arena_ptr, slot_ptr, w_ptr, y_ptr, SLOT_OFF, H: tl.constexpr, I: tl.constexpr,
