@@ -11,8 +11,10 @@ in a decode step it took part in ends that request with RequestFailed and the ot
 batched step is retried one sequence at a time to find whose it was). The queue is bounded: past
 `max_queue` waiting requests a new one is refused at once with Overloaded (the server's 429).
 
-Callers never touch the model; they read their tokens from a queue. Closing a stream early frees
-its KV slot at the next turn.
+Callers never touch the model. stream() hands a caller its tokens through a queue it iterates;
+submit() calls the caller's own sink in the scheduler thread instead (the server's: straight into its
+event loop, with no thread of its own per request). Closing a stream or cancelling a submitted request
+frees its KV slot at the next turn.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import threading
 import time
 import weakref
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -74,9 +77,10 @@ class Overloaded(RuntimeError):
 
 
 class _Request:
-    def __init__(self, prompt: list[int], params: SamplingParams, stops: frozenset[int], generator):
+    def __init__(self, prompt: list[int], params: SamplingParams, stops: frozenset[int], generator,
+                 sink: Callable[[object], None]):
         self.prompt, self.params, self.stops, self.generator = prompt, params, stops, generator
-        self.out: queue.SimpleQueue = queue.SimpleQueue()
+        self.sink = sink           # called in the scheduler thread: each Token, or the RequestFailed that ends it
         self.cancelled = False     # set by the caller's thread; the scheduler frees the slot
         self.slot = -1
         self.length = 0            # tokens in the KV cache (during prefill: the prompt tokens run so far)
@@ -85,12 +89,26 @@ class _Request:
         self.submitted = time.monotonic()
 
 
+class Submitted:
+    """A request handed to submit(): cancel() (any thread) ends it at the scheduler's next turn."""
+
+    def __init__(self, llm: "LLM", req: _Request):
+        self._llm, self._req = llm, req
+
+    def cancel(self, wake: bool = True) -> None:
+        """wake=False (from a finalizer, which must not take a lock): the scheduler sees it at its next turn."""
+        self._req.cancelled = True
+        if wake:
+            with self._llm._cv:
+                self._llm._cv.notify()
+
+
 class Stream:
     """One request's tokens, as they are generated; the last one carries finish. Iterating raises
     RequestFailed if the request fails. close() (or dropping it) before the end cancels the request."""
 
-    def __init__(self, llm: "LLM", req: _Request):
-        self._llm, self._req, self._done = llm, req, False
+    def __init__(self, submitted: Submitted, out: queue.SimpleQueue):
+        self._submitted, self._out, self._done = submitted, out, False
 
     def __iter__(self):
         return self
@@ -98,7 +116,7 @@ class Stream:
     def __next__(self) -> Token:
         if self._done:
             raise StopIteration
-        item = self._req.out.get()
+        item = self._out.get()
         if isinstance(item, BaseException):
             self._done = True
             raise item
@@ -109,13 +127,11 @@ class Stream:
     def close(self) -> None:
         if not self._done:
             self._done = True
-            self._req.cancelled = True
-            with self._llm._cv:
-                self._llm._cv.notify()
+            self._submitted.cancel()
 
     def __del__(self):
         if not getattr(self, "_done", True):
-            self._req.cancelled = True      # no lock here: the scheduler sees it at its next turn
+            self._submitted.cancel(wake=False)
 
 
 class LLM:
@@ -180,8 +196,15 @@ class LLM:
     # ------------------------------------------------------------ callers' side (any thread)
 
     def stream(self, prompt_ids: list[int], params: SamplingParams | None = None) -> Stream:
-        """Submit a request; its tokens as they are generated. Checks eagerly (ValueError: the caller's input;
-        Overloaded: the queue is full; RuntimeError: the engine is closed)."""
+        """Submit a request; its tokens as they are generated. Checks eagerly, as submit() does."""
+        out: queue.SimpleQueue = queue.SimpleQueue()
+        return Stream(self.submit(prompt_ids, params, sink=out.put), out)
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams | None = None, *,
+               sink: Callable[[object], None]) -> Submitted:
+        """Submit a request whose tokens go to `sink`, called in the scheduler thread with each Token (the last
+        carries finish) or the RequestFailed that ends it: it must return at once and never raise. Checks
+        eagerly (ValueError: the caller's input; Overloaded: the queue is full; RuntimeError: engine closed)."""
         params = params or SamplingParams()
         prompt = [int(t) for t in prompt_ids]
         if not prompt:
@@ -194,7 +217,7 @@ class LLM:
         params.check()
         stops = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else frozenset(self.eos_token_ids))
         gen = None if is_greedy(params.temperature) else make_generator(params.seed, self.model.device)
-        req = _Request(prompt, params, stops, gen)
+        req = _Request(prompt, params, stops, gen, sink)
         with self._cv:
             if self._closed:
                 raise RuntimeError("the engine is closed")
@@ -206,7 +229,7 @@ class LLM:
                                  retry_after=max(1, min(600, math.ceil(wait))))
             self._pending.append(req)
             self._cv.notify()
-        return Stream(self, req)
+        return Submitted(self, req)
 
     def generate(self, prompt_ids: list[int], params: SamplingParams | None = None) -> list[Token]:
         return list(self.stream(prompt_ids, params))
@@ -277,7 +300,7 @@ class LLM:
                     self._decode()
         gone = RequestFailed("the engine is closed", "engine_closed")
         for r in self._running() + list(self._pending):
-            r.out.put(gone)
+            r.sink(gone)
 
     def _running(self) -> list[_Request]:
         return self._active + ([self._prefilling] if self._prefilling is not None else [])
@@ -343,12 +366,12 @@ class LLM:
             finish = "length"                   # max_tokens, or prompt + output fills the context
         else:
             finish = None
-        r.out.put(Token(token, finish))
+        r.sink(Token(token, finish))
         if finish is not None:
             self._retire(r)
 
     def _fail(self, r: _Request, e: RequestFailed) -> None:
-        r.out.put(e)
+        r.sink(e)
         with self._cv:
             self._failed += 1
         if r.slot >= 0:

@@ -37,7 +37,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from engine.llm import Overloaded, RequestFailed, SamplingParams
 from engine.server import chat
 from engine.server.detok import hidden_token_ids
-from engine.server.generation import Outcome, generate_text
+from engine.server.generation import Outcome, TokenPump, generate_text
 from engine.server.metrics import CONTENT_TYPE, Metrics
 from engine.server.parsers import OutputParser, assemble, string_params_of
 from engine.server.schemas import ChatRequest, CompletionRequest, FieldError, TokenizeRequest
@@ -209,7 +209,7 @@ def start(llm, ids, params):
     """Submit to the engine. It checks its input eagerly (length, ids, params): its refusal is the client's
     400; a full queue is 429 with Retry-After."""
     try:
-        return llm.stream(ids, params)
+        return TokenPump(llm, ids, params)
     except Overloaded as e:
         raise ApiError(429, str(e), type="rate_limit_error", code="queue_full",
                        headers={"Retry-After": str(e.retry_after)}) from None

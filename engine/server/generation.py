@@ -1,59 +1,87 @@
-"""One generation as the server runs it: LLM.stream in its own thread → text, with stop strings.
+"""One generation as the server runs it: the engine's tokens → the event loop → text, with stop strings.
 
-LLM.stream is a blocking generator. A thread per generation iterates it and hands tokens to
-the event loop through a queue, so the loop never blocks and any number of clients wait at
-once. When the client goes away the async side sets a flag; the thread sees it at the next
-token and closes the engine's generator (in the thread that runs it), which frees the slot.
+The engine's scheduler thread hands each token to the request's sink (LLM.submit). The sink here does
+not wake a thread per request: a Courier, one per event loop, collects what the scheduler delivers and
+wakes the loop once for all that arrived meanwhile (a decode step of four streams is one wake-up, not
+four thread hand-offs and four), so the loop's work stays off the scheduler's way. When the client goes
+away the async side cancels the request; the scheduler frees its slot at its next turn.
 """
 from __future__ import annotations
 
 import asyncio
 import threading
 import time
-from collections.abc import Iterator
+import weakref
 from dataclasses import dataclass, field
 
 from engine.server.detok import Detokenizer
 from engine.server.metrics import Metrics
 from engine.server.parsers import StopMatcher
 
-_END = object()
+
+class Courier:
+    """Deliveries from the scheduler thread into one event loop's queues, one wake-up per batch."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.lock = threading.Lock()
+        self.waiting: list[tuple[asyncio.Queue, object]] = []
+
+    def deliver(self, to: asyncio.Queue, item) -> None:
+        with self.lock:
+            wake = not self.waiting
+            self.waiting.append((to, item))
+        if wake:
+            try:
+                self.loop.call_soon_threadsafe(self._hand_out)
+            except RuntimeError:        # the loop is gone (server shutting down): nobody to tell
+                pass
+
+    def _hand_out(self) -> None:
+        with self.lock:
+            items, self.waiting = self.waiting, []
+        for to, item in items:
+            to.put_nowait(item)
+
+
+_couriers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # event loop → its Courier
+
+
+def courier() -> Courier:
+    loop = asyncio.get_running_loop()
+    if (c := _couriers.get(loop)) is None:
+        c = _couriers[loop] = Courier(loop)
+    return c
 
 
 class TokenPump:
-    def __init__(self, tokens: Iterator):
-        self.loop = asyncio.get_running_loop()
+    """One request's tokens as an async iterator. Submits at once, so the engine's eager refusals
+    (ValueError, Overloaded) are raised here, before any response starts."""
+
+    def __init__(self, llm, prompt_ids: list[int], params):
         self.queue: asyncio.Queue = asyncio.Queue()
-        self.cancelled = threading.Event()
-        self.thread = threading.Thread(target=self._run, args=(tokens,), daemon=True, name="kiln-generation")
-        self.thread.start()
-
-    def _run(self, gen):
-        try:
-            for tok in gen:
-                self._put(tok)
-                if tok.finish or self.cancelled.is_set():
-                    break
-        except BaseException as e:      # handed to the request, which answers with it
-            self._put(e)
-        finally:
-            gen.close()             # in the thread that ran it; frees the engine's slot if cut short
-            self._put(_END)
-
-    def _put(self, item):
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        except RuntimeError:            # the loop is gone (server shutting down): nobody to tell
-            self.cancelled.set()
+        c, q = courier(), self.queue
+        self.submitted = llm.submit(prompt_ids, params, sink=lambda item: c.deliver(q, item))
+        self.ended = False
 
     def cancel(self):
-        self.cancelled.set()
+        if not self.ended:
+            self.ended = True
+            self.submitted.cancel()
+
+    def __del__(self):                  # never iterated (another prompt of its request was refused)
+        if not getattr(self, "ended", True):
+            self.submitted.cancel(wake=False)
 
     async def __aiter__(self):
         try:
-            while (item := await self.queue.get()) is not _END:
+            while not self.ended:
+                item = await self.queue.get()
                 if isinstance(item, BaseException):
+                    self.ended = True
                     raise item
+                if item.finish is not None:
+                    self.ended = True
                 yield item
         finally:
             self.cancel()               # synchronous on purpose: runs even inside a cancelled task
@@ -67,13 +95,12 @@ class Outcome:
     started: float = field(default_factory=time.perf_counter)
 
 
-async def generate_text(tokens: Iterator, tokenizer, *, stops, hidden, metrics: Metrics, endpoint: str,
+async def generate_text(pump: TokenPump, tokenizer, *, stops, hidden, metrics: Metrics, endpoint: str,
                         outcome: Outcome):
-    """Yield the answer's text in chunks from `tokens` (an LLM.stream not yet started);
-    `outcome` holds the counts and finish reason when it ends."""
+    """Yield the answer's text in chunks from `pump`'s tokens; `outcome` holds the counts and finish
+    reason when it ends."""
     detok = Detokenizer(tokenizer, hidden)
     stop = StopMatcher(stops)
-    pump = TokenPump(tokens)
     metrics.queued.inc()
     state = "queued"
     try:

@@ -511,3 +511,28 @@ def test_requests_without_temperature_take_the_servers_default(qwen, tmp_path):
         sampled = {json.dumps(c.post("/v1/chat/completions", json={**body, "temperature": 1.5, "seed": k}).json()
                               ["choices"][0]["message"]) for k in range(4)}
         assert len(sampled) > 1                        # the request's own temperature wins
+
+
+def test_the_courier_hands_a_steps_tokens_to_the_loop_in_order_with_one_wake_up():
+    """What the scheduler thread delivers while the loop is busy arrives in order, per queue, in one wake-up
+    (a decode step of four streams costs the loop one wake, not four)."""
+    from engine.server.generation import Courier
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        c, wakes = Courier(loop), []
+        real = loop.call_soon_threadsafe
+        loop.call_soon_threadsafe = lambda *a: (wakes.append(a), real(*a))[1]
+        queues = [asyncio.Queue() for _ in range(4)]
+
+        def scheduler():                # a "step" of 4 streams, 3 times, while the loop is blocked
+            for step in range(3):
+                for i, q in enumerate(queues):
+                    c.deliver(q, (step, i))
+        t = threading.Thread(target=scheduler)
+        t.start()
+        t.join()                        # the loop ran nothing meanwhile
+        got = [[await q.get() for _ in range(3)] for q in queues]
+        assert got == [[(s, i) for s in range(3)] for i in range(4)]
+        assert len(wakes) == 1
+    asyncio.run(main())

@@ -140,13 +140,14 @@ def test_a_body_over_the_limit_is_refused_before_it_is_read(served):
 def test_a_full_queue_is_a_429_with_retry_after(served):
     """max_batch 2, max_queue 1: two running and one waiting, the fourth is refused at once."""
     body = {"prompt": "Once", "max_tokens": 2000, "ignore_eos": True, "stream": True}   # still running when checked
-    opened = []
+    opened, reading = [], []
     try:
         for _ in range(2):
             cm = served.client.stream("POST", "/v1/completions", json=body)
             r = cm.__enter__()
             opened.append(cm)
-            next(r.iter_lines())                                 # running
+            reading.append(lines := r.iter_lines())     # kept: a dropped line iterator closes the connection
+            next(lines)                                          # running
         cm = served.client.stream("POST", "/v1/completions", json=body)
         cm.__enter__()
         opened.append(cm)                                        # waiting
