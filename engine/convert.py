@@ -7,7 +7,10 @@ real MoE (routing, expert records, a store to read them from).
 
 Tensors are dequantized here with the `gguf` package and mapped by llama.cpp's own names, undoing the Q/K
 row permutation llama.cpp applies for its rotary layout. The tokenizer and chat template come from the
-GGUF through transformers' GGUF tokenizer converter. With expert_weights off (`--no-expert-weights`) the
+GGUF through transformers' GGUF tokenizer converter. With attention_blocks (`--attention-blocks`) the
+attention weights a GGUF holds in Q4_1/Q4_K are not dequantized either: they are written as the file's
+blocks (`<weight>.blocks_<scheme>`, uint8), which the CPU computes with directly (engine.projection) — 6.4x
+fewer bytes a token than float32 for SmolLM2's attention; other devices dequantize them at load. With expert_weights off (`--no-expert-weights`) the
 experts are not written at all: a store packed from the GGUF's own blocks (`pack-store --quant gguf`) is
 then the only home of the routed experts, and config.json names the GGUF's sha256 (GGUF_SHA256_KEY) so
 pack-store can still refuse another model's GGUF (engine.quant.source). Everything is written to a staging directory beside
@@ -28,6 +31,7 @@ from pathlib import Path
 
 from engine.errors import EngineError, Exit
 from engine.experts import DTYPES
+from engine.projection import BLOCKS_SUFFIX
 from engine.store import model_manifest
 
 GGUF_SHA256_KEY = "kiln_source_gguf_sha256"   # config.json: the GGUF a checkpoint without experts came from
@@ -43,6 +47,8 @@ _BLOCK = {
     "ffn_norm": "post_attention_layernorm",
 }
 _MLP = {"ffn_gate": "w1", "ffn_down": "w2", "ffn_up": "w3"}      # Mixtral: w1 gate, w2 down, w3 up
+_ATTENTION = ("attn_q", "attn_k", "attn_v", "attn_output")
+_KEPT_BLOCKS = {"Q4_1": "q4_1", "Q4_K": "q4_k"}     # --attention-blocks: the GGML types kept (the CPU int4 kernel's)
 _GLOBAL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
@@ -198,7 +204,7 @@ class ShardWriter:
 
 
 def write_checkpoint(reader, d: DenseLlama, out: Path, experts: int, seed: int, dtype,
-                     expert_weights: bool = True) -> None:
+                     expert_weights: bool = True, attention_blocks: bool = False) -> None:
     import numpy as np
     import torch
     from gguf import dequantize
@@ -212,6 +218,17 @@ def write_checkpoint(reader, d: DenseLlama, out: Path, experts: int, seed: int, 
         if not expert_weights and parts[0] == "blk" and len(parts) == 3 and parts[2] in _MLP:
             seen.add(t.name)
             continue        # not even dequantized: their records come from the GGUF's blocks (pack-store --quant gguf)
+        if (attention_blocks and parts[0] == "blk" and len(parts) == 3 and parts[2] in _ATTENTION
+                and t.tensor_type.name in _KEPT_BLOCKS):
+            # The file's 4-bit blocks byte for byte, rows in transformers' order: a block never spans rows, so
+            # the Q/K row permutation moves whole rows of blocks (engine.projection.Int4Projection reads them).
+            blocks = np.array(t.data, dtype=np.uint8, copy=True)          # [out, row bytes]
+            if parts[2] in ("attn_q", "attn_k"):
+                blocks = unpermute_qk(blocks, d.num_heads if parts[2] == "attn_q" else d.num_kv_heads)
+            name = f"model.layers.{int(parts[1])}.{_BLOCK[parts[2]]}.{BLOCKS_SUFFIX}{_KEPT_BLOCKS[t.tensor_type.name]}"
+            writer.add(name, torch.from_numpy(np.ascontiguousarray(blocks)))
+            seen.add(t.name)
+            continue
         w = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32))  # a copy: F32 data is a read-only mmap
         if suffix != "weight":
             raise EngineError(f"GGUF tensor {t.name}: biases are not expected in a llama model", Exit.BAD_MODEL)
@@ -266,9 +283,10 @@ def write_tokenizer(gguf: Path, out: Path, d: DenseLlama) -> None:
 
 
 def convert_gguf(gguf: Path, out: Path, experts: int, top_k: int, seed: int, dtype: str = "float32",
-                 force: bool = False, expert_weights: bool = True) -> Path:
+                 force: bool = False, expert_weights: bool = True, attention_blocks: bool = False) -> Path:
     """Convert and publish atomically; raises EngineError with a one-line reason. expert_weights=False:
-    the routed experts are left out (see the module docstring)."""
+    the routed experts are left out; attention_blocks: 4-bit attention weights are kept as the file's blocks
+    (see the module docstring)."""
     try:
         from gguf import GGUFReader
     except ImportError:
@@ -296,7 +314,7 @@ def convert_gguf(gguf: Path, out: Path, experts: int, top_k: int, seed: int, dty
             config[GGUF_SHA256_KEY] = file_sha256(gguf)
         (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         write_tokenizer(gguf, staging, dense)
-        write_checkpoint(reader, dense, staging, experts, seed, DTYPES[dtype], expert_weights)
+        write_checkpoint(reader, dense, staging, experts, seed, DTYPES[dtype], expert_weights, attention_blocks)
         model_manifest.write(staging)           # every file the server reads, hashed before it is published
         _make_durable(staging)
         _publish(staging, out)

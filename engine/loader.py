@@ -16,6 +16,8 @@ from engine.experts import DTYPES, ExpertProvider
 from engine.kv_cache import KVCache
 from engine.models import model_class
 from engine.models.common import MoEModel
+from engine.projection import BLOCKS_SUFFIX
+from engine.quant.records import FOUR_BIT, GGUF_BLOCK
 from engine.runtime import EngineConfig
 
 DEFAULT_MAX_CONTEXT = 4096      # the KV cache is preallocated: a 128k default would take tens of GB
@@ -42,6 +44,9 @@ def resolve_dtype(device: str | torch.device, dtype: str | torch.dtype | None, c
     return dtype
 
 
+BLOCK_SCHEMES = [s for s in FOUR_BIT if s in GGUF_BLOCK]      # the GGUF block schemes a dense weight is kept in
+
+
 class CheckpointWeights:
     """The model's non-expert tensors, read on demand and moved to device/dtype; remembers what was
     used so the loader can refuse a checkpoint with tensors the model would silently ignore."""
@@ -62,6 +67,15 @@ class CheckpointWeights:
 
     def maybe(self, name: str) -> torch.Tensor | None:
         return self.get(name) if name in self.names else None
+
+    def blocks(self, name: str) -> tuple[str, torch.Tensor] | None:
+        """(scheme, uint8 [out, row bytes]) where the checkpoint kept weight `name` as a GGUF's blocks
+        (`<name>.blocks_<scheme>`, engine convert --attention-blocks), on the CPU as stored; else None."""
+        for scheme in BLOCK_SCHEMES:
+            if (key := f"{name}.{BLOCKS_SUFFIX}{scheme}") in self.names:
+                self.used.add(key)
+                return scheme, self.ckpt.tensor(key)
+        return None
 
     def unused(self) -> list[str]:
         return sorted(self.names - self.used)

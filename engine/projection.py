@@ -33,3 +33,73 @@ class Projection:
             y = torch.bmm(x.reshape(1, 1, -1).expand(2, 1, -1), self.weight.view(-1, 2, n).transpose(0, 1))
             return y.reshape(*x.shape[:-1], self.out_features)               # [2, 1, out/2] -> one row
         return torch.matmul(x, self.weight)
+
+
+# ---------------------------------------------------------------- a GGUF's own 4-bit blocks
+
+BLOCKS_SUFFIX = "blocks_"      # checkpoint tensor `<name>.blocks_<scheme>`: a GGUF's raw blocks, uint8 [out, row bytes]
+
+
+def block_shape(scheme: str, blocks: torch.Tensor) -> tuple[int, int]:
+    """(out, in) of a rows-form block matrix uint8 [out, row bytes]."""
+    from engine.quant.records import GGUF_BLOCK
+    per, size = GGUF_BLOCK[scheme]
+    out, row = blocks.shape
+    assert row % size == 0, f"{scheme} rows of {row} bytes are not whole {size}-byte blocks"
+    return out, row // size * per
+
+
+class Int4Projection:
+    """A dense weight kept as the GGUF's own 4-bit blocks (Q4_1, Q4_K), held as torch's CPU int4 operand: the
+    kernel the 4-bit expert records use (engine.kernels.quant_cpu), with its edges — x and y rounded to bf16,
+    fp32 accumulation, the blocks' fp16 scales rounded to bf16 (engine.quant.records.affine4). Several
+    matrices of one input (q, k, v) are stacked along the output into one call."""
+
+    def __init__(self, parts: list[tuple[str, torch.Tensor]]):
+        from engine.quant.records import affine4, int4pack_operands, to_int4pack
+        codes, sz, ins, groups = [], [], set(), set()
+        for scheme, blocks in parts:
+            out, inp = block_shape(scheme, blocks)
+            q, s, g = affine4(scheme, blocks.reshape(-1), out, inp)
+            codes.append(q)
+            sz.append(s)
+            ins.add(inp)
+            groups.add(g)
+        assert len(ins) == len(groups) == 1, "stacked projections share their input and group"
+        self.in_features, self.group = ins.pop(), groups.pop()
+        self.out_features = sum(q.shape[0] for q in codes)
+        self._buf = to_int4pack(torch.cat(codes), torch.cat(sz))
+        self.packed, self.sz = int4pack_operands(self._buf, self.out_features, self.in_features, self.group)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, self.group, self.sz)
+        return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+
+    def dequantized(self) -> torch.Tensor:
+        """float32 [out, in], as the kernel computes with it (the reference tests hold the kernel to)."""
+        from engine.quant.records import dequantize_int4pack
+        return dequantize_int4pack(self._buf, self.out_features, self.in_features, self.group)
+
+
+def int4_fits(parts: list[tuple[str, torch.Tensor]]) -> bool:
+    """torch's CPU int4 operand tiles 64 output rows and reads 32-weight groups."""
+    from engine.quant.records import FOUR_BIT, INT4PACK_N
+    return all(s in FOUR_BIT and block_shape(s, b)[0] % INT4PACK_N == 0 for s, b in parts)
+
+
+def dense_projection(w, names: list[str], bias: torch.Tensor | None):
+    """The projection of checkpoint weights `names` (stacked along the output, in order): a GGUF's 4-bit blocks
+    where the checkpoint kept them (engine convert --attention-blocks) stay 4-bit on the CPU and are
+    dequantized on other devices; float weights are a Projection as before."""
+    parts = [w.blocks(n) for n in names]
+    if all(p is None for p in parts):
+        return Projection(torch.cat([w.get(f"{n}.weight") for n in names]) if len(names) > 1
+                          else w.get(f"{names[0]}.weight"), bias)
+    assert all(p is not None for p in parts), f"{names}: some kept as blocks, some as floats"
+    assert bias is None, f"{names}: block-quantized projections carry no bias"
+    if torch.device(w.device).type == "cpu" and int4_fits(parts):
+        return Int4Projection(parts)
+    from engine.quant.records import dequantize_matrix
+    dense = [dequantize_matrix(s, b.reshape(-1), *block_shape(s, b)) for s, b in parts]
+    return Projection(torch.cat(dense).to(device=w.device, dtype=w.dtype))

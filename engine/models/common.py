@@ -24,15 +24,20 @@ from engine.config import ModelConfig
 from engine.experts import ExpertProvider
 from engine.kernels import triton_decode
 from engine.kv_cache import KVCache, select
-from engine.projection import Projection
+from engine.projection import Projection, dense_projection
 
 
 class WeightSource(Protocol):
     """Non-expert checkpoint tensors, already on the model's device and dtype (see engine.loader)."""
 
+    device: torch.device | str
+    dtype: torch.dtype
+
     def get(self, name: str, *, fp32: bool = False) -> torch.Tensor: ...
 
     def maybe(self, name: str) -> torch.Tensor | None: ...
+
+    def blocks(self, name: str) -> tuple[str, torch.Tensor] | None: ...
 
 
 # ---------------------------------------------------------------- norms, rotary, linear
@@ -169,15 +174,14 @@ class Attention(nn.Module):
         p = f"model.layers.{layer}.self_attn"
         self.layer, self.kv, self.cfg = layer, kv, cfg
         # q, k, v as one matrix: one matmul per layer instead of three.
-        wqkv = torch.cat([w.get(f"{p}.{n}_proj.weight") for n in "qkv"])
+        self.split = (cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim)
         biases = [w.maybe(f"{p}.{n}_proj.bias") for n in "qkv"]
         bqkv = None
         if any(b is not None for b in biases):
-            sizes = (cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim)
-            bqkv = torch.cat([b if b is not None else wqkv.new_zeros(n) for b, n in zip(biases, sizes)])
-        self.qkv = Projection(wqkv, bqkv)
-        self.o = Projection(w.get(f"{p}.o_proj.weight"), w.maybe(f"{p}.o_proj.bias"))
-        self.split = (cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim)
+            some = next(b for b in biases if b is not None)
+            bqkv = torch.cat([b if b is not None else some.new_zeros(n) for b, n in zip(biases, self.split)])
+        self.qkv = dense_projection(w, [f"{p}.{n}_proj" for n in "qkv"], bqkv)
+        self.o = dense_projection(w, [f"{p}.o_proj"], w.maybe(f"{p}.o_proj.bias"))
         self.q_norm = w.get(f"{p}.q_norm.weight") if cfg.use_qk_norm else None
         self.k_norm = w.get(f"{p}.k_norm.weight") if cfg.use_qk_norm else None
         self.scale = cfg.head_dim ** -0.5

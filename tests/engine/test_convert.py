@@ -203,3 +203,59 @@ def test_without_expert_weights_the_gguf_packs_the_same_store_and_only_its_own_g
                        capture_output=True, text=True)
     assert (r.returncode, r.stderr.count("\n")) == (2, 1) and "--quant gguf" in r.stderr, r.stderr
     assert not (tmp_path / "t").exists() and not (tmp_path / "u").exists()
+
+
+def test_attention_blocks_keep_the_ggufs_bytes_and_the_cpu_computes_what_they_hold(gguf, converted, tmp_path):
+    """--attention-blocks writes the GGUF's Q4_1 attention blocks byte for byte (q/k rows moved whole into
+    transformers' order), which dequantize to exactly the float checkpoint's weights; on the CPU they are one
+    Int4Projection each for qkv and o, equal to a plain dequantize-then-matmul of the same operand with the
+    kernel's bf16 edges, and the model computes the float model's function to 4-bit rounding."""
+    import numpy as np
+    import torch
+    from gguf import GGUFReader
+    from engine.checkpoint import Checkpoint
+    from engine.convert import unpermute_qk
+    from engine.loader import load_model
+    from engine.projection import Int4Projection, Projection
+    from engine.quant.records import dequantize_matrix
+    from engine.tiers.memory import InMemoryExperts
+    from engine.quant.source import record_source
+
+    kept = tmp_path / "kept"
+    r = subprocess.run([*ENGINE, "convert", "--gguf", str(gguf), "--out", str(kept), "--no-expert-weights",
+                        "--attention-blocks"], capture_output=True, text=True, cwd=REPO)
+    assert r.returncode == 0, r.stderr
+    ck, full = Checkpoint(kept), Checkpoint(converted)
+    names = set(ck.names())
+    assert not any(n.endswith("_proj.weight") and ".self_attn." in n for n in names)
+    tensors = {t.name: t for t in GGUFReader(str(gguf)).tensors}
+    heads = {"q": 9, "k": 3}                       # SmolLM2-135M: 9 query heads, 3 key/value heads
+    for layer in (0, 29):
+        for gg, hf in (("attn_q", "q"), ("attn_k", "k"), ("attn_v", "v"), ("attn_output", "o")):
+            blocks = ck.tensor(f"model.layers.{layer}.self_attn.{hf}_proj.blocks_q4_1")
+            raw = np.array(tensors[f"blk.{layer}.{gg}.weight"].data, dtype=np.uint8)
+            want = unpermute_qk(raw, heads[hf]) if hf in heads else raw
+            assert blocks.dtype == torch.uint8 and np.array_equal(blocks.numpy(), want)
+            w = full.tensor(f"model.layers.{layer}.self_attn.{hf}_proj.weight")
+            assert torch.equal(dequantize_matrix("q4_1", blocks.reshape(-1), *w.shape), w)
+
+    lay, make = record_source(full, order="cols", quant="gguf", gguf=gguf)
+    experts = lambda: InMemoryExperts(lay, {l: torch.stack([make(l, e) for e in range(8)])   # noqa: E731
+                                             for l in range(30)})
+    m4 = load_model(kept, provider=experts(), device="cpu", max_context=256, max_batch=1)
+    mf = load_model(converted, provider=experts(), device="cpu", max_context=256, max_batch=1)
+    attn = m4.layers[3].attn
+    assert isinstance(attn.qkv, Int4Projection) and isinstance(attn.o, Int4Projection)
+    assert isinstance(mf.layers[3].attn.qkv, Projection)
+    x = torch.randn(3, 576, generator=torch.Generator().manual_seed(0))
+    bf = lambda t: t.to(torch.bfloat16).float()      # noqa: E731
+    ref = bf(bf(x) @ attn.qkv.dequantized().t())
+    torch.testing.assert_close(attn.qkv(x), ref, rtol=1e-2, atol=1e-2)
+    wqkv = torch.cat([full.tensor(f"model.layers.3.self_attn.{n}_proj.weight") for n in "qkv"])
+    assert (attn.qkv.dequantized() - wqkv).abs().max() < 0.02          # fp16 scales rounded to bf16, no more
+
+    ids = list(range(200, 264))
+    with torch.inference_mode():
+        a, b = m4.prefill(ids, 0, all_logits=True), mf.prefill(ids, 0, all_logits=True)
+    agree = (a.argmax(-1) == b.argmax(-1)).float().mean()
+    assert agree >= 0.85 and torch.nn.functional.cosine_similarity(a, b, dim=-1).min() > 0.98, agree
