@@ -12,6 +12,11 @@ way on random tokens. Positions: --chunks sequences of --chunk tokens from this 
 each prefilled whole (every position's logits, teacher-forced). KL is KL(reference ‖ quantized) in nats,
 mean over positions. 4-bit records compute with the CPU's int4 kernel, as the engine serves them; 8-bit ones
 with their dequantized values (what their dequantize-per-call CPU path computes).
+
+--attention-blocks DIR adds "q4_1 + attention blocks": the q4_1 records on `engine convert --attention-blocks`'s
+checkpoint of the same GGUF (its attention kept as the file's Q4_1 blocks, computed by the CPU's int4 kernel:
+what the demo serves), against the same fp32 reference. --only picks variants; --no-synthetic skips the
+synthetic checkpoint.
 """
 from __future__ import annotations
 
@@ -40,6 +45,7 @@ PROMPTS = ["Name three primary colors, comma separated.", "What is 17 * 23? Repl
 # or scale rule, its weights dequantized into fp32 records, so the grid alone is measured; "former" is the
 # default before this measurement: 128 where it divides the input dimension, else 64, int8 scaled absmax/127.
 SERVED = ("bf16", "int8", "int4", "q4_1")
+WITH_ATTENTION_BLOCKS = "q4_1 + attention blocks"     # --attention-blocks: q4_1 records on that checkpoint
 SWEEP = {"int8 former": ("int8", "former", (127,)), "int4 former": ("int4", "former", None),
          "int4 g64": ("int4", 64, None), "int8 g32 absmax": ("int8", 32, (127,)),
          "int4 g128": ("int4", 128, None), "int4 g32 fp32": ("int4", 32, None)}
@@ -122,9 +128,12 @@ def run_model(model_dir, ck, variant, gguf, chunks, prompts, dtype="float32") ->
     return out, greedy
 
 
-def measure(name, model_dir, variants, chunks, prompts, gguf=None, tokenizer=None, res=None, saved=lambda: None) -> dict:
+def measure(name, model_dir, variants, chunks, prompts, gguf=None, tokenizer=None, res=None, saved=lambda: None,
+            other_dirs: dict | None = None) -> dict:
     """Every variant against the fp32 reference, into `res` (a dict), calling saved() after each one so a
-    long run that is stopped keeps what it measured."""
+    long run that is stopped keeps what it measured. other_dirs: variant -> (model dir, the records it uses),
+    a variant whose non-expert weights come from another checkpoint of the same model."""
+    other_dirs = other_dirs or {}
     from engine.checkpoint import Checkpoint
     ck = Checkpoint(model_dir)
     t0 = time.time()
@@ -134,7 +143,8 @@ def measure(name, model_dir, variants, chunks, prompts, gguf=None, tokenizer=Non
     if tokenizer:
         res["reference_greedy"] = [tokenizer.decode(t) for t in ref_greedy]
     for v in (v for v in variants if applies(ck, v)):
-        logits, greedy = run_model(model_dir, ck, v, gguf, chunks, prompts)
+        vdir, records = other_dirs.get(v, (model_dir, v))
+        logits, greedy = run_model(vdir, ck, records, gguf, chunks, prompts)
         r = compare(ref, logits)
         same = [next((i for i, (a, b) in enumerate(zip(g, rg)) if a != b), None) for g, rg in zip(greedy, ref_greedy)]
         r["greedy_prompts_identical"] = sum(s is None for s in same)
@@ -157,7 +167,13 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--chunk", type=int, default=512)
     ap.add_argument("--chunks", type=int, default=4)
+    ap.add_argument("--attention-blocks", default=None,
+                    help="engine convert --attention-blocks's checkpoint of the same GGUF (with expert weights)")
+    ap.add_argument("--only", default=None, help="comma list of the variants to measure (default: all)")
+    ap.add_argument("--no-synthetic", action="store_true", help="skip the synthetic checkpoint")
     args = ap.parse_args()
+    only = set(args.only.split(",")) if args.only else None
+    keep = lambda vs: [v for v in vs if only is None or v in only]      # noqa: E731
     from engine.kernels.cpu import set_compute_threads
     from transformers import AutoTokenizer
     set_compute_threads(2)
@@ -183,18 +199,23 @@ def main():
         tmp.replace(args.out)
     # The synthetic checkpoint first (seconds), then SmolLM2's served records, then its sweep (an hour on a
     # busy 2-core host): the JSON is rewritten after every variant.
-    from tests.fixtures.tiny_models import make_tiny_checkpoint
-    with tempfile.TemporaryDirectory() as d:
-        synth = make_tiny_checkpoint("qwen3_moe", d, hidden=256, experts=16, layers=4, top_k=4, dtype="bfloat16")
-        g = torch.Generator().manual_seed(0)
-        rchunks = [torch.randint(0, 384, (args.chunk,), generator=g).tolist() for _ in range(args.chunks)]
-        rprompts = [torch.randint(0, 384, (12,), generator=g).tolist() for _ in range(len(PROMPTS))]
-        out["models"]["synthetic-qwen3-moe-bf16"] = {}
-        measure("synth", synth, ["int8", "int4", *SWEEP], rchunks, rprompts,
-                res=out["models"]["synthetic-qwen3-moe-bf16"], saved=saved)
+    if not args.no_synthetic:
+        from tests.fixtures.tiny_models import make_tiny_checkpoint
+        with tempfile.TemporaryDirectory() as d:
+            synth = make_tiny_checkpoint("qwen3_moe", d, hidden=256, experts=16, layers=4, top_k=4, dtype="bfloat16")
+            g = torch.Generator().manual_seed(0)
+            rchunks = [torch.randint(0, 384, (args.chunk,), generator=g).tolist() for _ in range(args.chunks)]
+            rprompts = [torch.randint(0, 384, (12,), generator=g).tolist() for _ in range(len(PROMPTS))]
+            out["models"]["synthetic-qwen3-moe-bf16"] = {}
+            measure("synth", synth, keep(["int8", "int4", *SWEEP]), rchunks, rprompts,
+                    res=out["models"]["synthetic-qwen3-moe-bf16"], saved=saved)
     out["models"]["smollm2-135m"] = {}
-    measure("smollm2", args.smollm2, [*SERVED, *SWEEP], chunks, prompts, gguf=args.gguf, tokenizer=tok,
-            res=out["models"]["smollm2-135m"], saved=saved)
+    variants, other = [*SERVED, *SWEEP], {}
+    if args.attention_blocks:
+        variants.insert(len(SERVED), WITH_ATTENTION_BLOCKS)
+        other[WITH_ATTENTION_BLOCKS] = (args.attention_blocks, "q4_1")
+    measure("smollm2", args.smollm2, keep(variants), chunks, prompts, gguf=args.gguf, tokenizer=tok,
+            res=out["models"]["smollm2-135m"], saved=saved, other_dirs=other)
     out["complete"] = True
     saved()
     print(f"\n{'model':20} {'records':16} {'top-1':>7} {'KL nats':>9} {'greedy =':>8}")

