@@ -395,7 +395,9 @@ def main():
     ap.add_argument("--llama-n-cpu-moe", action="store_true", help="also llama.cpp with --n-cpu-moe 7 (the 24 GB budget)")
     ap.add_argument("--configs", default="resident,resident_torch_ops,tiered_24gb",
                     help="comma list of: resident, resident_torch_ops (in-process, --no-fused-kernels: the A/B "
-                         "baseline), tiered_24gb, resident_int4, budget_24gb_int4 (int4 records, the 24 GB budget)")
+                         "baseline), tiered_24gb, tiered_24gb_cpu_auto / tiered_24gb_cpu_on (the same with "
+                         "--cpu-experts auto/on: the CPU expert lane), resident_int4, budget_24gb_int4 (int4 records, "
+                         "the 24 GB budget)")
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     work = Path(args.work)
@@ -470,6 +472,9 @@ def main():
                         ["--experts", "tiered", "--gpu-slots", str(gpu_slots), "--ram-slots", str(budget["ram_slots"]),
                          "--readers", "16"], True, store, tb),
     }
+    for mode in ("auto", "on"):     # issue 15: the same budget with RAM-tier experts computed on the CPU lane
+        kw, flags, sampled, st, t = configs["tiered_24gb"]
+        configs[f"tiered_24gb_cpu_{mode}"] = ({**kw, "cpu_experts": mode}, [*flags, "--cpu-experts", mode], sampled, st, t)
     if budget4:
         configs["resident_int4"] = ({"experts": "resident"}, ["--experts", "resident"], False, store4, tb4)
         # auto placement under the 24 GB card's slots: int4 records all fit, so it must pick resident
@@ -484,7 +489,7 @@ def main():
         run: dict = {}
         if "inprocess" not in skip:
             r, c = inprocess(model_dir, store_, kw, vocab, args.steps, args.prefill, sampled)
-            attach_bound(r, sampled, False, tb_, lanes, resident_step if name == "tiered_24gb" else None)
+            attach_bound(r, sampled, False, tb_, lanes, resident_step if name.startswith("tiered_24gb") else None)
             if name == "resident":
                 resident_step = 1 / r["decode_tps"]
             r["counters_end"] = c
@@ -494,7 +499,7 @@ def main():
             log(f"{name} in-process:", {k: v for k, v in r.items() if k not in ("counters_end",)})
         if "served" not in skip and flags is not None:
             s = served(model_dir, store_, flags, vocab, args.steps, args.prefill, sampled, work / f"serve-{name}.log")
-            attach_bound(s, sampled, True, tb_, lanes, resident_step if name == "tiered_24gb" else None)
+            attach_bound(s, sampled, True, tb_, lanes, resident_step if name.startswith("tiered_24gb") else None)
             if "inprocess" in run:
                 s["served_over_inprocess"] = {k: round(s[k] / run["inprocess"][k], 3) for k in
                                               ("decode_tps", "decode_tps_4_streams_aggregate", "prefill_tps")
