@@ -5,6 +5,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from engine.checkpoint import CheckpointError
+from engine.quant.records import (FOUR_BIT, GGUF_BLOCK, INT4PACK_N, affine4, dequantize_int4pack, dequantize_matrix,
+                                  int4pack_operands, to_int4pack)
+
 
 class Projection:
     """One of the model's own weights, [out, in] as the checkpoint has it, held the way its device
@@ -42,10 +46,11 @@ BLOCKS_SUFFIX = "blocks_"      # checkpoint tensor `<name>.blocks_<scheme>`: a G
 
 def block_shape(scheme: str, blocks: torch.Tensor) -> tuple[int, int]:
     """(out, in) of a rows-form block matrix uint8 [out, row bytes]."""
-    from engine.quant.records import GGUF_BLOCK
     per, size = GGUF_BLOCK[scheme]
+    if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] % size:
+        raise CheckpointError(f"{scheme} blocks must be uint8 [out, row bytes] in whole {size}-byte blocks; "
+                              f"got {str(blocks.dtype).removeprefix('torch.')} {list(blocks.shape)}")
     out, row = blocks.shape
-    assert row % size == 0, f"{scheme} rows of {row} bytes are not whole {size}-byte blocks"
     return out, row // size * per
 
 
@@ -56,7 +61,6 @@ class Int4Projection:
     matrices of one input (q, k, v) are stacked along the output into one call."""
 
     def __init__(self, parts: list[tuple[str, torch.Tensor]]):
-        from engine.quant.records import affine4, int4pack_operands, to_int4pack
         codes, sz, ins, groups = [], [], set(), set()
         for scheme, blocks in parts:
             out, inp = block_shape(scheme, blocks)
@@ -65,7 +69,8 @@ class Int4Projection:
             sz.append(s)
             ins.add(inp)
             groups.add(g)
-        assert len(ins) == len(groups) == 1, "stacked projections share their input and group"
+        if len(ins) != 1 or len(groups) != 1:
+            raise CheckpointError(f"stacked projections need one input width and group; got {sorted(ins)}, {sorted(groups)}")
         self.in_features, self.group = ins.pop(), groups.pop()
         self.out_features = sum(q.shape[0] for q in codes)
         self._buf = to_int4pack(torch.cat(codes), torch.cat(sz))
@@ -78,13 +83,11 @@ class Int4Projection:
 
     def dequantized(self) -> torch.Tensor:
         """float32 [out, in], as the kernel computes with it (the reference tests hold the kernel to)."""
-        from engine.quant.records import dequantize_int4pack
         return dequantize_int4pack(self._buf, self.out_features, self.in_features, self.group)
 
 
 def int4_fits(parts: list[tuple[str, torch.Tensor]]) -> bool:
     """torch's CPU int4 operand tiles 64 output rows and reads 32-weight groups."""
-    from engine.quant.records import FOUR_BIT, INT4PACK_N
     return all(s in FOUR_BIT and block_shape(s, b)[0] % INT4PACK_N == 0 for s, b in parts)
 
 
@@ -96,10 +99,12 @@ def dense_projection(w, names: list[str], bias: torch.Tensor | None):
     if all(p is None for p in parts):
         return Projection(torch.cat([w.get(f"{n}.weight") for n in names]) if len(names) > 1
                           else w.get(f"{names[0]}.weight"), bias)
-    assert all(p is not None for p in parts), f"{names}: some kept as blocks, some as floats"
-    assert bias is None, f"{names}: block-quantized projections carry no bias"
+    if any(p is None for p in parts):
+        raise CheckpointError(f"{', '.join(names)}: some kept as GGUF blocks, some as float weights (one projection "
+                              "takes one form)")
+    if bias is not None:
+        raise CheckpointError(f"{', '.join(names)}: a bias beside GGUF blocks (engine convert writes none)")
     if torch.device(w.device).type == "cpu" and int4_fits(parts):
         return Int4Projection(parts)
-    from engine.quant.records import dequantize_matrix
     dense = [dequantize_matrix(s, b.reshape(-1), *block_shape(s, b)) for s, b in parts]
     return Projection(torch.cat(dense).to(device=w.device, dtype=w.dtype))

@@ -259,3 +259,33 @@ def test_attention_blocks_keep_the_ggufs_bytes_and_the_cpu_computes_what_they_ho
         a, b = m4.prefill(ids, 0, all_logits=True), mf.prefill(ids, 0, all_logits=True)
     agree = (a.argmax(-1) == b.argmax(-1)).float().mean()
     assert agree >= 0.85 and torch.nn.functional.cosine_similarity(a, b, dim=-1).min() > 0.98, agree
+
+
+def test_a_projection_half_in_blocks_half_in_floats_is_one_line_not_a_traceback(gguf):
+    """A checkpoint that keeps q as blocks and k as floats (no engine convert writes one) is refused as the
+    checkpoint's fault, naming the weights — as is a bias beside blocks — through the WeightSource contract."""
+    import numpy as np
+    import torch
+    from gguf import GGUFReader
+    from engine.checkpoint import CheckpointError
+    from engine.projection import dense_projection
+
+    t = {x.name: x for x in GGUFReader(str(gguf)).tensors}
+    q = torch.from_numpy(np.array(t["blk.0.attn_q.weight"].data, dtype=np.uint8))
+
+    class Weights:                              # the loader's CheckpointWeights contract over two tensors
+        device, dtype = torch.device("cpu"), torch.float32
+
+        def blocks(self, name):
+            return ("q4_1", q) if name.endswith("q_proj") else None
+
+        def get(self, name):
+            return torch.zeros(192, 576)
+
+    with pytest.raises(CheckpointError, match="q_proj, k_proj: some kept as GGUF blocks, some as float weights"):
+        dense_projection(Weights(), ["q_proj", "k_proj"], None)
+    with pytest.raises(CheckpointError, match="a bias beside GGUF blocks"):
+        dense_projection(Weights(), ["q_proj"], torch.zeros(576))
+    with pytest.raises(CheckpointError, match="uint8 \\[out, row bytes\\]"):
+        from engine.projection import block_shape
+        block_shape("q4_1", q[:, :-3])
