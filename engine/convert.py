@@ -31,7 +31,8 @@ from pathlib import Path
 
 from engine.errors import EngineError, Exit
 from engine.experts import DTYPES
-from engine.projection import BLOCKS_SUFFIX
+from engine.projection import BLOCK_SCHEMES, BLOCKS_SUFFIX
+from engine.quant.gguf import GGUF_TYPES
 from engine.store import model_manifest
 
 GGUF_SHA256_KEY = "kiln_source_gguf_sha256"   # config.json: the GGUF a checkpoint without experts came from
@@ -48,7 +49,7 @@ _BLOCK = {
 }
 _MLP = {"ffn_gate": "w1", "ffn_down": "w2", "ffn_up": "w3"}      # Mixtral: w1 gate, w2 down, w3 up
 _ATTENTION = ("attn_q", "attn_k", "attn_v", "attn_output")
-_KEPT_BLOCKS = {"Q4_1": "q4_1", "Q4_K": "q4_k"}     # --attention-blocks: the GGML types kept (the CPU int4 kernel's)
+_KEPT_BLOCKS = {g: s for g, s in GGUF_TYPES.items() if s in BLOCK_SCHEMES}   # --attention-blocks: GGML type -> scheme
 _GLOBAL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 

@@ -16,8 +16,7 @@ from engine.experts import DTYPES, ExpertProvider
 from engine.kv_cache import KVCache
 from engine.models import model_class
 from engine.models.common import MoEModel
-from engine.projection import BLOCKS_SUFFIX
-from engine.quant.records import FOUR_BIT, GGUF_BLOCK
+from engine.projection import BLOCK_SCHEMES, BLOCKS_SUFFIX
 from engine.runtime import EngineConfig
 
 DEFAULT_MAX_CONTEXT = 4096      # the KV cache is preallocated: a 128k default would take tens of GB
@@ -42,9 +41,6 @@ def resolve_dtype(device: str | torch.device, dtype: str | torch.dtype | None, c
         names = ", ".join(str(d).removeprefix("torch.") for d in ALLOWED[kind])
         raise ValueError(f"dtype {str(dtype).removeprefix('torch.')} is not supported on {kind} ({names})")
     return dtype
-
-
-BLOCK_SCHEMES = [s for s in FOUR_BIT if s in GGUF_BLOCK]      # the GGUF block schemes a dense weight is kept in
 
 
 class CheckpointWeights:

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.checkpoint import CheckpointError
+from engine.quant.gguf import GGUF_TYPES
 from engine.quant.records import (FOUR_BIT, GGUF_BLOCK, INT4PACK_N, affine4, dequantize_int4pack, dequantize_matrix,
                                   int4pack_operands, to_int4pack)
 
@@ -42,6 +43,8 @@ class Projection:
 # ---------------------------------------------------------------- a GGUF's own 4-bit blocks
 
 BLOCKS_SUFFIX = "blocks_"      # checkpoint tensor `<name>.blocks_<scheme>`: a GGUF's raw blocks, uint8 [out, row bytes]
+# The GGUF block schemes a dense weight is kept in: the 4-bit ones, which the CPU int4 kernel reads.
+BLOCK_SCHEMES = tuple(s for s in GGUF_TYPES.values() if s in FOUR_BIT)
 
 
 def block_shape(scheme: str, blocks: torch.Tensor) -> tuple[int, int]:
