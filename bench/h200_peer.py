@@ -449,6 +449,18 @@ KILN_RUNS = {"bf16": {"all_gpu": "resident", "budget": "tiered_24gb"},
              "q4": {"all_gpu": "resident_int4", "budget": "budget_24gb_int4"}}
 
 
+def merge_kiln(paths: list[Path]) -> dict | None:
+    """The runs of several h200_served JSONs (one device call rarely holds every config), each file named."""
+    if not paths:
+        return None
+    runs, sources = {}, []
+    for p in paths:
+        d = json.loads(p.read_text())
+        runs.update(d.get("runs", {}))
+        sources.append({"file": str(p), "date": d.get("date"), "command": d.get("command"), "runs": sorted(d.get("runs", {}))})
+    return {"runs": runs, "sources": sources}
+
+
 def kiln_side(kiln: dict | None, run: str) -> dict | None:
     """Kiln's served figures of that run (in-process where it was not served)."""
     if not kiln:
@@ -459,7 +471,7 @@ def kiln_side(kiln: dict | None, run: str) -> dict | None:
 
 def report(args) -> dict:
     phases = load_phases([Path(p) for p in args.from_])
-    kiln = json.loads(Path(args.kiln).read_text()) if args.kiln else None
+    kiln = merge_kiln([Path(k) for k in args.kiln])
     rows, targets = [], {}
     for quant in ("bf16", "q4"):
         bench = phases.get(f"bench-{quant}", {}).get("llama_bench", {})
@@ -490,7 +502,7 @@ def report(args) -> dict:
     out = {"date": str(date.today()), "command": " ".join(["python3"] + sys.argv),
            "phases": {p: {k: v for k, v in d.items() if k not in ("llama_bench", "llama_server")} for p, d in phases.items()},
            "rows": rows,
-           "kiln_source": {"file": args.kiln, "date": kiln.get("date"), "command": kiln.get("command")} if kiln else None,
+           "kiln_source": kiln["sources"] if kiln else None,
            "targets": {**targets, "required": {"budget_kiln_over_llama_decode": ">= 1.5", "budget_kiln_over_llama_prefill_8k": ">= 1.0",
                                                "all_gpu_kiln_over_llama_decode": ">= 1.0"}}}
 
@@ -545,7 +557,8 @@ def main():
     ap.add_argument("--extra-n-cpu-moe", type=parse_extra, default={}, help="more llama-bench runs, e.g. bf16=7")
     ap.add_argument("--serve-extras", action="store_true", help="also serve the --extra-n-cpu-moe runs")
     ap.add_argument("--from", dest="from_", nargs="*", default=[], help="report: phase JSON files or folders")
-    ap.add_argument("--kiln", help="report: Kiln's served JSON (bench/h200_served.py) to stand beside")
+    ap.add_argument("--kiln", nargs="*", default=[],
+                    help="report: Kiln's served JSONs (bench/h200_served.py) to stand beside; a run in a later file wins")
     ap.add_argument("--out", help="report: the merged JSON")
     args = ap.parse_args()
     args.no_repack = args.no_repack or args.tiny

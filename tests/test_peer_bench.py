@@ -101,13 +101,16 @@ def test_the_report_sets_each_placement_beside_kilns(tmp_path, capsys):
     phase_file(two, "serve-bf16", {"budget_24gb": {"n_cpu_moe": 8}, "llama_server": serve})
     phase_file(two, "bench-q4", {"budget_24gb": {"n_cpu_moe": 0},
                                  "llama_bench": {"all_gpu": {"n_cpu_moe": 0, "decode_tps": 500.0}}})
-    kiln = tmp_path / "kiln.json"
-    kiln.write_text(json.dumps({"date": "d", "command": "c", "runs": {
-        "resident": {"served": {"decode_tps": 200.0, "prefill_tps": 3000.0}},
-        "tiered_24gb": {"served": {"decode_tps": 150.0, "prefill_tps": 2400.0}},
+    # two of Kiln's served files (one device call rarely holds every config): a run in the later one wins
+    kiln, kiln4 = tmp_path / "kiln.json", tmp_path / "kiln-int4.json"
+    kiln4.write_text(json.dumps({"date": "d", "command": "c4", "runs": {
+        "resident": {"served": {"decode_tps": 1.0, "prefill_tps": 1.0}},
         "resident_int4": {"inprocess": {"decode_tps": 250.0, "prefill_tps": 1.0}},
         "budget_24gb_int4": {"inprocess": {"decode_tps": 400.0, "prefill_tps": 1.0}}}}))
-    args = type("A", (), {"from_": [str(one), str(two)], "kiln": str(kiln)})()
+    kiln.write_text(json.dumps({"date": "d", "command": "c", "runs": {
+        "resident": {"served": {"decode_tps": 200.0, "prefill_tps": 3000.0}},
+        "tiered_24gb": {"served": {"decode_tps": 150.0, "prefill_tps": 2400.0}}}}))
+    args = type("A", (), {"from_": [str(one), str(two)], "kiln": [str(kiln4), str(kiln)]})()
     out = peer.report(args)
     q4 = [r for r in out["rows"] if r["quant"] == "q4"]
     rows = {r["run"]: r for r in out["rows"] if r["quant"] == "bf16"}
@@ -123,6 +126,8 @@ def test_the_report_sets_each_placement_beside_kilns(tmp_path, capsys):
     assert t["bf16_all_gpu_kiln_over_llama_bench_decode"] == 0.5
     assert (t["q4_all_gpu_kiln_over_llama_bench_decode"], t["q4_budget_kiln_over_llama_bench_decode"]) == (0.5, 0.8)
     assert "| bf16 | n_cpu_moe_8_budget (24 GB budget) | 8 | 100.0 |" in capsys.readouterr().out
+    assert [s["runs"] for s in out["kiln_source"]] == [["budget_24gb_int4", "resident", "resident_int4"],
+                                                       ["resident", "tiered_24gb"]]
 
 
 @pytest.mark.parametrize("argv, message", [
