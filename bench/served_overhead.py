@@ -39,23 +39,27 @@ from engine.server.app import create_app
 sys.path.insert(0, sys.argv[5])
 from served_overhead import gpu_double
 llm = gpu_double(LLM.load(sys.argv[2], device="cpu", max_context=4096, max_batch=4, threads=1), float(sys.argv[3]),
-                 float(sys.argv[6]))
+                 float(sys.argv[6]), int(sys.argv[7]))
 uvicorn.run(create_app(llm, served_name="double"), host="127.0.0.1", port=int(sys.argv[4]), log_level="warning")
 """
 
 
-def gpu_double(llm, step_s: float, host_s: float = 0.0):
-    """llm with a decode step that first runs host_s of Python (the GIL held: building the step's inputs and
-    launching its graph), then waits the rest of step_s (time.sleep releases the GIL, as a CUDA sync does),
-    and returns fixed logits: one token, greedy, for every sequence."""
+def gpu_double(llm, step_s: float, host_s: float = 0.0, releases: int = 0):
+    """llm with a decode step that first runs host_s of Python (building the step's inputs and launching its
+    graph), in `releases` + 1 slices with the GIL let go between them (each torch op's dispatch releases and
+    retakes it: another thread waiting for it runs there), then waits the rest of step_s (time.sleep releases
+    the GIL, as a CUDA sync does), and returns fixed logits: one token, greedy, for every sequence."""
     import torch
     logits = torch.zeros(llm.max_batch, llm.model.cfg.vocab_size)
     logits[:, 300 % llm.model.cfg.vocab_size] = 1.0
 
     def decode_step(tokens, slots, positions):
         t0 = time.perf_counter()
-        while time.perf_counter() - t0 < host_s:
-            pass
+        for i in range(releases + 1):
+            if i:
+                time.sleep(0)               # the GIL let go and retaken
+            while time.perf_counter() - t0 < host_s * (i + 1) / (releases + 1):
+                pass
         time.sleep(max(0.0, step_s - (time.perf_counter() - t0)))
         return logits[:len(slots)].clone()
     llm.model.decode_step = decode_step
@@ -79,6 +83,8 @@ def main():
                     help="the double's step times (H200 resident: 2.07 ms at 1 stream, 3.5 at 4)")
     ap.add_argument("--host-ms", type=float, default=0.5,
                     help="of each step, the Python the host runs with the GIL held before it waits")
+    ap.add_argument("--releases", type=int, default=0,
+                    help="times the host work lets the GIL go (torch ops do, at each call) before it waits")
     ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", type=Path, required=True)
@@ -94,14 +100,14 @@ def main():
                             text=True).stdout.strip()
     out = {"what": __doc__.splitlines()[0], "command": "python3 bench/served_overhead.py " + " ".join(sys.argv[1:]),
            "date": time.strftime("%Y-%m-%d %H:%M"), "tree": str(tree), "commit": commit, "cpus": os.cpu_count(),
-           "double": f"decode_step runs {args.host_ms} ms of Python (GIL held), sleeps the rest of step_ms (GIL "
+           "double": f"decode_step runs {args.host_ms} ms of Python (GIL let go {args.releases} times), sleeps the rest of step_ms (GIL "
                      "released) and returns fixed logits: a GPU's host work and wait, no compute",
            "runs": {}}
     with tempfile.TemporaryDirectory() as d:
         model = make_tiny_checkpoint("qwen3_moe", Path(d) / "model", vocab_size=4096)
         for ms in args.step_ms:
             llm = gpu_double(LLM.load(model, device="cpu", max_context=4096, max_batch=4, threads=1), ms / 1e3,
-                             args.host_ms / 1e3)
+                             args.host_ms / 1e3, args.releases)
             vocab = llm.model.cfg.vocab_size
 
             def inproc(prompt, n, temp, seed):
@@ -110,7 +116,7 @@ def main():
             port = free_port()
             base, log = f"http://127.0.0.1:{port}", Path(d) / f"serve-{ms}.log"
             proc = subprocess.Popen([sys.executable, "-c", SERVER, str(tree), str(model), str(ms / 1e3), str(port),
-                                     str(REPO / "bench"), str(args.host_ms / 1e3)], stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                                     str(REPO / "bench"), str(args.host_ms / 1e3), str(args.releases)], stdout=open(log, "w"), stderr=subprocess.STDOUT,
                                     start_new_session=True)
             rounds = []
             try:
