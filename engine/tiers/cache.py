@@ -209,5 +209,12 @@ class ExpertCache:
         self.policy.access(key)
         return slot, evicted
 
+    def discard(self, key) -> None:
+        """Let `key`'s slot go (free for the next admit), if it is resident; not an eviction."""
+        slot = self._slot.pop(key, None)
+        if slot is not None:
+            self.policy.remove(key)
+            self._free.append(slot)
+
     def resident(self) -> Iterable:
         return self._slot.keys()

@@ -165,6 +165,8 @@ class TieredExperts:
             "store_reads": r.reads,
             "read_seconds": round(r.seconds, 4),
             "pcie_bytes": self.gpu.copy_bytes if self.gpu is not None else 0,
+            "writebacks": self.gpu.writebacks if self.gpu is not None else 0,
+            "writeback_bytes": self.gpu.writebacks * self.layout.record_bytes if self.gpu is not None else 0,
             "host_seconds": round(self.host_seconds, 4),
             "tiers": tiers,
             "policy": self.ram.cache.policy.name,

@@ -252,3 +252,34 @@ def test_the_cpu_lane_runs_on_its_own_thread_pinned_to_the_lane_cpus():
         assert os.sched_getaffinity(0) != {cpu} or len(os.sched_getaffinity(0)) == 1   # the caller is not pinned
     finally:
         lane.close()
+
+
+def test_the_ram_tier_keeps_what_the_gpu_tier_evicts_so_each_record_is_read_once(lane_store):
+    """24 slot-tier + 25 RAM slots over the 48-record store (one to swap through: a slot's victim is written
+    back before the record taking its slot leaves RAM): the two tiers hold every record between them when the
+    RAM tier keeps what the slot tier lacks (a record copied up leaves RAM; one evicted from a slot is written
+    back). A long decode then reads each record from the store at most once — with a RAM tier that
+    only caches what it last fetched (the slot tier's own recent records), the slot tier's victims went back
+    to the store. Tokens stay the reference's."""
+    from engine.loader import load_model
+    from engine.store import manifest as mf
+    from engine.tiers import build_provider
+    from engine.tiers.tiered import TieredExperts
+    ck, store = lane_store
+    prompt = [(31 * i + 7) % 300 for i in range(48)]
+    with torch.inference_mode():
+        ref = load_model(ck, provider=build_provider(ck, None), device="cpu", max_context=128)
+        want = _greedy(ref, prompt, 40)
+        prov = TieredExperts(mf.load(store), store, device="cpu", gpu_slots=24, ram_slots=25, readers=2)
+        try:
+            model = load_model(ck, provider=prov, device="cpu", max_context=128)
+            got = _greedy(model, prompt, 40)
+            c = prov.counters()
+            ram_keys, slot_keys = set(prov.ram.cache.resident()), set(prov.gpu.cache.resident())
+        finally:
+            prov.close()
+    assert got == want
+    assert c["tiers"]["gpu"]["evictions"] > 0 and c["writebacks"] > 0       # the slot tier did turn over
+    assert c["store_reads"] <= 48, c["store_reads"]
+    assert c["writeback_bytes"] == c["writebacks"] * mf.load(store).record_bytes
+    assert not ram_keys & slot_keys                                          # no record held twice
