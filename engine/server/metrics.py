@@ -42,6 +42,7 @@ class _EngineCollector:
         for key, name, doc in (
                 ("store_read_bytes", "kiln_store_read_bytes", "Bytes read from the expert store"),
                 ("pcie_bytes", "kiln_pcie_bytes", "Bytes copied from the RAM tier into GPU expert slots"),
+                ("writeback_bytes", "kiln_writeback_bytes", "Bytes of evicted GPU-slot records copied back into the RAM tier"),
                 ("prompt_tokens_total", "kiln_prompt_tokens", "Prompt tokens prefilled"),
                 ("generation_tokens_total", "kiln_generation_tokens", "Tokens generated"),
                 ("decode_graph_replays", "kiln_decode_graph_replays", "Decode steps replayed from CUDA graphs"),

@@ -264,6 +264,8 @@ def test_the_ram_tier_keeps_what_the_gpu_tier_evicts_so_each_record_is_read_once
     from engine.loader import load_model
     from engine.store import manifest as mf
     from engine.tiers import build_provider
+    from prometheus_client.parser import text_string_to_metric_families
+    from engine.server.metrics import Metrics
     from engine.tiers.tiered import TieredExperts
     ck, store = lane_store
     prompt = [(31 * i + 7) % 300 for i in range(48)]
@@ -275,6 +277,7 @@ def test_the_ram_tier_keeps_what_the_gpu_tier_evicts_so_each_record_is_read_once
             model = load_model(ck, provider=prov, device="cpu", max_context=128)
             got = _greedy(model, prompt, 40)
             c = prov.counters()
+            text = Metrics(prov.counters).render().decode()
             ram_keys, slot_keys = set(prov.ram.cache.resident()), set(prov.gpu.cache.resident())
         finally:
             prov.close()
@@ -283,3 +286,5 @@ def test_the_ram_tier_keeps_what_the_gpu_tier_evicts_so_each_record_is_read_once
     assert c["store_reads"] <= 48, c["store_reads"]
     assert c["writeback_bytes"] == c["writebacks"] * mf.load(store).record_bytes
     assert not ram_keys & slot_keys                                          # no record held twice
+    samples = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    assert samples["kiln_writeback_bytes_total"] == c["writeback_bytes"] > 0

@@ -449,6 +449,7 @@ def test_serve_command_end_to_end(qwen_dir, tmp_path):
             assert metric(c, "kiln_expert_served_total", {"tier": "store"}) > 0
             assert metric(c, "kiln_expert_provider", {"provider": "tiered"}) == 1
             assert metric(c, "kiln_pcie_bytes_total") == 0                     # no GPU: nothing crosses PCIe
+            assert metric(c, "kiln_writeback_bytes_total") == 0
             # per lane: the CPU computes every pick, the disk lane read them, nothing on the GPU or PCIe lanes
             assert metric(c, "kiln_lane_picks_total", {"lane": "cpu"}) > 0
             assert metric(c, "kiln_lane_bytes_total", {"lane": "disk"}) == metric(c, "kiln_store_read_bytes_total")
