@@ -3,8 +3,8 @@
   python3 bench/tier_exclusivity.py --out bench/results/tier_exclusivity.json
   python3 bench/tier_exclusivity.py --tree /tmp/old-checkout --out /tmp/before.json   # another tree's engine
 
-The H200's 24 GB-budget run served 17 % of its picks from the store although its 2,149 GPU + 1,820 RAM slots
-exceed the 3,072 records: the RAM tier cached what it last fetched, i.e. the GPU slots' own recent records.
+The H200's 24 GB-budget run read 3,544 of its 3,671 GPU-slot misses from the store although its 2,149 GPU +
+1,820 RAM slots exceed the 3,072 records: the RAM tier cached what it last fetched, i.e. the GPU slots' own recent records.
 This bench drives the real TieredExperts (a CPU "device" with a slot tier in host memory, the same code as
 on CUDA but memcpy for copies; real O_DIRECT store reads) through a greedy decode of a random qwen3_moe
 checkpoint (tests/fixtures/tiny_models: 4 layers x 64 experts, top-8, so routing spreads), with the tiers
