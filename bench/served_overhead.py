@@ -89,15 +89,12 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
-    tree = args.tree.resolve()
-    sys.path.insert(0, str(tree))
-    from engine.llm import LLM, SamplingParams      # the tree's engine, imported before anything of this repo's
-    sys.path.insert(1, str(REPO))
+    sys.path.insert(0, str(REPO))
+    from bench.trees import engine_from
+    tree, commit = engine_from(args.tree)
+    from engine.llm import LLM, SamplingParams      # the tree's engine
     from bench.h200_served import completions_client, free_port, stop, wait_ready
     from tests.fixtures.tiny_models import make_tiny_checkpoint
-
-    commit = subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip()
     out = {"what": __doc__.splitlines()[0], "command": "python3 bench/served_overhead.py " + " ".join(sys.argv[1:]),
            "date": time.strftime("%Y-%m-%d %H:%M"), "tree": str(tree), "commit": commit, "cpus": os.cpu_count(),
            "double": f"decode_step runs {args.host_ms} ms of Python (GIL let go {args.releases} times), sleeps the rest of step_ms (GIL "

@@ -17,7 +17,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -60,15 +59,13 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
-    tree = args.tree.resolve()
-    sys.path.insert(0, str(tree))
+    sys.path.insert(0, str(REPO))
+    from bench.trees import engine_from
+    tree, commit = engine_from(args.tree)
     import torch
-    from engine.store.pack import pack_store                 # the tree's engine, before anything of this repo's
-    sys.path.insert(1, str(REPO))
+    from engine.store.pack import pack_store                 # the tree's engine
     from tests.fixtures.tiny_models import make_tiny_checkpoint
     torch.set_num_threads(1)
-    commit = subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip()
     # (gpu, ram) slots over 256 records: slot + RAM = records + 8, split three ways; and a RAM tier that alone
     # holds everything (the store is read once whatever the policy: the bound's own check)
     sizes = [(64, 200), (128, 136), (192, 72), (64, 256)]
