@@ -28,6 +28,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+from bench.trees import parse_with_tree  # noqa: E402
 
 # The served child: the tree's LLM and app, its decode step replaced by the GPU double.
 SERVER = """
@@ -78,7 +80,6 @@ def one_round(make, vocab: int, steps: int) -> tuple[float, float]:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tree", type=Path, default=REPO, help="the checkout whose engine is measured")
     ap.add_argument("--step-ms", type=float, nargs="+", default=[2.0, 3.5],
                     help="the double's step times (H200 resident: 2.07 ms at 1 stream, 3.5 at 4)")
     ap.add_argument("--host-ms", type=float, default=0.5,
@@ -86,12 +87,7 @@ def main():
     ap.add_argument("--releases", type=int, default=0,
                     help="times the host work lets the GIL go (torch ops do, at each call) before it waits")
     ap.add_argument("--steps", type=int, default=150)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--out", type=Path, required=True)
-    args = ap.parse_args()
-    sys.path.insert(0, str(REPO))
-    from bench.trees import engine_from
-    tree, commit = engine_from(args.tree)
+    args, tree, commit = parse_with_tree(ap)
     from engine.llm import LLM, SamplingParams      # the tree's engine
     from bench.h200_served import completions_client, free_port, stop, wait_ready
     from tests.fixtures.tiny_models import make_tiny_checkpoint

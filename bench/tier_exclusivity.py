@@ -23,6 +23,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+from bench.trees import parse_with_tree  # noqa: E402
 
 
 def run(ck: Path, store: Path, gpu_slots: int, ram_slots: int, prompt: list[int], tokens: int) -> dict:
@@ -54,14 +56,8 @@ def run(ck: Path, store: Path, gpu_slots: int, ram_slots: int, prompt: list[int]
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tree", type=Path, default=REPO, help="the checkout whose engine is measured")
     ap.add_argument("--tokens", type=int, default=96)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--out", type=Path, required=True)
-    args = ap.parse_args()
-    sys.path.insert(0, str(REPO))
-    from bench.trees import engine_from
-    tree, commit = engine_from(args.tree)
+    args, tree, commit = parse_with_tree(ap)
     import torch
     from engine.store.pack import pack_store                 # the tree's engine
     from tests.fixtures.tiny_models import make_tiny_checkpoint

@@ -1,6 +1,7 @@
 """Benches that measure another checkout's engine (`--tree DIR`, e.g. the commit before a change) beside this one."""
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
 from pathlib import Path
@@ -23,3 +24,12 @@ def engine_from(tree: Path) -> tuple[Path, str]:
     dirty = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True,
                            text=True).stdout.strip()
     return tree, commit + ("+dirty" if dirty else "")
+
+
+def parse_with_tree(ap: argparse.ArgumentParser) -> tuple[argparse.Namespace, Path, str]:
+    """ap's own options plus --tree, --rounds and --out, parsed; then engine_from(--tree) → (args, tree, commit)."""
+    ap.add_argument("--tree", type=Path, default=REPO, help="the checkout whose engine is measured")
+    ap.add_argument("--rounds", type=int, default=3, help="alternating rounds; medians")
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args()
+    return (args, *engine_from(args.tree))
