@@ -86,6 +86,23 @@ def test_a_store_built_from_other_inputs_is_rebuilt_not_reused(setup):
     assert json.loads(tool("prepare", "tiny-moe", "--state-dir", str(state), "--json", env=env).stdout)["status"] == "skipped"
 
 
+def test_a_recipe_whose_store_size_understates_what_prepare_wrote_is_told(setup):
+    """store.size_bytes is the disk need preflight checks; prepare measures what it wrote and says when the
+    recipe understates it (the store is still published: the recipe's claim, not the store, is wrong)."""
+    env, state, store = setup
+    fine = tool("prepare", "tiny-moe", "--state-dir", str(state), env=env)
+    assert fine.returncode == 0 and "note:" not in fine.stdout, fine.stdout
+    used = sum(f.stat().st_size for f in store.rglob("*") if f.is_file()) - (store / ".kiln-prepared.json").stat().st_size
+    path = Path(env["KILN_RECIPES"]) / "cpu" / "any" / RECIPE.name
+    data = json.loads(path.read_text())
+    data["store"]["size_bytes"] = 4096
+    path.write_text(json.dumps(data, indent=2) + "\n")
+    r = tool("prepare", "tiny-moe", "--state-dir", str(state), "--force", env=env)
+    assert r.returncode == 0, r.stderr
+    assert (f"prepared, verified and published; note: it takes {used} bytes, more than the recipe's store.size_bytes "
+            "4096 (the disk need preflight checks): raise it") in r.stdout, r.stdout
+
+
 def test_a_failing_prepare_leaves_the_published_store_as_it_was(setup):
     env, state, store = setup
     assert tool("prepare", "tiny-moe", "--state-dir", str(state), env=env).returncode == 0

@@ -200,6 +200,17 @@ def restore_aside(final: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+def size_note(recipe, staged: Path) -> str:
+    """Where what prepare wrote exceeds the recipe's store.size_bytes (the disk need preflight counts): a note
+    naming both, so the recipe can be corrected; empty when it fits."""
+    declared = (recipe.get("store") or {}).get("size_bytes")
+    used = sum(f.stat().st_size for f in staged.rglob("*") if f.is_file() and not f.is_symlink())
+    if declared is None or used <= declared:
+        return ""
+    return (f"; note: it takes {used} bytes, more than the recipe's store.size_bytes {declared} "
+            f"(the disk need preflight checks): raise it")
+
+
 def inputs_hash(recipe) -> str:
     """What a prepared store is a function of: the weights, the runtime (image, program) and the prepare step."""
     inputs = {k: recipe.get(k) for k in ("weights", "runtime")} | {"prepare": (recipe.get("steps") or {}).get("prepare")}
@@ -261,9 +272,10 @@ def prepare(recipe, dirs: Dirs, force: bool = False, log=None, plan: dict | None
         if report.status not in ("ok", "none"):
             raise KilnError(f"{recipe.id}: the prepared store does not verify ({report.detail}); nothing published",
                             report.exit_code if report.exit_code != Exit.OK else Exit.INTEGRITY)
+        note = size_note(recipe, staged)
         store_marker.write(staged, recipe.id, inputs)      # the manifests' sha256 as verified, beside the inputs
         publish(staged, final)
     finally:
         shutil.rmtree(staging_root, ignore_errors=True)
-    return PrepareResult("prepared", final, f"{final}: prepared, verified and published{rebuilt}",
+    return PrepareResult("prepared", final, f"{final}: prepared, verified and published{rebuilt}{note}",
                          time.monotonic() - t0)
