@@ -1,7 +1,7 @@
 """A PROJECTION, not a measurement: Kiln on the full 48-layer Qwen3-30B-A3B on a 3090 box (24 GB card, PCIe 4.0 x16,
 64 GiB RAM, the seed's NVMe array), from per-lane rates measured on the H200 machine and the box's published figures.
 
-  python3 bench/projection_3090.py [--served bench/results/2026-12-01-h200-served.json]
+  python3 bench/projection_3090.py [--served bench/results/2026-12-01-h200-served-cpu-lane.json]
       [--quant bench/results/quant_gpu_kernels.json] [--out bench/results/<date>-projection-3090.json]
 
 Model of one decode token (the lane bound of ANCHORS.md, lanes overlapped):
@@ -13,9 +13,9 @@ Bytes per token from the 24-layer checkpoint's measured sizes, doubled where the
 Kiln's formula (24 GiB - non-expert weights - KV of 4 x 8,704 tokens - 1.5 GiB workspace) on 48 layers.
 Routing: uniform (each pick lands in a tier in proportion to its size: the cache's worst case, random weights' case)
 and the seed's measured split on its own 3090 box (39 % VRAM, 54 % RAM, 7 % NVMe; another model, GLM-5.3-Flash).
-Engines: Kiln as it is (every pick computed on the GPU, a miss copied over PCIe; the RAM tier holds what passed
-through it, so it duplicates the GPU's slots) and with issue 15's CPU lane (picks resident in RAM computed on the
-CPU; the RAM tier holds what the GPU does not).
+Engines: Kiln with every pick computed on the GPU (a miss copied over PCIe) and with issue 15's CPU lane (picks
+resident in RAM computed on the CPU); either way the RAM tier holds what the GPU does not (the tiers are exclusive:
+engine/tiers/gpu.py; before that the RAM tier held what passed through it, duplicating the GPU's slots).
 """
 from __future__ import annotations
 
@@ -88,16 +88,12 @@ def project(x: dict, box: dict = BOX) -> dict:
         t_fixed = L * (fixed_layer + extra_layer[q])
         routings = {"uniform": None, "seed_split": SEED_SPLIT} if gpu_slots < records else {"all_resident": None}
         for routing, split in routings.items():
-            for engine in ("kiln_today", "with_cpu_lane") if gpu_slots < records else ("resident",):
+            for engine in ("gpu_computes", "with_cpu_lane") if gpu_slots < records else ("resident",):
                 if engine == "resident":
                     p = {"gpu": 1.0, "ram": 0.0, "store": 0.0}
                 elif split:
                     p = dict(split)
-                elif engine == "kiln_today":          # inclusive tiers: the RAM tier also holds the GPU's experts
-                    p_gpu = gpu_slots / records
-                    p_store = max(0.0, 1 - ram_slots / records)
-                    p = {"gpu": p_gpu, "ram": 1 - p_gpu - p_store, "store": p_store}
-                else:                                 # exclusive: RAM holds what the GPU does not
+                else:                                 # exclusive tiers: RAM holds what the GPU does not
                     p_gpu = gpu_slots / records
                     p_ram = min(ram_slots, records - gpu_slots) / records
                     p = {"gpu": p_gpu, "ram": p_ram, "store": max(0.0, 1 - p_gpu - p_ram)}
@@ -120,7 +116,7 @@ def project(x: dict, box: dict = BOX) -> dict:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--served", default=str(REPO / "bench" / "results" / "2026-12-01-h200-served.json"))
+    ap.add_argument("--served", default=str(REPO / "bench" / "results" / "2026-12-01-h200-served-cpu-lane.json"))
     ap.add_argument("--quant", default=str(REPO / "bench" / "results" / "quant_gpu_kernels.json"))
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / f"{date.today()}-projection-3090.json"))
     args = ap.parse_args()

@@ -13,7 +13,7 @@ RESULTS = REPO / "bench" / "results"
 
 
 def projected():
-    served = json.loads((RESULTS / "2026-12-01-h200-served.json").read_text())
+    served = json.loads((RESULTS / "2026-12-01-h200-served-cpu-lane.json").read_text())
     quant = json.loads((RESULTS / "quant_gpu_kernels.json").read_text())
     x = proj.inputs(served, quant)
     return x, proj.project(x)
@@ -32,7 +32,7 @@ def test_the_budget_is_kilns_formula_on_48_layers():
 def test_each_lane_is_bytes_over_its_rate():
     _, res = projected()
     rows = {(r["quant"], r["routing"], r["engine"]): r for r in res["rows"]}
-    today = rows[("bf16", "uniform", "kiln_today")]
+    today = rows[("bf16", "uniform", "gpu_computes")]
     miss = 1 - res["budget"]["bf16_gpu_slots"] / 6144
     assert abs(today["lane_seconds_per_token"]["pcie"] - miss * 48 * 8 * 9437184 / 25e9) < 1e-6
     assert today["binding_lane"] == "pcie"
