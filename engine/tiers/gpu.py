@@ -64,6 +64,7 @@ class GpuTier:
         self.copy_bytes = 0
         self.copies = 0
         self.writebacks = 0                  # evicted records copied back into the RAM tier
+        self.landing: set = set()            # keys whose write-back into RAM may still be in flight (CUDA)
         self._copy_seconds = 0.0
         self._timed: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []    # copy batches not yet timed
 
@@ -129,6 +130,8 @@ class GpuTier:
             return
         rslot, _ = ram.cache.admit(evicted, keep)
         ram.arena.tensor(rslot, self.layout.dtype).copy_(self.data[slot], non_blocking=self.cuda)
+        if self.cuda:
+            self.landing.add(evicted)
         self.writebacks += 1
 
     @property
@@ -140,9 +143,17 @@ class GpuTier:
         return self._copy_seconds
 
     def synchronize_copies(self) -> None:
-        """The host waits for every copy issued so far (a RAM slot they read may then be refilled)."""
+        """The host waits for every copy issued so far (a RAM slot they read may then be refilled, and the
+        RAM slots written back hold their records)."""
         if self.cuda:
             self.copies_done.synchronize()
+        self.landing.clear()
+
+    def ready_in_ram(self, keys) -> None:
+        """Before the host reads these keys' RAM slots (the CPU lane): wait if a write-back may still be
+        filling one of them."""
+        if self.landing and not self.landing.isdisjoint(keys):
+            self.synchronize_copies()
 
     def wait_copies(self) -> None:
         """The compute stream waits for every copy issued so far (no host wait)."""

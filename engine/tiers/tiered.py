@@ -283,6 +283,8 @@ class TieredExperts:
         x, topk_ids, topk_weights = step
         ram_slots, _ = self.ram.fetch(layer, experts, ())
         keys = {ExpertKey(layer, e) for e in experts}
+        if self.gpu is not None:
+            self.gpu.ready_in_ram(keys)           # a record the GPU tier just wrote back may still be landing
         self.ram.held |= keys
         views = [self.layout.views(self.ram.arena.tensor(ram_slots[e], self.layout.dtype)) for e in experts]
         on_cpu = set(experts)
