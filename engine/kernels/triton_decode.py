@@ -233,10 +233,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     kv_len bounds the positions (the step's KV bucket: a fixed grid per CUDA graph). Returns [B, NH·HD]."""
     b, nh, hd = q.shape
     groups = nh // k_cache.shape[2]
-    # Split the keys so that a one-sequence decode still fills the GPU (32 heads x 1 program measured 14.8 us
-    # at 256 keys on the H200), the split count a power of two (the combine kernel's vector) and bounded.
-    splits = min(ATTN_MAX_SPLITS, triton.next_power_of_2(triton.cdiv(kv_len, ATTN_KEYS)))
-    chunk = triton.cdiv(triton.cdiv(kv_len, splits), ATTN_BLOCK) * ATTN_BLOCK
+    splits, chunk = attention_variant(kv_len)
     o = torch.empty(b, nh * hd, dtype=q.dtype, device=q.device)
     if splits == 1:
         part = ml = o
@@ -249,6 +246,31 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if splits > 1:
         _attention_combine_kernel[(b * nh,)](part, ml, o, HD=hd, SPLITS=splits, num_warps=1)
     return o
+
+
+def attention_variant(kv_len: int) -> tuple[int, int]:
+    """decode_attention's (SPLITS, CHUNK) at this KV bucket: its compiled variant. The keys are split so that a
+    one-sequence decode still fills the GPU (32 heads x 1 program measured 14.8 us at 256 keys on the H200), the
+    split count a power of two (the combine kernel's vector) and bounded."""
+    splits = min(ATTN_MAX_SPLITS, triton.next_power_of_2(triton.cdiv(kv_len, ATTN_KEYS)))
+    return splits, triton.cdiv(triton.cdiv(kv_len, splits), ATTN_BLOCK) * ATTN_BLOCK
+
+
+def warm_attention(k_cache: torch.Tensor, v_cache: torch.Tensor, kv_lens, *, num_heads: int, scale: float,
+                   window: int = 0) -> int:
+    """Compile decode_attention for every variant these KV buckets use, now: one launch each (one query of
+    zeros over slot 0's keys, the output dropped; nothing is written to the cache). Otherwise the first stream
+    to grow into a longer bucket stops mid-decode while Triton compiles (seen on the H200: ~14 % of a
+    5,000-token stream's samples, bench/results/2026-12-01-h200-served-profile.json). → variants launched."""
+    first: dict[tuple[int, int], int] = {}
+    for n in kv_lens:
+        first.setdefault(attention_variant(n), n)
+    dev = k_cache.device
+    q = torch.zeros(1, num_heads, k_cache.shape[-1], dtype=k_cache.dtype, device=dev)
+    zero = torch.zeros(1, dtype=torch.long, device=dev)
+    for n in first.values():
+        decode_attention(q, k_cache, v_cache, zero, zero, n, scale=scale, window=window)
+    return len(first)
 
 
 def softmax_topk(logits: torch.Tensor, top_k: int, renormalize: bool, out_dtype: torch.dtype):

@@ -13,6 +13,8 @@ the torch forms below are the same functions, used on the CPU, for prefill and w
 """
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -25,6 +27,8 @@ from engine.experts import ExpertProvider
 from engine.kernels import triton_decode
 from engine.kv_cache import KVCache, select
 from engine.projection import Projection, dense_projection
+
+log = logging.getLogger("engine.models")
 
 
 class WeightSource(Protocol):
@@ -145,6 +149,15 @@ def kv_bucket(need: int, max_len: int) -> int:
     plans in eager decode); the mask hides the keys past each sequence's position."""
     assert 0 < need <= max_len, f"{need} keys do not fit a KV cache of {max_len}"
     return min(max_len, max(MIN_KV_BUCKET, 1 << (need - 1).bit_length()))
+
+
+def kv_buckets(max_len: int) -> list[int]:
+    """Every bucket kv_bucket gives for a KV cache of max_len keys, shortest first."""
+    out, n = [], 1
+    while not out or out[-1] < max_len:
+        out.append(kv_bucket(n, max_len))
+        n = out[-1] + 1
+    return out
 
 
 @dataclass
@@ -270,6 +283,12 @@ class MoEModel(nn.Module):
             for l in range(cfg.num_layers))
         self.cos, self.sin = rotary_tables(cfg, kv.max_len, dtype, self.device)
         self.graphs = None              # engine.gpu.graphs.DecodeGraphs once use_cuda_graphs() is on
+        if self.fused_kernels:          # at load, not in the first long stream: Triton compiles each bucket's variant
+            t0 = time.perf_counter()
+            n = triton_decode.warm_attention(kv.k[0], kv.v[0], kv_buckets(kv.max_len), num_heads=cfg.num_heads,
+                                             scale=cfg.head_dim ** -0.5, window=cfg.sliding_window or 0)
+            log.info("decode attention: %d variants for %d KV buckets ready in %.1f s", n,
+                     len(kv_buckets(kv.max_len)), time.perf_counter() - t0)
 
     # per-architecture blocks
     def build_moe(self, w: WeightSource, layer: int) -> nn.Module:

@@ -156,3 +156,34 @@ def test_a_fused_decode_step_equals_the_torch_step(tiny_checkpoint, monkeypatch,
             assert torch.equal(a.argmax(-1).cpu(), b.argmax(-1).cpu())
             toks = b.argmax(-1).tolist()
             positions = [q + 1 for q in positions]
+
+
+def test_the_kv_buckets_are_every_length_a_decode_can_need():
+    from engine.models.common import kv_bucket, kv_buckets
+    for max_len in (96, 256, 300, 8704, 32768):
+        buckets = kv_buckets(max_len)
+        assert buckets == sorted(set(buckets)) and buckets[-1] == max_len
+        assert {kv_bucket(n, max_len) for n in range(1, max_len + 1)} == set(buckets)
+
+
+def test_a_fused_model_compiles_each_buckets_attention_at_load_and_writes_nothing(tiny_checkpoint, monkeypatch,
+                                                                                   caplog):
+    """decode_attention's variants (SPLITS, CHUNK) differ by KV bucket; a model on the fused kernels launches
+    each once at load, so a stream growing into a longer bucket does not stop to compile. The warm-up reads the
+    cache and leaves it as it was."""
+    import logging
+    from engine.loader import load_model
+    from engine.models.common import kv_buckets
+    if not CUDA:
+        monkeypatch.setattr(td, "serves_on", lambda device: True)
+    with caplog.at_level(logging.INFO, logger="engine.models"):
+        m = load_model(tiny_checkpoint("qwen3_moe"), device=DEV, dtype="float32", max_context=600, max_batch=2,
+                       cuda_graphs=False)
+    variants = {td.attention_variant(n) for n in kv_buckets(600)}
+    assert kv_buckets(600) == [256, 512, 600] and len(variants) == 3
+    assert "decode attention: 3 variants for 3 KV buckets ready in" in caplog.text
+    k, v = m.kv.k[0].clone(), m.kv.v[0].clone()
+    assert td.warm_attention(m.kv.k[0], m.kv.v[0], [256, 300, 512], num_heads=m.cfg.num_heads, scale=0.1) == 2
+    def same_bytes(a, b):                       # bitwise: an unwritten cache may hold NaN patterns
+        return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+    assert same_bytes(k, m.kv.k[0]) and same_bytes(v, m.kv.v[0])
