@@ -284,11 +284,11 @@ class MoEModel(nn.Module):
         self.cos, self.sin = rotary_tables(cfg, kv.max_len, dtype, self.device)
         self.graphs = None              # engine.gpu.graphs.DecodeGraphs once use_cuda_graphs() is on
         if self.fused_kernels:          # at load, not in the first long stream: Triton compiles each bucket's variant
-            t0 = time.perf_counter()
-            n = triton_decode.warm_attention(kv.k[0], kv.v[0], kv_buckets(kv.max_len), num_heads=cfg.num_heads,
+            t0, buckets = time.perf_counter(), kv_buckets(kv.max_len)
+            n = triton_decode.warm_attention(kv.k[0], kv.v[0], buckets, num_heads=cfg.num_heads,
                                              scale=cfg.head_dim ** -0.5, window=cfg.sliding_window or 0)
-            log.info("decode attention: %d variants for %d KV buckets ready in %.1f s", n,
-                     len(kv_buckets(kv.max_len)), time.perf_counter() - t0)
+            log.info("decode attention: %d variants for %d KV buckets ready in %.1f s", n, len(buckets),
+                     time.perf_counter() - t0)
 
     # per-architecture blocks
     def build_moe(self, w: WeightSource, layer: int) -> nn.Module:

@@ -82,14 +82,9 @@ class GpuTier:
             # chunk: pinning every GPU-pinned key there too could pin all of a small RAM tier.
             ram_slots, missed = ram.fetch(layer, chunk, ())
             from_store |= missed
-            keys = {e: ExpertKey(layer, e) for e in chunk}
             if not self.cuda:
                 t0 = time.perf_counter()
-                for i, e in enumerate(chunk):
-                    slot, evicted = self.cache.admit(keys[e], pinned)
-                    self._write_back(evicted, slot, ram, (keys[k] for k in chunk[i:]))
-                    self.data[slot].copy_(ram.arena.tensor(ram_slots[e], self.layout.dtype))
-                    self._leave_ram(keys[e], ram)
+                self._copy_up(layer, chunk, ram_slots, ram, pinned)
                 self._copy_seconds += time.perf_counter() - t0
             else:
                 compute = torch.cuda.current_stream(self.device)
@@ -97,11 +92,7 @@ class GpuTier:
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 with torch.cuda.stream(self.copy_stream):
                     start.record(self.copy_stream)
-                    for i, e in enumerate(chunk):
-                        slot, evicted = self.cache.admit(keys[e], pinned)
-                        self._write_back(evicted, slot, ram, (keys[k] for k in chunk[i:]))
-                        self.data[slot].copy_(ram.arena.tensor(ram_slots[e], self.layout.dtype), non_blocking=True)
-                        self._leave_ram(keys[e], ram)
+                    self._copy_up(layer, chunk, ram_slots, ram, pinned)
                     end.record(self.copy_stream)
                     self.copies_done.record(self.copy_stream)
                 self._timed.append((start, end))
@@ -110,29 +101,24 @@ class GpuTier:
             self.copies += len(chunk)
         return from_store
 
-    @staticmethod
-    def _leave_ram(key, ram) -> None:
-        """Exclusive tiers: `key` is in a slot now, so its RAM slot is free for the next write-back (on CUDA
-        one issued after this copy on the same stream: it is read before it is overwritten) or refill (which
-        waits for the copies). A CPU-lane job's key stays until the job is collected."""
-        if key not in ram.held:
-            ram.cache.discard(key)
-
-    def _write_back(self, evicted, slot: int, ram, keep) -> None:
-        """`evicted` left GPU slot `slot`: copy it into a RAM slot (evicting RAM's own victim, never a key in
-        `keep` — the chunk's records not yet copied up — or held) unless RAM has it or has no slot to spare.
-        On CUDA this runs on the copy stream, so it reads the slot before the next copy overwrites it and
-        after the copy that filled it; a refill of the RAM slot waits for it (synchronize_copies)."""
-        if evicted is None or evicted in ram.cache:
-            return
-        keep = ram.held.union(keep)
-        if len(keep) >= ram.cache.capacity:
-            return
-        rslot, _ = ram.cache.admit(evicted, keep)
-        ram.arena.tensor(rslot, self.layout.dtype).copy_(self.data[slot], non_blocking=self.cuda)
-        if self.cuda:
-            self.landing.add(evicted)
-        self.writebacks += 1
+    def _copy_up(self, layer: int, chunk: list[int], ram_slots: dict[int, int], ram, pinned: set) -> None:
+        """One chunk's copies RAM → GPU slot (on CUDA issued on the copy stream, the caller's context). Each
+        slot's evicted record is written back first (it is read before the copy overwrites it) into a RAM slot
+        none of the chunk's records not yet copied up holds; each record copied up then leaves RAM, so its
+        slot can take a later write-back (issued after this copy, on the same stream) or refill (which waits
+        for the copies: synchronize_copies)."""
+        waiting = {ExpertKey(layer, e) for e in chunk}
+        for e in chunk:
+            key = ExpertKey(layer, e)
+            slot, evicted = self.cache.admit(key, pinned)
+            if evicted is not None and (rslot := ram.slot_for(evicted, waiting)) is not None:
+                ram.arena.tensor(rslot, self.layout.dtype).copy_(self.data[slot], non_blocking=self.cuda)
+                if self.cuda:
+                    self.landing.add(evicted)
+                self.writebacks += 1
+            self.data[slot].copy_(ram.arena.tensor(ram_slots[e], self.layout.dtype), non_blocking=self.cuda)
+            waiting.discard(key)
+            ram.release(key)
 
     @property
     def copy_seconds(self) -> float:

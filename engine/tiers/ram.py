@@ -174,6 +174,22 @@ class RamTier:
         """How many more experts a fetch may admit besides `keys` without evicting a held key."""
         return self.cache.capacity - len(self.held | set(keys))
 
+    def release(self, key) -> None:
+        """`key` went up into a GPU slot: its RAM slot is free (the tiers are exclusive: engine.tiers.gpu),
+        unless a CPU-lane job holds it until collected."""
+        if key not in self.held:
+            self.cache.discard(key)
+
+    def slot_for(self, key, keep) -> int | None:
+        """A RAM slot for `key`, a GPU slot's evicted record about to be written back (evicting RAM's own
+        victim, never a key in `keep` or held) → None when RAM has it already or no slot can be spared."""
+        if key in self.cache:
+            return None
+        keep = self.held | keep
+        if len(keep) >= self.cache.capacity:
+            return None
+        return self.cache.admit(key, keep)[0]
+
     def fetch(self, layer: int, experts: list[int], pinned) -> tuple[dict[int, int], set[int]]:
         """Make every expert of `experts` (at most `cache.capacity` of them) resident in RAM, reading the
         misses from the store all at once → ({expert: RAM slot}, the experts that came from the store).
