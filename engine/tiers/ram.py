@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import weakref
 from pathlib import Path
 
 import torch
@@ -105,6 +106,9 @@ class RamArena:
         self.bytes = torch.frombuffer(self._mm, dtype=torch.uint8)
         self._view = memoryview(self._mm)
         self._registered: list[int] = []
+        # Unregistered when the arena goes, closed or not: CUDA keeps a registration past the munmap, and the
+        # next mapping at that address then fails to register ("already mapped", error 712).
+        self._unregister = weakref.finalize(self, _unregister, self._registered)
         if pin_cuda:
             self._register()
 
@@ -138,11 +142,16 @@ class RamArena:
         return self.bytes[slot * self.record_bytes:(slot + 1) * self.record_bytes].view(dtype)
 
     def close(self) -> None:
-        if self._registered:
-            cudart = torch.cuda.cudart()
-            for p in self._registered:
-                cudart.cudaHostUnregister(p)
-            self._registered.clear()
+        self._unregister()
+
+
+def _unregister(registered: list[int]) -> None:
+    """The arena's cudaHostUnregister calls (weakref.finalize: it must not hold the arena, only its list)."""
+    if registered:
+        cudart = torch.cuda.cudart()
+        for p in registered:
+            cudart.cudaHostUnregister(p)
+        registered.clear()
 
 
 def default_ram_slots(record_bytes: int, records: int) -> int:
