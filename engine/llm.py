@@ -164,6 +164,12 @@ class LLM:
         self._failed = 0
         self._rejected = 0
         self._request_seconds = 1.0                # running mean of a request's time in the engine
+        # Where a decode step's launch returns before the GPU computes it, the tokens of one step are handed to the
+        # sinks after the next step is launched: the server's event loop then does its per-token work (detokenising,
+        # SSE) while the GPU computes, instead of taking the GIL the scheduler needs to launch that step (on the
+        # H200 this stall was ~0.3 ms of a 2 ms resident step). Elsewhere each item goes out at once.
+        self._defer = model.async_decode
+        self._outbox: list[tuple[Callable[[object], None], object]] = []
         self._thread = threading.Thread(target=self._loop, name="engine-scheduler", daemon=True)
         self._thread.start()
         # An engine nobody closed still stops its scheduler at interpreter exit: a daemon thread that ran
@@ -288,6 +294,7 @@ class LLM:
                 if abort:
                     for r in self._running() + waiting:
                         self._fail(r, RequestFailed(*abort))
+                    self._flush()
                     continue
                 for r in [r for r in self._running() if r.cancelled]:
                     self._retire(r)
@@ -298,6 +305,9 @@ class LLM:
                     self._prefill_chunk(self._prefilling)
                 if self._active:
                     self._decode()
+                if not (self._active and self._prefilling is None and not self._pending):
+                    self._flush()           # no decode launch comes next to send them behind
+        self._flush()
         gone = RequestFailed("the engine is closed", "engine_closed")
         for r in self._running() + list(self._pending):
             r.sink(gone)
@@ -329,6 +339,7 @@ class LLM:
         try:
             logits = self._step(batch)
         except Exception:
+            self._flush()
             # Whose was it? The same step, one sequence at a time (it rewrites the same KV positions).
             for r in batch:
                 try:
@@ -338,6 +349,7 @@ class LLM:
                 else:
                     self._finish_step([r], row)
             return
+        self._flush()                       # the previous step's tokens, while this one computes
         self._finish_step(batch, logits)
 
     def _step(self, batch: list[_Request]) -> torch.Tensor:
@@ -366,12 +378,25 @@ class LLM:
             finish = "length"                   # max_tokens, or prompt + output fills the context
         else:
             finish = None
-        r.sink(Token(token, finish))
+        self._send(r, Token(token, finish))
         if finish is not None:
             self._retire(r)
 
+    def _send(self, r: _Request, item) -> None:
+        if self._defer:
+            self._outbox.append((r.sink, item))
+        else:
+            r.sink(item)
+
+    def _flush(self) -> None:
+        """Hand the deferred items to their sinks, in the order they were made."""
+        if self._outbox:
+            items, self._outbox = self._outbox, []
+            for sink, item in items:
+                sink(item)
+
     def _fail(self, r: _Request, e: RequestFailed) -> None:
-        r.sink(e)
+        self._send(r, e)
         with self._cv:
             self._failed += 1
         if r.slot >= 0:

@@ -343,6 +343,12 @@ class MoEModel(nn.Module):
         self.graphs = DecodeGraphs(self)
         return True
 
+    @property
+    def async_decode(self) -> bool:
+        """decode_step returns before the device has computed the step (CUDA, and a provider with no host step
+        inside it: resident), so the host can do other work until it reads the logits."""
+        return self.device.type == "cuda" and not getattr(self.provider, "host_steps", True)
+
     def decode_meta(self, slots: list[int], sel, idx: torch.Tensor, pos: torch.Tensor, kv_len: int) -> Step:
         """A decode step's Step (eager and graph-captured decode build it here alike). pos [B, 1]."""
         b = pos.shape[0]

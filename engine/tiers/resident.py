@@ -19,6 +19,7 @@ from engine.store.odirect import aligned_buffer, open_direct, pread_full
 
 class ResidentExperts:
     graph_capturable = True          # no host read in forward: a decode step is one graph
+    host_steps = False               # ... and its launch returns before the GPU has computed it
     recorder = None                  # set by engine.gpu.graphs while it captures; never cut here
 
     def __init__(self, layout: ExpertLayout, arena: torch.Tensor, bases: dict[int, int]):

@@ -238,6 +238,37 @@ def test_a_long_prompt_is_prefilled_between_the_running_streams_steps(tiny_check
             assert ("decode", 1) in calls[a + 1:b], calls[a:b + 1]    # the running stream got its step
 
 
+def test_where_a_step_launches_asynchronously_its_tokens_go_out_after_the_next_launch(tiny_checkpoint, monkeypatch):
+    """A CUDA resident model's decode_step returns before the GPU computes it (model.async_decode): the scheduler
+    then hands a step's tokens to the sinks after launching the next step, so the server's per-token work runs
+    while the GPU computes. No GPU here: the policy is forced on a CPU model (whose steps are synchronous, so it
+    delivers at once by default), and the real steps' order against the real sink's deliveries is observed; the
+    tokens, alone and beside a second stream, are the immediate path's."""
+    with LLM.load(tiny_checkpoint("qwen3_moe"), max_context=64, max_batch=2) as engine:
+        assert engine.model.async_decode is False and engine._defer is False
+        params = SamplingParams(max_tokens=6, ignore_eos=True)
+        want = [ids(engine.generate(p, params)) for p in (PROMPT, PROMPT[:5])]
+        monkeypatch.setattr(engine, "_defer", True)
+        events: list = []
+        real_decode = engine.model.decode_step
+        monkeypatch.setattr(engine.model, "decode_step", lambda t, s, p: (events.append("launch"), real_decode(t, s, p))[1])
+        got: list = []
+        done = threading.Event()
+
+        def sink(item):
+            events.append("token")
+            got.append(item)
+            if isinstance(item, BaseException) or item.finish:
+                done.set()
+        engine.submit(PROMPT, params, sink=sink)
+        assert done.wait(60)
+        # t0 (from prefill) after launch 1, ..., t4 after launch 5; t5 ends the stream: no launch to wait for.
+        assert events == ["launch", "token"] * 5 + ["token"], events
+        assert ids(got) == want[0] and got[-1].finish == "length"
+        streams = [engine.stream(p, params) for p in (PROMPT, PROMPT[:5])]
+        assert [ids(list(s)) for s in streams] == want
+
+
 def test_a_full_queue_refuses_at_once_with_a_retry_time(tiny_checkpoint):
     with LLM.load(tiny_checkpoint("qwen3_moe"), max_context=64, max_batch=1, max_queue=1) as engine:
         running = engine.stream(PROMPT, SamplingParams(max_tokens=40, ignore_eos=True))
