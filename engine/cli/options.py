@@ -53,13 +53,18 @@ fused_kernels = click.option("--fused-kernels/--no-fused-kernels", default=Engin
                              help="Decode on a GPU with fused Triton kernels (norms, rotary + KV write, attention, "
                                   "routing); off: the torch ops, the same functions.")
 
+preload = click.option("--preload/--no-preload", default=EngineConfig.preload, show_default=True,
+                       help="Tiered: fill the GPU slots and the RAM tier from the store at load (as many records as "
+                            "they hold), so the first requests decode at the steady speed instead of reading each "
+                            "expert's record from the store on its first pick.")
+
 
 def tiers(f):
     """Where the routed experts live and who reads them: --experts, --gpu-slots, --ram-slots, --readers,
     --cpu-layout, --threads, --policy, where RAM-tier experts are computed (--cpu-experts, --lane-rates) and
-    how a GPU decodes (--cuda-graphs, --fused-kernels)."""
+    how a GPU decodes (--cuda-graphs, --fused-kernels); whether the tiers fill at load (--preload)."""
     for option in reversed((experts, gpu_slots, ram_slots, readers, cpu_layout, threads, policy, cpu_experts,
-                            lane_rates, cuda_graphs, fused_kernels)):
+                            lane_rates, cuda_graphs, fused_kernels, preload)):
         f = option(f)
     return f
 

@@ -163,9 +163,16 @@ def build_provider(checkpoint, store_dir, config: EngineConfig | None = None, *,
     cpu_experts = config.cpu_experts if device.type == "cuda" else "off"
     log.info("expert tiers: %d GPU slots, %d RAM slots, %d store readers%s, policy %s, CPU experts %s", gpu_slots,
              ram_slots, readers, f" on CPUs {sorted(reader_cpus)}" if reader_cpus else "", policy, cpu_experts)
-    return TieredExperts(m, store_dir, device=device, ram_slots=min(ram_slots, n), gpu_slots=min(gpu_slots, n),
-                         readers=readers, reader_cpus=reader_cpus, policy=policy, trace=trace,
-                         cpu_experts=cpu_experts, lane_cpus=layout_cpus.get("lane"), lane_rates=config.lane_rates)
+    provider = TieredExperts(m, store_dir, device=device, ram_slots=min(ram_slots, n), gpu_slots=min(gpu_slots, n),
+                             readers=readers, reader_cpus=reader_cpus, policy=policy, trace=trace,
+                             cpu_experts=cpu_experts, lane_cpus=layout_cpus.get("lane"), lane_rates=config.lane_rates)
+    if config.preload:
+        try:
+            provider.preload()
+        except BaseException:
+            provider.close()
+            raise
+    return provider
 
 
 __all__ = ["EXPERTS", "ExpertPlacement", "build_provider", "choose_placement", "in_memory"]

@@ -72,6 +72,8 @@ class CpuJob:
 
 
 class TieredExperts:
+    host_steps = True                # a decode layer reads its routing to the host (and a CPU device computes there)
+
     def __init__(self, manifest: mf.Manifest, store_dir: str | Path, *, device: str | torch.device = "cpu",
                  ram_slots: int, gpu_slots: int = 0, readers: int = 4, reader_cpus: set[int] | None = None,
                  policy: str = "lru", trace: str | Path | None = None, cpu_experts: str = "off",
@@ -134,6 +136,33 @@ class TieredExperts:
     def graph_pairs_ok(self, pairs: int) -> bool:
         """A captured step's slot table holds every pick of a layer at once: they must fit the GPU tier."""
         return pairs <= min(GEMV_MAX_PAIRS, self.gpu.cache.capacity) if self.gpu is not None else False
+
+    def preload(self) -> dict:
+        """Fill the tiers from the store before serving: the slot tier with the first records in store order,
+        the RAM tier with the next ones (the tiers are exclusive), as many as they hold. Without it a server that
+        says it is ready reads each record from the store at its first pick, mid-stream: on the H200 at a 24 GB
+        budget (2,149 + 1,820 slots for 3,072 records) every one of a 96-token run's 2,962 store reads was such a
+        first touch, and the disk bound the decode (llama.cpp, the peer, reads all its weights at load too).
+        Nothing is evicted here; eviction then follows the routing. → what was loaded, for the load log."""
+        t0 = time.perf_counter()
+        m = self.manifest
+        order = [(layer, e) for layer in m.moe_layers for e in range(m.experts_per_layer)]
+        on_gpu = min(self.gpu.cache.capacity, len(order)) if self.gpu is not None else 0
+        in_ram = min(self.ram.cache.capacity, len(order) - on_gpu)
+        reads = self.ram.readers.reads
+        pinned: set = set()
+        for layer, experts in _by_layer(order[:on_gpu]):
+            pinned |= {ExpertKey(layer, e) for e in experts}
+            self.gpu.load(layer, experts, self.ram, pinned)
+        for layer, experts in _by_layer(order[on_gpu:on_gpu + in_ram]):
+            self.ram.fetch(layer, experts, ())
+        if self.gpu is not None:
+            self.gpu.synchronize_copies()
+        done = {"gpu": on_gpu, "ram": in_ram, "records": len(order), "store_reads": self.ram.readers.reads - reads,
+                "seconds": round(time.perf_counter() - t0, 2)}
+        log.info("tiers preloaded: %d records into GPU slots, %d into RAM, of %d (%d store reads, %.1f s)",
+                 on_gpu, in_ram, len(order), done["store_reads"], done["seconds"])
+        return done
 
     # -- ExpertProvider -------------------------------------------------------------------------
     def forward(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
@@ -378,6 +407,17 @@ class TieredExperts:
         if self._trace:
             self._trace.close()
             self._trace = None
+
+
+def _by_layer(keys: list[tuple[int, int]]) -> list[tuple[int, list[int]]]:
+    """(layer, expert) pairs in store order → [(layer, its experts)], consecutive layers kept apart."""
+    out: list[tuple[int, list[int]]] = []
+    for layer, e in keys:
+        if out and out[-1][0] == layer:
+            out[-1][1].append(e)
+        else:
+            out.append((layer, [e]))
+    return out
 
 
 def layer_ahead_predictor(model) -> Predictor:

@@ -288,3 +288,42 @@ def test_the_ram_tier_keeps_what_the_gpu_tier_evicts_so_each_record_is_read_once
     assert not ram_keys & slot_keys                                          # no record held twice
     samples = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
     assert samples["kiln_writeback_bytes_total"] == c["writeback_bytes"] > 0
+
+
+def test_preload_fills_both_tiers_at_load_so_a_decode_never_reads_the_store(lane_store):
+    """20 slot-tier + 29 RAM slots over the 48-record store (one to swap through, as above): preload puts the
+    first 20 records (store order) in slots and the other 28 in RAM with 48 store reads, none in both tiers; a
+    40-token decode then reads nothing from the store and its tokens are the reference's. Through build_provider (what
+    LLM.load calls) a CPU device fills its RAM tier the same way, and preload=False leaves it empty."""
+    from engine.loader import load_model
+    from engine.store import manifest as mf
+    from engine.tiers import build_provider
+    from engine.tiers.cache import ExpertKey
+    from engine.tiers.tiered import TieredExperts
+    ck, store = lane_store
+    m = mf.load(store)
+    order = [ExpertKey(l, e) for l in m.moe_layers for e in range(m.experts_per_layer)]
+    prompt = [(31 * i + 7) % 300 for i in range(48)]
+    with torch.inference_mode():
+        ref = load_model(ck, provider=build_provider(ck, None), device="cpu", max_context=128)
+        want = _greedy(ref, prompt, 40)
+        prov = TieredExperts(m, store, device="cpu", gpu_slots=20, ram_slots=29, readers=2)
+        try:
+            done = prov.preload()
+            slot_keys, ram_keys = set(prov.gpu.cache.resident()), set(prov.ram.cache.resident())
+            loaded = prov.counters()
+            model = load_model(ck, provider=prov, device="cpu", max_context=128)
+            got = _greedy(model, prompt, 40)
+            after = prov.counters()
+        finally:
+            prov.close()
+    assert done["gpu"] == 20 and done["ram"] == 28 and done["store_reads"] == 48 == loaded["store_reads"]
+    assert slot_keys == set(order[:20]) and ram_keys == set(order[20:])
+    assert got == want
+    assert after["store_reads"] == 48 and after["served"]["store"] == 0
+    for preload, resident in ((True, 48), (False, 0)):
+        t = build_provider(ck, store, ram_slots=48, readers=2, preload=preload)
+        try:
+            assert len(set(t.ram.cache.resident())) == resident == t.counters()["store_reads"]
+        finally:
+            t.close()

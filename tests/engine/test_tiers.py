@@ -82,7 +82,7 @@ def test_tiered_equals_in_memory_whatever_the_ram_tier(packed, arch, kw, ram_slo
 def test_counters_follow_the_cache_exactly(packed):
     ck_dir, store = packed("qwen3_moe")
     ck = Checkpoint(ck_dir)
-    t = build_provider(ck, store, ram_slots=2, readers=2, policy="lru")
+    t = build_provider(ck, store, ram_slots=2, readers=2, policy="lru", preload=False)   # from a cold start
     x = torch.randn(1, ck.hidden)
     w = torch.tensor([[0.6, 0.4]])
     try:
@@ -101,7 +101,7 @@ def test_trace_replays_in_the_simulator(packed, tmp_path, capsys):
     ck_dir, store = packed("qwen3_moe")
     ck = Checkpoint(ck_dir)
     trace = tmp_path / "routing.jsonl"
-    t = build_provider(ck, store, ram_slots=4, readers=1, trace=trace)
+    t = build_provider(ck, store, ram_slots=4, readers=1, trace=trace, preload=False)   # the simulator starts cold
     for layer, x, ids, w in routed_batches(ck, steps=4, tokens=3, seed=1):
         t.forward(layer, x, ids, w)
     live = t.counters()["tiers"]["ram"]
