@@ -1,14 +1,17 @@
 """A PROJECTION, not a measurement: Kiln on the full 48-layer Qwen3-30B-A3B on a 3090 box (24 GB card, PCIe 4.0 x16,
 64 GiB RAM, the seed's NVMe array), from per-lane rates measured on the H200 machine and the box's published figures.
 
-  python3 bench/projection_3090.py [--served bench/results/2026-12-01-h200-served-cpu-lane.json]
+  python3 bench/projection_3090.py [--served bench/results/2026-12-02-h200-served-preload.json]
       [--quant bench/results/quant_gpu_kernels.json] [--out bench/results/<date>-projection-3090.json]
 
 Model of one decode token (the lane bound of ANCHORS.md, lanes overlapped):
   t = max(t_gpu, B_pcie/BW_pcie, B_disk/BW_disk, B_cpu/BW_cpu)
   t_gpu = 48 x (fixed cost per layer) + B_gpu/BW_vram, the fixed cost per layer being what the H200's served resident
   decode step took beyond its bytes (launches and small kernels, measured: 1/229.9 s for 24 layers less 3.35 GB at
-  4,240 GB/s), assumed the same on the 3090 (optimistic: it clocks and launches no faster).
+  4,240 GB/s), assumed the same on the 3090 (optimistic: it clocks and launches no faster). A tiered engine adds its
+  host step per MoE layer (it reads the layer's routing and decides the copies while the GPU waits): what the H200's
+  served tiered decode at the 24 GB budget took per layer beyond the resident step of the same run (preloaded tiers,
+  no store read while decoding), 48 of them.
 Bytes per token from the 24-layer checkpoint's measured sizes, doubled where they are per layer; the 24 GB budget by
 Kiln's formula (24 GiB - non-expert weights - KV of 4 x 8,704 tokens - 1.5 GiB workspace) on 48 layers.
 Routing: uniform (each pick lands in a tier in proportion to its size: the cache's worst case, random weights' case)
@@ -57,6 +60,7 @@ def inputs(served: dict, quant: dict) -> dict:
         "embed_and_head_bytes": embed_and_head,
         "h200_hbm_gbps": lanes["hbm_gbps"], "h200_dram_read_16t_gbps": lanes["dram_read_16t_gbps"],
         "h200_resident_served_decode_tps": resident["decode_tps"],
+        "h200_tiered_served_decode_tps": served["runs"]["tiered_24gb"]["served"]["decode_tps"],
         "h200_token_bytes": tb["non_expert_bytes_per_token"] + tb["expert_bytes_per_token"],
         "h200_expert_decode_us": {q: quant["results"][q]["decode_us_per_token"] for q in ("bf16", "int4")},
         "kv_streams": 4, "kv_tokens": bud["kv_cache_bytes"] // (2 * 4 * ck["shape"]["num_key_value_heads"]
@@ -77,9 +81,12 @@ def project(x: dict, box: dict = BOX) -> dict:
     fixed_layer = (step - x["h200_token_bytes"] / (x["h200_hbm_gbps"] * 1e9)) / x["layers_measured"]
     extra_layer = {q: (x["h200_expert_decode_us"][q] - x["h200_expert_decode_us"]["bf16"]) * 1e-6 / x["layers_measured"]
                    for q in ("bf16", "int4")}        # int4's slower few-pair kernels, measured beside bf16
+    # the tiered decode's host step per layer: its served step less the resident one, same run
+    host_layer = max(0.0, 1 / x["h200_tiered_served_decode_tps"] - step) / x["layers_measured"]
     out = {"budget": {"non_expert_bytes": non_expert, "kv_cache_bytes": kv, "workspace_bytes": x["workspace_bytes"],
                       "room_for_experts_bytes": room},
-           "fixed_gpu_seconds_per_layer": round(fixed_layer, 7), "rows": []}
+           "fixed_gpu_seconds_per_layer": round(fixed_layer, 7),
+           "tiered_host_seconds_per_layer": round(host_layer, 7), "rows": []}
     for q, rec in x["record_bytes"].items():
         picks = L * k * rec                           # expert bytes one token reads
         gpu_slots = min(records, int(room // rec))
@@ -103,7 +110,8 @@ def project(x: dict, box: dict = BOX) -> dict:
                 else:                                 # every pick computed on the GPU
                     b = {"gpu": non_expert_tok + picks, "pcie": (p["ram"] + p["store"]) * picks,
                          "disk": p["store"] * picks, "cpu": 0.0}
-                t = {"gpu": t_fixed + b["gpu"] / (box["vram_gbps"] * 1e9), "pcie": b["pcie"] / (box["pcie_gbps"] * 1e9),
+                host = 0.0 if engine == "resident" else L * host_layer
+                t = {"gpu": t_fixed + host + b["gpu"] / (box["vram_gbps"] * 1e9), "pcie": b["pcie"] / (box["pcie_gbps"] * 1e9),
                      "disk": b["disk"] / (box["nvme_gbps"] * 1e9), "cpu": b["cpu"] / (x["h200_dram_read_16t_gbps"] * 1e9)}
                 binding = max(t, key=t.get)
                 out["rows"].append({"quant": q, "routing": routing, "engine": engine,
@@ -116,7 +124,7 @@ def project(x: dict, box: dict = BOX) -> dict:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--served", default=str(REPO / "bench" / "results" / "2026-12-01-h200-served-cpu-lane.json"))
+    ap.add_argument("--served", default=str(REPO / "bench" / "results" / "2026-12-02-h200-served-preload.json"))
     ap.add_argument("--quant", default=str(REPO / "bench" / "results" / "quant_gpu_kernels.json"))
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / f"{date.today()}-projection-3090.json"))
     args = ap.parse_args()
@@ -127,14 +135,16 @@ def main():
            "box": BOX, "measured_inputs": x,
            "sources": {
                "measured on the H200 machine (bench/h200_served.py, " + args.served + ")":
-                   "resident served decode (the GPU lane's fixed cost per layer), HBM copy rate, DRAM read at 16 "
+                   "resident served decode (the GPU lane's fixed cost per layer), the tiered served decode beside it "
+                   "(the host step per layer), HBM copy rate, DRAM read at 16 "
                    "threads (stands in for the 3090 box's CPU expert rate: unmeasured there), record and "
                    "non-expert bytes, KV and workspace of the budget formula",
                "measured on the H200 machine (bench/quant_gpu_kernels.py, " + args.quant + ")":
                    "int4 record bytes, int4 vs bf16 expert decode time per token",
                "published / given, not measured": "3090 VRAM rate 936 GB/s (spec), PCIe 25 GB/s (issue 15), NVMe 7 GB/s "
                    "(the seed's array while serving, ANCHORS.md), 64 GiB RAM",
-               "assumed": "48 GiB RAM tier; the GPU's fixed cost per layer equal to the H200's; the seed's pick split "
+               "assumed": "48 GiB RAM tier; the GPU's fixed cost per layer and the tiered host step per layer equal to "
+                          "the H200's; the seed's pick split "
                           "(GLM-5.3-Flash on its box) as a locality case"},
            **res}
     Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")
