@@ -19,11 +19,16 @@ def engine_from(tree: Path) -> tuple[Path, str]:
     sys.path.insert(0, str(tree))
     if str(REPO) not in sys.path:
         sys.path.insert(1, str(REPO))
+    return tree, tree_commit(tree)
+
+
+def tree_commit(tree: Path) -> str:
+    """Checkout `tree`'s short commit, "+dirty" when its working tree differs from it."""
     git = ["git", "-C", str(tree)]
     commit = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     dirty = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True,
                            text=True).stdout.strip()
-    return tree, commit + ("+dirty" if dirty else "")
+    return commit + ("+dirty" if dirty else "")
 
 
 def parse_with_tree(ap: argparse.ArgumentParser) -> tuple[argparse.Namespace, Path, str]:

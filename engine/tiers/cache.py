@@ -10,11 +10,13 @@ import heapq
 import itertools
 from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Container, Hashable, Iterable, Sequence
+from typing import Callable, Container, Hashable, Iterable, NamedTuple, Sequence
 
 
-@dataclass(frozen=True, order=True)
-class ExpertKey:
+class ExpertKey(NamedTuple):
+    """(layer, expert). A tuple, not a dataclass: a tiered decode step builds, hashes and compares ~70 of these
+    per MoE layer in the host step the GPU waits for, and a tuple's hash and == run in C
+    (bench/probes/host_step.py)."""
     layer: int
     expert: int
 

@@ -72,8 +72,10 @@ class GpuTier:
         """Issue the copies that make each expert of `layer` resident in a GPU slot (does not wait for
         them); the RAM tier fetches from the store what it lacks, in chunks of its capacity. Keys in
         `pinned` are never evicted. → the experts that came from the store."""
-        self.copy_seconds                    # folds the finished batches' times in: the event list stays short
         need = [e for e in experts if ExpertKey(layer, e) not in self.cache]
+        if not need:                         # the common decode case: every pick already in a slot
+            return set()
+        self.copy_seconds                    # folds the finished batches' times in: the event list stays short
         from_store: set[int] = set()
         step = max(1, ram.room(()))          # RAM slots a CPU-lane job holds are not for these chunks
         for i in range(0, len(need), step):

@@ -62,6 +62,9 @@ class LayerTable:
     out: torch.Tensor
     out_zero: bool = False           # out already holds zeros (no CPU job wrote it since)
 
+    def __post_init__(self):
+        self.slots_np = self.slots_host.numpy()      # the same memory: a list assigns into it without a tensor
+
 
 @dataclass
 class CpuJob:
@@ -80,6 +83,7 @@ class TieredExperts:
                  lane_cpus: set[int] | None = None, lane_rates: str | None = None):
         self.manifest = manifest
         self.layout: ExpertLayout = manifest.layout
+        self._record_bytes = self.layout.record_bytes      # a computed property: read once, not per layer step
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         assert ram_slots >= 1, "the RAM tier needs at least one slot"
@@ -101,7 +105,7 @@ class TieredExperts:
         self._tables: dict[int, LayerTable] = {}
         self._trace = open(trace, "a") if trace else None
         self.lanes = LaneCounters()
-        self.heat: Counter = Counter()   # decode picks per ExpertKey: which experts a GPU slot should keep
+        self.heat: Counter = Counter()   # decode picks per ExpertKey (with the CPU lane): which experts a slot should keep
         # The CPU lane needs a slot tier to split against (without one the CPU computes everything anyway).
         self.cpu_experts = cpu_experts if self.gpu is not None and ram_slots >= 2 else "off"
         self.lane: CpuLane | None = None
@@ -259,8 +263,10 @@ class TieredExperts:
         ids, ahead = host[:n], host[n:]
         uniq = sorted(set(ids))
         self._record_trace(layer, uniq)
-        self._count(layer, ids)
-        self.heat.update(ExpertKey(layer, e) for e in ids)
+        pick_keys = [ExpertKey(layer, e) for e in ids]
+        self._count(layer, pick_keys)
+        if self.lane is not None:           # heat only steers the CPU lane's split and promotions
+            self.heat.update(pick_keys)
         cpu: list[int] = []
         cands: dict[int, Candidate] = {}
         if step is not None:
@@ -287,21 +293,20 @@ class TieredExperts:
         if dummy is not None:
             keys = keys | {dummy}
         dummy_slot = self.gpu.cache.slot_of(dummy) if dummy is not None else 0
-        table.slots_host[:n] = torch.tensor([dummy_slot if e in on_cpu else self.gpu.slot(layer, e) for e in ids],
-                                            dtype=torch.int32)
-        table.slots[:n].copy_(table.slots_host[:n], non_blocking=True)
-        self.lanes.add("gpu", n - sum(e in on_cpu for e in ids), len(gpu_experts) * self.layout.record_bytes)
+        slot_of = self.gpu.cache.slot_of
+        table.slots_np[:n] = [dummy_slot if e in on_cpu else slot_of(k) for e, k in zip(ids, pick_keys)]
+        table.slots.copy_(table.slots_host, non_blocking=True)      # the whole row: slicing costs more than 256 B
+        self.lanes.add("gpu", n - sum(e in on_cpu for e in ids) if on_cpu else n, len(gpu_experts) * self._record_bytes)
         if step is not None:
-            table.mask_host[:n] = torch.tensor([0.0 if e in on_cpu else 1.0 for e in ids])
+            table.mask_host[:n] = torch.tensor([0.0 if e in on_cpu else 1.0 for e in ids], dtype=table.mask_host.dtype)
             table.mask[:n].copy_(table.mask_host[:n], non_blocking=True)
             if cpu and dummy is not None:
                 self._promote(layer, [cands[e] for e in cpu], len(gpu_experts) - (len(uniq) - len(cands)), keys)
         if nxt is not None:                 # prefetch the next layer while this one computes: best effort
-            want = sorted(set(ahead))
-            if len(keys) + len(want) <= self.gpu.cache.capacity:
-                want_keys = {ExpertKey(nxt, e) for e in want}
-                missing = [e for e in want if ExpertKey(nxt, e) not in self.gpu.cache]
-                from_store = self.gpu.load(nxt, missing, self.ram, keys | want_keys)
+            want = {ExpertKey(nxt, e) for e in ahead}
+            missing = sorted(k.expert for k in want if k not in self.gpu.cache)
+            if missing and len(keys) + len(want) <= self.gpu.cache.capacity:
+                from_store = self.gpu.load(nxt, missing, self.ram, keys | want)
                 for e in missing:
                     self.origin[ExpertKey(nxt, e)] = "store" if e in from_store else "ram"
         self.host_seconds += time.perf_counter() - t0
@@ -359,21 +364,19 @@ class TieredExperts:
             self.gpu.load(layer, [e], self.ram, pinned | {key})
             pinned = pinned | {key}
 
-    def _count(self, layer: int, ids: list[int]) -> None:
+    def _count(self, layer: int, keys: list[ExpertKey]) -> None:
         """Where each pick is served from, before anything is loaded (prefetched ones by their origin)."""
-        for e in ids:
-            key = ExpertKey(layer, e)
-            if key in self.origin and key in self.gpu.cache:
-                self.served[self.origin[key]] += 1
-            elif key in self.gpu.cache:
-                self.served["gpu"] += 1
-            elif key in self.ram.cache:
-                self.served["ram"] += 1
+        gpu, ram, origin, served = self.gpu.cache, self.ram.cache, self.origin, self.served
+        for key in keys:
+            if key in gpu:
+                served[origin.get(key, "gpu")] += 1
+            elif key in ram:
+                served["ram"] += 1
             else:
-                self.served["store"] += 1
-        for e in set(ids):
-            self.origin.pop(ExpertKey(layer, e), None)
-            self.gpu.cache.lookup(ExpertKey(layer, e))       # hit/miss counters and recency of the GPU tier
+                served["store"] += 1
+        for key in set(keys):
+            origin.pop(key, None)
+            gpu.lookup(key)             # hit/miss counters and recency of the GPU tier
 
     # -- prefill on CUDA, and everything on the CPU: moe_forward over waves -----------------------
     def _resolve_gpu(self, layer: int, wave: list[int], picks: dict[int, int]):
