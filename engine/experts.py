@@ -21,6 +21,7 @@ engine.kernels; the providers in engine.tiers (and engine.gpu); the dense Projec
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
@@ -85,7 +86,7 @@ class ExpertLayout:
             return self.quantized.payload_bytes
         return 3 * self.matrix_elems * self.itemsize
 
-    @property
+    @functools.cached_property          # read per decode layer by the tiered provider; the layout is frozen
     def record_bytes(self) -> int:
         return -(-self.payload_bytes // ALIGN) * ALIGN
 

@@ -27,6 +27,8 @@ import json
 import logging
 import time
 from collections import Counter
+from itertools import groupby
+from operator import itemgetter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -83,7 +85,6 @@ class TieredExperts:
                  lane_cpus: set[int] | None = None, lane_rates: str | None = None):
         self.manifest = manifest
         self.layout: ExpertLayout = manifest.layout
-        self._record_bytes = self.layout.record_bytes      # a computed property: read once, not per layer step
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         assert ram_slots >= 1, "the RAM tier needs at least one slot"
@@ -155,11 +156,12 @@ class TieredExperts:
         in_ram = min(self.ram.cache.capacity, len(order) - on_gpu)
         reads = self.ram.readers.reads
         pinned: set = set()
-        for layer, experts in _by_layer(order[:on_gpu]):
+        for layer, group in groupby(order[:on_gpu], key=itemgetter(0)):
+            experts = [e for _, e in group]
             pinned |= {ExpertKey(layer, e) for e in experts}
             self.gpu.load(layer, experts, self.ram, pinned)
-        for layer, experts in _by_layer(order[on_gpu:on_gpu + in_ram]):
-            self.ram.fetch(layer, experts, ())
+        for layer, group in groupby(order[on_gpu:on_gpu + in_ram], key=itemgetter(0)):
+            self.ram.fetch(layer, [e for _, e in group], ())
         if self.gpu is not None:
             self.gpu.synchronize_copies()
         done = {"gpu": on_gpu, "ram": in_ram, "records": len(order), "store_reads": self.ram.readers.reads - reads,
@@ -264,7 +266,7 @@ class TieredExperts:
         uniq = sorted(set(ids))
         self._record_trace(layer, uniq)
         pick_keys = [ExpertKey(layer, e) for e in ids]
-        self._count(layer, pick_keys)
+        self._count(pick_keys)
         if self.lane is not None:           # heat only steers the CPU lane's split and promotions
             self.heat.update(pick_keys)
         cpu: list[int] = []
@@ -296,9 +298,9 @@ class TieredExperts:
         slot_of = self.gpu.cache.slot_of
         table.slots_np[:n] = [dummy_slot if e in on_cpu else slot_of(k) for e, k in zip(ids, pick_keys)]
         table.slots.copy_(table.slots_host, non_blocking=True)      # the whole row: slicing costs more than 256 B
-        self.lanes.add("gpu", n - sum(e in on_cpu for e in ids) if on_cpu else n, len(gpu_experts) * self._record_bytes)
+        self.lanes.add("gpu", n - sum(e in on_cpu for e in ids) if on_cpu else n, len(gpu_experts) * self.layout.record_bytes)
         if step is not None:
-            table.mask_host[:n] = torch.tensor([0.0 if e in on_cpu else 1.0 for e in ids], dtype=table.mask_host.dtype)
+            table.mask_host[:n] = torch.tensor([0.0 if e in on_cpu else 1.0 for e in ids])
             table.mask[:n].copy_(table.mask_host[:n], non_blocking=True)
             if cpu and dummy is not None:
                 self._promote(layer, [cands[e] for e in cpu], len(gpu_experts) - (len(uniq) - len(cands)), keys)
@@ -364,7 +366,7 @@ class TieredExperts:
             self.gpu.load(layer, [e], self.ram, pinned | {key})
             pinned = pinned | {key}
 
-    def _count(self, layer: int, keys: list[ExpertKey]) -> None:
+    def _count(self, keys: list[ExpertKey]) -> None:
         """Where each pick is served from, before anything is loaded (prefetched ones by their origin)."""
         gpu, ram, origin, served = self.gpu.cache, self.ram.cache, self.origin, self.served
         for key in keys:
@@ -410,17 +412,6 @@ class TieredExperts:
         if self._trace:
             self._trace.close()
             self._trace = None
-
-
-def _by_layer(keys: list[tuple[int, int]]) -> list[tuple[int, list[int]]]:
-    """(layer, expert) pairs in store order → [(layer, its experts)], consecutive layers kept apart."""
-    out: list[tuple[int, list[int]]] = []
-    for layer, e in keys:
-        if out and out[-1][0] == layer:
-            out[-1][1].append(e)
-        else:
-            out.append((layer, [e]))
-    return out
 
 
 def layer_ahead_predictor(model) -> Predictor:
