@@ -15,6 +15,7 @@ DEVICE_KINDS = ("cpu", "cuda")
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 EXPERTS = ("auto", "resident", "tiered")              # engine.tiers.choose_placement's modes      # engine.experts.DTYPES' keys (torch-free here)
 CPU_EXPERTS = ("auto", "on", "off")                   # engine.tiers.lanes.split's modes
+ZERO_COPY = ("auto", "on", "off")                     # engine.tiers.tiered.TieredExperts.use_zero_copy's modes
 LANE_RATES = ("pcie", "cpu", "disk")                  # the lanes whose GB/s engine.tiers.lanes.measure_rates measures
 
 
@@ -55,6 +56,7 @@ class EngineConfig:
     lane_rates: str | None = None       # e.g. "pcie=25,cpu=12,disk=6" GB/s for the lane cost model; None: measured
     fused_kernels: bool = True          # CUDA decode steps on engine.kernels.triton_decode's fused kernels
     preload: bool = True                # tiered: fill the GPU and RAM tiers from the store at load (TieredExperts.preload)
+    zero_copy: str = "auto"             # auto | on | off: tiered decode reads RAM-tier records in place (tiers.zero_copy)
 
     def __post_init__(self):
         # ValueError, not assert: these come from users and must fail the same way under `python -O`.
@@ -76,6 +78,8 @@ class EngineConfig:
             raise ValueError(f"experts {self.experts!r} is not one of {', '.join(EXPERTS)}")
         if self.cpu_experts not in CPU_EXPERTS:
             raise ValueError(f"cpu_experts {self.cpu_experts!r} is not one of {', '.join(CPU_EXPERTS)}")
+        if self.zero_copy not in ZERO_COPY:
+            raise ValueError(f"zero_copy {self.zero_copy!r} is not one of {', '.join(ZERO_COPY)}")
         parse_lane_rates(self.lane_rates)
         for name in ("readers", "threads"):
             if (n := getattr(self, name)) is not None and n < 1:

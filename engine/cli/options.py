@@ -9,7 +9,7 @@ from __future__ import annotations
 import click
 
 from engine.errors import EngineError, Exit
-from engine.runtime import CPU_EXPERTS, DTYPE_NAMES, EXPERTS, EngineConfig
+from engine.runtime import CPU_EXPERTS, DTYPE_NAMES, EXPERTS, ZERO_COPY, EngineConfig
 from engine.tiers.cache import POLICIES
 
 device = click.option("--device", default=EngineConfig.device, show_default=True, help="cpu, cuda or cuda:N.")
@@ -58,13 +58,20 @@ preload = click.option("--preload/--no-preload", default=EngineConfig.preload, s
                             "they hold), so the first requests decode at the steady speed instead of reading each "
                             "expert's record from the store on its first pick.")
 
+zero_copy = click.option("--zero-copy", type=click.Choice(ZERO_COPY), default=EngineConfig.zero_copy,
+                         show_default=True,
+                         help="Tiered on a GPU whose slots and RAM tier hold every expert (with --preload): decode "
+                              "reads RAM-tier experts in place over PCIe, one CUDA graph a step, and promotes the "
+                              "ones it reads to GPU slots between steps. auto = where that holds; on = fail "
+                              "naming what stops it; off = copy each missing expert into a slot first.")
+
 
 def tiers(f):
     """Where the routed experts live and who reads them: --experts, --gpu-slots, --ram-slots, --readers,
     --cpu-layout, --threads, --policy, where RAM-tier experts are computed (--cpu-experts, --lane-rates) and
-    how a GPU decodes (--cuda-graphs, --fused-kernels); whether the tiers fill at load (--preload)."""
+    how a GPU decodes (--cuda-graphs, --fused-kernels, --zero-copy); whether the tiers fill at load (--preload)."""
     for option in reversed((experts, gpu_slots, ram_slots, readers, cpu_layout, threads, policy, cpu_experts,
-                            lane_rates, cuda_graphs, fused_kernels, preload)):
+                            lane_rates, cuda_graphs, fused_kernels, preload, zero_copy)):
         f = option(f)
     return f
 

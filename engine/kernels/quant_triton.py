@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.kernels.triton_moe import sum_picks
+from engine.kernels.triton_moe import GEMV_MAX_PAIRS, _table_args, sum_picks
 from engine.quant.records import GGUF_BLOCK, QuantLayout, group_size
 
 try:  # Triton ships with CUDA builds of torch; CPU-only installs use the reference path.
@@ -30,7 +30,6 @@ except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
 FMT = {"int8": 0, "int4": 1, "q8_0": 2, "q4_1": 3, "q4_k": 4}
-GEMV_MAX_PAIRS = 64
 
 
 def available(device: torch.device) -> bool:
@@ -46,7 +45,7 @@ def _row_bytes(scheme: str, inp: int) -> int:
 
 
 if triton is not None:
-    from engine.kernels.triton_moe import swiglu
+    from engine.kernels.triton_moe import record_ptr, swiglu
 
     @triton.jit
     def _fp16_at(p):
@@ -100,12 +99,13 @@ if triton is not None:
         return w
 
     @triton.jit
-    def _gate_up_gemv(x_ptr, arena_ptr, slot_ptr, h_ptr, K: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
-                      REC: tl.constexpr, GATE: tl.constexpr, UP: tl.constexpr, FMT: tl.constexpr,
-                      G: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr):
+    def _gate_up_gemv(x_ptr, arena_ptr, slot_ptr, h_ptr, SLOT_OFF, table_ptr, log_ptr, K: tl.constexpr,
+                      H: tl.constexpr, I: tl.constexpr, REC: tl.constexpr, TABLE: tl.constexpr, LOG: tl.constexpr,
+                      GATE: tl.constexpr, UP: tl.constexpr, FMT: tl.constexpr, G: tl.constexpr,
+                      BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr):
         p = tl.program_id(0)
         t = p // K
-        rec = arena_ptr + tl.load(slot_ptr + p).to(tl.int64) * REC
+        rec = record_ptr(arena_ptr, slot_ptr, table_ptr, log_ptr, p, SLOT_OFF, REC, TABLE, LOG)
         rows = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
         rmask = rows < I
         out_ty = h_ptr.dtype.element_ty
@@ -123,11 +123,11 @@ if triton is not None:
         tl.store(h_ptr + p * I + rows, swiglu(acc_g, acc_u, out_ty), mask=rmask)
 
     @triton.jit
-    def _down_gemv(h_ptr, arena_ptr, slot_ptr, w_ptr, y_ptr, H: tl.constexpr, I: tl.constexpr, REC: tl.constexpr,
-                   DOWN: tl.constexpr, FMT: tl.constexpr, G: tl.constexpr, BLOCK_H: tl.constexpr,
-                   BLOCK_I: tl.constexpr):
+    def _down_gemv(h_ptr, arena_ptr, slot_ptr, w_ptr, y_ptr, SLOT_OFF, table_ptr, H: tl.constexpr, I: tl.constexpr,
+                   REC: tl.constexpr, TABLE: tl.constexpr, DOWN: tl.constexpr, FMT: tl.constexpr, G: tl.constexpr,
+                   BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr):
         p = tl.program_id(0)
-        rec = arena_ptr + tl.load(slot_ptr + p).to(tl.int64) * REC
+        rec = record_ptr(arena_ptr, slot_ptr, table_ptr, slot_ptr, p, SLOT_OFF, REC, TABLE, False)
         rows = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         rmask = rows < H
         out_ty = h_ptr.dtype.element_ty
@@ -173,11 +173,12 @@ if triton is not None:
             return tl.sum(s * (d - 8.0 * xs[None, :]) + z * xs[None, :], axis=1)
 
     @triton.jit
-    def _gate_up_gemv_grouped(x_ptr, arena_ptr, slot_ptr, h_ptr, SLOT_OFF, K: tl.constexpr, H: tl.constexpr,
-                              I: tl.constexpr, REC: tl.constexpr, GATE: tl.constexpr, UP: tl.constexpr,
-                              FMT: tl.constexpr, G: tl.constexpr, BLOCK_I: tl.constexpr, SPAN: tl.constexpr):
+    def _gate_up_gemv_grouped(x_ptr, arena_ptr, slot_ptr, h_ptr, SLOT_OFF, table_ptr, log_ptr, K: tl.constexpr,
+                              H: tl.constexpr, I: tl.constexpr, REC: tl.constexpr, TABLE: tl.constexpr,
+                              LOG: tl.constexpr, GATE: tl.constexpr, UP: tl.constexpr, FMT: tl.constexpr,
+                              G: tl.constexpr, BLOCK_I: tl.constexpr, SPAN: tl.constexpr):
         p = tl.program_id(0)
-        rec = arena_ptr + (tl.load(slot_ptr + p).to(tl.int64) + SLOT_OFF) * REC
+        rec = record_ptr(arena_ptr, slot_ptr, table_ptr, log_ptr, p, SLOT_OFF, REC, TABLE, LOG)
         rows = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
         rmask = rows < I
         r64 = rows.to(tl.int64)
@@ -190,11 +191,11 @@ if triton is not None:
         tl.store(h_ptr + p * I + rows, swiglu(acc_g, acc_u, h_ptr.dtype.element_ty), mask=rmask)
 
     @triton.jit
-    def _down_gemv_grouped(h_ptr, arena_ptr, slot_ptr, w_ptr, y_ptr, SLOT_OFF, H: tl.constexpr, I: tl.constexpr,
-                           REC: tl.constexpr, DOWN: tl.constexpr, FMT: tl.constexpr, G: tl.constexpr,
-                           BLOCK_H: tl.constexpr, SPAN: tl.constexpr):
+    def _down_gemv_grouped(h_ptr, arena_ptr, slot_ptr, w_ptr, y_ptr, SLOT_OFF, table_ptr, H: tl.constexpr,
+                           I: tl.constexpr, REC: tl.constexpr, TABLE: tl.constexpr, DOWN: tl.constexpr,
+                           FMT: tl.constexpr, G: tl.constexpr, BLOCK_H: tl.constexpr, SPAN: tl.constexpr):
         p = tl.program_id(0)
-        rec = arena_ptr + (tl.load(slot_ptr + p).to(tl.int64) + SLOT_OFF) * REC
+        rec = record_ptr(arena_ptr, slot_ptr, table_ptr, slot_ptr, p, SLOT_OFF, REC, TABLE, False)
         rows = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         rmask = rows < H
         r64 = rows.to(tl.int64)
@@ -280,36 +281,39 @@ def span(groups: int, most: int = 16) -> int:
 
 def quant_slot_moe(x: torch.Tensor, arena: torch.Tensor, slots: torch.Tensor, topk_weights: torch.Tensor,
                    layout: QuantLayout, *, block_i: int = 8, block_h: int = 32, slot_offset: int = 0,
+                   table: torch.Tensor | None = None, log: torch.Tensor | None = None,
                    max_span: int = 16) -> torch.Tensor:
     """Decode: Σ_k w[t,k]·expert(slot_offset + slots[t,k])(x[t]) by the GEMV kernels. x [T,H]; arena
-    [S, record_bytes] uint8; slots [T,K]; topk_weights [T,K]. Returns [T,H] in x.dtype."""
+    [S, record_bytes] uint8; slots [T,K]; topk_weights [T,K]. Returns [T,H] in x.dtype. table / log: as
+    engine.kernels.triton_moe.slot_moe's (byte offsets here: the arena is bytes)."""
     t, k = slots.shape
     hdim, idim = layout.hidden, layout.intermediate
     p = t * k
     # int4 on the H200 (bench/probes/decode_kernels.py): 8 rows, 16 groups per load: 19.7 us a layer, 32.9 before.
-    if slot_offset and layout.scheme not in ("int8", "int4"):
-        slots = slots + slot_offset
     slot_flat = slots.reshape(-1).contiguous()
     h = torch.empty(p, idim, dtype=x.dtype, device=x.device)
     y = torch.empty(p, hdim, dtype=torch.float32, device=x.device)
     prm = _params(layout)
     rec = layout.record_bytes
     w_flat = topk_weights.reshape(-1).contiguous()
+    tab, lg, use_table, use_log = _table_args(table, log, slot_flat)
+    where = dict(REC=rec, TABLE=use_table)
     if layout.scheme in ("int8", "int4"):
         # Group-wise codes: one scale per (row, group), the codes' dot product per group (_group_dot).
         gh, gi = group_size(hdim, layout.scheme), group_size(idim, layout.scheme)
         _gate_up_gemv_grouped[(p, triton.cdiv(idim, block_i))](
-            x.contiguous(), arena, slot_flat, h, slot_offset, K=k, H=hdim, I=idim, REC=rec, GATE=prm["GATE"],
-            UP=prm["UP"], FMT=prm["FMT"], G=gh, BLOCK_I=block_i, SPAN=span(hdim // gh, max_span))
+            x.contiguous(), arena, slot_flat, h, slot_offset, tab, lg, K=k, H=hdim, I=idim, LOG=use_log, **where,
+            GATE=prm["GATE"], UP=prm["UP"], FMT=prm["FMT"], G=gh, BLOCK_I=block_i, SPAN=span(hdim // gh, max_span))
         _down_gemv_grouped[(p, triton.cdiv(hdim, block_h))](
-            h, arena, slot_flat, w_flat, y, slot_offset, H=hdim, I=idim, REC=rec, DOWN=layout.regions["down"][0],
-            FMT=prm["FMT"], G=gi, BLOCK_H=block_h, SPAN=span(idim // gi, max_span))
+            h, arena, slot_flat, w_flat, y, slot_offset, tab, H=hdim, I=idim, **where,
+            DOWN=layout.regions["down"][0], FMT=prm["FMT"], G=gi, BLOCK_H=block_h, SPAN=span(idim // gi, max_span))
         return sum_picks(y, t, k, x.dtype)
     _gate_up_gemv[(p, triton.cdiv(idim, block_i))](
-        x.contiguous(), arena, slot_flat, h, K=k, H=hdim, I=idim, REC=rec, GATE=prm["GATE"], UP=prm["UP"],
-        FMT=prm["FMT"], G=group_size(hdim, layout.scheme), BLOCK_I=block_i, BLOCK_H=128)
+        x.contiguous(), arena, slot_flat, h, slot_offset, tab, lg, K=k, H=hdim, I=idim, LOG=use_log, **where,
+        GATE=prm["GATE"], UP=prm["UP"], FMT=prm["FMT"], G=group_size(hdim, layout.scheme), BLOCK_I=block_i,
+        BLOCK_H=128)
     _down_gemv[(p, triton.cdiv(hdim, block_h))](
-        h, arena, slot_flat, w_flat, y, H=hdim, I=idim, REC=rec,
+        h, arena, slot_flat, w_flat, y, slot_offset, tab, H=hdim, I=idim, **where,
         DOWN=layout.regions["down"][0], FMT=prm["FMT"], G=group_size(idim, layout.scheme), BLOCK_H=block_h,
         BLOCK_I=128)
     return sum_picks(y, t, k, x.dtype)
@@ -361,11 +365,12 @@ def quant_moe_reference(x, arena, slots, topk_weights, layout: QuantLayout) -> t
     return moe_reference(x, slots.long(), topk_weights, lambda s: layout.dequantize(arena[s]))
 
 
-def quant_moe_from_slots(x, arena, slots, topk_weights, layout: QuantLayout, *, slot_offset: int = 0) -> torch.Tensor:
+def quant_moe_from_slots(x, arena, slots, topk_weights, layout: QuantLayout, *, slot_offset: int = 0,
+                         table: torch.Tensor | None = None, log: torch.Tensor | None = None) -> torch.Tensor:
     """The providers' hook: GEMV kernels for few pairs (decode), the grouped GEMM for many (prefill);
-    the reference where Triton cannot run. The slots read are slot_offset + slots."""
+    the reference where Triton cannot run. The slots read are slot_offset + slots (or a record table's)."""
     if available(x.device) and slots.numel() <= GEMV_MAX_PAIRS:
-        return quant_slot_moe(x, arena, slots, topk_weights, layout, slot_offset=slot_offset)
+        return quant_slot_moe(x, arena, slots, topk_weights, layout, slot_offset=slot_offset, table=table, log=log)
     if slot_offset:
         slots = slots + slot_offset
     if not available(x.device):

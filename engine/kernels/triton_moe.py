@@ -11,6 +11,11 @@ over experts with dense GEMMs (moe_reference), which tensor cores do well.
                       out_t = Σ_k y[t*K + k]
 Accumulation is fp32; g and u are rounded to the model dtype before the SiLU as torch's bf16
 F.linear does, so results agree with the reference to bf16 rounding.
+
+Where a record lies (record_ptr, shared with engine.kernels.quant_triton): slot_offset + the pick's id in the
+arena, or with a `table` the element offset table[slot_offset + id] from the arena's start, which may point
+into page-locked host memory the GPU reads in place over PCIe (engine.tiers.zero_copy). With a `log`, the kernels
+also write each pick's id there, so the host learns a graph-replayed step's routing without reading it per layer.
 """
 from __future__ import annotations
 
@@ -46,13 +51,31 @@ if triton is not None:
         return (s * u).to(ty)
 
     @triton.jit
-    def _gate_up_kernel(x_ptr, arena_ptr, slot_ptr, h_ptr, SLOT_OFF, K: tl.constexpr, H: tl.constexpr,
-                        I: tl.constexpr, REC: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr):
+    def record_ptr(arena_ptr, slot_ptr, table_ptr, log_ptr, p, SLOT_OFF, REC: tl.constexpr, TABLE: tl.constexpr,
+                   LOG: tl.constexpr):
+        """Pair p's record: slot SLOT_OFF + id[p] of the arena (REC elements a slot), or with TABLE the arena-relative
+        element offset table[SLOT_OFF + id[p]] (anywhere the GPU can address: a slot, or a page-locked host record).
+        LOG: id[p] also goes to log[p], written by the first row block's program."""
+        sid = tl.load(slot_ptr + p).to(tl.int64)
+        if LOG:
+            tl.store(log_ptr + p, sid.to(tl.int32), mask=tl.program_id(1) == 0)
+        if TABLE:
+            return arena_ptr + tl.load(table_ptr + SLOT_OFF + sid)
+        return arena_ptr + (sid + SLOT_OFF) * REC
+
+    @triton.jit
+    def _read_kernel(arena_ptr, off, out_ptr, N: tl.constexpr, BLOCK: tl.constexpr):
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(out_ptr + i, tl.load(arena_ptr + off + i, mask=i < N), mask=i < N)
+
+    @triton.jit
+    def _gate_up_kernel(x_ptr, arena_ptr, slot_ptr, h_ptr, SLOT_OFF, table_ptr, log_ptr, K: tl.constexpr,
+                        H: tl.constexpr, I: tl.constexpr, REC: tl.constexpr, TABLE: tl.constexpr, LOG: tl.constexpr,
+                        BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr):
         p = tl.program_id(0)
         bi = tl.program_id(1)
         t = p // K
-        slot = tl.load(slot_ptr + p).to(tl.int64) + SLOT_OFF
-        gate = arena_ptr + slot * REC
+        gate = record_ptr(arena_ptr, slot_ptr, table_ptr, log_ptr, p, SLOT_OFF, REC, TABLE, LOG)
         up = gate + I * H
         rows = bi * BLOCK_I + tl.arange(0, BLOCK_I)
         rmask = rows < I
@@ -71,12 +94,12 @@ if triton is not None:
         tl.store(h_ptr + p * I + rows, swiglu(acc_g, acc_u, h_ptr.dtype.element_ty), mask=rmask)
 
     @triton.jit
-    def _down_kernel(h_ptr, arena_ptr, slot_ptr, w_ptr, y_ptr, SLOT_OFF, H: tl.constexpr, I: tl.constexpr,
-                     REC: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr):
+    def _down_kernel(h_ptr, arena_ptr, slot_ptr, w_ptr, y_ptr, SLOT_OFF, table_ptr, H: tl.constexpr,
+                     I: tl.constexpr, REC: tl.constexpr, TABLE: tl.constexpr, BLOCK_H: tl.constexpr,
+                     BLOCK_I: tl.constexpr):
         p = tl.program_id(0)
         bh = tl.program_id(1)
-        slot = tl.load(slot_ptr + p).to(tl.int64) + SLOT_OFF
-        down = arena_ptr + slot * REC + 2 * I * H
+        down = record_ptr(arena_ptr, slot_ptr, table_ptr, slot_ptr, p, SLOT_OFF, REC, TABLE, False) + 2 * I * H
         rows = bh * BLOCK_H + tl.arange(0, BLOCK_H)
         rmask = rows < H
         acc = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -112,12 +135,29 @@ def sum_picks(y: torch.Tensor, t: int, k: int, dtype: torch.dtype) -> torch.Tens
     return out
 
 
+def read_record(arena: torch.Tensor, offset: int, n: int) -> torch.Tensor:
+    """n elements at element `offset` from the arena's start, read by a kernel (the offset a record table holds:
+    it may point outside the arena, into page-locked host memory) → a flat tensor on the arena's device."""
+    out = torch.empty(n, dtype=arena.dtype, device=arena.device)
+    _read_kernel[(triton.cdiv(n, 1024),)](arena, offset, out, N=n, BLOCK=1024)
+    return out
+
+
+def _table_args(table: torch.Tensor | None, log: torch.Tensor | None, slots: torch.Tensor):
+    """The kernels' (table, log) pointers and flags; unused pointers are the slots (never read)."""
+    return (table if table is not None else slots, log if log is not None else slots,
+            table is not None, log is not None)
+
+
 def slot_moe(x: torch.Tensor, arena: torch.Tensor, slots: torch.Tensor, topk_weights: torch.Tensor,
-             layout: ExpertLayout, *, slot_offset: int = 0, block_i: int = 4, block_h: int = 16,
+             layout: ExpertLayout, *, slot_offset: int = 0, table: torch.Tensor | None = None,
+             log: torch.Tensor | None = None, block_i: int = 4, block_h: int = 16,
              gate_up_cols: int | None = None, down_cols: int = 256, warps: int = 4) -> torch.Tensor:
     """Σ_k w[t,k]·expert(slot_offset + slots[t,k])(x[t]) with Triton GEMV kernels. x [T,H]; arena
     [S, record_elems] in layout.dtype; slots [T,K] int32/int64 (e.g. a router's expert ids, offset to a layer's
-    first slot inside the kernels: no add launched); topk_weights [T,K]. Returns [T,H] x.dtype."""
+    first slot inside the kernels: no add launched); topk_weights [T,K]. Returns [T,H] x.dtype.
+    table: int64 element offsets of records from the arena's start, read at slot_offset + slots[t,k] instead
+    (record_ptr); log: int32 [≥ T·K], receives slots flattened (the routing of this step)."""
     t, k = slots.shape
     hdim, idim = layout.hidden, layout.intermediate
     p = t * k
@@ -129,12 +169,13 @@ def slot_moe(x: torch.Tensor, arena: torch.Tensor, slots: torch.Tensor, topk_wei
     slot_flat = slots.reshape(-1).contiguous()
     h = torch.empty(p, idim, dtype=x.dtype, device=x.device)
     y = torch.empty(p, hdim, dtype=torch.float32, device=x.device)
+    tab, lg, use_table, use_log = _table_args(table, log, slot_flat)
     _gate_up_kernel[(p, triton.cdiv(idim, block_i))](
-        xs, arena, slot_flat, h, slot_offset, K=k, H=hdim, I=idim, REC=layout.record_elems, BLOCK_I=block_i,
-        BLOCK_H=gate_up_cols, num_warps=warps)
+        xs, arena, slot_flat, h, slot_offset, tab, lg, K=k, H=hdim, I=idim, REC=layout.record_elems,
+        TABLE=use_table, LOG=use_log, BLOCK_I=block_i, BLOCK_H=gate_up_cols, num_warps=warps)
     _down_kernel[(p, triton.cdiv(hdim, block_h))](
-        h, arena, slot_flat, topk_weights.reshape(-1).contiguous(), y, slot_offset, H=hdim, I=idim,
-        REC=layout.record_elems, BLOCK_H=block_h, BLOCK_I=down_cols, num_warps=warps)
+        h, arena, slot_flat, topk_weights.reshape(-1).contiguous(), y, slot_offset, tab, H=hdim, I=idim,
+        REC=layout.record_elems, TABLE=use_table, BLOCK_H=block_h, BLOCK_I=down_cols, num_warps=warps)
     return sum_picks(y, t, k, x.dtype)
 
 
@@ -149,15 +190,21 @@ def slot_moe_reference(x, arena, slots, topk_weights, layout: ExpertLayout, expe
 
 
 def moe_from_slots(x, arena, slots, topk_weights, layout: ExpertLayout, expert_ids=None, *,
-                   slot_offset: int = 0) -> torch.Tensor:
+                   slot_offset: int = 0, table: torch.Tensor | None = None,
+                   log: torch.Tensor | None = None) -> torch.Tensor:
     """Pick the kernel for the shape: GEMV kernels for few pairs (decode), GEMMs for many (prefill).
     Quantized records go to their own kernels (engine.kernels.quant_triton), picked the same way. The slots
-    read are slot_offset + slots (the GEMV kernels add it themselves)."""
+    read are slot_offset + slots (the GEMV kernels add it themselves). table / log (slot_moe's): only the GEMV
+    kernels read a record table, so a caller giving one must keep to their shapes."""
+    if table is not None or log is not None:
+        assert slots.numel() <= GEMV_MAX_PAIRS and triton_available(x.device), \
+            "a record table is read by the GEMV kernels only: at most GEMV_MAX_PAIRS picks, where Triton runs"
     if layout.quantized:
         from engine.kernels.quant_triton import quant_moe_from_slots
-        return quant_moe_from_slots(x, arena, slots, topk_weights, layout.quantized, slot_offset=slot_offset)
+        return quant_moe_from_slots(x, arena, slots, topk_weights, layout.quantized, slot_offset=slot_offset,
+                                    table=table, log=log)
     if slots.numel() <= GEMV_MAX_PAIRS and triton_available(x.device):
-        return slot_moe(x, arena, slots, topk_weights, layout, slot_offset=slot_offset)
+        return slot_moe(x, arena, slots, topk_weights, layout, slot_offset=slot_offset, table=table, log=log)
     if slot_offset:
         slots = slots + slot_offset
     return slot_moe_reference(x, arena, slots, topk_weights, layout, expert_ids)

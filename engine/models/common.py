@@ -364,9 +364,21 @@ class MoEModel(nn.Module):
                     mask=None if sees_all else self._mask(pos, kv_len), decode=True)
 
     def decode_step(self, tokens, slots: list[int], positions: list[int]) -> torch.Tensor:
-        """One token per sequence: tokens [B] go to (slots[b], positions[b]); logits [B, V]."""
+        """One token per sequence: tokens [B] go to (slots[b], positions[b]); logits [B, V]. A provider's hooks
+        (TieredExperts' zero-copy decode: its record table, routing log, promotions) run around the launch."""
         b = len(slots)
         assert b == len(positions) and max(positions) < self.max_len, "decode position beyond the KV cache"
+        before = getattr(self.provider, "before_decode", None)
+        if before is not None:
+            before()
+        logits = self._decode_launch(tokens, slots, positions)
+        after = getattr(self.provider, "after_decode_launch", None)
+        if after is not None:
+            after(b * self.cfg.top_k)            # while the device computes the step
+        return logits
+
+    def _decode_launch(self, tokens, slots: list[int], positions: list[int]) -> torch.Tensor:
+        b = len(slots)
         if self.graphs is not None and self.graphs.usable(b):
             return self.graphs.decode(tokens, slots, positions)
         ids = torch.as_tensor(tokens, dtype=torch.long, device=self.device).view(b, 1)

@@ -166,12 +166,13 @@ def build_provider(checkpoint, store_dir, config: EngineConfig | None = None, *,
     provider = TieredExperts(m, store_dir, device=device, ram_slots=min(ram_slots, n), gpu_slots=min(gpu_slots, n),
                              readers=readers, reader_cpus=reader_cpus, policy=policy, trace=trace,
                              cpu_experts=cpu_experts, lane_cpus=layout_cpus.get("lane"), lane_rates=config.lane_rates)
-    if config.preload:
-        try:
+    try:
+        if config.preload:
             provider.preload()
-        except BaseException:
-            provider.close()
-            raise
+        provider.use_zero_copy(config.zero_copy)
+    except BaseException:
+        provider.close()
+        raise
     return provider
 
 

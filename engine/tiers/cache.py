@@ -173,6 +173,14 @@ class ExpertCache:
         assert self.capacity >= 0, "capacity must be >= 0"
         self._slot: dict = {}
         self._free: list[int] = list(range(self.capacity - 1, -1, -1))
+        # A set to collect the keys whose slot changes (admitted, evicted, discarded), for an owner that mirrors
+        # the cache elsewhere (engine.tiers.zero_copy's device record table); None: not collected.
+        self.changes: set | None = None
+
+    @property
+    def free(self) -> int:
+        """Slots an admit can take without evicting."""
+        return len(self._free)
 
     def __contains__(self, key) -> bool:
         return key in self._slot
@@ -209,6 +217,10 @@ class ExpertCache:
             self.stats.evictions += 1
         self._slot[key] = slot
         self.policy.access(key)
+        if self.changes is not None:
+            self.changes.add(key)
+            if evicted is not None:
+                self.changes.add(evicted)
         return slot, evicted
 
     def discard(self, key) -> None:
@@ -217,6 +229,8 @@ class ExpertCache:
         if slot is not None:
             self.policy.remove(key)
             self._free.append(slot)
+            if self.changes is not None:
+                self.changes.add(key)
 
     def resident(self) -> Iterable:
         return self._slot.keys()

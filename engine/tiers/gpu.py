@@ -122,6 +122,36 @@ class GpuTier:
             waiting.discard(key)
             ram.release(key)
 
+    def move(self, up: list[tuple[int, torch.Tensor]], down: list[tuple[torch.Tensor, int]], after=None) -> None:
+        """Zero-copy decode's promotions (engine.tiers.zero_copy): each (slot, RAM slot tensor) of `up` copied into
+        that GPU slot, each (RAM slot tensor, slot) of `down` written back from it, on the copy stream, WITHOUT
+        waiting for the compute stream (the caller owns that no kernel in flight reads a destination; `after`, a
+        CUDA event, is waited for first where it cannot). Counted and timed as load's copies and write-backs;
+        the compute stream waits for them at the next wait_copies."""
+        if not self.cuda:
+            for slot, src in up:
+                self.data[slot].copy_(src)
+            for dst, slot in down:
+                dst.copy_(self.data[slot])
+        else:
+            self.copy_seconds                      # folds the finished batches' times in
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            with torch.cuda.stream(self.copy_stream):
+                if after is not None:
+                    self.copy_stream.wait_event(after)
+                start.record(self.copy_stream)
+                for dst, slot in down:             # read out before anything lands (no slot is both here)
+                    dst.copy_(self.data[slot], non_blocking=True)
+                for slot, src in up:
+                    self.data[slot].copy_(src, non_blocking=True)
+                end.record(self.copy_stream)
+                self.copies_done.record(self.copy_stream)
+            self._timed.append((start, end))
+            self.pending = True
+        self.copies += len(up)
+        self.copy_bytes += len(up) * self.layout.record_bytes
+        self.writebacks += len(down)
+
     @property
     def copy_seconds(self) -> float:
         """Copy-stream busy time of the copies finished so far (CUDA events, read once they are done)."""

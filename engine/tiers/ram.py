@@ -7,6 +7,7 @@ allocator and double the footprint.
 """
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import weakref
@@ -106,6 +107,7 @@ class RamArena:
         self.bytes = torch.frombuffer(self._mm, dtype=torch.uint8)
         self._view = memoryview(self._mm)
         self._registered: list[int] = []
+        self._device_bases: list[int] | None = None     # each registered chunk's address in the GPU's space
         # Unregistered when the arena goes, closed or not: CUDA keeps a registration past the munmap, and the
         # next mapping at that address then fails to register ("already mapped", error 712).
         self._unregister = weakref.finalize(self, _unregister, self._registered)
@@ -126,8 +128,27 @@ class RamArena:
                 raise EngineError(f"RAM tier: cudaHostRegister of {n} bytes at +{off} failed (error {int(rc)}; "
                                   f"is `ulimit -l` / LimitMEMLOCK too low?)", Exit.IO)
             self._registered.append(base + off)
+        self._chunk = chunk
         log.info("RAM tier: %d slots (%.2f GiB) page-locked with cudaHostRegister in %d chunks",
                  self.slots, total / GIB, len(self._registered))
+
+    def device_address(self, slot: int) -> int | None:
+        """Where a GPU kernel reads this slot in place (over PCIe), or None where it cannot: an arena not
+        page-locked for CUDA, or a CUDA runtime whose cudaHostGetDevicePointer cannot be reached. Registered
+        memory is mapped into the device's address space (cudaHostRegisterDefault under unified addressing);
+        its device address is asked for rather than assumed equal to the host's. (On a CPU "device", the
+        tests' GPU stand-in, kernels read host_address.)"""
+        host = self.host_address(slot)
+        if not self._registered:
+            return None
+        if self._device_bases is None:
+            self._device_bases = [_device_pointer(p) for p in self._registered] or []
+        i = slot * self.record_bytes // self._chunk
+        base = self._device_bases[i]
+        return None if base is None else base + (host - self._registered[i])
+
+    def host_address(self, slot: int) -> int:
+        return self.bytes.data_ptr() + slot * self.record_bytes
 
     @property
     def pinned(self) -> bool:
@@ -143,6 +164,34 @@ class RamArena:
 
     def close(self) -> None:
         self._unregister()
+
+
+def _cudart():
+    """The CUDA runtime torch loaded (dlopen by soname finds the loaded copy), or None."""
+    names = ["libcudart.so.13", "libcudart.so.12", "libcudart.so.11.0", "libcudart.so"]
+    try:
+        with open("/proc/self/maps") as f:       # a runtime loaded from a wheel's own folder, by its path
+            names += sorted({line.split()[-1] for line in f if "libcudart.so" in line})
+    except OSError:
+        pass
+    for name in names:
+        try:
+            lib = ctypes.CDLL(name)
+            lib.cudaHostGetDevicePointer.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p, ctypes.c_uint]
+            return lib
+        except (OSError, AttributeError):
+            continue
+    return None
+
+
+def _device_pointer(host: int) -> int | None:
+    """cudaHostGetDevicePointer of registered host memory, or None (no runtime reachable, or it refused)."""
+    lib = _cudart()
+    if lib is None:
+        return None
+    out = ctypes.c_void_p()
+    rc = lib.cudaHostGetDevicePointer(ctypes.byref(out), ctypes.c_void_p(host), 0)
+    return out.value if rc == 0 and out.value else None
 
 
 def _unregister(registered: list[int]) -> None:

@@ -11,7 +11,9 @@ never depends on it:
   is in RAM but not in a GPU slot may instead be computed on the CPU, from the RAM slot, while the GPU
   computes the slot picks (their slot-table entries weigh 0 there); the CPU partial sum is copied to the
   device and added. lanes.split chooses per layer from the lane rates; hot experts are promoted to slots.
-Decode on CUDA needs one host read of the routing per MoE layer (the host must know what to copy);
+Where the GPU and RAM tiers hold every record (preloaded), a CUDA decode step reads RAM-tier records in place
+instead (engine.tiers.zero_copy): no host step, one graph a step, promotions behind the steps. Otherwise:
+decode on CUDA needs one host read of the routing per MoE layer (the host must know what to copy);
 with a predictor (layer_ahead_predictor) the next layer's router applied to this layer's input
 predicts its experts, whose copies then overlap this layer's compute. That host read is the only
 host work, so the rest of a step is CUDA-graph capturable in pieces between the reads: under a
@@ -43,6 +45,7 @@ from engine.tiers.gpu import GpuTier
 from engine.tiers.lanes import Candidate, CpuLane, LaneCounters, LaneRates, lane_rates as rates_of, measure_rates, \
     promotions, split
 from engine.tiers.ram import RamTier
+from engine.tiers.zero_copy import MAX_MOVES, ZeroCopyDecode, blocker as zero_copy_blocker
 
 log = logging.getLogger("engine.tiers")
 
@@ -77,7 +80,6 @@ class CpuJob:
 
 
 class TieredExperts:
-    host_steps = True                # a decode layer reads its routing to the host (and a CPU device computes there)
 
     def __init__(self, manifest: mf.Manifest, store_dir: str | Path, *, device: str | torch.device = "cpu",
                  ram_slots: int, gpu_slots: int = 0, readers: int = 4, reader_cpus: set[int] | None = None,
@@ -113,6 +115,7 @@ class TieredExperts:
         self._rates: LaneRates | None = None
         self._measured: dict = {}
         self._job: CpuJob | None = None
+        self.zero_copy: ZeroCopyDecode | None = None    # use_zero_copy() turns it on
         if self.cpu_experts != "off":
             self.lane = CpuLane(lane_cpus)
             self._given_rates = lane_rates
@@ -135,12 +138,49 @@ class TieredExperts:
 
     @property
     def graph_capturable(self) -> bool:
-        """A decode step can be captured (in pieces: forward cuts the graph at each routing read)."""
+        """A decode step can be captured (zero-copy: whole; else in pieces, cut at each routing read)."""
         return self.cuda and triton_available(self.device)
 
+    @property
+    def host_steps(self) -> bool:
+        """A decode layer needs the host (reads its routing, or a CPU device computes): all but zero-copy decode."""
+        return self.zero_copy is None
+
     def graph_pairs_ok(self, pairs: int) -> bool:
-        """A captured step's slot table holds every pick of a layer at once: they must fit the GPU tier."""
+        """A captured step's slot table holds every pick of a layer at once: they must fit the GPU tier (zero-copy:
+        the GEMV kernels, whatever the tier)."""
+        if self.zero_copy is not None:
+            return pairs <= GEMV_MAX_PAIRS
         return pairs <= min(GEMV_MAX_PAIRS, self.gpu.cache.capacity) if self.gpu is not None else False
+
+    def use_zero_copy(self, mode: str) -> bool:
+        """mode auto: decode zero-copy (engine.tiers.zero_copy) where nothing blocks it, else say why in the log;
+        on: the same, EngineError naming the blocker; off: never. Called once the tiers are filled (preload).
+        → whether it is on."""
+        if mode == "off":
+            return False
+        why = zero_copy_blocker(self)
+        if why is not None:
+            if mode == "on":
+                from engine.errors import EngineError, Exit
+                raise EngineError(f"--zero-copy on: {why}", Exit.USAGE)
+            log.info("zero-copy decode: off, %s", why)
+            return False
+        self.zero_copy = ZeroCopyDecode(self)
+        log.info("zero-copy decode: on: %d GPU slots + %d RAM slots hold all %d records; RAM-tier records are "
+                 "read in place over PCIe, up to %d promoted a step", self.gpu.cache.capacity,
+                 self.ram.cache.capacity, len(self.manifest.records), MAX_MOVES)
+        return True
+
+    def before_decode(self) -> None:
+        """MoEModel.decode_step's hook before a step's launch (zero-copy: the record table catches up)."""
+        if self.zero_copy is not None:
+            self.zero_copy.before_decode()
+
+    def after_decode_launch(self, pairs: int) -> None:
+        """MoEModel.decode_step's hook once a step is launched (zero-copy: routing log, promotions)."""
+        if self.zero_copy is not None:
+            self.zero_copy.after_launch(pairs)
 
     def preload(self) -> dict:
         """Fill the tiers from the store before serving: the slot tier with the first records in store order,
@@ -172,12 +212,16 @@ class TieredExperts:
 
     # -- ExpertProvider -------------------------------------------------------------------------
     def forward(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        if self.gpu is not None and self.graph_pairs_ok(topk_ids.numel()) \
+        if self.zero_copy is not None:
+            if topk_ids.numel() <= GEMV_MAX_PAIRS:
+                return self.zero_copy.forward(layer, x, topk_ids, topk_weights)
+            self.zero_copy.fence_needed = True       # the kernels below read slots by the cache, not the table
+        elif self.gpu is not None and self.graph_pairs_ok(topk_ids.numel()) \
                 and (triton_available(self.device) or not self.cuda):
             return self._decode_from_slots(layer, x, topk_ids, topk_weights)
         routes = group_routes(topk_ids)               # ascending experts: the order moe_reference visits them in
         picks = {r.expert: len(r.tokens) for r in routes}
-        self._record_trace(layer, list(picks))
+        self.record_trace(layer, list(picks))
         lane = "gpu" if self.gpu is not None else "cpu"
         self.lanes.add(lane, topk_ids.numel(), len(picks) * self.layout.record_bytes)
         resolve = (lambda wave: self._resolve_gpu(layer, wave, picks)) if self.gpu is not None else \
@@ -188,8 +232,15 @@ class TieredExperts:
         gpu = self.gpu.cache if self.gpu is not None else ExpertCache("gpu", 0)     # the CPU has no GPU tier
         tiers = {name: {"slots": c.capacity, **c.stats.as_dict()} for name, c in (("gpu", gpu), ("ram", self.ram.cache))}
         lanes = self.lanes.as_dict()
+        zc = self.zero_copy.counters() if self.zero_copy is not None else None
+        if zc is not None:       # every pick computed on the GPU, from a slot or read in place
+            n = zc["picks"]["gpu"] + zc["picks"]["ram"]
+            lanes["gpu"] = {"picks": lanes["gpu"]["picks"] + n,
+                            "bytes": lanes["gpu"]["bytes"] + n * self.layout.record_bytes, "seconds": 0.0}
         if self.gpu is not None:
-            lanes["pcie"] = {"picks": self.gpu.copies, "bytes": self.gpu.copy_bytes,
+            # PCIe: copies into slots, and (zero-copy) records read in place, each pick's read counted
+            lanes["pcie"] = {"picks": self.gpu.copies + (zc["picks"]["ram"] if zc else 0),
+                             "bytes": self.gpu.copy_bytes + (zc["read_in_place_bytes"] if zc else 0),
                              "seconds": round(self.gpu.copy_seconds, 6)}
         r = self.ram.readers
         lanes["disk"] = {"picks": r.reads, "bytes": r.bytes_read, "seconds": round(r.seconds, 6)}
@@ -202,12 +253,13 @@ class TieredExperts:
             "pcie_bytes": self.gpu.copy_bytes if self.gpu is not None else 0,
             "writebacks": self.gpu.writebacks if self.gpu is not None else 0,
             "writeback_bytes": self.gpu.writebacks * self.layout.record_bytes if self.gpu is not None else 0,
-            "host_seconds": round(self.host_seconds, 4),
+            "host_seconds": round(self.host_seconds + (zc["host_seconds"] if zc else 0.0), 4),
             "tiers": tiers,
             "policy": self.ram.cache.policy.name,
             "cpu_experts": self.cpu_experts,
             "lanes": lanes,
             "lane_rates": self._rates.as_dict() if self._rates is not None else None,
+            "zero_copy": zc,
         }
 
     # -- decode from slots: one slot table per layer, the GEMV kernels; the CPU lane beside them --------
@@ -264,7 +316,7 @@ class TieredExperts:
         host = routed.tolist()              # the one device read of this layer
         ids, ahead = host[:n], host[n:]
         uniq = sorted(set(ids))
-        self._record_trace(layer, uniq)
+        self.record_trace(layer, uniq)
         pick_keys = [ExpertKey(layer, e) for e in ids]
         self._count(pick_keys)
         if self.lane is not None:           # heat only steers the CPU lane's split and promotions
@@ -398,7 +450,7 @@ class TieredExperts:
             self.served["store" if e in from_store else "ram"] += picks[e]
         return [self.layout.views(self.ram.arena.tensor(slots[e], self.layout.dtype)) for e in wave]
 
-    def _record_trace(self, layer: int, experts: list[int]) -> None:
+    def record_trace(self, layer: int, experts: list[int]) -> None:
         if self._trace:
             self._trace.write(json.dumps({"layer": layer, "experts": experts}) + "\n")
 

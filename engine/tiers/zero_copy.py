@@ -1,0 +1,301 @@
+"""Zero-copy decode: a tiered provider's decode step reads each expert record where it lies — in a GPU slot, or
+in its page-locked RAM-tier slot, read in place by the slot kernels over PCIe — so the step has no host step
+and is captured as ONE CUDA graph, as the resident provider's is.
+
+Why: the piecewise decode (TieredExperts._place) stops the GPU at every MoE layer while the host reads the
+layer's routing, issues the copies it lacks and fills a slot table. With the disk out of the way that host step
+bound the H200's decode at a 24 GB budget (166 tok/s served against 515 resident, 0.17 ms a layer; bench/README).
+A record not in a GPU slot crosses PCIe once per pick either way (copied, then read; or read in place), and read
+in place it needs nobody to decide anything before the kernel runs.
+
+What it needs (blocker() says which is missing): every record in the GPU or the RAM tier (the tiers are exclusive:
+gpu_slots + ram_slots must exceed the store's records, and the tiers be preloaded), a RAM arena the GPU can
+address (cudaHostRegister'ed; RamArena.device_address), the slot kernels (Triton) and no CPU expert lane.
+
+How the tiers still follow the routing, without the compute stream ever waiting for the host:
+- the record table: an int64 per (MoE layer, expert), its record's element offset from the GPU arena's start —
+  a GPU slot, or a RAM slot's device address. The kernels read table[layer base + expert]
+  (engine.kernels.triton_moe.record_ptr). The host keeps a mirror, updated from the tiers' caches (ExpertCache
+  .changes), and copies it to the device between steps, behind any copy it depends on.
+- the routing log: the gate/up kernel writes each pick's expert id into a device row per MoE layer; after each
+  step's launch the host queues that log's copy to page-locked memory, and reads it one step later.
+- promotions: experts a step read from RAM are candidates; after the next step is launched, up to a budget of
+  them (half of a step's time at the measured copy rate) are copied into free GPU slots, and the GPU tier's
+  victims (its eviction policy's) written back to free RAM slots to keep free slots at hand — on the copy
+  stream, while the GPU computes. The table update follows those copies on the compute stream, so the next
+  step reads the new places. A slot whose record moved away is freed only after the step that could still
+  read it has finished (an event recorded behind the table update): no copy lands under a running kernel.
+Prefill and batches of more picks than the GEMV kernels take go TieredExperts' usual way (copies into slots,
+per-expert GEMMs); the tiers' caches record what that moves and the table follows it before the next step.
+The result never depends on where a record was read from (tests/engine/test_zero_copy.py).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+
+import torch
+
+from engine.kernels.triton_moe import GEMV_MAX_PAIRS, moe_from_slots, read_record, triton_available
+from engine.tiers.cache import ExpertKey
+
+log = logging.getLogger("engine.tiers")
+
+MAX_MOVES = 16            # promotions a step at most (each also frees a GPU slot for the next: a write-back)
+COPY_SHARE = 0.5          # of a step's time the promotions' copies may take on the PCIe lane
+
+
+def blocker(provider) -> str | None:
+    """Why `provider` (a TieredExperts) cannot decode zero-copy, or None when it can."""
+    gpu, ram, m = provider.gpu, provider.ram, provider.manifest
+    if gpu is None:
+        return "there is no slot tier (a CUDA device's GPU slots)"
+    if provider.lane is not None:
+        return "the CPU expert lane is on (--cpu-experts): it computes RAM-tier experts on the CPU instead"
+    if not triton_available(provider.device):
+        return f"the slot kernels (Triton) do not run on {provider.device}"
+    n = len(m.records)
+    if gpu.cache.capacity + ram.cache.capacity <= n:
+        return (f"the GPU and RAM tiers hold {gpu.cache.capacity} + {ram.cache.capacity} records, not more than "
+                f"the store's {n}")
+    absent = sum(1 for layer in m.moe_layers for e in range(m.experts_per_layer)
+                 if ExpertKey(layer, e) not in gpu.cache and ExpertKey(layer, e) not in ram.cache)
+    if absent:
+        return f"{absent} of {n} records are in neither tier (they are loaded at start with --preload)"
+    if provider.cuda and ram.arena.device_address(0) is None:
+        return "the RAM tier's page-locked memory has no device address (cudaHostGetDevicePointer is unreachable)"
+    return None
+
+
+class ZeroCopyDecode:
+    """The record table, routing log and promotions of one TieredExperts (see the module docstring)."""
+
+    def __init__(self, provider):
+        self.p, self.gpu, self.ram, self.layout = provider, provider.gpu, provider.ram, provider.layout
+        m = provider.manifest
+        self.cuda, dev = provider.cuda, provider.device
+        self.rows = {layer: i for i, layer in enumerate(m.moe_layers)}
+        self.experts = m.experts_per_layer
+        self.keys = [ExpertKey(layer, e) for layer in m.moe_layers for e in range(self.experts)]
+        self.room = self.gpu.cache.capacity + self.ram.cache.capacity - len(self.keys)   # slots beyond the records
+        item = self.layout.itemsize
+        base = self.gpu.data.data_ptr()
+        # Every RAM slot's offset from the GPU arena, in elements (4 KiB-aligned records: exact).
+        addr = self.ram.arena.device_address if self.cuda else self.ram.arena.host_address
+        self.ram_offsets = []
+        for r in range(self.ram.cache.capacity):
+            d = addr(r) - base
+            assert d % item == 0, "a RAM slot's address is not a whole number of elements from the GPU arena"
+            self.ram_offsets.append(d // item)
+        self.rec_elems = self.layout.record_elems
+        n = len(self.keys)
+        self.mirror = torch.zeros(n, dtype=torch.int64)
+        self.table = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.log = torch.full((len(self.rows), GEMV_MAX_PAIRS), -1, dtype=torch.int32, device=dev)
+        self._ring = [torch.empty_like(self.log, device="cpu", pin_memory=self.cuda) for _ in range(2)]
+        self._ring_pairs: list[int | None] = [None, None]
+        self._ring_events: list = [None, None]
+        self._turn = 0
+        self.promoting: set = set()        # copied up; their RAM slot is freed once no step reads it there
+        self.demoting: set = set()         # written back; their GPU slot likewise
+        self._unsynced: list[tuple[str, ExpertKey]] = []
+        self._held: list[tuple[object, str, ExpertKey]] = []     # (event of the table update, "up"/"down", key)
+        # Set by TieredExperts' other path (prefill, large batches): kernels that read GPU slots by the cache, not
+        # the table, may still run when a slot is released; the next promotions wait for them (fence()).
+        self.fence_needed = False
+        self._last_launch: float | None = None
+        self.step_seconds = 0.0            # running mean of the time between two launches (the budget's clock)
+        self.picks = {"gpu": 0, "ram": 0}
+        self.read_in_place_bytes = 0
+        self.promotions = self.demotions = 0
+        self.host_seconds = 0.0
+        for c in (self.gpu.cache, self.ram.cache):
+            c.changes = set()
+        for i, key in enumerate(self.keys):
+            self.mirror[i] = self._offset(key)
+        self.table.copy_(self.mirror)
+        if self.cuda:
+            self._check_reads_in_place()
+
+    # -- where each record is ---------------------------------------------------------------------------
+    def _index(self, key: ExpertKey) -> int:
+        return self.rows[key.layer] * self.experts + key.expert
+
+    def _offset(self, key: ExpertKey) -> int:
+        """The record's element offset from the GPU arena: its GPU slot unless it is on its way to RAM."""
+        s = self.gpu.cache.slot_of(key)
+        if s is not None and key not in self.demoting:
+            return s * self.rec_elems
+        r = self.ram.cache.slot_of(key)
+        if r is None:
+            raise RuntimeError(f"zero-copy decode: layer {key.layer} expert {key.expert} is in neither tier")
+        return self.ram_offsets[r]
+
+    def _check_reads_in_place(self) -> None:
+        """A kernel reading a RAM-tier record in place sees its bytes (the device address is right)."""
+        key = next((k for k in self.keys if self.gpu.cache.slot_of(k) is None), None)
+        if key is None:
+            return
+        r = self.ram.cache.slot_of(key)
+        n = min(self.rec_elems, 4096)
+        got = read_record(self.gpu.data, self.ram_offsets[r], n).cpu()
+        want = self.ram.arena.tensor(r, self.layout.dtype)[:n]
+        if not torch.equal(got.view(torch.uint8), want.view(torch.uint8)):
+            raise RuntimeError("zero-copy decode: a kernel reading the RAM tier in place saw other bytes")
+
+    def sync(self) -> None:
+        """Bring the device table to the tiers' state: the mirror's changed entries, then (CUDA) the compute
+        stream waits for the copies issued so far and copies the mirror in; slots moved away since the last
+        sync are held until that update has passed."""
+        changed = self.gpu.cache.changes | self.ram.cache.changes
+        if not changed and not self._unsynced:
+            return
+        self.gpu.cache.changes.clear()
+        self.ram.cache.changes.clear()
+        for key in changed:
+            self.mirror[self._index(key)] = self._offset(key)
+        if self.cuda:
+            self.gpu.wait_copies()
+            # Pageable source: CUDA stages it before returning, so the mirror may change right after.
+            self.table.copy_(self.mirror, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(torch.cuda.current_stream(self.p.device))
+        else:
+            self.table.copy_(self.mirror)
+            done = None
+        self._held += [(done, kind, key) for kind, key in self._unsynced]
+        self._unsynced = []
+
+    def _release(self) -> None:
+        """Free the slots records moved away from, where the step that could read them there has finished."""
+        keep = []
+        for done, kind, key in self._held:
+            if done is not None and not done.query():
+                keep.append((done, kind, key))
+            elif kind == "up":
+                self.promoting.discard(key)
+                if key in self.gpu.cache:          # (unless a prefill evicted it back meanwhile)
+                    self.ram.cache.discard(key)
+            else:
+                self.demoting.discard(key)
+                if key in self.ram.cache:
+                    self.gpu.cache.discard(key)
+        self._held = keep
+
+    # -- the decode step --------------------------------------------------------------------------------
+    def forward(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor):
+        row = self.rows[layer]
+        return moe_from_slots(x, self.gpu.data, topk_ids, topk_weights, self.layout, topk_ids,
+                              slot_offset=row * self.experts, table=self.table, log=self.log[row])
+
+    def before_decode(self) -> None:
+        """Before a step's launch: what a prefill moved reaches the table (usually nothing to do)."""
+        self._release()
+        self.sync()
+
+    def after_launch(self, pairs: int) -> None:
+        """After a step's launch, while the GPU computes it: queue its routing log's copy, read the previous
+        step's, promote what it read from RAM, and queue the table update behind those copies."""
+        t0 = time.perf_counter()
+        if self._last_launch is not None:
+            gap = min(t0 - self._last_launch, 0.1)       # an idle server's gap is not a step
+            self.step_seconds = gap if not self.step_seconds else 0.9 * self.step_seconds + 0.1 * gap
+        self._last_launch = t0
+        self._release()
+        i, self._turn = self._turn, self._turn ^ 1
+        step = self._read_log(i ^ 1)
+        if pairs <= GEMV_MAX_PAIRS:
+            self._ring[i].copy_(self.log, non_blocking=self.cuda)
+            if self.cuda:
+                self._ring_events[i] = torch.cuda.Event()
+                self._ring_events[i].record(torch.cuda.current_stream(self.p.device))
+            self._ring_pairs[i] = pairs
+        if step is not None:
+            self._promote(*step)
+            self.sync()
+        self.host_seconds += time.perf_counter() - t0
+
+    def _fence(self):
+        """An event behind everything queued on the compute stream, if the other path ran since the last one."""
+        if not (self.fence_needed and self.cuda):
+            return None
+        self.fence_needed = False
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(self.p.device))
+        return done
+
+    def _read_log(self, i: int):
+        """The routing a logged step read: (its picks' keys, the RAM-tier ones with how often) → counters."""
+        pairs, self._ring_pairs[i] = self._ring_pairs[i], None
+        if pairs is None:
+            return None
+        if self._ring_events[i] is not None:
+            self._ring_events[i].synchronize()           # done already: the step's logits were read
+        ids = self._ring[i][:, :pairs].tolist()
+        picked: list[ExpertKey] = []
+        from_ram: Counter = Counter()
+        gpu, rec = self.gpu.cache, self.layout.record_bytes
+        for layer, row in self.rows.items():
+            keys = [ExpertKey(layer, e) for e in ids[row]]
+            self.p.record_trace(layer, sorted({k.expert for k in keys}))
+            for key in keys:
+                if key in gpu and key not in self.demoting:
+                    gpu.lookup(key)                       # recency / frequency for the eviction policy
+                    self.picks["gpu"] += 1
+                else:
+                    from_ram[key] += 1
+                    self.picks["ram"] += 1
+            picked += keys
+        self.read_in_place_bytes += sum(from_ram.values()) * rec
+        self.p.served["gpu"] += len(picked) - sum(from_ram.values())
+        self.p.served["ram"] += sum(from_ram.values())
+        return picked, from_ram
+
+    def budget(self) -> int:
+        """Promotions a step: those whose copies take COPY_SHARE of a step at the copy rate measured so far."""
+        rate = self.gpu.copy_bytes / self.gpu.copy_seconds if self.gpu.copy_seconds > 0 else 0.0
+        if not rate or not self.step_seconds:
+            return 1
+        return max(1, min(MAX_MOVES, int(COPY_SHARE * self.step_seconds * rate / self.layout.record_bytes)))
+
+    def _promote(self, picked: list[ExpertKey], from_ram: Counter) -> None:
+        budget = self.budget()
+        moves = self.room - 1 - len(self.promoting) - len(self.demoting)   # a write-back always finds a RAM slot
+        up, down = [], []
+        for key, _ in from_ram.most_common():
+            if len(up) >= budget or moves <= 0 or self.gpu.cache.free == 0:
+                break
+            if key in self.promoting or key in self.gpu.cache:
+                continue
+            slot, evicted = self.gpu.cache.admit(key)
+            assert evicted is None
+            up.append((slot, self.ram.arena.tensor(self.ram.cache.slot_of(key), self.layout.dtype)))
+            self.promoting.add(key)
+            self._unsynced.append(("up", key))
+            moves -= 1
+        # Keep `budget` GPU slots free for the next step's promotions: write the coldest back to RAM.
+        protect = set(picked) | self.promoting | self.demoting
+        want = budget - self.gpu.cache.free - len(self.demoting)
+        while want > 0 and moves > 0 and self.ram.cache.free > 0:
+            try:
+                victim = self.gpu.cache.policy.victim(protect)
+            except LookupError:
+                break
+            r, evicted = self.ram.cache.admit(victim)
+            assert evicted is None
+            down.append((self.ram.arena.tensor(r, self.layout.dtype), self.gpu.cache.slot_of(victim)))
+            self.demoting.add(victim)
+            protect.add(victim)
+            self._unsynced.append(("down", victim))
+            want -= 1
+            moves -= 1
+        if up or down:
+            self.gpu.move(up, down, after=self._fence())
+            self.promotions += len(up)
+            self.demotions += len(down)
+
+    def counters(self) -> dict:
+        return {"picks": dict(self.picks), "read_in_place_bytes": self.read_in_place_bytes,
+                "promotions": self.promotions, "demotions": self.demotions, "budget": self.budget(),
+                "host_seconds": round(self.host_seconds, 4)}
