@@ -166,11 +166,43 @@ def measure(make_stream, vocab: int, steps: int, prefill: int, sampled: bool, co
     return res
 
 
-def inprocess(model_dir, store, kw: dict, vocab, steps, prefill, sampled) -> tuple[dict, dict]:
+class UniformRouting:
+    """Bench only, labelled in the results: each Qwen3-MoE block's routing of a decode step replaced by a uniform
+    top-k trace (each token's k experts drawn without replacement) — the expert cache's worst case, which the
+    random checkpoint's own router does not give. The trace is drawn in advance on the device and indexed by a
+    device step counter, so a decode step stays one CUDA graph; prefill (more rows than the batch) keeps the
+    model's router. The weights stay the router's (they do not move any byte)."""
+
+    def __init__(self, model, steps: int = 1024, seed: int = 5):
+        blocks = [layer.mlp for layer in model.layers if hasattr(layer.mlp, "route")]
+        cfg, dev, rows = model.cfg, model.device, model.kv.slots
+        g = torch.Generator(device=dev).manual_seed(seed)
+        self.trace = torch.rand(steps, len(blocks), rows, cfg.n_experts, generator=g, device=dev).argsort(-1)[..., :cfg.top_k]
+        self.step = torch.zeros(1, dtype=torch.long, device=dev)
+        self.steps = steps
+        for i, block in enumerate(blocks):
+            block.route = self._route(block.route, i, i + 1 == len(blocks), rows)
+
+    def _route(self, real, i: int, last: bool, rows: int):
+        def route(logits, top_k, renormalize, dtype):
+            ids, weights = real(logits, top_k, renormalize, dtype)
+            t = logits.shape[0]
+            if t > rows:
+                return ids, weights
+            drawn = self.trace.index_select(0, self.step % self.steps)[0, i, :t].to(ids.dtype)
+            if last:
+                self.step.add_(1)
+            return drawn, weights
+        return route
+
+
+def inprocess(model_dir, store, kw: dict, vocab, steps, prefill, sampled, uniform: bool = False) -> tuple[dict, dict]:
     from engine.llm import LLM, SamplingParams
     t0 = time.perf_counter()
     llm = LLM.load(model_dir, store, device="cuda", max_context=prefill + 512, max_batch=STREAMS, **kw)
     load_s = time.perf_counter() - t0
+    if uniform:
+        UniformRouting(llm.model)
 
     def make(prompt, n, temp, seed):
         p = SamplingParams(max_tokens=n, temperature=temp, seed=seed, ignore_eos=True)
@@ -179,8 +211,11 @@ def inprocess(model_dir, store, kw: dict, vocab, steps, prefill, sampled) -> tup
     try:
         res = measure(make, vocab, steps, prefill, sampled, llm.counters)
         res["load_s"] = round(load_s, 1)
+        if uniform:
+            res["routing"] = "uniform top-k per token (a synthetic trace on the device, labelled; UniformRouting)"
         g = llm.model.graphs
         res["provider"] = type(llm.model.provider).__name__
+        res["zero_copy"] = getattr(llm.model.provider, "zero_copy", None) is not None
         res["cuda_graphs"] = {"captured": g.captures, "replays": g.replays, "pieces_per_step": g.pieces_per_step} if g else None
         c = llm.counters()
     finally:
@@ -292,15 +327,19 @@ def window_bytes(res: dict, served_side: bool) -> dict:
     """Per-token PCIe and disk bytes over the timed 1-stream window."""
     w = res.pop("window_1_stream")
     a, b, n = w["before"], w["after"], max(1, w["tokens"] - 1)
+    # PCIe: records copied into slots, and (zero-copy decode) records the kernels read in place
     if served_side:
-        pcie = b.get("kiln_pcie_bytes_total", 0) - a.get("kiln_pcie_bytes_total", 0)
+        copied = b.get("kiln_pcie_bytes_total", 0) - a.get("kiln_pcie_bytes_total", 0)
+        in_place = b.get("kiln_read_in_place_bytes_total", 0) - a.get("kiln_read_in_place_bytes_total", 0)
         disk = b.get("kiln_store_read_bytes_total", 0) - a.get("kiln_store_read_bytes_total", 0)
         host = None
     else:
-        pcie = b.get("pcie_bytes", 0) - a.get("pcie_bytes", 0)
+        copied = b.get("pcie_bytes", 0) - a.get("pcie_bytes", 0)
+        in_place = ((b.get("zero_copy") or {}).get("read_in_place_bytes", 0)
+                    - (a.get("zero_copy") or {}).get("read_in_place_bytes", 0))
         disk = b["store_read_bytes"] - a["store_read_bytes"]
         host = (b.get("host_seconds", 0) - a.get("host_seconds", 0)) / n
-    out = {"pcie": int(pcie / n), "disk": int(disk / n)}
+    out = {"pcie": int((copied + in_place) / n), "pcie_read_in_place": int(in_place / n), "disk": int(disk / n)}
     if host is not None:
         out["host_seconds_per_token"] = round(host, 6)
     if not served_side:
@@ -395,7 +434,10 @@ def main():
     ap.add_argument("--llama-n-cpu-moe", action="store_true", help="also llama.cpp with --n-cpu-moe 7 (the 24 GB budget)")
     ap.add_argument("--configs", default="resident,resident_torch_ops,tiered_24gb",
                     help="comma list of: resident, resident_torch_ops (in-process, --no-fused-kernels: the A/B "
-                         "baseline), tiered_24gb, tiered_24gb_cpu_auto / tiered_24gb_cpu_on (the same with "
+                         "baseline), tiered_24gb (zero-copy decode where the tiers hold every record), "
+                         "tiered_24gb_piecewise (the same, --zero-copy off), tiered_24gb_uniform / "
+                         "tiered_24gb_piecewise_uniform (in-process, routing replaced by a uniform trace), "
+                         "tiered_24gb_cpu_auto / tiered_24gb_cpu_on (the same with "
                          "--cpu-experts auto/on: the CPU expert lane), resident_int4, budget_24gb_int4 (int4 records, "
                          "the 24 GB budget)")
     args = ap.parse_args()
@@ -472,6 +514,13 @@ def main():
                         ["--experts", "tiered", "--gpu-slots", str(gpu_slots), "--ram-slots", str(budget["ram_slots"]),
                          "--readers", "16"], True, store, tb),
     }
+    # the same budget decoded piecewise (a host step per MoE layer copies what a slot lacks), the baseline of
+    # zero-copy decode, which tiered_24gb takes (its slots and RAM tier hold every record)
+    kw, flags, sampled, st, t = configs["tiered_24gb"]
+    configs["tiered_24gb_piecewise"] = ({**kw, "zero_copy": "off"}, [*flags, "--zero-copy", "off"], sampled, st, t)
+    # issue 15's worst case: uniform routing (a labelled synthetic trace, in-process only), both decodes
+    configs["tiered_24gb_uniform"] = (kw, None, sampled, st, t)
+    configs["tiered_24gb_piecewise_uniform"] = ({**kw, "zero_copy": "off"}, None, sampled, st, t)
     for mode in ("auto", "on"):     # issue 15: the same budget with RAM-tier experts computed on the CPU lane
         kw, flags, sampled, st, t = configs["tiered_24gb"]
         configs[f"tiered_24gb_cpu_{mode}"] = ({**kw, "cpu_experts": mode}, [*flags, "--cpu-experts", mode], sampled, st, t)
@@ -488,7 +537,7 @@ def main():
             continue
         run: dict = {}
         if "inprocess" not in skip:
-            r, c = inprocess(model_dir, store_, kw, vocab, args.steps, args.prefill, sampled)
+            r, c = inprocess(model_dir, store_, kw, vocab, args.steps, args.prefill, sampled, name.endswith("_uniform"))
             attach_bound(r, sampled, False, tb_, lanes, resident_step if name.startswith("tiered_24gb") else None)
             if name == "resident":
                 resident_step = 1 / r["decode_tps"]

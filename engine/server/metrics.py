@@ -11,6 +11,10 @@ stand beside its lane bound t >= max(t_gpu, B_pcie/BW_pcie, B_disk/BW_disk, B_cp
   kiln_lane_busy_seconds_total{lane}  cpu: the lane thread's jobs; pcie: copy-stream time (CUDA events);
                                       disk: read batches; gpu: 0 (a graph-replayed step is not timed inside)
   kiln_lane_rate_bytes_per_second{lane,source}  the rates the cost model uses (source: config or measured)
+and, where a tiered provider decodes zero-copy (engine.tiers.zero_copy; its pcie lane counts these reads too):
+  kiln_zero_copy_decode               1 while RAM-tier records are read in place
+  kiln_read_in_place_bytes_total      record bytes the GPU kernels read from the RAM tier over PCIe
+  kiln_promotions_total               records copied from RAM into GPU slots between steps
 """
 from __future__ import annotations
 
@@ -50,6 +54,15 @@ class _EngineCollector:
                 ("rejected_requests_total", "kiln_requests_rejected", "Requests refused with 429: the queue was full")):
             yield CounterMetricFamily(name, doc, value=float(c.get(key, 0)))
         yield from _lane_metrics(c)
+        zc = c.get("zero_copy")
+        if c.get("provider") == "tiered":
+            yield GaugeMetricFamily("kiln_zero_copy_decode", "1 while decode reads RAM-tier records in place (zero-copy)",
+                                    value=float(zc is not None))
+        if zc is not None:
+            yield CounterMetricFamily("kiln_read_in_place_bytes", "Record bytes the GPU kernels read from the RAM tier "
+                                      "in place over PCIe", value=float(zc["read_in_place_bytes"]))
+            yield CounterMetricFamily("kiln_promotions", "Records copied from the RAM tier into GPU slots between "
+                                      "zero-copy decode steps", value=float(zc["promotions"]))
         if c.get("provider"):
             kind = GaugeMetricFamily("kiln_expert_provider", "1 for the provider that serves the routed experts",
                                      labels=["provider"])

@@ -93,7 +93,7 @@ class ZeroCopyDecode:
         self.mirror = torch.zeros(n, dtype=torch.int64)
         self.table = torch.zeros(n, dtype=torch.int64, device=dev)
         self.log = torch.full((len(self.rows), GEMV_MAX_PAIRS), -1, dtype=torch.int32, device=dev)
-        self._ring = [torch.empty_like(self.log, device="cpu", pin_memory=self.cuda) for _ in range(2)]
+        self._ring = [torch.empty(self.log.shape, dtype=torch.int32, pin_memory=self.cuda) for _ in range(2)]
         self._ring_pairs: list[int | None] = [None, None]
         self._ring_events: list = [None, None]
         self._turn = 0

@@ -156,20 +156,24 @@ def test_tiered_engine_decodes_from_graph_pieces_with_the_resident_tokens(tiny_s
         assert g.replays >= 24 and g.pieces_per_step == 3 + 1        # cut at each of the 3 MoE layers
         c = p.counters()
         assert c["store_read_bytes"] > 0 and c["served"]["store"] > 0 and c["pcie_bytes"] > 0
-        forced = LLM.load(ck, store, device="cuda", max_context=256, max_batch=3, experts="tiered", cpu_experts="off")
+        forced = LLM.load(ck, store, device="cuda", max_context=256, max_batch=3, experts="tiered", cpu_experts="off",
+                          zero_copy="off")
         with forced:
             assert isinstance(forced.model.provider, TieredExperts)
             assert _one_by_one(forced, PROMPTS[:1]) == want[:1]
 
 
 @needs_cuda
-@pytest.mark.parametrize("placement", ["resident", "tiered"])
+@pytest.mark.parametrize("placement", ["resident", "tiered", "zero_copy"])
 def test_graph_decode_equals_eager_as_the_batch_grows_and_shrinks(tiny_store, placement):
     """decode_step from graphs against eager decode over the same batches: slots joining and leaving,
-    non-contiguous slots, a KV bucket crossed (positions past 256)."""
+    non-contiguous slots, a KV bucket crossed (positions past 256). tiered: 16 GPU slots and 9 in RAM over the
+    48 records (piecewise, store reads); zero_copy: 16 + 40, every record held."""
     from engine.loader import load_model
     ck, store = tiny_store
-    kw = {"experts": placement, "gpu_slots": 16 if placement == "tiered" else None, "cpu_experts": "off"}
+    kw = {"experts": "tiered" if placement != "resident" else "resident", "cpu_experts": "off",
+          "gpu_slots": 16 if placement != "resident" else None, "zero_copy": "on" if placement == "zero_copy" else "off",
+          "ram_slots": {"tiered": 9, "zero_copy": 40}.get(placement)}
     models = [load_model(ck, store_dir=store, device=DEV, max_context=512, max_batch=4, cuda_graphs=g, **kw)
               for g in (True, False)]
     assert models[0].graphs is not None and models[1].graphs is None
@@ -194,6 +198,39 @@ def test_graph_decode_equals_eager_as_the_batch_grows_and_shrinks(tiny_store, pl
         assert torch.equal(a.argmax(-1), b.argmax(-1))
     g = models[0].graphs
     assert {b for b, _ in g.graphs} == {1, 2, 3} and {k for _, k in g.graphs} == {256, 512}
+    if placement == "zero_copy":
+        assert g.pieces_per_step == 1 and all(m.provider.zero_copy is not None for m in models)
+        assert models[0].provider.counters()["zero_copy"]["picks"]["ram"] > 0
+
+
+@needs_cuda
+def test_zero_copy_engine_is_one_graph_a_step_with_the_resident_tokens(tiny_store, caplog):
+    """What `engine serve --device cuda` builds when GPU slots and the RAM tier hold every record (auto): decode reads
+    RAM-tier records in place over PCIe from one CUDA graph a step, launched ahead of the host (async_decode), and
+    gives the resident engine's tokens bit for bit; promotions move records behind the steps, no store read."""
+    import logging
+    from engine.llm import LLM
+    from engine.tiers.tiered import TieredExperts
+    ck, store = tiny_store
+    with caplog.at_level(logging.INFO, logger="engine.tiers"):
+        zc = LLM.load(ck, store, device="cuda", max_context=256, max_batch=3, gpu_slots=16, ram_slots=40,
+                      cpu_experts="off")
+    with zc, LLM.load(ck, store, device="cuda", max_context=256, max_batch=3, cuda_graphs=False) as ref:
+        p = zc.model.provider
+        assert isinstance(p, TieredExperts) and p.zero_copy is not None and zc.model.async_decode
+        assert any("zero-copy decode: on" in r.message for r in caplog.records)
+        reads = p.counters()["store_reads"]
+        want = _one_by_one(ref, PROMPTS)
+        assert _one_by_one(zc, PROMPTS) == want
+        assert [len(t) for t in _streams(zc, PROMPTS)] == [24] * 3
+        g = zc.model.graphs
+        assert g.replays >= 3 * 23 and g.pieces_per_step == 1
+        c = p.counters()
+        z = c["zero_copy"]
+        assert c["store_reads"] == reads and z["picks"]["ram"] > 0 and z["read_in_place_bytes"] > 0
+        assert z["promotions"] > 0 and z["demotions"] > 0
+        assert torch.equal(p.zero_copy.table.cpu(), p.zero_copy.mirror)
+        assert _one_by_one(zc, PROMPTS) == want          # after the promotions: the same tokens again
 
 
 @needs_cuda
@@ -232,7 +269,10 @@ def test_offload_never_changes_a_token_and_graphs_match_eager(synth_model):
 
 @needs_cuda
 @pytest.mark.parametrize("flags,provider", [([], "resident"),
-                                            (["--experts", "tiered", "--gpu-slots", "16", "--cpu-experts", "off"], "tiered")])
+                                            (["--experts", "tiered", "--gpu-slots", "16", "--ram-slots", "9",
+                                              "--cpu-experts", "off"], "tiered"),
+                                            (["--experts", "tiered", "--gpu-slots", "16", "--ram-slots", "40",
+                                              "--zero-copy", "on"], "tiered")])
 def test_engine_serve_on_cuda_streams_from_graphs(tiny_store, tmp_path, flags, provider):
     """A real `engine serve --device cuda` subprocess: the streamed completion's tokens come from CUDA-graph
     replays of the provider its /metrics names, and equal the in-process engine's greedy tokens."""
@@ -277,6 +317,8 @@ def test_engine_serve_on_cuda_streams_from_graphs(tiny_store, tmp_path, flags, p
         assert usage["completion_tokens"] == 12 and usage["prompt_tokens"] == len(PROMPTS[0])
         metrics = requests.get(f"{base}/metrics", timeout=10).text
         assert f'kiln_expert_provider{{provider="{provider}"}} 1.0' in metrics
+        if "--zero-copy" in flags:
+            assert "kiln_zero_copy_decode 1.0" in metrics and "kiln_read_in_place_bytes_total" in metrics
         replays = [float(l.split()[-1]) for l in metrics.splitlines() if l.startswith("kiln_decode_graph_replays_total")]
         assert replays and replays[0] >= 11          # the first token comes from prefill, the rest from graphs
     finally:

@@ -15,6 +15,9 @@ import os
 import pytest
 import torch
 
+if torch.cuda.is_available():     # the interpreter below would take the GPU's kernels over in this process
+    pytest.skip("CPU-device tests; on CUDA tests/engine/test_gpu_path.py runs zero-copy decode for real",
+                allow_module_level=True)
 os.environ.setdefault("TRITON_INTERPRET", "1")
 triton = pytest.importorskip("triton", reason="triton is not installed (its interpreter runs the slot kernels)")
 
