@@ -510,6 +510,8 @@ def main():
     configs = {    # name: (LLM.load knobs, engine serve flags, sampled, store, token bytes)
         "resident": ({"experts": "resident"}, ["--experts", "resident"], False, store, tb),
         "resident_torch_ops": ({"experts": "resident", "fused_kernels": False}, None, False, store, tb),
+        # decoded as the tiered runs are (sampled): the host's sampling per token beside the same GPU step
+        "resident_sampled": ({"experts": "resident"}, None, True, store, tb),
         "tiered_24gb": ({"experts": "tiered", "gpu_slots": gpu_slots, "ram_slots": budget["ram_slots"], "readers": 16},
                         ["--experts", "tiered", "--gpu-slots", str(gpu_slots), "--ram-slots", str(budget["ram_slots"]),
                          "--readers", "16"], True, store, tb),

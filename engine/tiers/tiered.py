@@ -132,6 +132,11 @@ class TieredExperts:
         return self._rates
 
     @property
+    def tracing(self) -> bool:
+        """Routing is being appended to a trace file (record_trace)."""
+        return self._trace is not None
+
+    @property
     def readers(self):
         """The store readers (the RAM tier's)."""
         return self.ram.readers
@@ -216,6 +221,7 @@ class TieredExperts:
             if topk_ids.numel() <= GEMV_MAX_PAIRS:
                 return self.zero_copy.forward(layer, x, topk_ids, topk_weights)
             self.zero_copy.fence_needed = True       # the kernels below read slots by the cache, not the table
+            self.zero_copy.sync_policy()             # ... and admit by the eviction policy: it hears of decode's picks
         elif self.gpu is not None and self.graph_pairs_ok(topk_ids.numel()) \
                 and (triton_available(self.device) or not self.cuda):
             return self._decode_from_slots(layer, x, topk_ids, topk_weights)

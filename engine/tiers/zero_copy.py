@@ -18,7 +18,9 @@ How the tiers still follow the routing, without the compute stream ever waiting 
   (engine.kernels.triton_moe.record_ptr). The host keeps a mirror, updated from the tiers' caches (ExpertCache
   .changes), and copies it to the device between steps, behind any copy it depends on.
 - the routing log: the gate/up kernel writes each pick's expert id into a device row per MoE layer; after each
-  step's launch the host queues that log's copy to page-locked memory, and reads it one step later.
+  step's launch the host queues that log's copy to page-locked memory, and reads it one step later — as arrays
+  (the host work of a step is ~0.1 ms: it is the server's too, under the GIL), noting each record's last use; the
+  GPU tier's eviction policy hears of those uses only when it must choose (a write-back, or the other path).
 - promotions: experts a step read from RAM are candidates; after the next step is launched, up to a budget of
   them (half of a step's time at the measured copy rate) are copied into free GPU slots, and the GPU tier's
   victims (its eviction policy's) written back to free RAM slots to keep free slots at hand — on the copy
@@ -35,6 +37,7 @@ import logging
 import time
 from collections import Counter
 
+import numpy as np
 import torch
 
 from engine.kernels.triton_moe import GEMV_MAX_PAIRS, moe_from_slots, read_record, triton_available
@@ -44,6 +47,7 @@ log = logging.getLogger("engine.tiers")
 
 MAX_MOVES = 16            # promotions a step at most (each also frees a GPU slot for the next: a write-back)
 COPY_SHARE = 0.5          # of a step's time the promotions' copies may take on the PCIe lane
+REFILL = 8                # free GPU slots made at once beyond the budget, when fewer than it are free
 
 
 def blocker(provider) -> str | None:
@@ -91,6 +95,12 @@ class ZeroCopyDecode:
         self.rec_elems = self.layout.record_elems
         n = len(self.keys)
         self.mirror = torch.zeros(n, dtype=torch.int64)
+        self.mirror_np = self.mirror.numpy()                 # the same memory
+        self.row_base = (np.arange(len(self.rows), dtype=np.int64) * self.experts)[:, None]
+        self.gpu_span = self.gpu.cache.capacity * self.rec_elems     # offsets below it are GPU slots
+        self._step = 0
+        self.last_use = np.zeros(n, dtype=np.int64)          # the logged step that last picked each record
+        self.uses_since = np.zeros(n, dtype=np.int64)        # its picks since the eviction policy last heard
         self.table = torch.zeros(n, dtype=torch.int64, device=dev)
         self.log = torch.full((len(self.rows), GEMV_MAX_PAIRS), -1, dtype=torch.int32, device=dev)
         self._ring = [torch.empty(self.log.shape, dtype=torch.int32, pin_memory=self.cuda) for _ in range(2)]
@@ -226,31 +236,49 @@ class ZeroCopyDecode:
         return done
 
     def _read_log(self, i: int):
-        """The routing a logged step read: (its picks' keys, the RAM-tier ones with how often) → counters."""
+        """The routing a logged step read → (its picks' record indices, the RAM-tier ones' keys with how often);
+        counters, each record's last use."""
         pairs, self._ring_pairs[i] = self._ring_pairs[i], None
         if pairs is None:
             return None
         if self._ring_events[i] is not None:
             self._ring_events[i].synchronize()           # done already: the step's logits were read
-        ids = self._ring[i][:, :pairs].tolist()
-        picked: list[ExpertKey] = []
-        from_ram: Counter = Counter()
-        gpu, rec = self.gpu.cache, self.layout.record_bytes
-        for layer, row in self.rows.items():
-            keys = [ExpertKey(layer, e) for e in ids[row]]
-            self.p.record_trace(layer, sorted({k.expert for k in keys}))
-            for key in keys:
-                if key in gpu and key not in self.demoting:
-                    gpu.lookup(key)                       # recency / frequency for the eviction policy
-                    self.picks["gpu"] += 1
-                else:
-                    from_ram[key] += 1
-                    self.picks["ram"] += 1
-            picked += keys
-        self.read_in_place_bytes += sum(from_ram.values()) * rec
-        self.p.served["gpu"] += len(picked) - sum(from_ram.values())
-        self.p.served["ram"] += sum(from_ram.values())
-        return picked, from_ram
+        ids = self._ring[i][:, :pairs].numpy()
+        idx = (self.row_base + ids).ravel()
+        loc = self.mirror_np[idx]
+        in_ram = (loc < 0) | (loc >= self.gpu_span)      # where the table sent this step's kernels
+        self._step += 1
+        self.last_use[idx] = self._step
+        np.add.at(self.uses_since, idx, 1)
+        if self.p.tracing:
+            for layer, row in self.rows.items():
+                self.p.record_trace(layer, sorted(set(ids[row].tolist())))
+        n, n_ram = idx.size, int(in_ram.sum())
+        from_ram = Counter(self.keys[j] for j in idx[in_ram].tolist()) if n_ram else Counter()
+        stats = self.gpu.cache.stats
+        stats.hits += n - n_ram
+        stats.misses += n_ram
+        self.picks["gpu"] += n - n_ram
+        self.picks["ram"] += n_ram
+        self.read_in_place_bytes += n_ram * self.layout.record_bytes
+        self.p.served["gpu"] += n - n_ram
+        self.p.served["ram"] += n_ram
+        return idx, from_ram
+
+    def sync_policy(self) -> None:
+        """Tell the GPU tier's eviction policy of the picks since it last heard, in the order of their last use
+        (LFU: each pick): before it chooses a victim — a write-back here, or an admit on the other path."""
+        touched = np.flatnonzero(self.uses_since)
+        if touched.size == 0:
+            return
+        cache = self.gpu.cache
+        lfu = cache.policy.name == "lfu"
+        for j in touched[np.argsort(self.last_use[touched], kind="stable")].tolist():
+            key = self.keys[j]
+            if key in cache and key not in self.demoting:
+                for _ in range(int(self.uses_since[j]) if lfu else 1):
+                    cache.policy.access(key)
+        self.uses_since[touched] = 0
 
     def budget(self) -> int:
         """Promotions a step: those whose copies take COPY_SHARE of a step at the copy rate measured so far."""
@@ -259,7 +287,7 @@ class ZeroCopyDecode:
             return 1
         return max(1, min(MAX_MOVES, int(COPY_SHARE * self.step_seconds * rate / self.layout.record_bytes)))
 
-    def _promote(self, picked: list[ExpertKey], from_ram: Counter) -> None:
+    def _promote(self, picked: np.ndarray, from_ram: Counter) -> None:
         budget = self.budget()
         moves = self.room - 1 - len(self.promoting) - len(self.demoting)   # a write-back always finds a RAM slot
         up, down = [], []
@@ -274,9 +302,13 @@ class ZeroCopyDecode:
             self.promoting.add(key)
             self._unsynced.append(("up", key))
             moves -= 1
-        # Keep `budget` GPU slots free for the next step's promotions: write the coldest back to RAM.
-        protect = set(picked) | self.promoting | self.demoting
-        want = budget - self.gpu.cache.free - len(self.demoting)
+        # Keep at least `budget` GPU slots free for the next steps' promotions: below that, write the coldest back
+        # to RAM until REFILL more are free (in batches: the policy catches up on the decode's picks once a batch).
+        free = self.gpu.cache.free + len(self.demoting)
+        want = budget + REFILL - free if free < budget else 0
+        if want > 0 and moves > 0 and self.ram.cache.free > 0:
+            self.sync_policy()
+            protect = {self.keys[j] for j in picked.tolist()} | self.promoting | self.demoting
         while want > 0 and moves > 0 and self.ram.cache.free > 0:
             try:
                 victim = self.gpu.cache.policy.victim(protect)
