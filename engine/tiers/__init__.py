@@ -9,6 +9,7 @@ and the tiers they are built from:
   ram       — the RAM arena (cudaHostRegister'ed on CUDA) and RamTier (arena + cache + store readers)
   gpu       — GpuTier: GPU slots filled from the RAM tier on a side stream
   lanes     — the CPU expert lane, the lane cost model (compute on the CPU vs copy to the GPU), lane counters
+  zero_copy — a tiered decode step that reads RAM-tier records in place (no host step: one graph a step)
   readers   — O_DIRECT store readers (threads, optionally pinned to CPUs)
 simulate  — `engine simulate-cache`: policies vs Belady on a recorded routing trace
 """

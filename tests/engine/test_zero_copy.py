@@ -217,3 +217,29 @@ def test_a_moved_slot_is_reused_only_after_its_table_update(store):
         _check_table(prov)
     finally:
         prov.close()
+
+
+def test_the_eviction_policy_hears_of_decodes_picks_in_their_order(store):
+    """Decode's picks reach the GPU tier's eviction policy (LRU here) when it must choose, most recent last: the
+    victim is a record no step picked, and among the picked the one picked longest ago."""
+    prov = _tiered(store)
+    try:
+        zc = prov.zero_copy
+        zc.budget = lambda: 1
+        on_gpu = [k for k in zc.keys if k in prov.gpu.cache]
+        layer0 = [k for k in on_gpu if k.layer == zc.keys[0].layer]
+        # The first layer's records were admitted first at preload: the LRU's oldest, its victims but for the picks.
+        # The older picks have the higher expert ids: an order by index, not by use, would fail below.
+        older, newer = layer0[4:8], layer0[:4]
+        for picks in (older, newer, newer):                  # the log is read one launch later
+            zc.log.fill_(0)
+            zc.log[zc.rows[older[0].layer], :4] = torch.tensor([k.expert for k in picks], dtype=torch.int32)
+            prov.after_decode_launch(4)
+        zc.sync_policy()
+        picked = set(older) | set(newer)
+        assert prov.gpu.cache.policy.victim(zc.demoting) not in picked
+        others = set(prov.gpu.cache.resident()) - picked
+        assert prov.gpu.cache.policy.victim(others) in set(older)
+        assert not zc.uses_since.any()                       # told once
+    finally:
+        prov.close()
