@@ -225,7 +225,7 @@ def test_the_eviction_policy_hears_of_decodes_picks_in_their_order(store):
     prov = _tiered(store)
     try:
         zc = prov.zero_copy
-        zc.budget = lambda: 1
+        zc.budget = lambda: 0                                # no promotion or write-back: only the reads
         on_gpu = [k for k in zc.keys if k in prov.gpu.cache]
         layer0 = [k for k in on_gpu if k.layer == zc.keys[0].layer]
         # The first layer's records were admitted first at preload: the LRU's oldest, its victims but for the picks.
