@@ -243,3 +243,26 @@ def test_the_eviction_policy_hears_of_decodes_picks_in_their_order(store):
         assert not zc.uses_since.any()                       # told once
     finally:
         prov.close()
+
+
+def test_quantized_records_decode_zero_copy_with_the_piecewise_tokens(tiny_checkpoint, tmp_path):
+    """int4 records (bytes; the table holds byte offsets): zero-copy decode gives the tokens the piecewise decode
+    gives over the same records and kernels."""
+    from engine.loader import load_model
+    from engine.store.pack import pack_store
+    ck = tiny_checkpoint("qwen3_moe", experts=16, top_k=4, layers=3)
+    st = tmp_path / "store"
+    pack_store(ck, st, quant="int4")
+    toks = {}
+    with torch.inference_mode():
+        for mode in ("off", "on"):
+            prov = _tiered((ck, st), mode=mode)
+            try:
+                assert (prov.zero_copy is not None) == (mode == "on")
+                toks[mode] = _greedy(load_model(ck, provider=prov, device="cpu", max_context=64), PROMPTS[0], 10)
+                if mode == "on":
+                    assert prov.counters()["zero_copy"]["picks"]["ram"] > 0
+                    _check_table(prov)
+            finally:
+                prov.close()
+    assert toks["on"] == toks["off"]
