@@ -5,7 +5,9 @@
 # other's), so both install side by side in one profile: no file is in both. The engine imports
 # nothing of the tool's. Dependencies are pyproject.toml's, whose ranges admit nixpkgs' versions
 # (tests/test_flake.py applies pythonRuntimeDepsCheck's rule to tests/fixtures/nixpkgs-python-versions.json).
-{ lib, python3Packages, nix }:
+# gcc: the engine builds its CPU kernels (engine/kernels/native_cpu.cpp) with it once per machine, at first use
+# (-march=native: a build-time binary would fit the builder's CPU, not the user's); without it, torch's kernels.
+{ lib, python3Packages, nix, gcc ? null }:
 let
   src = lib.fileset.toSource {
     root = ../.;
@@ -24,14 +26,14 @@ let
     sed -i '/^${drop} = "${drop}.cli:entry"$/d' pyproject.toml
   '';
 
-  kilnApp = { pname, dependencies, mainProgram, imports, postPatch }:
+  kilnApp = { pname, dependencies, mainProgram, imports, postPatch, path ? [ ] }:
     python3Packages.buildPythonApplication {
       inherit pname src dependencies postPatch;
       version = "0.1.0";
       pyproject = true;
       build-system = [ python3Packages.setuptools ];
       makeWrapperArgs = [
-        "--prefix" "PATH" ":" (lib.makeBinPath [ nix ])
+        "--prefix" "PATH" ":" (lib.makeBinPath ([ nix ] ++ path))
         "--set-default" "KILN_NIX_LIB" "${src}/nix/lib"
         "--set-default" "KILN_RECIPES" "${src}/recipes"
       ];
@@ -53,6 +55,6 @@ in
   # The wheel's Requires-Dist holds the project's base dependencies too; pythonRuntimeDepsCheck wants them.
   engine = kilnApp {
     pname = "kiln-engine"; dependencies = toolDeps ++ engineDeps; mainProgram = "engine"; imports = [ "engine" ];
-    postPatch = only "engine" "tool";
+    postPatch = only "engine" "tool"; path = lib.optional (gcc != null) gcc;
   };
 }

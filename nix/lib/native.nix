@@ -120,9 +120,11 @@ rec {
         Type = if isServe then "exec" else "oneshot";
         ExecStart = map commandLine cmds;
         Environment = util.mapAttrsToList environmentLine env;
-      };
+      } // (if isServe then { CacheDirectory = "kiln-${ctx.id}"; } else { });
       why = sandbox.why // (if l.memlock != null then {
         LimitMEMLOCK = "the engine page-locks its RAM expert tier so NVMe reads and GPU copies can use it directly";
+      } else { }) // (if isServe then {
+        CacheDirectory = "the engine builds its CPU kernels for this machine once (g++) and keeps them here ($CACHE_DIRECTORY)";
       } else { });
     };
 }
