@@ -105,7 +105,7 @@ def load_model(model_dir: str | Path, provider: ExpertProvider | None = None, *,
     kv = KVCache(cfg.num_layers, max_batch, max_context, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=device)
     weights = CheckpointWeights(ckpt, cfg.num_layers, device, dtype)
     model = model_class(cfg.arch)(cfg, weights, provider, kv, device=device, dtype=dtype,
-                                     fused_kernels=config.fused_kernels)
+                                     fused_kernels=config.fused_kernels, native_kernels=config.native_kernels)
     if unused := weights.unused():
         raise CheckpointError(f"{ckpt.dir}: {len(unused)} tensors are not part of the {cfg.arch} model "
                               f"(unsupported variant?), e.g. {unused[0]}")

@@ -24,9 +24,9 @@ from torch import nn
 
 from engine.config import ModelConfig
 from engine.experts import ExpertProvider
-from engine.kernels import triton_decode
+from engine.kernels import native, triton_decode
 from engine.kv_cache import KVCache, select
-from engine.projection import Projection, dense_projection
+from engine.projection import Projection, Q8Projection, dense_projection
 
 log = logging.getLogger("engine.models")
 
@@ -175,6 +175,8 @@ class Step:
     mask: torch.Tensor | None      # [B, 1, T, kv_len] bool, or None: a plain causal prefill / a decode that sees all
     decode: bool
     fused: bool = False            # a decode step on the fused kernels (MoEModel.fused_kernels)
+    native: bool = False           # a one-sequence CPU decode step on engine.kernels.native (MoEModel.native_decode)
+    scores: torch.Tensor | None = None   # native: the attention's scratch (MoEModel.scores)
     rope: tuple[torch.Tensor, torch.Tensor] | None = None   # fused: the whole cos, sin tables [max_len, rotary_dim]
 
 
@@ -203,6 +205,12 @@ class Attention(nn.Module):
         cfg = self.cfg
         b, t, _ = x.shape
         qkv = self.qkv(x)
+        if s.native and self.q_norm is None:    # one token: rotary, KV write and attention in one native call
+            slot, p = s.slots[0], s.start
+            o = native.attn_decode(qkv.view(-1), s.cos, s.sin, self.kv.k[self.layer, slot], self.kv.v[self.layer, slot],
+                                   p, cfg.sliding_window or 0, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                                   self.scale, s.scores)
+            return self.o(o).view(b, 1, -1)
         if s.fused:                   # one token per sequence: norm + rotary + KV write, then attention, fused
             k_cache, v_cache = self.kv.k[self.layer], self.kv.v[self.layer]
             pos = s.positions.view(-1)
@@ -250,6 +258,9 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, h: torch.Tensor, s: Step, next_norm: torch.Tensor):
         """x the residual stream, h = input_norm(x) → (x', next_norm(x')): each residual add is fused with the
         norm that follows it (the next layer's input norm, or the model's final norm)."""
+        if s.native:                  # x updated in place (the step's own residual stream), h new
+            h = native.add_rms_norm(x, self.attn(h, s), self.post_norm, self.eps)
+            return x, native.add_rms_norm(x, self.mlp(h.view(1, -1)), next_norm, self.eps)
         x, h = add_rms_norm(x, self.attn(h, s), self.post_norm, self.eps, s.fused)
         return add_rms_norm(x, self.mlp(h.view(-1, h.shape[-1])).view_as(h), next_norm, self.eps, s.fused)
 
@@ -260,7 +271,7 @@ class MoEModel(nn.Module):
     """The shared skeleton; an architecture supplies build_mlp(layer) (dense MLP or its MoE block)."""
 
     def __init__(self, cfg: ModelConfig, w: WeightSource, provider: ExpertProvider, kv: KVCache, *,
-                 device, dtype: torch.dtype, fused_kernels: bool = True):
+                 device, dtype: torch.dtype, fused_kernels: bool = True, native_kernels: bool = True):
         super().__init__()
         self.cfg, self.provider, self.kv = cfg, provider, kv
         self.device, self.dtype = torch.device(device), dtype
@@ -268,12 +279,23 @@ class MoEModel(nn.Module):
         # (EngineConfig.fused_kernels) for the torch forms, the A/B baseline. Set before the blocks are built.
         self.fused_kernels = (fused_kernels and triton_decode.serves_on(self.device)
                               and triton_decode.attention_ok(cfg.head_dim, cfg.rotary_dim, cfg.hidden))
+        # One-sequence CPU decode steps on engine.kernels.native (EngineConfig.native_kernels) where it builds and
+        # the model fits it (float32, no q/k norm, heads of at most 512): the torch forms' function in a few calls.
+        self.native_decode = (native_kernels and self.device.type == "cpu" and dtype == torch.float32
+                              and not cfg.use_qk_norm and cfg.head_dim <= 512 and native.lib() is not None)
+        # native: the attention's scores, one row per head over the whole cache
+        self.scores = torch.empty(cfg.num_heads * kv.max_len) if self.native_decode else None
         self.embed = w.get("model.embed_tokens.weight")
         self.norm = w.get("model.norm.weight")
         head = w.maybe("lm_head.weight")
         self.lm_head = head if head is not None else self.embed       # tie_word_embeddings
-        self.head = Projection(self.lm_head)                            # on the CPU a transposed copy (tied or not)
-        if head is None and self.head.cpu:
+        # Natively, a vocabulary that is exactly 8-bit blocks (a GGUF's Q8_0, dequantized by engine convert) is
+        # held as them: 3.8x fewer bytes a token than float32, the same values (Q8Projection.exact checks).
+        q8 = Q8Projection.exact(self.lm_head) if self.native_decode else None
+        self.head = q8 or Projection(self.lm_head)                       # on the CPU a transposed copy (tied or not)
+        if head is None and q8 is not None:
+            self.embed = self.lm_head = None             # the embedding reads its rows from the blocks (q8.rows)
+        elif head is None and self.head.cpu:
             # Tied on the CPU: the embedding reads its rows from that copy (the same values), so the vocabulary
             # is held once, not twice (113 MB of SmolLM2's fp32 RSS; bench/demo_memory.py).
             self.embed = self.lm_head = self.head.weight.t()
@@ -302,8 +324,11 @@ class MoEModel(nn.Module):
         return self.kv.max_len
 
     def _run(self, ids: torch.Tensor, s: Step) -> torch.Tensor:
-        x = F.embedding(ids, self.embed)
-        h = rms_norm(x, self.layers[0].input_norm, self.cfg.rms_eps)
+        x = F.embedding(ids, self.embed) if self.embed is not None else self.head.rows(ids)
+        if s.native:
+            h = native.add_rms_norm(x, None, self.layers[0].input_norm, self.cfg.rms_eps)
+        else:
+            h = rms_norm(x, self.layers[0].input_norm, self.cfg.rms_eps)
         for i, layer in enumerate(self.layers):
             last = i + 1 == len(self.layers)
             x, h = layer(x, h, s, self.norm if last else self.layers[i + 1].input_norm)
@@ -356,6 +381,10 @@ class MoEModel(nn.Module):
         if self.fused_kernels:        # the kernels read the tables at each position and bound keys themselves
             return Step(slots=slots, sel=sel, idx=idx, positions=pos, start=0, kv_len=kv_len, cos=None, sin=None,
                         mask=None, decode=True, fused=True, rope=(self.cos, self.sin))
+        if self.native_decode and b == 1:     # start: the token's position; cos, sin: its rows
+            p = kv_len - 1
+            return Step(slots=slots, sel=sel, idx=idx, positions=pos, start=p, kv_len=kv_len, cos=self.cos[p],
+                        sin=self.sin[p], mask=None, decode=True, native=True, scores=self.scores)
         # One sequence sees every key read (unless a sliding window hides some): no mask to apply. On CUDA
         # always a mask, so eager and graph decode compute the same thing.
         sees_all = (not cuda and b == 1 and not (self.cfg.sliding_window and kv_len > self.cfg.sliding_window))
