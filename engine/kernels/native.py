@@ -37,6 +37,9 @@ SIGNATURES = {
     "q8_gemv": [_P, _I, _P, _P, _I, _P, _I],
     "add_rms_norm": [_P, _P, _P, _F, _I, _P],
     "attn_decode": [_P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _P, _P, _I],
+    "attn_block": [_P, _P, _I, _P, _P, _I, _P, _P, _I, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _P, _P, _F, _P,
+                   _P, _P, _P, _I],
+    "router_topk": [_P, _I, _P, _I, _I, _I, _P, _P],
 }
 
 
@@ -86,7 +89,7 @@ def lib() -> ctypes.CDLL | None:
         log.warning("native CPU kernels: no C++ compiler (g++) found; using torch's kernels")
         return None
     try:
-        so = ctypes.CDLL(str(_build(cxx)))
+        so = ctypes.PyDLL(str(_build(cxx)))
     except (OSError, RuntimeError) as e:
         log.warning("native CPU kernels unavailable, using torch's: %s", e)
         return None
@@ -160,6 +163,33 @@ def attn_decode(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kc: tor
                       num_heads, num_kv_heads, head_dim, cos.numel(), scale, scores.data_ptr(), o.data_ptr(),
                       torch.get_num_threads())
     return o
+
+
+def attn_block(x: torch.Tensor, h: torch.Tensor, qkv, o, cos: torch.Tensor, sin: torch.Tensor, kc: torch.Tensor,
+               vc: torch.Tensor, p: int, window: int, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+               scores: torch.Tensor, post_norm: torch.Tensor, eps: float, scratch: torch.Tensor) -> torch.Tensor:
+    """A decode layer's attention half on one token, in one call: qkv and o (engine.projection.Int4Projection,
+    one group size) around attn_decode, then x += o (in place) → rms_norm(x)·post_norm, a new tensor. scratch:
+    at least qkv.out_features + num_heads·head_dim + hidden floats."""
+    hidden = x.numel()
+    out = torch.empty_like(x)
+    buf = scratch.data_ptr()
+    nqkv, no = qkv.out_features, num_heads * head_dim
+    lib().attn_block(x.data_ptr(), h.data_ptr(), hidden, qkv.packed.data_ptr(), qkv.sz.data_ptr(), nqkv,
+                     o.packed.data_ptr(), o.sz.data_ptr(), qkv.group, cos.data_ptr(), sin.data_ptr(), kc.data_ptr(),
+                     vc.data_ptr(), p, window, num_heads, num_kv_heads, head_dim, cos.numel(), scale,
+                     scores.data_ptr(), post_norm.data_ptr(), eps, buf, buf + 4 * nqkv, buf + 4 * (nqkv + no),
+                     out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def router_topk(x: torch.Tensor, gate: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax routing of one token (engine.models.common.softmax_topk's function): x fp32 [H], gate fp32 [E, H]
+    (E <= 1024), both contiguous → (ids int64 [1, k], weights fp32 [1, k])."""
+    ids, w = torch.empty(1, top_k, dtype=torch.int64), torch.empty(1, top_k)
+    lib().router_topk(x.data_ptr(), x.numel(), gate.data_ptr(), gate.shape[0], top_k, int(renormalize),
+                      ids.data_ptr(), w.data_ptr())
+    return ids, w
 
 
 def q8_gemv(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -223,6 +223,53 @@ void attn_decode(float* qkv, const float* cos, const float* sin, float* kc, floa
     }
 }
 
+// A decode layer's attention half on one token: h [H] → q|k|v (int4pack [nqkv, H]) → attn_decode → o (int4pack
+// [H, nh·hd]) → x += o, h_out = rms_norm(x)·post_w. qkv, o_buf, r: scratch of nqkv, nh·hd and H floats.
+void attn_block(float* x, const float* h, int H, const uint8_t* qkv_p, const uint16_t* qkv_sz, int nqkv,
+                const uint8_t* o_p, const uint16_t* o_sz, int g, const float* cos, const float* sin, float* kc,
+                float* vc, int p, int window, int nh, int nkv, int hd, int rot, float scale, float* scores,
+                const float* post_w, float eps, float* qkv, float* o_buf, float* r, float* h_out, int threads) {
+    int4_gemv(h, H, qkv_p, qkv_sz, nqkv, g, qkv, threads);
+    attn_decode(qkv, cos, sin, kc, vc, p, window, nh, nkv, hd, rot, scale, scores, o_buf, threads);
+    int4_gemv(o_buf, nh * hd, o_p, o_sz, H, g, r, threads);
+    add_rms_norm(x, r, post_w, eps, H, h_out);
+}
+
+// Softmax routing of one token: logits = gate [E, H] · x, softmax in fp32, the k most probable experts (ties:
+// the lower index), their probabilities renormalised to sum 1 when `renorm` → ids [k] (int64), w [k].
+void router_topk(const float* x, int H, const float* gate, int E, int k, int renorm, int64_t* ids, float* w) {
+    float pr[1024];
+    float mx = -INFINITY;
+    for (int e = 0; e < E; ++e) {
+        const float* row = gate + (size_t)e * H;
+        float d = 0.f;
+#pragma omp simd reduction(+ : d)
+        for (int i = 0; i < H; ++i) d += row[i] * x[i];
+        pr[e] = d;
+        mx = d > mx ? d : mx;
+    }
+    float sum = 0.f;
+    for (int e = 0; e < E; ++e) {
+        pr[e] = std::exp(pr[e] - mx);
+        sum += pr[e];
+    }
+    for (int e = 0; e < E; ++e) pr[e] /= sum;
+    float picked = 0.f;
+    for (int j = 0; j < k; ++j) {
+        int best = -1;
+        for (int e = 0; e < E; ++e) {
+            bool taken = false;
+            for (int t = 0; t < j; ++t) taken |= ids[t] == e;
+            if (!taken && (best < 0 || pr[e] > pr[best])) best = e;
+        }
+        ids[j] = best;
+        w[j] = pr[best];
+        picked += pr[best];
+    }
+    if (renorm)
+        for (int j = 0; j < k; ++j) w[j] = w[j] / picked;
+}
+
 // y [N] = Σ_b d[n, b] · Σ_{i<32} q[n, 32b + i] · x[32b + i]; q int8 [N, K], d fp32 [N, K/32], K % 32 == 0.
 void q8_gemv(const float* x, int K, const int8_t* q, const float* d, int N, float* y, int threads) {
     const int blocks = K / 32;

@@ -26,7 +26,7 @@ from engine.config import ModelConfig
 from engine.experts import ExpertProvider
 from engine.kernels import native, triton_decode
 from engine.kv_cache import KVCache, select
-from engine.projection import Projection, Q8Projection, dense_projection
+from engine.projection import Int4Projection, Projection, Q8Projection, dense_projection
 
 log = logging.getLogger("engine.models")
 
@@ -200,6 +200,22 @@ class Attention(nn.Module):
         self.q_norm = w.get(f"{p}.q_norm.weight") if cfg.use_qk_norm else None
         self.k_norm = w.get(f"{p}.k_norm.weight") if cfg.use_qk_norm else None
         self.scale = cfg.head_dim ** -0.5
+        # Both projections 4-bit blocks of one group size (the demo's --attention-blocks): natively the whole
+        # attention half of a decode layer is one call (native.attn_block) over this scratch.
+        self.scratch = None
+        if (isinstance(self.qkv, Int4Projection) and isinstance(self.o, Int4Projection) and self.q_norm is None
+                and self.qkv.group == self.o.group):
+            self.scratch = torch.empty(self.qkv.out_features + cfg.num_heads * cfg.head_dim + cfg.hidden)
+
+    def native_block(self, x: torch.Tensor, h: torch.Tensor, s: Step, post_norm: torch.Tensor) -> torch.Tensor:
+        """The attention half of a native decode step (s.native): x += attention(h) in place → rms_norm(x)·post_norm."""
+        cfg, slot = self.cfg, s.slots[0]
+        if self.scratch is None:
+            return native.add_rms_norm(x, self.forward(h, s), post_norm, cfg.rms_eps)
+        return native.attn_block(x, h, self.qkv, self.o, s.cos, s.sin, self.kv.k[self.layer, slot],
+                                 self.kv.v[self.layer, slot], s.start, cfg.sliding_window or 0, cfg.num_heads,
+                                 cfg.num_kv_heads, cfg.head_dim, self.scale, s.scores, post_norm, cfg.rms_eps,
+                                 self.scratch)
 
     def forward(self, x: torch.Tensor, s: Step) -> torch.Tensor:
         cfg = self.cfg
@@ -259,7 +275,7 @@ class DecoderLayer(nn.Module):
         """x the residual stream, h = input_norm(x) → (x', next_norm(x')): each residual add is fused with the
         norm that follows it (the next layer's input norm, or the model's final norm)."""
         if s.native:                  # x updated in place (the step's own residual stream), h new
-            h = native.add_rms_norm(x, self.attn(h, s), self.post_norm, self.eps)
+            h = self.attn.native_block(x, h, s, self.post_norm)
             return x, native.add_rms_norm(x, self.mlp(h.view(1, -1)), next_norm, self.eps)
         x, h = add_rms_norm(x, self.attn(h, s), self.post_norm, self.eps, s.fused)
         return add_rms_norm(x, self.mlp(h.view(-1, h.shape[-1])).view_as(h), next_norm, self.eps, s.fused)
