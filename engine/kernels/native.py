@@ -29,7 +29,8 @@ log = logging.getLogger("engine.kernels")
 
 SOURCE = Path(__file__).with_name("native_cpu.cpp")
 # -ffp-contract=off: the elementwise parts round as torch's eager ops do (the GEMVs' FMAs are written out).
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC", "-std=c++17"]
+FLAGS = ["-O3", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC", "-std=c++17"]
+ARCH = ["-march=native"]         # the instruction set; tests build the other paths with e.g. -mno-avx512f
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 SIGNATURES = {
     "int4pack_gemv": [_P, _I, _P, _P, _I, _I, _P, _I],
@@ -54,14 +55,15 @@ def cache_dir() -> Path:
     return Path(base) / "kiln" / "native"
 
 
-def _compiler() -> str | None:
+def compiler() -> str | None:
     return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
 
 
-def _build(cxx: str) -> Path:
+def build(cxx: str, arch: list[str] = ARCH) -> Path:
     """The .so for this source, compiler and flags (built into a temp file, renamed into place)."""
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
-    key = hashlib.sha256(SOURCE.read_bytes() + repr((version, FLAGS, platform.node())).encode()).hexdigest()[:16]
+    flags = [*FLAGS, *arch]
+    key = hashlib.sha256(SOURCE.read_bytes() + repr((version, flags, platform.node())).encode()).hexdigest()[:16]
     out = cache_dir() / f"native_cpu-{key}.so"
     if out.exists():
         return out
@@ -69,7 +71,7 @@ def _build(cxx: str) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        r = subprocess.run([cxx, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True)
+        r = subprocess.run([cxx, *flags, str(SOURCE), "-o", tmp], capture_output=True, text=True)
         if r.returncode:
             raise RuntimeError(f"{cxx} failed: {r.stderr[-2000:]}")
         os.replace(tmp, out)
@@ -84,15 +86,21 @@ def lib() -> ctypes.CDLL | None:
     """The loaded kernels, or None (see the module docstring)."""
     if not enabled() or platform.machine() not in ("x86_64", "AMD64"):
         return None
-    cxx = _compiler()
+    cxx = compiler()
     if cxx is None:
         log.warning("native CPU kernels: no C++ compiler (g++) found; using torch's kernels")
         return None
     try:
-        so = ctypes.PyDLL(str(_build(cxx)))
+        return load(build(cxx))
     except (OSError, RuntimeError) as e:
         log.warning("native CPU kernels unavailable, using torch's: %s", e)
         return None
+
+
+def load(path: Path) -> ctypes.CDLL:
+    """A built .so with its functions' signatures. PyDLL: a call keeps the GIL (no Python runs inside), so the
+    server's other threads do not take it at each of a step's ~100 calls and make the step wait for it back."""
+    so = ctypes.PyDLL(str(path))
     for name, args in SIGNATURES.items():
         fn = getattr(so, name)
         fn.argtypes, fn.restype = args, None

@@ -261,6 +261,50 @@ def test_attention_blocks_keep_the_ggufs_bytes_and_the_cpu_computes_what_they_ho
     assert agree >= 0.85 and torch.nn.functional.cosine_similarity(a, b, dim=-1).min() > 0.98, agree
 
 
+def test_the_demo_model_decodes_natively_as_its_torch_forms_do(gguf, tmp_path):
+    """The demo's model as the recipe converts it (top-1, attention blocks) and its q4_1 cols records: the engine's
+    native decode is the path it takes on the CPU — a layer's attention half one call, the tied Q8_0 vocabulary
+    held as its blocks (the same values as the float embedding) — and decodes the same greedy tokens as the
+    torch forms (native_kernels off), logits within the bf16 activations' rounding."""
+    import torch
+    from engine.checkpoint import Checkpoint
+    from engine.convert import convert_gguf
+    from engine.kernels import native
+    from engine.loader import load_model
+    from engine.projection import Q8Projection
+    from engine.quant.source import record_source
+    from engine.tiers.memory import InMemoryExperts
+
+    if native.lib() is None:
+        pytest.skip("no C++ compiler: the native kernels are not built")
+    kept = convert_gguf(gguf, tmp_path / "kept", experts=8, top_k=1, seed=0, expert_weights=False,
+                        attention_blocks=True)
+    full = convert_gguf(gguf, tmp_path / "full", experts=8, top_k=1, seed=0)
+    lay, make = record_source(Checkpoint(full), order="cols", quant="gguf", gguf=gguf)
+    records = {l: torch.stack([make(l, e) for e in range(8)]) for l in range(30)}
+    on, off = (load_model(kept, provider=InMemoryExperts(lay, records), device="cpu", max_context=256, max_batch=1,
+                          native_kernels=n) for n in (True, False))
+    assert on.native_decode and isinstance(on.head, Q8Projection) and on.embed is None
+    assert all(layer.attn.scratch is not None and layer.mlp.native for layer in on.layers)
+    ids = torch.tensor([1, 200, 49151])
+    assert torch.equal(on.head.rows(ids), off.embed[ids])       # the blocks hold the float vocabulary's values
+    prompt = list(range(300, 340))
+    with torch.inference_mode():
+        runs = []
+        for m in (on, off):
+            logits = m.prefill(prompt, 0)
+            toks, rows = [int(logits.argmax())], []
+            for i in range(16):
+                rows.append(m.decode_step([toks[-1]], [0], [len(prompt) + i])[0])
+                toks.append(int(rows[-1].argmax()))
+            runs.append((toks, torch.stack(rows)))
+    assert runs[0][0] == runs[1][0]
+    # bf16 activations at the int4 kernel's edges: a summation order that rounds one of them the other way moves the
+    # logits by up to ~0.5 % of their range (the torch forms differ from the float model by twice that here)
+    assert (runs[0][1] - runs[1][1]).abs().max() < 0.01 * runs[1][1].abs().max()
+    assert torch.nn.functional.cosine_similarity(runs[0][1], runs[1][1], dim=-1).min() > 0.9998
+
+
 def test_a_projection_half_in_blocks_half_in_floats_is_one_line_not_a_traceback(gguf):
     """A checkpoint that keeps q as blocks and k as floats (no engine convert writes one) is refused as the
     checkpoint's fault, naming the weights — as is a bias beside blocks — through the WeightSource contract."""
