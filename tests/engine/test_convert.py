@@ -274,6 +274,7 @@ def test_the_demo_model_decodes_natively_as_its_torch_forms_do(gguf, tmp_path):
     from engine.projection import Q8Projection
     from engine.quant.source import record_source
     from engine.tiers.memory import InMemoryExperts
+    from tests.fixtures.decode import greedy
 
     if native.lib() is None:
         pytest.skip("no C++ compiler: the native kernels are not built")
@@ -288,21 +289,14 @@ def test_the_demo_model_decodes_natively_as_its_torch_forms_do(gguf, tmp_path):
     assert all(layer.attn.scratch is not None and layer.mlp.native for layer in on.layers)
     ids = torch.tensor([1, 200, 49151])
     assert torch.equal(on.head.rows(ids), off.embed[ids])       # the blocks hold the float vocabulary's values
-    prompt = list(range(300, 340))
     with torch.inference_mode():
-        runs = []
-        for m in (on, off):
-            logits = m.prefill(prompt, 0)
-            toks, rows = [int(logits.argmax())], []
-            for i in range(16):
-                rows.append(m.decode_step([toks[-1]], [0], [len(prompt) + i])[0])
-                toks.append(int(rows[-1].argmax()))
-            runs.append((toks, torch.stack(rows)))
-    assert runs[0][0] == runs[1][0]
+        (toks, rows), (want, want_rows) = (greedy(m, list(range(300, 340)), 17) for m in (on, off))
+    assert toks == want
     # bf16 activations at the int4 kernel's edges: a summation order that rounds one of them the other way moves the
     # logits by up to ~0.5 % of their range (the torch forms differ from the float model by twice that here)
-    assert (runs[0][1] - runs[1][1]).abs().max() < 0.01 * runs[1][1].abs().max()
-    assert torch.nn.functional.cosine_similarity(runs[0][1], runs[1][1], dim=-1).min() > 0.9998
+    got, ref = torch.stack(rows), torch.stack(want_rows)
+    assert (got - ref).abs().max() < 0.01 * ref.abs().max()
+    assert torch.nn.functional.cosine_similarity(got, ref, dim=-1).min() > 0.9998
 
 
 def test_a_projection_half_in_blocks_half_in_floats_is_one_line_not_a_traceback(gguf):

@@ -13,6 +13,7 @@ from engine.kernels import native
 from engine.models.common import apply_rotary, softmax_topk
 from engine.projection import Q8Projection
 from engine.quant.records import int4pack_operands, to_int4pack
+from tests.fixtures.decode import greedy
 
 pytestmark = pytest.mark.skipif(native.lib() is None, reason="no C++ compiler: the native kernels are not built")
 
@@ -34,14 +35,6 @@ def q8_weight(out: int, inp: int, gen: torch.Generator) -> torch.Tensor:
     q[..., 0] = 127 * torch.sign(torch.randn(out, inp // 32, generator=gen)).clamp(min=0) * 2 - 127
     d = (torch.rand(out, inp // 32, 1, generator=gen) * 0.01).half().float()
     return (q * d).reshape(out, inp)
-
-
-@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
-def threads(request):
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("out,inp", [(960, 576), (3072, 576), (576, 1536), (128, 256)])
@@ -156,16 +149,8 @@ def test_native_decode_is_the_torch_decode(tiny_checkpoint):
     assert on.native_decode and not off.native_decode
     seen = []
     on.layers[0].attn.native_block = (lambda f: lambda *a: seen.append(a[2].native) or f(*a))(on.layers[0].attn.native_block)
-    prompt = [5, 17, 200, 42, 99, 7]
     with torch.inference_mode():
-        outs = []
-        for m in (on, off):
-            logits = m.prefill(prompt, 0)
-            toks, rows = [int(logits.argmax())], []
-            for i in range(12):
-                rows.append(m.decode_step([toks[-1]], [0], [len(prompt) + i])[0])
-                toks.append(int(rows[-1].argmax()))
-            outs.append((toks, torch.stack(rows)))
-    assert outs[0][0] == outs[1][0]
-    torch.testing.assert_close(outs[0][1], outs[1][1], rtol=1e-4, atol=1e-4)
+        (toks, rows), (want, want_rows) = (greedy(m, [5, 17, 200, 42, 99, 7], 13) for m in (on, off))
+    assert toks == want
+    torch.testing.assert_close(torch.stack(rows), torch.stack(want_rows), rtol=1e-4, atol=1e-4)
     assert seen and all(seen)
