@@ -7,7 +7,8 @@ activations against a dequantize-per-call fp32 GEMV, torch's float32-activation 
 kernel). That kernel takes bf16 activations and returns bf16, so x, h and y are rounded to bf16 at the
 kernel's edges (llama.cpp rounds activations further, to 8 bits, for its Q4 dot products); accumulation is
 fp32. Every other record (8-bit schemes, rows order) is dequantized per call and computed as expert_ffn
-does: correct everywhere, and the baseline the measurement compares against.
+does: correct everywhere, and the baseline the measurement compares against. One float32 token (a decode step)
+goes to engine.kernels.native instead where it is built: the same function, faster at one row.
 """
 from __future__ import annotations
 

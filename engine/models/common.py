@@ -9,7 +9,9 @@ and `decode_step` (many sequences, one token each) over a KVCache allocated once
 (rotary rows, mask, slot indices) is built once per step, never per layer, and nothing here reads
 a device value back to the host. On CUDA a decode step runs fused Triton kernels for everything but
 the matmuls (engine.kernels.triton_decode: residual+norm, q/k norm+rotary+KV write, attention, routing);
-the torch forms below are the same functions, used on the CPU, for prefill and with fused_kernels off.
+on the CPU a one-sequence decode step runs the engine's C++ kernels (engine.kernels.native: a layer's
+attention half in one call, the expert in another, MoEModel._run_native); the torch forms below are the same
+functions, used for prefill, batched CPU decode and with fused_kernels / native_kernels off.
 """
 from __future__ import annotations
 
