@@ -8,7 +8,7 @@ already loaded, so these kernels share torch's OpenMP threads instead of startin
 
 `lib()` is None where no compiler or no x86-64 is found or the build fails (logged once): callers then keep
 torch's kernels. KILN_NATIVE_KERNELS=0 turns them off; KILN_NATIVE_CACHE names the cache directory
-(default $XDG_CACHE_HOME/kiln/native, else ~/.cache/kiln/native).
+(default $XDG_CACHE_HOME/kiln/native, else ~/.cache/kiln/native, else a temp directory).
 """
 from __future__ import annotations
 
@@ -49,10 +49,19 @@ def enabled() -> bool:
 
 
 def cache_dir() -> Path:
+    """$KILN_NATIVE_CACHE, else the user's cache directory, else (a read-only home, as a sandboxed service may
+    have) one under the system's temp directory."""
     if d := os.environ.get("KILN_NATIVE_CACHE"):
         return Path(d)
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "kiln" / "native"
+    d = Path(base) / "kiln" / "native"
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        if os.access(d, os.W_OK):
+            return d
+    except OSError:
+        pass
+    return Path(tempfile.gettempdir()) / f"kiln-native-{os.getuid()}"
 
 
 def compiler() -> str | None:

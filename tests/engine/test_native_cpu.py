@@ -154,3 +154,15 @@ def test_native_decode_is_the_torch_decode(tiny_checkpoint):
     assert toks == want
     torch.testing.assert_close(torch.stack(rows), torch.stack(want_rows), rtol=1e-4, atol=1e-4)
     assert seen and all(seen)
+
+
+
+def test_an_unwritable_cache_home_builds_under_the_temp_directory(tmp_path, monkeypatch):
+    import os
+    (tmp_path / "not-a-dir").write_text("")           # a cache home nobody can make a directory in, root included
+    monkeypatch.delenv("KILN_NATIVE_CACHE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "not-a-dir"))
+    monkeypatch.setattr(native.tempfile, "gettempdir", lambda: str(tmp_path))
+    assert native.cache_dir() == tmp_path / f"kiln-native-{os.getuid()}"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    assert native.cache_dir() == tmp_path / "cache" / "kiln" / "native"
