@@ -12,6 +12,8 @@ torch's kernels. KILN_NATIVE_KERNELS=0 turns them off; KILN_NATIVE_CACHE names t
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import ctypes
 import functools
 import hashlib
@@ -44,8 +46,29 @@ SIGNATURES = {
 }
 
 
+MAX_K = 8192          # inputs an int4 GEMV takes (native_cpu.cpp's stack buffers): wider ones stay on torch's kernel
+
+
 def enabled() -> bool:
     return os.environ.get("KILN_NATIVE_KERNELS", "1") not in ("0", "off", "false", "no")
+
+
+# Whether the one-token int4 GEMVs (engine.kernels.quant_cpu) may take the native kernel: a model sets it for its
+# own forward passes (EngineConfig.native_kernels), so a model loaded with the knob off runs torch's kernels only.
+_allowed = contextvars.ContextVar("kiln_native_allowed", default=True)
+
+
+def allowed() -> bool:
+    return _allowed.get()
+
+
+@contextlib.contextmanager
+def allow(on: bool):
+    token = _allowed.set(on)
+    try:
+        yield
+    finally:
+        _allowed.reset(token)
 
 
 def cache_dir() -> Path:

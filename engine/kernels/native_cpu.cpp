@@ -229,7 +229,7 @@ void int4_gemv(const float* x_in, int K, const uint8_t* packed, const uint16_t* 
 extern "C" {
 
 // y [N] = x [K] · Wᵀ, W the int4pack operand (packed [N/64][K][32] bytes, sz bf16 [K/g][N][2]); N % 64 == 0,
-// K % g == 0, K <= 8192. x and y fp32; x is read as bf16 and y rounded to bf16, as torch's kernel does.
+// K % g == 0, K <= 8192 (native.MAX_K: the callers check). x and y fp32; x is read as bf16 and y rounded to bf16, as torch's kernel does.
 void int4pack_gemv(const float* x, int K, const uint8_t* packed, const uint16_t* sz, int N, int g, float* y,
                    int threads) {
     int4_gemv(x, K, packed, sz, N, g, y, threads);

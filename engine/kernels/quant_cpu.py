@@ -24,7 +24,8 @@ def int4_mm(x: torch.Tensor, packed: torch.Tensor, group: int, sz: torch.Tensor)
     rounded to bf16, fp32 accumulation). One float32 row goes to the engine's native GEMV where it is built
     (engine.kernels.native: the same function, faster at one row) and comes back float32; else torch's
     kernel, bf16."""
-    if x.shape[0] == 1 and x.dtype == torch.float32 and native.int4_ok():
+    if x.shape[0] == 1 and x.dtype == torch.float32 and x.shape[1] <= native.MAX_K and native.allowed() \
+            and native.int4_ok():
         return native.int4pack_gemv(x.reshape(-1).contiguous(), packed, sz, group).view(1, -1)
     return torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16).contiguous(), packed, group, sz)
 
@@ -41,8 +42,8 @@ def quant_ffn(layout: QuantLayout, rec: torch.Tensor, x: torch.Tensor) -> torch.
     """down(silu(gate x) * up x) for one quantized record; x [M, H] → [M, H] in x.dtype."""
     if layout.cpu_int4 and rec.device.type == "cpu":
         g = group_size(layout.hidden, layout.scheme)
-        if x.shape[0] == 1 and x.dtype == torch.float32 and native.int4_ok() \
-                and g == group_size(layout.intermediate, layout.scheme):
+        if x.shape[0] == 1 and x.dtype == torch.float32 and max(layout.hidden, layout.intermediate) <= native.MAX_K \
+                and native.allowed() and native.int4_ok() and g == group_size(layout.intermediate, layout.scheme):
             # one token: the whole FFN in one native call (the same function as below)
             return native.int4_ffn(x.reshape(-1).contiguous(), rec, layout.regions, g).view(1, -1)
         i = layout.intermediate

@@ -206,13 +206,13 @@ class Attention(nn.Module):
         # attention half of a decode layer is one call (native.attn_block) over this scratch.
         self.scratch = None
         if (isinstance(self.qkv, Int4Projection) and isinstance(self.o, Int4Projection) and self.q_norm is None
-                and self.qkv.group == self.o.group):
+                and self.qkv.group == self.o.group and max(self.qkv.in_features, self.o.in_features) <= native.MAX_K):
             self.scratch = torch.empty(self.qkv.out_features + cfg.num_heads * cfg.head_dim + cfg.hidden)
 
     def native_block(self, x: torch.Tensor, h: torch.Tensor, s: Step, post_norm: torch.Tensor) -> torch.Tensor:
         """The attention half of a native decode step (s.native): x += attention(h) in place → rms_norm(x)·post_norm."""
         cfg, slot = self.cfg, s.slots[0]
-        if self.scratch is None:
+        if self.scratch is None or not native.int4_ok():
             return native.add_rms_norm(x, self.forward(h, s), post_norm, cfg.rms_eps)
         return native.attn_block(x, h, self.qkv, self.o, s.cos, s.sin, self.kv.k[self.layer, slot],
                                  self.kv.v[self.layer, slot], s.start, cfg.sliding_window or 0, cfg.num_heads,
@@ -296,8 +296,9 @@ class MoEModel(nn.Module):
                               and triton_decode.attention_ok(cfg.head_dim, cfg.rotary_dim, cfg.hidden))
         # One-sequence CPU decode steps on engine.kernels.native (EngineConfig.native_kernels) where it builds and
         # the model fits it (float32, no q/k norm, heads of at most 512): the torch forms' function in a few calls.
-        self.native_decode = (native_kernels and self.device.type == "cpu" and dtype == torch.float32
-                              and not cfg.use_qk_norm and cfg.head_dim <= 512 and native.lib() is not None)
+        self.native_kernels = native_kernels and self.device.type == "cpu" and native.lib() is not None
+        self.native_decode = (self.native_kernels and dtype == torch.float32 and not cfg.use_qk_norm
+                              and cfg.head_dim <= 512)
         # native: the attention's scores, one row per head over the whole cache
         self.scores = torch.empty(cfg.num_heads * kv.max_len) if self.native_decode else None
         self._native_layers: list | None = None      # _run_native's walk, made at its first step
@@ -351,7 +352,7 @@ class MoEModel(nn.Module):
 
     def _run_native(self, x: torch.Tensor, s: Step) -> torch.Tensor:
         """DecoderLayer.forward's function on the native kernels, the layers walked without nn.Module's call
-        machinery (~100 µs a step): x, the step's own residual stream, is updated in place; each h is new."""
+        machinery: x, the step's own residual stream, is updated in place; each h is new."""
         eps, layers = self.cfg.rms_eps, self.layers
         h = native.add_rms_norm(x, None, layers[0].input_norm, eps)
         if self._native_layers is None:
@@ -384,8 +385,9 @@ class MoEModel(nn.Module):
         s = Step(slots=[slot], sel=sel, idx=idx, positions=positions, start=start, kv_len=kv_len,
                  cos=self.cos[start:kv_len].view(1, t, 1, -1), sin=self.sin[start:kv_len].view(1, t, 1, -1),
                  mask=None if plain_causal else self._mask(positions, kv_len), decode=False)
-        h = self._run(ids, s)[0]
-        return self.head(h if all_logits else h[-1])
+        with native.allow(self.native_kernels):
+            h = self._run(ids, s)[0]
+            return self.head(h if all_logits else h[-1])
 
     def use_cuda_graphs(self) -> bool:
         """Replay decode steps from CUDA graphs (engine.gpu.graphs) where the device and the expert provider
@@ -435,4 +437,5 @@ class MoEModel(nn.Module):
             # fused attention a grid per step: the graphs' buckets.
             kv_len = kv_bucket(kv_len, self.max_len)
         s = self.decode_meta(slots, sel, idx, pos, kv_len)
-        return self.head(self._run(ids, s)[:, 0])                       # one row: lm_head's column halves on two threads
+        with native.allow(self.native_kernels):
+            return self.head(self._run(ids, s)[:, 0])                   # one row: lm_head's column halves on two threads

@@ -261,7 +261,7 @@ def test_attention_blocks_keep_the_ggufs_bytes_and_the_cpu_computes_what_they_ho
     assert agree >= 0.85 and torch.nn.functional.cosine_similarity(a, b, dim=-1).min() > 0.98, agree
 
 
-def test_the_demo_model_decodes_natively_as_its_torch_forms_do(gguf, tmp_path):
+def test_the_demo_model_decodes_natively_as_its_torch_forms_do(gguf, tmp_path, monkeypatch):
     """The demo's model as the recipe converts it (top-1, attention blocks) and its q4_1 cols records: the engine's
     native decode is the path it takes on the CPU — a layer's attention half one call, the tied Q8_0 vocabulary
     held as its blocks (the same values as the float embedding) — and decodes the same greedy tokens as the
@@ -289,8 +289,16 @@ def test_the_demo_model_decodes_natively_as_its_torch_forms_do(gguf, tmp_path):
     assert all(layer.attn.scratch is not None and layer.mlp.native for layer in on.layers)
     ids = torch.tensor([1, 200, 49151])
     assert torch.equal(on.head.rows(ids), off.embed[ids])       # the blocks hold the float vocabulary's values
+    calls = {"on": 0, "off": 0}
+    for name in ("int4_ffn", "int4pack_gemv"):      # which model's steps reach the native int4 kernels
+        fn = getattr(native, name)
+        monkeypatch.setattr(native, name, lambda *a, fn=fn: calls.__setitem__(side, calls[side] + 1) or fn(*a))
     with torch.inference_mode():
-        (toks, rows), (want, want_rows) = (greedy(m, list(range(300, 340)), 17) for m in (on, off))
+        side = "on"
+        toks, rows = greedy(on, list(range(300, 340)), 17)
+        side = "off"
+        want, want_rows = greedy(off, list(range(300, 340)), 17)
+    assert calls["on"] >= 30 * 16 and calls["off"] == 0      # native_kernels off: torch's kernels only
     assert toks == want
     # bf16 activations at the int4 kernel's edges: a summation order that rounds one of them the other way moves the
     # logits by up to ~0.5 % of their range (the torch forms differ from the float model by twice that here)
