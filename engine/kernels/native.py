@@ -7,8 +7,8 @@ kernel for the 8-bit one (the tied vocabulary) and a slower one than this for th
 already loaded, so these kernels share torch's OpenMP threads instead of starting a second team.
 
 `lib()` is None where no compiler or no x86-64 is found or the build fails (logged once): callers then keep
-torch's kernels. KILN_NATIVE_KERNELS=0 turns them off; KILN_NATIVE_CACHE names the cache directory
-(default $XDG_CACHE_HOME/kiln/native, else ~/.cache/kiln/native, else a temp directory).
+torch's kernels. KILN_NATIVE_KERNELS=0 turns them off; KILN_NATIVE_CACHE names the cache directory (default
+$CACHE_DIRECTORY/native under systemd, else $XDG_CACHE_HOME/kiln/native or ~/.cache/kiln/native, else a temp one).
 """
 from __future__ import annotations
 
@@ -72,10 +72,12 @@ def allow(on: bool):
 
 
 def cache_dir() -> Path:
-    """$KILN_NATIVE_CACHE, else the user's cache directory, else (a read-only home, as a sandboxed service may
-    have) one under the system's temp directory."""
+    """$KILN_NATIVE_CACHE, else systemd's $CACHE_DIRECTORY (the serve units' CacheDirectory=: their home is
+    protected), else the user's cache directory, else one under the system's temp directory."""
     if d := os.environ.get("KILN_NATIVE_CACHE"):
         return Path(d)
+    if d := os.environ.get("CACHE_DIRECTORY"):
+        return Path(d.split(":")[0]) / "native"
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     d = Path(base) / "kiln" / "native"
     try:

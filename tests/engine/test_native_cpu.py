@@ -157,12 +157,15 @@ def test_native_decode_is_the_torch_decode(tiny_checkpoint):
 
 
 
-def test_an_unwritable_cache_home_builds_under_the_temp_directory(tmp_path, monkeypatch):
+def test_the_cache_directory_is_systemds_else_the_users_else_a_temp_one(tmp_path, monkeypatch):
     import os
     (tmp_path / "not-a-dir").write_text("")           # a cache home nobody can make a directory in, root included
     monkeypatch.delenv("KILN_NATIVE_CACHE", raising=False)
+    monkeypatch.delenv("CACHE_DIRECTORY", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "not-a-dir"))
     monkeypatch.setattr(native.tempfile, "gettempdir", lambda: str(tmp_path))
     assert native.cache_dir() == tmp_path / f"kiln-native-{os.getuid()}"
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     assert native.cache_dir() == tmp_path / "cache" / "kiln" / "native"
+    monkeypatch.setenv("CACHE_DIRECTORY", f"{tmp_path / 'unit'}:{tmp_path / 'other'}")      # a systemd serve unit's
+    assert native.cache_dir() == tmp_path / "unit" / "native"
