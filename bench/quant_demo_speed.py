@@ -220,17 +220,41 @@ def engine_row(model: Path, store: str, tokens: int) -> float:
     return rate
 
 
-# torch.profiler op names → where a decode step's time goes
+# torch.profiler op names → where a decode step's time goes; native:: ranges are the engine's own kernels
+# (engine.kernels.native, each call timed inside a record_function range of its name)
 GROUPS = {"aten::_weight_int4pack_mm_for_cpu": "int4 expert GEMV (Q4_1 records)",
           "aten::mm": "fp32 dense GEMV (qkv, o, router, lm_head)", "aten::bmm": "fp32 dense GEMV (qkv, o, router, lm_head)",
           "aten::addmm": "fp32 dense GEMV (qkv, o, router, lm_head)",
-          "aten::_scaled_dot_product_flash_attention_for_cpu": "attention (SDPA)"}
+          "aten::_scaled_dot_product_flash_attention_for_cpu": "attention (SDPA)",
+          "native::int4_ffn": "native: Q4_1 expert FFN (gate|up, SiLU, down; 50 MB)",
+          "native::attn_block": "native: attention half (q|k|v and o Q4_1 GEMVs, rotary + KV write + attention, add + norm)",
+          "native::q8_gemv": "native: vocabulary GEMV (Q8_0, 31 MB)",
+          "native::add_rms_norm": "native: add + RMSNorm, routing", "native::router_topk": "native: add + RMSNorm, routing",
+          "native::int4pack_gemv": "native: other int4 GEMV", "native::attn_decode": "native: other attention"}
+
+
+def _profiled_native():
+    """engine.kernels.native's library with every call inside a torch.profiler range named native::<function>."""
+    from torch.profiler import record_function
+    from engine.kernels import native
+    so = native.lib()
+
+    class Ranged:
+        def __getattr__(self, name):
+            fn = getattr(so, name)
+
+            def call(*a):
+                with record_function(f"native::{name}"):
+                    return fn(*a)
+            return call
+    if so is not None:
+        native.lib = lambda: Ranged()
 
 
 def profile_decode(model: Path, store: Path, threads: int, steps: int) -> dict:
-    """One decode step's self CPU time by kind (torch.profiler), the recipe's RAM tier and KV cache, the
-    model's own steps after the demo prompt's prefill; 'other' is every remaining op (norms, rotary, KV
-    writes, routing, views, casts: per-op overhead) plus the Python between them (wall − profiled)."""
+    """One decode step's self CPU time by kind (torch.profiler; the native kernels as native:: ranges), the recipe's
+    RAM tier and KV cache, the model's own steps after the demo prompt's prefill; 'other' is every remaining op
+    (views, allocations, the argmax) plus the Python between them (wall − profiled)."""
     sys.path.insert(0, str(REPO / "bench"))
     import torch
     from smollm2_demo_speed import PROMPT
@@ -253,6 +277,7 @@ def profile_decode(model: Path, store: Path, threads: int, steps: int) -> dict:
         for i in range(steps):
             m.decode_step([5], [0], [n + 5 + i])
         wall = (time.perf_counter() - t0) / steps
+        _profiled_native()                   # after the unprofiled steps: the ranges cost a few µs a call
         with profile(activities=[ProfilerActivity.CPU]) as p:
             for i in range(steps):
                 m.decode_step([5], [0], [n + 5 + steps + i])

@@ -195,7 +195,8 @@ def moe_forward(x: torch.Tensor, topk_weights: torch.Tensor, routes: list[Route]
         nonlocal out
         if one_token:
             # One row: zeros + y*w + y'*w' ... in expert order, without the zeros (0 + a is a) or an index_add.
-            yw = y * topk_weights[:, r.ks[0]:r.ks[0] + 1].to(y.dtype)
+            w = topk_weights[:, r.ks[0]:r.ks[0] + 1]
+            yw = y * (w if w.dtype == y.dtype else w.to(y.dtype))
             out = yw if out is None else out + yw
         else:
             tokens = torch.tensor(r.tokens, device=x.device)
@@ -209,7 +210,7 @@ def moe_forward(x: torch.Tensor, topk_weights: torch.Tensor, routes: list[Route]
             r = chunk[j]
             ffn = getattr(views[j], "ffn", None)        # a quantized record computes with its own kernel
             if ffn is not None:
-                accumulate(r, ffn(x[r.tokens]))
+                accumulate(r, ffn(x if one_token else x[r.tokens]))
                 j += 1
                 continue
             if paired and j + 1 < len(chunk) and len(r.tokens) == len(chunk[j + 1].tokens) == 1:

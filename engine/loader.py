@@ -92,11 +92,16 @@ def load_model(model_dir: str | Path, provider: ExpertProvider | None = None, *,
         raise ValueError(f"context {max_context} must be within 2..{cfg.max_position_embeddings} "
                          f"(the model's max_position_embeddings)")
 
+    defer = False
     if provider is None:
         # No store: every expert in memory (engine.tiers.in_memory); else the GPU ← RAM ← O_DIRECT store tiers.
         # The records are asked for in the compute dtype resolved above.
         from engine.tiers import build_provider
-        provider = build_provider(ckpt, store_dir, replace(config, dtype=dtype))
+        # On the CPU the RAM tier fills after the model is built: the model's load reads the float vocabulary
+        # (113 MB for the demo) to hold it as 8-bit blocks, and that transient then comes before the tier's
+        # records rather than on top of them (the server's peak RSS: bench/demo_memory.py).
+        defer = config.preload and torch.device(device).type == "cpu"
+        provider = build_provider(ckpt, store_dir, replace(config, dtype=dtype, preload=config.preload and not defer))
     lay = provider.layout
     if (lay.hidden, lay.intermediate) != (cfg.hidden, cfg.moe_intermediate):
         raise CheckpointError(f"{ckpt.dir}: expert provider holds [{lay.intermediate}x{lay.hidden}] experts, "
@@ -105,10 +110,16 @@ def load_model(model_dir: str | Path, provider: ExpertProvider | None = None, *,
     kv = KVCache(cfg.num_layers, max_batch, max_context, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=device)
     weights = CheckpointWeights(ckpt, cfg.num_layers, device, dtype)
     model = model_class(cfg.arch)(cfg, weights, provider, kv, device=device, dtype=dtype,
-                                     fused_kernels=config.fused_kernels)
+                                     fused_kernels=config.fused_kernels, native_kernels=config.native_kernels)
     if unused := weights.unused():
         raise CheckpointError(f"{ckpt.dir}: {len(unused)} tensors are not part of the {cfg.arch} model "
                               f"(unsupported variant?), e.g. {unused[0]}")
+    if defer and hasattr(provider, "preload"):
+        try:
+            provider.preload()
+        except BaseException:
+            provider.close()
+            raise
     if getattr(provider, "predictor", False) is None:     # a tiered provider: prefetch by layer-ahead routing
         from engine.tiers.tiered import layer_ahead_predictor
         provider.predictor = layer_ahead_predictor(model)

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.checkpoint import CheckpointError
+from engine.kernels.quant_cpu import int4_mm
 from engine.quant.gguf import GGUF_TYPES
 from engine.quant.records import (FOUR_BIT, GGUF_BLOCK, INT4PACK_N, affine4, dequantize_int4pack, dequantize_matrix,
                                   int4pack_operands, to_int4pack)
@@ -38,6 +39,59 @@ class Projection:
             y = torch.bmm(x.reshape(1, 1, -1).expand(2, 1, -1), self.weight.view(-1, 2, n).transpose(0, 1))
             return y.reshape(*x.shape[:-1], self.out_features)               # [2, 1, out/2] -> one row
         return torch.matmul(x, self.weight)
+
+
+class Q8Projection:
+    """A float32 weight [out, in] that is exactly 8-bit blocks — w = d·q, q in -127..127, one d per 32 inputs, as
+    a GGUF's Q8_0 dequantizes (engine convert writes SmolLM2's tied vocabulary so) — held as those codes and
+    scales (int8 [out, in], float32 [out, in/32]: 3.8x fewer bytes) and computed by the native GEMV
+    (engine.kernels.native.q8_gemv: the same products in float32, another summation order than the BLAS).
+    Only where `exact` finds every block so; a weight that is not keeps its float32 Projection."""
+
+    CHUNK = 4096                     # rows dequantized at a time for a many-token matmul
+
+    def __init__(self, q: torch.Tensor, d: torch.Tensor):
+        self.q, self.d = q, d
+        self.out_features, self.in_features = q.shape
+        self.cpu = True
+
+    @classmethod
+    def exact(cls, w: torch.Tensor) -> "Q8Projection | None":
+        """w's codes and scales where w [out, in] (float32, CPU, in % 32 == 0) is exactly d·q in every block,
+        d = the block's largest |w| / 127 (the Q8_0 quantizer's scale: its largest code is ±127); else None.
+        Checked in chunks of rows, so the load holds no float32 temporaries of the whole matrix."""
+        out, inp = w.shape
+        if w.dtype != torch.float32 or w.device.type != "cpu" or inp % 32:
+            return None
+        q, d = torch.empty(out, inp, dtype=torch.int8), torch.empty(out, inp // 32)
+        for r in range(0, out, cls.CHUNK):
+            blk = w[r:r + cls.CHUNK].reshape(-1, inp // 32, 32)
+            scale = blk.abs().amax(-1) / 127
+            codes = torch.where(scale[..., None] > 0, blk / scale[..., None], 0).round()
+            if not (codes.abs().max() <= 127 and torch.equal(codes * scale[..., None], blk)):
+                return None
+            q[r:r + cls.CHUNK] = codes.reshape(-1, inp).to(torch.int8)
+            d[r:r + cls.CHUNK] = scale
+        return cls(q, d)
+
+    def _dequantize(self, rows) -> torch.Tensor:
+        q, d = self.q[rows], self.d[rows]
+        return (q.float().view(*q.shape[:-1], -1, 32) * d[..., None]).flatten(-2)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The weight's rows `ids` (any shape) as float32 [..., in]: the same values the float weight holds."""
+        return self._dequantize(ids)
+
+    def dequantized(self) -> torch.Tensor:
+        return self._dequantize(slice(None))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        from engine.kernels import native
+        if x.numel() == self.in_features:
+            return native.q8_gemv(x.reshape(-1).contiguous(), self.q, self.d).view(*x.shape[:-1], -1)
+        x2 = x.reshape(-1, self.in_features)
+        y = torch.cat([x2 @ self._dequantize(slice(r, r + self.CHUNK)).t() for r in range(0, self.out_features, self.CHUNK)], -1)
+        return y.view(*x.shape[:-1], -1)
 
 
 # ---------------------------------------------------------------- a GGUF's own 4-bit blocks
@@ -80,8 +134,7 @@ class Int4Projection:
         self.packed, self.sz = int4pack_operands(self._buf, self.out_features, self.in_features, self.group)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, self.group, self.sz)
+        y = int4_mm(x.reshape(-1, self.in_features), self.packed, self.group, self.sz)
         return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
 
     def dequantized(self) -> torch.Tensor:

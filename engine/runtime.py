@@ -55,6 +55,7 @@ class EngineConfig:
     cpu_experts: str = "off"
     lane_rates: str | None = None       # e.g. "pcie=25,cpu=12,disk=6" GB/s for the lane cost model; None: measured
     fused_kernels: bool = True          # CUDA decode steps on engine.kernels.triton_decode's fused kernels
+    native_kernels: bool = True         # CPU decode on engine.kernels.native (built with g++ at first use) where it builds
     preload: bool = True                # tiered: fill the GPU and RAM tiers from the store at load (TieredExperts.preload)
     zero_copy: str = "auto"             # auto | on | off: tiered decode reads RAM-tier records in place (tiers.zero_copy)
 

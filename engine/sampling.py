@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import secrets
 
+import numpy as np
 import torch
 
 # Below this a softmax(logits / T) is one-hot up to fp32 rounding (a logit gap of 1e-3 is e^-100 apart),
@@ -78,9 +79,18 @@ def choose(logits: torch.Tensor, temperatures: list[float], top_ps: list[float],
     """Token ids for logits [B, V]; a row with temperature ~0 is greedy. A row that cannot be sampled
     gives its SamplingError in its place, so the caller fails that request only. One host sync for a
     batch of greedy rows with finite logits (the common case)."""
-    best, finite = logits.argmax(dim=-1), torch.isfinite(logits).all(dim=-1)
-    out: list = best.tolist()
-    ok = finite.tolist()
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        # numpy's argmax: ~8 µs over SmolLM2's 49 152 logits where torch's argmax and isfinite().all() took ~0.3 ms
+        # (a tenth of the CPU demo's step). A row whose largest logit is finite has no NaN (argmax would pick it)
+        # and no +inf, so its argmax is greedy_row's answer; any other row goes to greedy_row, as before.
+        x = logits.detach().numpy()
+        best = x.argmax(-1)
+        out: list = best.tolist()
+        ok = np.isfinite(x[np.arange(len(out)), best]).tolist()
+    else:
+        best, finite = logits.argmax(dim=-1), torch.isfinite(logits).all(dim=-1)
+        out = best.tolist()
+        ok = finite.tolist()
     for i, t in enumerate(temperatures):
         if ok[i] and is_greedy(t):
             continue

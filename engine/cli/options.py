@@ -52,6 +52,11 @@ fused_kernels = click.option("--fused-kernels/--no-fused-kernels", default=Engin
                              show_default=True,
                              help="Decode on a GPU with fused Triton kernels (norms, rotary + KV write, attention, "
                                   "routing); off: the torch ops, the same functions.")
+native_kernels = click.option("--native-kernels/--no-native-kernels", default=EngineConfig.native_kernels,
+                              show_default=True,
+                              help="Decode one sequence on the CPU with the engine's own kernels (4-bit and 8-bit GEMVs, "
+                                   "norm, rotary + KV write + attention; built with g++ at first use and cached); off, or "
+                                   "where they do not build: torch's ops, the same functions.")
 
 preload = click.option("--preload/--no-preload", default=EngineConfig.preload, show_default=True,
                        help="Tiered: fill the GPU slots and the RAM tier from the store at load (as many records as "
@@ -69,9 +74,10 @@ zero_copy = click.option("--zero-copy", type=click.Choice(ZERO_COPY), default=En
 def tiers(f):
     """Where the routed experts live and who reads them: --experts, --gpu-slots, --ram-slots, --readers,
     --cpu-layout, --threads, --policy, where RAM-tier experts are computed (--cpu-experts, --lane-rates) and
-    how a GPU decodes (--cuda-graphs, --fused-kernels, --zero-copy); whether the tiers fill at load (--preload)."""
+    how a GPU decodes (--cuda-graphs, --fused-kernels, --zero-copy) and a CPU (--native-kernels); whether the tiers
+    fill at load (--preload)."""
     for option in reversed((experts, gpu_slots, ram_slots, readers, cpu_layout, threads, policy, cpu_experts,
-                            lane_rates, cuda_graphs, fused_kernels, preload, zero_copy)):
+                            lane_rates, cuda_graphs, fused_kernels, native_kernels, preload, zero_copy)):
         f = option(f)
     return f
 

@@ -7,27 +7,45 @@ activations against a dequantize-per-call fp32 GEMV, torch's float32-activation 
 kernel). That kernel takes bf16 activations and returns bf16, so x, h and y are rounded to bf16 at the
 kernel's edges (llama.cpp rounds activations further, to 8 bits, for its Q4 dot products); accumulation is
 fp32. Every other record (8-bit schemes, rows order) is dequantized per call and computed as expert_ffn
-does: correct everywhere, and the baseline the measurement compares against.
+does: correct everywhere, and the baseline the measurement compares against. One float32 token (a decode step)
+goes to engine.kernels.native instead where it is built: the same function, faster at one row.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from engine.kernels import native
 from engine.quant.records import QuantLayout, group_size, int4pack_operands
 
 
+def int4_mm(x: torch.Tensor, packed: torch.Tensor, group: int, sz: torch.Tensor) -> torch.Tensor:
+    """x [M, in] · Wᵀ for torch's int4pack operand W (packed, sz): its kernel's function (x and the result
+    rounded to bf16, fp32 accumulation). One float32 row goes to the engine's native GEMV where it is built
+    (engine.kernels.native: the same function, faster at one row) and comes back float32; else torch's
+    kernel, bf16."""
+    if x.shape[0] == 1 and x.dtype == torch.float32 and x.shape[1] <= native.MAX_K and native.allowed() \
+            and native.int4_ok():
+        return native.int4pack_gemv(x.reshape(-1).contiguous(), packed, sz, group).view(1, -1)
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16).contiguous(), packed, group, sz)
+
+
 def int4_linear(layout: QuantLayout, rec: torch.Tensor, name: str, x: torch.Tensor) -> torch.Tensor:
-    """x [M, in] → x·Wᵀ [M, out] in bf16, W the cols record's int4pack matrix `name` (gate_up or down)."""
+    """x [M, in] → x·Wᵀ [M, out] (bf16 values), W the cols record's int4pack matrix `name` (gate_up or down)."""
     _, _, out, inp = layout.regions[name]
-    packed, sz = int4pack_operands(layout.region(rec, name), out, inp, group_size(inp, layout.scheme))
-    return torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16).contiguous(), packed,
-                                                      group_size(inp, layout.scheme), sz)
+    g = group_size(inp, layout.scheme)
+    packed, sz = int4pack_operands(layout.region(rec, name), out, inp, g)
+    return int4_mm(x, packed, g, sz)
 
 
 def quant_ffn(layout: QuantLayout, rec: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """down(silu(gate x) * up x) for one quantized record; x [M, H] → [M, H] in x.dtype."""
     if layout.cpu_int4 and rec.device.type == "cpu":
+        g = group_size(layout.hidden, layout.scheme)
+        if x.shape[0] == 1 and x.dtype == torch.float32 and max(layout.hidden, layout.intermediate) <= native.MAX_K \
+                and native.allowed() and native.int4_ok() and g == group_size(layout.intermediate, layout.scheme):
+            # one token: the whole FFN in one native call (the same function as below)
+            return native.int4_ffn(x.reshape(-1).contiguous(), rec, layout.regions, g).view(1, -1)
         i = layout.intermediate
         gu = int4_linear(layout, rec, "gate_up", x).float()
         h = F.silu(gu[:, :i]) * gu[:, i:]

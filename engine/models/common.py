@@ -9,7 +9,9 @@ and `decode_step` (many sequences, one token each) over a KVCache allocated once
 (rotary rows, mask, slot indices) is built once per step, never per layer, and nothing here reads
 a device value back to the host. On CUDA a decode step runs fused Triton kernels for everything but
 the matmuls (engine.kernels.triton_decode: residual+norm, q/k norm+rotary+KV write, attention, routing);
-the torch forms below are the same functions, used on the CPU, for prefill and with fused_kernels off.
+on the CPU a one-sequence decode step runs the engine's C++ kernels (engine.kernels.native: a layer's
+attention half in one call, the expert in another, MoEModel._run_native); the torch forms below are the same
+functions, used for prefill, batched CPU decode and with fused_kernels / native_kernels off.
 """
 from __future__ import annotations
 
@@ -24,9 +26,9 @@ from torch import nn
 
 from engine.config import ModelConfig
 from engine.experts import ExpertProvider
-from engine.kernels import triton_decode
+from engine.kernels import native, triton_decode
 from engine.kv_cache import KVCache, select
-from engine.projection import Projection, dense_projection
+from engine.projection import Int4Projection, Projection, Q8Projection, dense_projection
 
 log = logging.getLogger("engine.models")
 
@@ -175,6 +177,8 @@ class Step:
     mask: torch.Tensor | None      # [B, 1, T, kv_len] bool, or None: a plain causal prefill / a decode that sees all
     decode: bool
     fused: bool = False            # a decode step on the fused kernels (MoEModel.fused_kernels)
+    native: bool = False           # a one-sequence CPU decode step on engine.kernels.native (MoEModel.native_decode)
+    scores: torch.Tensor | None = None   # native: the attention's scratch (MoEModel.scores)
     rope: tuple[torch.Tensor, torch.Tensor] | None = None   # fused: the whole cos, sin tables [max_len, rotary_dim]
 
 
@@ -198,11 +202,33 @@ class Attention(nn.Module):
         self.q_norm = w.get(f"{p}.q_norm.weight") if cfg.use_qk_norm else None
         self.k_norm = w.get(f"{p}.k_norm.weight") if cfg.use_qk_norm else None
         self.scale = cfg.head_dim ** -0.5
+        # Both projections 4-bit blocks of one group size (the demo's --attention-blocks): natively the whole
+        # attention half of a decode layer is one call (native.attn_block) over this scratch.
+        self.scratch = None
+        if (isinstance(self.qkv, Int4Projection) and isinstance(self.o, Int4Projection) and self.q_norm is None
+                and self.qkv.group == self.o.group and max(self.qkv.in_features, self.o.in_features) <= native.MAX_K):
+            self.scratch = torch.empty(self.qkv.out_features + cfg.num_heads * cfg.head_dim + cfg.hidden)
+
+    def native_block(self, x: torch.Tensor, h: torch.Tensor, s: Step, post_norm: torch.Tensor) -> torch.Tensor:
+        """The attention half of a native decode step (s.native): x += attention(h) in place → rms_norm(x)·post_norm."""
+        cfg, slot = self.cfg, s.slots[0]
+        if self.scratch is None or not native.int4_ok():
+            return native.add_rms_norm(x, self.forward(h, s), post_norm, cfg.rms_eps)
+        return native.attn_block(x, h, self.qkv, self.o, s.cos, s.sin, self.kv.k[self.layer, slot],
+                                 self.kv.v[self.layer, slot], s.start, cfg.sliding_window or 0, cfg.num_heads,
+                                 cfg.num_kv_heads, cfg.head_dim, self.scale, s.scores, post_norm, cfg.rms_eps,
+                                 self.scratch)
 
     def forward(self, x: torch.Tensor, s: Step) -> torch.Tensor:
         cfg = self.cfg
         b, t, _ = x.shape
         qkv = self.qkv(x)
+        if s.native and self.q_norm is None:    # one token: rotary, KV write and attention in one native call
+            slot, p = s.slots[0], s.start
+            o = native.attn_decode(qkv.view(-1), s.cos, s.sin, self.kv.k[self.layer, slot], self.kv.v[self.layer, slot],
+                                   p, cfg.sliding_window or 0, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                                   self.scale, s.scores)
+            return self.o(o).view(b, 1, -1)
         if s.fused:                   # one token per sequence: norm + rotary + KV write, then attention, fused
             k_cache, v_cache = self.kv.k[self.layer], self.kv.v[self.layer]
             pos = s.positions.view(-1)
@@ -260,7 +286,7 @@ class MoEModel(nn.Module):
     """The shared skeleton; an architecture supplies build_mlp(layer) (dense MLP or its MoE block)."""
 
     def __init__(self, cfg: ModelConfig, w: WeightSource, provider: ExpertProvider, kv: KVCache, *,
-                 device, dtype: torch.dtype, fused_kernels: bool = True):
+                 device, dtype: torch.dtype, fused_kernels: bool = True, native_kernels: bool = True):
         super().__init__()
         self.cfg, self.provider, self.kv = cfg, provider, kv
         self.device, self.dtype = torch.device(device), dtype
@@ -268,12 +294,25 @@ class MoEModel(nn.Module):
         # (EngineConfig.fused_kernels) for the torch forms, the A/B baseline. Set before the blocks are built.
         self.fused_kernels = (fused_kernels and triton_decode.serves_on(self.device)
                               and triton_decode.attention_ok(cfg.head_dim, cfg.rotary_dim, cfg.hidden))
+        # One-sequence CPU decode steps on engine.kernels.native (EngineConfig.native_kernels) where it builds and
+        # the model fits it (float32, no q/k norm, heads of at most 512): the torch forms' function in a few calls.
+        self.native_kernels = native_kernels and self.device.type == "cpu" and native.lib() is not None
+        self.native_decode = (self.native_kernels and dtype == torch.float32 and not cfg.use_qk_norm
+                              and cfg.head_dim <= 512)
+        # native: the attention's scores, one row per head over the whole cache
+        self.scores = torch.empty(cfg.num_heads * kv.max_len) if self.native_decode else None
+        self._native_layers: list | None = None      # _run_native's walk, made at its first step
         self.embed = w.get("model.embed_tokens.weight")
         self.norm = w.get("model.norm.weight")
         head = w.maybe("lm_head.weight")
         self.lm_head = head if head is not None else self.embed       # tie_word_embeddings
-        self.head = Projection(self.lm_head)                            # on the CPU a transposed copy (tied or not)
-        if head is None and self.head.cpu:
+        # Natively, a vocabulary that is exactly 8-bit blocks (a GGUF's Q8_0, dequantized by engine convert) is
+        # held as them: 3.8x fewer bytes a token than float32, the same values (Q8Projection.exact checks).
+        q8 = Q8Projection.exact(self.lm_head) if self.native_decode else None
+        self.head = q8 or Projection(self.lm_head)                       # on the CPU a transposed copy (tied or not)
+        if head is None and q8 is not None:
+            self.embed = self.lm_head = None             # the embedding reads its rows from the blocks (q8.rows)
+        elif head is None and self.head.cpu:
             # Tied on the CPU: the embedding reads its rows from that copy (the same values), so the vocabulary
             # is held once, not twice (113 MB of SmolLM2's fp32 RSS; bench/demo_memory.py).
             self.embed = self.lm_head = self.head.weight.t()
@@ -302,11 +341,26 @@ class MoEModel(nn.Module):
         return self.kv.max_len
 
     def _run(self, ids: torch.Tensor, s: Step) -> torch.Tensor:
-        x = F.embedding(ids, self.embed)
+        x = F.embedding(ids, self.embed) if self.embed is not None else self.head.rows(ids)
+        if s.native:
+            return self._run_native(x, s)
         h = rms_norm(x, self.layers[0].input_norm, self.cfg.rms_eps)
         for i, layer in enumerate(self.layers):
             last = i + 1 == len(self.layers)
             x, h = layer(x, h, s, self.norm if last else self.layers[i + 1].input_norm)
+        return h
+
+    def _run_native(self, x: torch.Tensor, s: Step) -> torch.Tensor:
+        """DecoderLayer.forward's function on the native kernels, the layers walked without nn.Module's call
+        machinery: x, the step's own residual stream, is updated in place; each h is new."""
+        eps, layers = self.cfg.rms_eps, self.layers
+        h = native.add_rms_norm(x, None, layers[0].input_norm, eps)
+        if self._native_layers is None:
+            norms = [layer.input_norm for layer in layers[1:]] + [self.norm]
+            self._native_layers = [(layer.attn, layer.post_norm, layer.mlp, n) for layer, n in zip(layers, norms)]
+        for attn, post_norm, mlp, next_norm in self._native_layers:
+            h = attn.native_block(x, h, s, post_norm)
+            h = native.add_rms_norm(x, mlp.forward(h.view(1, -1)), next_norm, eps)
         return h
 
     def _mask(self, positions: torch.Tensor, kv_len: int) -> torch.Tensor:
@@ -331,8 +385,9 @@ class MoEModel(nn.Module):
         s = Step(slots=[slot], sel=sel, idx=idx, positions=positions, start=start, kv_len=kv_len,
                  cos=self.cos[start:kv_len].view(1, t, 1, -1), sin=self.sin[start:kv_len].view(1, t, 1, -1),
                  mask=None if plain_causal else self._mask(positions, kv_len), decode=False)
-        h = self._run(ids, s)[0]
-        return self.head(h if all_logits else h[-1])
+        with native.allow(self.native_kernels):
+            h = self._run(ids, s)[0]
+            return self.head(h if all_logits else h[-1])
 
     def use_cuda_graphs(self) -> bool:
         """Replay decode steps from CUDA graphs (engine.gpu.graphs) where the device and the expert provider
@@ -356,6 +411,10 @@ class MoEModel(nn.Module):
         if self.fused_kernels:        # the kernels read the tables at each position and bound keys themselves
             return Step(slots=slots, sel=sel, idx=idx, positions=pos, start=0, kv_len=kv_len, cos=None, sin=None,
                         mask=None, decode=True, fused=True, rope=(self.cos, self.sin))
+        if self.native_decode and b == 1:     # start: the token's position; cos, sin: its rows
+            p = kv_len - 1
+            return Step(slots=slots, sel=sel, idx=idx, positions=pos, start=p, kv_len=kv_len, cos=self.cos[p],
+                        sin=self.sin[p], mask=None, decode=True, native=True, scores=self.scores)
         # One sequence sees every key read (unless a sliding window hides some): no mask to apply. On CUDA
         # always a mask, so eager and graph decode compute the same thing.
         sees_all = (not cuda and b == 1 and not (self.cfg.sliding_window and kv_len > self.cfg.sliding_window))
@@ -390,4 +449,5 @@ class MoEModel(nn.Module):
             # fused attention a grid per step: the graphs' buckets.
             kv_len = kv_bucket(kv_len, self.max_len)
         s = self.decode_meta(slots, sel, idx, pos, kv_len)
-        return self.head(self._run(ids, s)[:, 0])                       # one row: lm_head's column halves on two threads
+        with native.allow(self.native_kernels):
+            return self.head(self._run(ids, s)[:, 0])                   # one row: lm_head's column halves on two threads

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.kernels import native
 from engine.models.common import MoEModel, WeightSource, softmax_topk
 
 
@@ -14,9 +15,13 @@ class MixtralBlock(nn.Module):
         super().__init__()
         self.layer, self.provider, self.top_k = layer, model.provider, model.cfg.top_k
         self.gate = w.get(f"model.layers.{layer}.block_sparse_moe.gate.weight")
+        self.native = model.native_decode and self.gate.dtype == torch.float32 and self.gate.shape[0] <= 1024
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ids, weights = softmax_topk(F.linear(x, self.gate), self.top_k, True, x.dtype)
+        if self.native and x.shape[0] == 1 and x.dtype == torch.float32:    # one token: routed in one native call
+            ids, weights = native.router_topk(x.reshape(-1).contiguous(), self.gate, self.top_k, True)
+        else:
+            ids, weights = softmax_topk(F.linear(x, self.gate), self.top_k, True, x.dtype)
         return self.provider.forward(self.layer, x, ids, weights)
 
 

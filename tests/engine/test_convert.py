@@ -261,6 +261,52 @@ def test_attention_blocks_keep_the_ggufs_bytes_and_the_cpu_computes_what_they_ho
     assert agree >= 0.85 and torch.nn.functional.cosine_similarity(a, b, dim=-1).min() > 0.98, agree
 
 
+def test_the_demo_model_decodes_natively_as_its_torch_forms_do(gguf, tmp_path, monkeypatch):
+    """The demo's model as the recipe converts it (top-1, attention blocks) and its q4_1 cols records: the engine's
+    native decode is the path it takes on the CPU — a layer's attention half one call, the tied Q8_0 vocabulary
+    held as its blocks (the same values as the float embedding) — and decodes the same greedy tokens as the
+    torch forms (native_kernels off), logits within the bf16 activations' rounding."""
+    import torch
+    from engine.checkpoint import Checkpoint
+    from engine.convert import convert_gguf
+    from engine.kernels import native
+    from engine.loader import load_model
+    from engine.projection import Q8Projection
+    from engine.quant.source import record_source
+    from engine.tiers.memory import InMemoryExperts
+    from tests.fixtures.decode import greedy
+
+    if native.lib() is None:
+        pytest.skip("no C++ compiler: the native kernels are not built")
+    kept = convert_gguf(gguf, tmp_path / "kept", experts=8, top_k=1, seed=0, expert_weights=False,
+                        attention_blocks=True)
+    full = convert_gguf(gguf, tmp_path / "full", experts=8, top_k=1, seed=0)
+    lay, make = record_source(Checkpoint(full), order="cols", quant="gguf", gguf=gguf)
+    records = {l: torch.stack([make(l, e) for e in range(8)]) for l in range(30)}
+    on, off = (load_model(kept, provider=InMemoryExperts(lay, records), device="cpu", max_context=256, max_batch=1,
+                          native_kernels=n) for n in (True, False))
+    assert on.native_decode and isinstance(on.head, Q8Projection) and on.embed is None
+    assert all(layer.attn.scratch is not None and layer.mlp.native for layer in on.layers)
+    ids = torch.tensor([1, 200, 49151])
+    assert torch.equal(on.head.rows(ids), off.embed[ids])       # the blocks hold the float vocabulary's values
+    calls = {"on": 0, "off": 0}
+    for name in ("int4_ffn", "int4pack_gemv"):      # which model's steps reach the native int4 kernels
+        fn = getattr(native, name)
+        monkeypatch.setattr(native, name, lambda *a, fn=fn: calls.__setitem__(side, calls[side] + 1) or fn(*a))
+    with torch.inference_mode():
+        side = "on"
+        toks, rows = greedy(on, list(range(300, 340)), 17)
+        side = "off"
+        want, want_rows = greedy(off, list(range(300, 340)), 17)
+    assert calls["on"] >= 30 * 16 and calls["off"] == 0      # native_kernels off: torch's kernels only
+    assert toks == want
+    # bf16 activations at the int4 kernel's edges: a summation order that rounds one of them the other way moves the
+    # logits by up to ~0.5 % of their range (the torch forms differ from the float model by twice that here)
+    got, ref = torch.stack(rows), torch.stack(want_rows)
+    assert (got - ref).abs().max() < 0.01 * ref.abs().max()
+    assert torch.nn.functional.cosine_similarity(got, ref, dim=-1).min() > 0.9998
+
+
 def test_a_projection_half_in_blocks_half_in_floats_is_one_line_not_a_traceback(gguf):
     """A checkpoint that keeps q as blocks and k as floats (no engine convert writes one) is refused as the
     checkpoint's fault, naming the weights — as is a bias beside blocks — through the WeightSource contract."""

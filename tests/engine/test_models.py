@@ -12,6 +12,7 @@ from engine.checkpoint import Checkpoint, CheckpointError
 from engine.config import ModelConfig
 from engine.loader import load_model, resolve_dtype
 from engine.tiers import in_memory
+from tests.fixtures.decode import greedy
 
 ARCHS = ["qwen3_moe", "glm4_moe", "mixtral"]
 PROMPT = [5, 17, 200, 42, 99, 7, 311, 64, 128, 3, 250, 19]
@@ -30,17 +31,6 @@ def reference(tiny_checkpoint):
             cache[arch, dtype] = m
         return cache[arch, dtype]
     return get
-
-
-def greedy(model, prompt: list[int], n: int, slot: int = 0) -> tuple[list[int], list[torch.Tensor]]:
-    """The engine's greedy loop at model level: prefill, then one decode step per token."""
-    logits = model.prefill(prompt, slot)
-    toks, all_logits = [int(logits.argmax())], [logits]
-    for i in range(n - 1):
-        logits = model.decode_step([toks[-1]], [slot], [len(prompt) + i])[0]
-        toks.append(int(logits.argmax()))
-        all_logits.append(logits)
-    return toks, all_logits
 
 
 @pytest.mark.parametrize("arch", ARCHS)

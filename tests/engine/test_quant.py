@@ -182,14 +182,6 @@ def test_a_record_is_about_a_quarter_of_bf16():
 
 # ------------------------------------------------------------------ the CPU kernel
 
-@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
-def threads(request):
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
-
-
 @pytest.mark.parametrize("scheme", SCHEMES)
 @pytest.mark.parametrize("order", ["rows", "cols"])
 def test_cpu_kernel_equals_dequantize_then_matmul(scheme, order, threads):

@@ -54,6 +54,23 @@ def test_a_row_without_a_finite_logit_fails_alone():
     assert "no finite logit" in str(out[1])
 
 
+def test_greedy_choice_is_greedy_row_on_every_kind_of_row():
+    """choose's one-pass greedy (the row's argmax where its largest logit is finite) against greedy_row, row by row:
+    plain, ties (the first wins), some -inf (masked tokens), a NaN, +inf, all -inf."""
+    from engine.sampling import greedy_row
+    rows = [logits(0), logits(1), logits(2), logits(3), logits(4), torch.full((V,), float("-inf"))]
+    rows[1][[4, 9]] = 50.0
+    rows[2][::2] = float("-inf")
+    rows[3][5] = float("nan")
+    rows[4][30] = float("inf")
+    x = torch.stack(rows)
+    out = choose(x, [0.0] * len(rows), [1.0] * len(rows), [None] * len(rows))
+    assert out[1] == 4
+    for row, got in zip(rows[:-1], out):
+        assert got == greedy_row(row)
+    assert isinstance(out[-1], SamplingError)
+
+
 @pytest.mark.parametrize("temperature,top_p,seed,message", [
     (float("nan"), 1.0, None, "temperature is nan"),
     (float("inf"), 1.0, None, "temperature is inf"),

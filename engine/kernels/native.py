@@ -1,0 +1,242 @@
+"""The engine's own CPU kernels (native_cpu.cpp beside this file): built once per machine with the system's g++
+(-O3 -march=native -fopenmp) into a cache directory keyed by the source's hash, and called through ctypes.
+
+Why: a one-token decode step on the CPU is GEMVs over 4-bit and 8-bit weights, and torch has no fast CPU
+kernel for the 8-bit one (the tied vocabulary) and a slower one than this for the 4-bit one at one token
+(bench/results/native_cpu_kernels.json). The .so links libgomp.so.1, which resolves to the libgomp torch has
+already loaded, so these kernels share torch's OpenMP threads instead of starting a second team.
+
+`lib()` is None where no compiler or no x86-64 is found or the build fails (logged once): callers then keep
+torch's kernels. KILN_NATIVE_KERNELS=0 turns them off; KILN_NATIVE_CACHE names the cache directory (default
+$CACHE_DIRECTORY/native under systemd, else $XDG_CACHE_HOME/kiln/native or ~/.cache/kiln/native, else a temp one).
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("engine.kernels")
+
+SOURCE = Path(__file__).with_name("native_cpu.cpp")
+# -ffp-contract=off: the elementwise parts round as torch's eager ops do (the GEMVs' FMAs are written out).
+FLAGS = ["-O3", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC", "-std=c++17"]
+ARCH = ["-march=native"]         # the instruction set; tests build the other paths with e.g. -mno-avx512f
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+SIGNATURES = {
+    "int4pack_gemv": [_P, _I, _P, _P, _I, _I, _P, _I],
+    "int4_ffn": [_P, _I, _I, _P, _P, _P, _P, _I, _P, _P, _P, _I],
+    "q8_gemv": [_P, _I, _P, _P, _I, _P, _I],
+    "add_rms_norm": [_P, _P, _P, _F, _I, _P],
+    "attn_decode": [_P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _P, _P, _I],
+    "attn_block": [_P, _P, _I, _P, _P, _I, _P, _P, _I, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _P, _P, _F, _P,
+                   _P, _P, _P, _I],
+    "router_topk": [_P, _I, _P, _I, _I, _I, _P, _P],
+}
+
+
+MAX_K = 8192          # inputs an int4 GEMV takes (native_cpu.cpp's stack buffers): wider ones stay on torch's kernel
+
+
+def enabled() -> bool:
+    return os.environ.get("KILN_NATIVE_KERNELS", "1") not in ("0", "off", "false", "no")
+
+
+# Whether the one-token int4 GEMVs (engine.kernels.quant_cpu) may take the native kernel: a model sets it for its
+# own forward passes (EngineConfig.native_kernels), so a model loaded with the knob off runs torch's kernels only.
+_allowed = contextvars.ContextVar("kiln_native_allowed", default=True)
+
+
+def allowed() -> bool:
+    return _allowed.get()
+
+
+@contextlib.contextmanager
+def allow(on: bool):
+    token = _allowed.set(on)
+    try:
+        yield
+    finally:
+        _allowed.reset(token)
+
+
+def cache_dir() -> Path:
+    """$KILN_NATIVE_CACHE, else systemd's $CACHE_DIRECTORY (the serve units' CacheDirectory=: their home is
+    protected), else the user's cache directory, else one under the system's temp directory."""
+    if d := os.environ.get("KILN_NATIVE_CACHE"):
+        return Path(d)
+    if d := os.environ.get("CACHE_DIRECTORY"):
+        return Path(d.split(":")[0]) / "native"
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    d = Path(base) / "kiln" / "native"
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        if os.access(d, os.W_OK):
+            return d
+    except OSError:
+        pass
+    return Path(tempfile.gettempdir()) / f"kiln-native-{os.getuid()}"
+
+
+def compiler() -> str | None:
+    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+
+
+def build(cxx: str, arch: list[str] = ARCH) -> Path:
+    """The .so for this source, compiler and flags (built into a temp file, renamed into place)."""
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
+    flags = [*FLAGS, *arch]
+    key = hashlib.sha256(SOURCE.read_bytes() + repr((version, flags, platform.node())).encode()).hexdigest()[:16]
+    out = cache_dir() / f"native_cpu-{key}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        r = subprocess.run([cxx, *flags, str(SOURCE), "-o", tmp], capture_output=True, text=True)
+        if r.returncode:
+            raise RuntimeError(f"{cxx} failed: {r.stderr[-2000:]}")
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+@functools.cache
+def lib() -> ctypes.CDLL | None:
+    """The loaded kernels, or None (see the module docstring)."""
+    if not enabled() or platform.machine() not in ("x86_64", "AMD64"):
+        return None
+    cxx = compiler()
+    if cxx is None:
+        log.warning("native CPU kernels: no C++ compiler (g++) found; using torch's kernels")
+        return None
+    try:
+        return load(build(cxx))
+    except (OSError, RuntimeError) as e:
+        log.warning("native CPU kernels unavailable, using torch's: %s", e)
+        return None
+
+
+def load(path: Path) -> ctypes.CDLL:
+    """A built .so with its functions' signatures. PyDLL: a call keeps the GIL (no Python runs inside), so the
+    server's other threads do not take it at each of a step's ~100 calls and make the step wait for it back."""
+    so = ctypes.PyDLL(str(path))
+    for name, args in SIGNATURES.items():
+        fn = getattr(so, name)
+        fn.argtypes, fn.restype = args, None
+    return so
+
+
+@functools.cache
+def int4_ok() -> bool:
+    """The kernels are built and int4pack_gemv agrees with torch's int4 kernel on a random operand (to a bf16
+    rounding: another summation order), so the tiling it reads is the one torch packs on this CPU."""
+    if lib() is None:
+        return False
+    from engine.quant.records import int4pack_operands, to_int4pack
+    gen = torch.Generator().manual_seed(0)
+    out, inp = 128, 256
+    buf = to_int4pack(torch.randint(0, 16, (out, inp), generator=gen), torch.randn(out, inp // 32, 2, generator=gen))
+    packed, sz = int4pack_operands(buf, out, inp, 32)
+    x = torch.randn(inp, generator=gen)
+    want = torch.ops.aten._weight_int4pack_mm_for_cpu(x.view(1, -1).to(torch.bfloat16), packed, 32, sz).float()
+    if torch.allclose(int4pack_gemv(x, packed, sz, 32), want.view(-1), rtol=2 ** -7, atol=2 ** -7 * float(want.abs().max())):
+        return True
+    log.warning("native int4 GEMV disagrees with torch's int4 kernel here (another int4pack tiling?); using torch's")
+    return False
+
+
+def _ptr(t: torch.Tensor) -> int:
+    return t.data_ptr()
+
+
+def int4pack_gemv(x: torch.Tensor, packed: torch.Tensor, sz: torch.Tensor, group: int,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """x fp32 [K] (contiguous) · W^T → fp32 [N]; W torch's int4pack operand (packed uint8 [N, K/2], sz bf16
+    [K/g, N, 2], both contiguous): _weight_int4pack_mm_for_cpu's function for one row (bf16-rounded x and y)."""
+    n, k = packed.shape[0], x.shape[-1]
+    y = torch.empty(n, dtype=torch.float32) if out is None else out
+    lib().int4pack_gemv(_ptr(x), k, _ptr(packed), _ptr(sz), n, group, _ptr(y), torch.get_num_threads())
+    return y
+
+
+def int4_ffn(x: torch.Tensor, rec: torch.Tensor, regions: dict, group: int) -> torch.Tensor:
+    """One expert on one token (engine.kernels.quant_cpu.quant_ffn's function): x fp32 [H] contiguous, rec a
+    cols-order 4-bit record (uint8, contiguous), regions its QuantLayout.regions → y fp32 [H]."""
+    (gu_off, _, two_i, h), (d_off, _, _, i) = regions["gate_up"], regions["down"]
+    base = rec.data_ptr()
+    gu, hid, y = torch.empty(two_i), torch.empty(i), torch.empty(h)
+    lib().int4_ffn(x.data_ptr(), h, i, base + gu_off, base + gu_off + two_i * h // 2, base + d_off,
+                   base + d_off + h * i // 2, group, gu.data_ptr(), hid.data_ptr(), y.data_ptr(),
+                   torch.get_num_threads())
+    return y
+
+
+def add_rms_norm(x: torch.Tensor, r: torch.Tensor | None, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """x += r (in place; r None: no add), then rms_norm(x)·w as a new tensor; all fp32, contiguous, one row."""
+    h = torch.empty_like(x)
+    r = None if r is None else r.contiguous()
+    lib().add_rms_norm(x.data_ptr(), None if r is None else r.data_ptr(), w.data_ptr(), eps, x.numel(), h.data_ptr())
+    return h
+
+
+def attn_decode(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, p: int,
+                window: int, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                scores: torch.Tensor) -> torch.Tensor:
+    """One token's attention (rotary, KV write at row p, attention over rows ..p): qkv fp32 [(nh + 2·nkv)·hd]
+    (rotated in place), cos/sin [rot] of position p, kc/vc [max_len, nkv, hd] of this layer and slot, scores
+    scratch of at least nh·(p + 1) floats → o fp32 [nh·hd]. Contiguous fp32 throughout."""
+    o = torch.empty(num_heads * head_dim)
+    lib().attn_decode(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), kc.data_ptr(), vc.data_ptr(), p, window,
+                      num_heads, num_kv_heads, head_dim, cos.numel(), scale, scores.data_ptr(), o.data_ptr(),
+                      torch.get_num_threads())
+    return o
+
+
+def attn_block(x: torch.Tensor, h: torch.Tensor, qkv, o, cos: torch.Tensor, sin: torch.Tensor, kc: torch.Tensor,
+               vc: torch.Tensor, p: int, window: int, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+               scores: torch.Tensor, post_norm: torch.Tensor, eps: float, scratch: torch.Tensor) -> torch.Tensor:
+    """A decode layer's attention half on one token, in one call: qkv and o (engine.projection.Int4Projection,
+    one group size) around attn_decode, then x += o (in place) → rms_norm(x)·post_norm, a new tensor. scratch:
+    at least qkv.out_features + num_heads·head_dim + hidden floats."""
+    hidden = x.numel()
+    out = torch.empty_like(x)
+    buf = scratch.data_ptr()
+    nqkv, no = qkv.out_features, num_heads * head_dim
+    lib().attn_block(x.data_ptr(), h.data_ptr(), hidden, qkv.packed.data_ptr(), qkv.sz.data_ptr(), nqkv,
+                     o.packed.data_ptr(), o.sz.data_ptr(), qkv.group, cos.data_ptr(), sin.data_ptr(), kc.data_ptr(),
+                     vc.data_ptr(), p, window, num_heads, num_kv_heads, head_dim, cos.numel(), scale,
+                     scores.data_ptr(), post_norm.data_ptr(), eps, buf, buf + 4 * nqkv, buf + 4 * (nqkv + no),
+                     out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def router_topk(x: torch.Tensor, gate: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax routing of one token (engine.models.common.softmax_topk's function): x fp32 [H], gate fp32 [E, H]
+    (E <= 1024), both contiguous → (ids int64 [1, k], weights fp32 [1, k])."""
+    ids, w = torch.empty(1, top_k, dtype=torch.int64), torch.empty(1, top_k)
+    lib().router_topk(x.data_ptr(), x.numel(), gate.data_ptr(), gate.shape[0], top_k, int(renormalize),
+                      ids.data_ptr(), w.data_ptr())
+    return ids, w
+
+
+def q8_gemv(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x fp32 [K] · W^T → fp32 [N]; W = q int8 [N, K] · d fp32 [N, K/32] per 32 inputs, all contiguous."""
+    n, k = q.shape
+    y = torch.empty(n, dtype=torch.float32) if out is None else out
+    lib().q8_gemv(_ptr(x), k, _ptr(q), _ptr(d), n, _ptr(y), torch.get_num_threads())
+    return y
