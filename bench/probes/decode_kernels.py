@@ -105,25 +105,47 @@ def main():
         x = rnd(b, H)
         wts = torch.full((b, K), 1.0 / K, dtype=bf, device=dev)
         sl = [torch.randint(0, n_rec, (b, K), generator=g, device=dev) for _ in range(REPS)]
-        bf16_cfgs = {"bi16_gu256_bh64_dc128_w4 (before)": dict(block_i=16, gate_up_cols=256, block_h=64, down_cols=128, warps=4),
-                     "bi4_gu2048_bh16_dc256_w4": dict(block_i=4, gate_up_cols=2048, block_h=16, down_cols=256, warps=4),
-                     "bi8_gu1024_bh32_dc256_w4": dict(block_i=8, gate_up_cols=1024, block_h=32, down_cols=256, warps=4),
-                     "bi8_gu2048_bh16_dc512_w8": dict(block_i=8, gate_up_cols=2048, block_h=16, down_cols=512, warps=8),
-                     "bi4_gu1024_bh8_dc1024_w4": dict(block_i=4, gate_up_cols=1024, block_h=8, down_cols=1024, warps=4),
-                     "bi16_gu512_bh32_dc256_w8": dict(block_i=16, gate_up_cols=512, block_h=32, down_cols=256, warps=8)}
+        bf16_cfgs = {"bi4_gu2048_bh16_dc256_w4": dict(block_i=4, gate_up_cols=2048, block_h=16, down_cols=256, warps=4)}
         for name, kw in bf16_cfgs.items():
             try:
                 moe[f"b{b}_bf16_{name}"] = timed(lambda r, kw=kw: slot_moe(x, arena, sl[r], wts, lay, **kw))
             except Exception as e:  # a config that does not compile is a row, not a failed probe
                 moe[f"b{b}_bf16_{name}"] = f"error: {str(e)[-200:]}"
-        for bi, bh in ((16, 64), (8, 32), (32, 64), (16, 16)):
-            for span in (1, 4, 16):
-                key = f"b{b}_int4_bi{bi}_bh{bh}_span{span}" + (" (before)" if (bi, bh, span) == (16, 64, 1) else "")
-                try:
-                    moe[key] = timed(lambda r, bi=bi, bh=bh, span=span: quant_slot_moe(
-                        x, arena4, sl[r], wts, q4.quantized, block_i=bi, block_h=bh, max_span=span))
-                except Exception as e:
-                    moe[key] = f"error: {str(e)[-200:]}"
+    # int4: the load form (tile3, pad_span, max_span) and warps at the default tile (8 rows / 32 rows), then the
+    # tile sizes at the best form, then 4 streams for the best few; the engine's default is the first row.
+    sl1 = [torch.randint(0, n_rec, (1, K), generator=g, device=dev) for _ in range(REPS)]
+    sl4 = [torch.randint(0, n_rec, (4, K), generator=g, device=dev) for _ in range(REPS)]
+    x1, x4 = rnd(1, H), rnd(4, H)
+    w1, w4 = (torch.full((b, K), 1.0 / K, dtype=bf, device=dev) for b in (1, 4))
+
+    def int4(b, kw):
+        x, sl, wts = (x1, sl1, w1) if b == 1 else (x4, sl4, w4)
+        try:
+            return timed(lambda r: quant_slot_moe(x, arena4, sl[r], wts, q4.quantized, **kw))
+        except Exception as e:  # a config that does not compile is a row, not a failed probe
+            return f"error: {str(e)[-200:]}"
+
+    def name(kw):
+        return "_".join(f"{k}{int(v) if isinstance(v, bool) else v}" for k, v in kw.items())
+
+    int4_rows: dict = {}
+    default = dict(block_i=8, block_h=32, max_span=16, pad_span=False, tile3=False, warps=4)
+    forms = [dict(default, tile3=t3, pad_span=pad, max_span=ms, warps=wp)
+             for t3 in (False, True) for pad in (False, True) for ms in (16, 64) for wp in (2, 4, 8)]
+    for kw in [default] + [f for f in forms if f != default]:
+        int4_rows[name(kw)] = (kw, int4(1, kw))
+    ok = lambda rows: sorted(((v, kw) for kw, v in rows.values() if isinstance(v, float)), key=lambda r: r[0])  # noqa: E731
+    best = ok(int4_rows)[0][1]
+    for bi, bh in ((4, 16), (4, 32), (8, 16), (8, 64), (16, 32), (16, 64), (32, 64)):
+        kw = dict(best, block_i=bi, block_h=bh)
+        int4_rows.setdefault(name(kw), (kw, int4(1, kw)))
+    for k_, (kw, v) in int4_rows.items():
+        moe[f"b1_int4_{k_}"] = v
+    top = [kw for _, kw in ok(int4_rows)[:4]]
+    for kw in [default] + [t for t in top if t != default]:
+        moe[f"b4_int4_{name(kw)}"] = int4(4, kw)
+    res["int4_default"] = name(default)
+    res["int4_best_b1"] = {"config": top[0], "us": ok(int4_rows)[0][0]}
     rec_bytes = {"bf16": lay.record_bytes, "int4": q4.record_bytes}
     res["expert_bytes_per_pick"] = rec_bytes
     res["hbm_us_per_layer_at_4_2_TBps"] = {k: round(K * v / 4.2e6, 2) for k, v in rec_bytes.items()}
