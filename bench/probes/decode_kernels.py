@@ -111,8 +111,9 @@ def main():
                 moe[f"b{b}_bf16_{name}"] = timed(lambda r, kw=kw: slot_moe(x, arena, sl[r], wts, lay, **kw))
             except Exception as e:  # a config that does not compile is a row, not a failed probe
                 moe[f"b{b}_bf16_{name}"] = f"error: {str(e)[-200:]}"
-    # int4: the load form (tile3, pad_span, max_span) and warps at the default tile (8 rows / 32 rows), then the
-    # tile sizes at the best form, then 4 streams for the best few; the engine's default is the first row.
+    # int4: groups a load (max_span) and warps at the default tile (8 rows / 32 rows), then the tile sizes at the
+    # best of those, then 4 streams for the best few; the engine's default is the first row. (2026-12-03 also swept
+    # an [rows, groups, bytes] load tile and masked spans past a matrix's groups: both slower, both removed.)
     sl1 = [torch.randint(0, n_rec, (1, K), generator=g, device=dev) for _ in range(REPS)]
     sl4 = [torch.randint(0, n_rec, (4, K), generator=g, device=dev) for _ in range(REPS)]
     x1, x4 = rnd(1, H), rnd(4, H)
@@ -129,9 +130,8 @@ def main():
         return "_".join(f"{k}{int(v) if isinstance(v, bool) else v}" for k, v in kw.items())
 
     int4_rows: dict = {}
-    default = dict(block_i=8, block_h=32, max_span=16, pad_span=False, tile3=False, warps=4)
-    forms = [dict(default, tile3=t3, pad_span=pad, max_span=ms, warps=wp)
-             for t3 in (False, True) for pad in (False, True) for ms in (16, 64) for wp in (2, 4, 8)]
+    default = dict(block_i=8, block_h=32, max_span=64, warps=2)
+    forms = [dict(default, max_span=ms, warps=wp) for ms in (16, 64) for wp in (2, 4, 8)]
     for kw in [default] + [f for f in forms if f != default]:
         int4_rows[name(kw)] = (kw, int4(1, kw))
     ok = lambda rows: sorted(((v, kw) for kw, v in rows.values() if isinstance(v, float)), key=lambda r: r[0])  # noqa: E731

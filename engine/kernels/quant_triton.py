@@ -144,54 +144,35 @@ if triton is not None:
 
     @triton.jit
     def _group_dot(mat, r64, rmask, x_row, g0, OUT: tl.constexpr, IN: tl.constexpr, FMT: tl.constexpr,
-                   G: tl.constexpr, R: tl.constexpr, SPAN: tl.constexpr, TILE3: tl.constexpr):
+                   G: tl.constexpr, R: tl.constexpr, SPAN: tl.constexpr):
         """Σ_k W[rows, k]·x[k] over groups g0..g0+SPAN-1 of an int8/int4 rows-form matrix (those past IN/G masked),
         each group scaled once: s·Σ q·x (int8) and s·(Σ q·x − 8·Σ x) + z·Σ x (int4). Codes are read as the bytes
         they are, contiguously, SPAN groups per load: a decode GEMV is bound by load latency, so the fewer, larger
-        loads the better. TILE3: the codes loaded as an [R, SPAN, bytes a group] tile and summed along its last
-        axis, where the flat form loads [R, SPAN·bytes] and reshapes (a layout conversion in Triton)."""
+        loads the better (an [R, SPAN, bytes a group] tile instead of this flat load and reshape measured slower
+        on the H200: results/2026-12-03-h200-decode-kernels.json, the tile31 rows)."""
         gi = g0 + tl.arange(0, SPAN)
         gm = gi < IN // G
         m2 = rmask[:, None] & gm[None, :]
         if FMT == 0:
-            if TILE3:
-                j = tl.arange(0, G)
-                kx = gi[:, None] * G + j[None, :]
-                xv = tl.load(x_row + kx, mask=gm[:, None], other=0.0).to(tl.float32)
-                q = tl.load((mat + r64[:, None, None] * IN + kx[None, :, :]).to(tl.pointer_type(tl.int8)),
-                            mask=m2[:, :, None], other=0).to(tl.float32)
-                d = tl.sum(q * xv[None, :, :], axis=2)
-            else:
-                jk = tl.arange(0, SPAN * G)
-                km = g0 * G + jk < IN
-                xv = tl.load(x_row + g0 * G + jk, mask=km, other=0.0).to(tl.float32)
-                q = tl.load((mat + r64[:, None] * IN + g0 * G + jk[None, :]).to(tl.pointer_type(tl.int8)),
-                            mask=rmask[:, None] & km[None, :], other=0).to(tl.float32)
-                d = tl.sum(tl.reshape(q * xv[None, :], (R, SPAN, G)), axis=2)
+            jk = tl.arange(0, SPAN * G)
+            km = g0 * G + jk < IN
+            xv = tl.load(x_row + g0 * G + jk, mask=km, other=0.0).to(tl.float32)
+            q = tl.load((mat + r64[:, None] * IN + g0 * G + jk[None, :]).to(tl.pointer_type(tl.int8)),
+                        mask=rmask[:, None] & km[None, :], other=0).to(tl.float32)
+            d = tl.sum(tl.reshape(q * xv[None, :], (R, SPAN, G)), axis=2)
             s = tl.load((mat + OUT * IN + (r64[:, None] * (IN // G) + gi[None, :]) * 2).to(tl.pointer_type(tl.float16)),
                         mask=m2, other=0.0).to(tl.float32)
             return tl.sum(s * d, axis=1)
         else:
-            if TILE3:
-                j = tl.arange(0, G // 2)
-                kb = gi[:, None] * (G // 2) + j[None, :]                  # byte index along the row
-                xe = tl.load(x_row + 2 * kb, mask=gm[:, None], other=0.0).to(tl.float32)
-                xo = tl.load(x_row + 2 * kb + 1, mask=gm[:, None], other=0.0).to(tl.float32)
-                b = tl.load(mat + r64[:, None, None] * (IN // 2) + kb[None, :, :], mask=m2[:, :, None],
-                            other=0).to(tl.int32)
-                d = tl.sum((b & 15).to(tl.float32) * xe[None, :, :] + (b >> 4).to(tl.float32) * xo[None, :, :],
-                           axis=2)
-                xs = tl.sum(xe + xo, axis=1)
-            else:
-                jb = tl.arange(0, SPAN * G // 2)
-                km = g0 * (G // 2) + jb < IN // 2
-                xe = tl.load(x_row + g0 * G + 2 * jb, mask=km, other=0.0).to(tl.float32)
-                xo = tl.load(x_row + g0 * G + 2 * jb + 1, mask=km, other=0.0).to(tl.float32)
-                b = tl.load(mat + r64[:, None] * (IN // 2) + g0 * (G // 2) + jb[None, :],
-                            mask=rmask[:, None] & km[None, :], other=0).to(tl.int32)
-                prod = (b & 15).to(tl.float32) * xe[None, :] + (b >> 4).to(tl.float32) * xo[None, :]
-                d = tl.sum(tl.reshape(prod, (R, SPAN, G // 2)), axis=2)
-                xs = tl.sum(tl.reshape(xe + xo, (SPAN, G // 2)), axis=1)
+            jb = tl.arange(0, SPAN * G // 2)
+            km = g0 * (G // 2) + jb < IN // 2
+            xe = tl.load(x_row + g0 * G + 2 * jb, mask=km, other=0.0).to(tl.float32)
+            xo = tl.load(x_row + g0 * G + 2 * jb + 1, mask=km, other=0.0).to(tl.float32)
+            b = tl.load(mat + r64[:, None] * (IN // 2) + g0 * (G // 2) + jb[None, :],
+                        mask=rmask[:, None] & km[None, :], other=0).to(tl.int32)
+            prod = (b & 15).to(tl.float32) * xe[None, :] + (b >> 4).to(tl.float32) * xo[None, :]
+            d = tl.sum(tl.reshape(prod, (R, SPAN, G // 2)), axis=2)
+            xs = tl.sum(tl.reshape(xe + xo, (SPAN, G // 2)), axis=1)
             sz = (mat + OUT * (IN // 2) + (r64[:, None] * (IN // G) + gi[None, :]) * 4).to(tl.pointer_type(tl.bfloat16))
             s = tl.load(sz, mask=m2, other=0.0).to(tl.float32)
             z = tl.load(sz + 1, mask=m2, other=0.0).to(tl.float32)
@@ -201,7 +182,7 @@ if triton is not None:
     def _gate_up_gemv_grouped(x_ptr, arena_ptr, slot_ptr, h_ptr, SLOT_OFF, table_ptr, log_ptr, K: tl.constexpr,
                               H: tl.constexpr, I: tl.constexpr, REC: tl.constexpr, TABLE: tl.constexpr,
                               LOG: tl.constexpr, GATE: tl.constexpr, UP: tl.constexpr, FMT: tl.constexpr,
-                              G: tl.constexpr, BLOCK_I: tl.constexpr, SPAN: tl.constexpr, TILE3: tl.constexpr):
+                              G: tl.constexpr, BLOCK_I: tl.constexpr, SPAN: tl.constexpr):
         p = tl.program_id(0)
         rec = record_ptr(arena_ptr, slot_ptr, table_ptr, log_ptr, p, SLOT_OFF, REC, TABLE, LOG)
         rows = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
@@ -211,15 +192,14 @@ if triton is not None:
         acc_g = tl.zeros([BLOCK_I], dtype=tl.float32)
         acc_u = tl.zeros([BLOCK_I], dtype=tl.float32)
         for gi in range(0, H // G, SPAN):
-            acc_g += _group_dot(rec + GATE, r64, rmask, x_row, gi, I, H, FMT, G, BLOCK_I, SPAN, TILE3)
-            acc_u += _group_dot(rec + UP, r64, rmask, x_row, gi, I, H, FMT, G, BLOCK_I, SPAN, TILE3)
+            acc_g += _group_dot(rec + GATE, r64, rmask, x_row, gi, I, H, FMT, G, BLOCK_I, SPAN)
+            acc_u += _group_dot(rec + UP, r64, rmask, x_row, gi, I, H, FMT, G, BLOCK_I, SPAN)
         tl.store(h_ptr + p * I + rows, swiglu(acc_g, acc_u, h_ptr.dtype.element_ty), mask=rmask)
 
     @triton.jit
     def _down_gemv_grouped(h_ptr, arena_ptr, slot_ptr, w_ptr, y_ptr, SLOT_OFF, table_ptr, H: tl.constexpr,
                            I: tl.constexpr, REC: tl.constexpr, TABLE: tl.constexpr, DOWN: tl.constexpr,
-                           FMT: tl.constexpr, G: tl.constexpr, BLOCK_H: tl.constexpr, SPAN: tl.constexpr,
-                           TILE3: tl.constexpr):
+                           FMT: tl.constexpr, G: tl.constexpr, BLOCK_H: tl.constexpr, SPAN: tl.constexpr):
         p = tl.program_id(0)
         rec = record_ptr(arena_ptr, slot_ptr, table_ptr, slot_ptr, p, SLOT_OFF, REC, TABLE, False)
         rows = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -227,7 +207,7 @@ if triton is not None:
         r64 = rows.to(tl.int64)
         acc = tl.zeros([BLOCK_H], dtype=tl.float32)
         for gi in range(0, I // G, SPAN):
-            acc += _group_dot(rec + DOWN, r64, rmask, h_ptr + p * I, gi, H, I, FMT, G, BLOCK_H, SPAN, TILE3)
+            acc += _group_dot(rec + DOWN, r64, rmask, h_ptr + p * I, gi, H, I, FMT, G, BLOCK_H, SPAN)
         acc = acc.to(h_ptr.dtype.element_ty).to(tl.float32)
         w = tl.load(w_ptr + p).to(tl.float32)
         tl.store(y_ptr + p * H + rows, acc * w, mask=rmask)
@@ -297,11 +277,8 @@ def _params(layout: QuantLayout) -> dict:
     return dict(GATE=reg["gate"][0], UP=reg["up"][0], FMT=FMT[layout.scheme])
 
 
-def span(groups: int, most: int = 16, pad: bool = False) -> int:
-    """Groups per load in the int8/int4 decode GEMVs: the largest power of two up to `most` dividing `groups`, or
-    with `pad` the smallest power of two covering them (up to `most`; the kernels mask the groups past the end)."""
-    if pad:
-        return min(triton.next_power_of_2(groups), most)
+def span(groups: int, most: int = 64) -> int:
+    """Groups per load in the int8/int4 decode GEMVs: the largest power of two up to `most` dividing `groups`."""
     n = 1
     while n * 2 <= most and groups % (n * 2) == 0:
         n *= 2
@@ -311,15 +288,17 @@ def span(groups: int, most: int = 16, pad: bool = False) -> int:
 def quant_slot_moe(x: torch.Tensor, arena: torch.Tensor, slots: torch.Tensor, topk_weights: torch.Tensor,
                    layout: QuantLayout, *, block_i: int = 8, block_h: int = 32, slot_offset: int = 0,
                    table: torch.Tensor | None = None, log: torch.Tensor | None = None,
-                   max_span: int = 16, pad_span: bool = False, tile3: bool = False, warps: int = 4) -> torch.Tensor:
+                   max_span: int = 64, warps: int = 2) -> torch.Tensor:
     """Decode: Σ_k w[t,k]·expert(slot_offset + slots[t,k])(x[t]) by the GEMV kernels. x [T,H]; arena
     [S, record_bytes] uint8; slots [T,K]; topk_weights [T,K]. Returns [T,H] in x.dtype. table / log: as
-    engine.kernels.triton_moe.slot_moe's (byte offsets here: the arena is bytes). max_span / pad_span / tile3 /
-    warps: the int8/int4 GEMVs' loads (span, _group_dot) and warps a program."""
+    engine.kernels.triton_moe.slot_moe's (byte offsets here: the arena is bytes). max_span / warps: the int8/int4
+    GEMVs' groups per load (span) and warps a program."""
     t, k = slots.shape
     hdim, idim = layout.hidden, layout.intermediate
     p = t * k
-    # int4 on the H200 (bench/probes/decode_kernels.py): 8 rows, 16 groups per load: 19.7 us a layer, 32.9 before.
+    # int4 on the H200 (bench/probes/decode_kernels.py, results/2026-12-03-h200-decode-kernels.json): 8 rows, up to
+    # 64 groups a load (a whole gate/up row), 2 warps: a layer's 8 picks in 19.3 us (22.4 at 16 groups and 4 warps),
+    # 4 streams' 32 picks in 51.3 (65.7).
     slot_flat = slots.reshape(-1).contiguous()
     h = torch.empty(p, idim, dtype=x.dtype, device=x.device)
     y = torch.empty(p, hdim, dtype=torch.float32, device=x.device)
@@ -334,11 +313,11 @@ def quant_slot_moe(x: torch.Tensor, arena: torch.Tensor, slots: torch.Tensor, to
         _gate_up_gemv_grouped[(p, triton.cdiv(idim, block_i))](
             x.contiguous(), arena, slot_flat, h, slot_offset, tab, lg, K=k, H=hdim, I=idim, LOG=use_log, **where,
             GATE=prm["GATE"], UP=prm["UP"], FMT=prm["FMT"], G=gh, BLOCK_I=block_i,
-            SPAN=span(hdim // gh, max_span, pad_span), TILE3=tile3, num_warps=warps)
+            SPAN=span(hdim // gh, max_span), num_warps=warps)
         _down_gemv_grouped[(p, triton.cdiv(hdim, block_h))](
             h, arena, slot_flat, w_flat, y, slot_offset, tab, H=hdim, I=idim, **where,
             DOWN=layout.regions["down"][0], FMT=prm["FMT"], G=gi, BLOCK_H=block_h,
-            SPAN=span(idim // gi, max_span, pad_span), TILE3=tile3, num_warps=warps)
+            SPAN=span(idim // gi, max_span), num_warps=warps)
         return sum_picks(y, t, k, x.dtype)
     _gate_up_gemv[(p, triton.cdiv(idim, block_i))](
         x.contiguous(), arena, slot_flat, h, slot_offset, tab, lg, K=k, H=hdim, I=idim, LOG=use_log, **where,
