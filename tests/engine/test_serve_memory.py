@@ -40,3 +40,33 @@ def test_interpreter_still_gets_triton():
     """TRITON_INTERPRET=1 (the tests' GPU stand-in) still defines the kernels, as before."""
     pytest.importorskip("triton")
     assert fresh(SERVE_IMPORTS, TRITON_INTERPRET="1") == {"triton": True}
+
+
+TRIM = """
+import ctypes, json, threading
+from engine.tiers.ram import trim_heap
+libc = ctypes.CDLL(None)
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+def rss():
+    return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmRSS")) * 1024
+def churn():        # a load's transients: 64 MB in 64 KB blocks (under malloc's mmap threshold), touched, freed
+    blocks = [libc.malloc(65536) for _ in range(1024)]
+    for b in blocks:
+        ctypes.memset(b, 1, 65536)
+    for b in blocks[:-1]:
+        libc.free(b)        # the last stays: the arena's top is in use, so free() alone cannot shrink it
+t = threading.Thread(target=churn); t.start(); t.join()
+before = rss()
+ran = trim_heap()
+print(json.dumps({"ran": ran, "freed": before - rss()}))
+"""
+
+
+def test_trim_heap_returns_freed_transients():
+    """What a load freed in a thread's malloc arena stays resident until trimmed: trim_heap hands it back."""
+    if not (Path("/proc/self/status").exists() and hasattr(__import__("ctypes").CDLL(None), "malloc_trim")):
+        pytest.skip("needs Linux with glibc's malloc_trim")
+    out = fresh(TRIM)
+    assert out["ran"] is True
+    assert out["freed"] > 48 << 20, out
