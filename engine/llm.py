@@ -187,11 +187,14 @@ class LLM:
         decode pays a futex wake-up (measured: 19 → 14 tok/s on SmolLM2, 2 cores)."""
         from transformers import AutoTokenizer
 
+        from engine.checkpoint import Checkpoint
         from engine.tiers.ram import trim_heap
 
         config = EngineConfig.of(config, **knobs)
         # The tokenizer first: its load's transients (~14 MB for the demo's) then come and go before the model's
         # weights and RAM tier are resident, not on top of them (the CPU server's peak RSS, bench/demo_memory.py).
+        # The checkpoint's own check comes before it, so a directory that is no checkpoint still says so.
+        Checkpoint(model_dir)
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         before = torch.get_num_threads()
         torch.set_num_threads(1)
