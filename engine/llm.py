@@ -187,7 +187,15 @@ class LLM:
         decode pays a futex wake-up (measured: 19 → 14 tok/s on SmolLM2, 2 cores)."""
         from transformers import AutoTokenizer
 
+        from engine.checkpoint import Checkpoint
+        from engine.tiers.ram import trim_heap
+
         config = EngineConfig.of(config, **knobs)
+        # The tokenizer first: its load's transients (~14 MB for the demo's) then come and go before the model's
+        # weights and RAM tier are resident, not on top of them (the CPU server's peak RSS, bench/demo_memory.py).
+        # The checkpoint's own check comes before it, so a directory that is no checkpoint still says so.
+        Checkpoint(model_dir)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
         before = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
@@ -196,8 +204,8 @@ class LLM:
             torch.set_num_threads(before)
         if config.device_kind == "cpu":
             set_compute_threads(config.threads)  # here, not in the scheduler: a daemon thread that set them aborts the exit
-        return cls(model, AutoTokenizer.from_pretrained(model_dir), model_dir, chunk_size=chunk_size,
-                   max_queue=max_queue)
+            trim_heap()                          # what the load freed, back to the kernel (engine.tiers.ram.trim_heap)
+        return cls(model, tokenizer, model_dir, chunk_size=chunk_size, max_queue=max_queue)
 
     # ------------------------------------------------------------ callers' side (any thread)
 

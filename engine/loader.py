@@ -115,6 +115,8 @@ def load_model(model_dir: str | Path, provider: ExpertProvider | None = None, *,
         raise CheckpointError(f"{ckpt.dir}: {len(unused)} tensors are not part of the {cfg.arch} model "
                               f"(unsupported variant?), e.g. {unused[0]}")
     if defer and hasattr(provider, "preload"):
+        from engine.tiers.ram import trim_heap
+        trim_heap()         # the build's freed transients leave the heap before the tier's records come on top
         try:
             provider.preload()
         except BaseException:

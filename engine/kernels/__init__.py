@@ -8,3 +8,23 @@ native      — the engine's own C++ kernels for a one-sequence CPU decode step 
               quantized expert, a layer's attention half, norms, routing), built with g++ at first use
 quant_triton — dequant-fused Triton GEMV (decode) and grouped GEMM (prefill) on quantized records
 """
+from __future__ import annotations
+
+import os
+
+
+def import_triton():
+    """(triton, triton.language), or (None, None) where no Triton kernel can run: Triton is imported only for a
+    torch built with CUDA (or ROCm), or with TRITON_INTERPRET=1 (its interpreter on CPU tensors: the tests). On a
+    CPU-only torch every Triton path is off anyway (they need a CUDA device or the interpreter), and importing
+    triton there only costs memory: 54 MB of the CPU demo server's RSS (its libtriton.so and modules; measured
+    with bench/demo_memory.py's store), for kernels nothing calls."""
+    import torch
+    if not (torch.version.cuda or getattr(torch.version, "hip", None) or os.environ.get("TRITON_INTERPRET") == "1"):
+        return None, None
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return None, None
+    return triton, tl

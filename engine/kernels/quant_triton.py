@@ -20,14 +20,12 @@ from __future__ import annotations
 
 import torch
 
+from engine.kernels import import_triton
 from engine.kernels.triton_moe import GEMV_MAX_PAIRS, _table_args, sum_picks
 from engine.quant.records import GGUF_BLOCK, QuantLayout, group_size
 
-try:  # Triton ships with CUDA builds of torch; CPU-only installs use the reference path.
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - depends on the install
-    triton = None
+# Triton ships with CUDA builds of torch; CPU-only installs use the reference path (and do not import triton at all).
+triton, tl = import_triton()
 
 FMT = {"int8": 0, "int4": 1, "q8_0": 2, "q4_1": 3, "q4_k": 4}
 

@@ -21,11 +21,10 @@ from __future__ import annotations
 
 import torch
 
-try:  # Triton ships with CUDA builds of torch; CPU-only installs use the torch forms.
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - depends on the install
-    triton = None
+from engine.kernels import import_triton
+
+# Triton ships with CUDA builds of torch; CPU-only installs use the torch forms (and do not import triton at all).
+triton, tl = import_triton()
 
 ATTN_BLOCK = 64         # keys per attention load
 ATTN_KEYS = 128         # keys per attention program, until ATTN_MAX_SPLITS programs share a sequence's head

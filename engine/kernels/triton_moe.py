@@ -22,12 +22,10 @@ from __future__ import annotations
 import torch
 
 from engine.experts import ExpertLayout, moe_reference
+from engine.kernels import import_triton
 
-try:  # Triton ships with CUDA builds of torch; CPU-only installs use the reference path.
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - depends on the install
-    triton = None
+# Triton ships with CUDA builds of torch; CPU-only installs use the reference path (and do not import triton at all).
+triton, tl = import_triton()
 
 # Below this many pairs the GEMV kernels win; above, per-expert GEMMs do (measured on the H200 bench).
 GEMV_MAX_PAIRS = 64
