@@ -537,3 +537,54 @@ def test_the_courier_hands_a_steps_tokens_to_the_loop_in_order_with_one_wake_up(
         assert got == [[(s, i) for s in range(3)] for i in range(4)]
         assert len(wakes) == 1
     asyncio.run(main())
+
+
+def test_the_courier_is_settled_once_the_loop_has_handled_what_it_delivered():
+    """Courier.settle (the scheduler's wait before a CPU step) returns True only once every queue it filled has been
+    read to empty by a reader that came back for more (or was closed), False at its timeout before that; what is
+    delivered to a closed queue is dropped and keeps nobody waiting."""
+    from engine.server.generation import Courier
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        c = Courier(loop)
+        a, b = asyncio.Queue(), asyncio.Queue()
+        assert c.settle(0.0)                            # nothing delivered
+        c.deliver(a, 1)
+        c.deliver(b, 2)
+        assert not c.settle(0.0)                        # not handed out yet
+        await asyncio.sleep(0)                          # the loop hands them out
+        assert await a.get() == 1 and not c.settle(0.0)
+        c.rest(a)
+        assert not c.settle(0.0)                        # b's reader has not come back
+        assert await b.get() == 2
+        waiter = threading.Thread(target=lambda: got.append(c.settle(10.0)))
+        got = []
+        waiter.start()
+        c.rest(b)                                       # wakes the waiting scheduler
+        waiter.join(5)
+        assert got == [True]
+        c.deliver(a, 3)
+        await asyncio.sleep(0)
+        c.rest(a)                                       # not empty: 3 is still unread
+        assert not c.settle(0.01)
+        c.rest(a, closed=True)                          # its reader ended
+        assert c.settle(0.0)
+        c.deliver(a, 4)
+        await asyncio.sleep(0)
+        assert c.settle(0.0) and a.qsize() == 1         # dropped: 3 was left before it closed, 4 never put
+    asyncio.run(main())
+
+
+def test_a_served_stream_settles_each_token_before_the_next_cpu_step(qwen):
+    """Through the app: a CPU engine waits for the event loop at each of a stream's tokens and the loop settles in
+    time (no timeouts: the stream's per-token work is done before the next step)."""
+    before = qwen.llm.counters()
+    with Served(create_app(qwen.llm, served_name="s")) as s, httpx.Client(base_url=s.url, timeout=60) as c:
+        body = {"model": "s", "messages": HI, "max_tokens": 12, "ignore_eos": True, "stream": True, "temperature": 0}
+        with c.stream("POST", "/v1/chat/completions", json=body) as r:
+            lines = [line for line in r.iter_lines() if line.startswith("data:")]
+    assert lines[-1] == "data: [DONE]"
+    after = qwen.llm.counters()
+    assert after["settle_waits_total"] - before["settle_waits_total"] >= 11     # before each of the 11 steps
+    assert after["settle_timeouts_total"] == before["settle_timeouts_total"]
