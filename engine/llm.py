@@ -15,14 +15,6 @@ Callers never touch the model. stream() hands a caller its tokens through a queu
 submit() calls the caller's own sink in the scheduler thread instead (the server's: straight into its
 event loop, with no thread of its own per request). Closing a stream or cancelling a submitted request
 frees its KV slot at the next turn.
-
-On the CPU a step's compute and the sinks' consumers share the cores and the GIL (the native kernels keep
-it for a whole call), so a consumer that handles its token while the next step runs makes that step wait
-for the GIL at each of its torch ops and takes a core from its compute threads. A sink may come with a
-`settle(timeout)` (the server's: its event loop has handled everything delivered): on the CPU the
-scheduler calls it before the next turn's compute, so the consumer does its per-token work in one go on
-an idle core, then the step runs alone. A consumer that does not settle within the wait (a client that
-reads slowly) is not waited for again until it has settled once by itself.
 """
 from __future__ import annotations
 
@@ -46,7 +38,6 @@ from engine.runtime import EngineConfig
 from engine.sampling import SamplingError, check_params, choose, is_greedy, make_generator
 
 DEFAULT_CHUNK = 512            # prefill tokens per scheduler turn (engine serve --chunk-size)
-SETTLE_S = 0.02                # the longest a CPU turn waits for the consumers of the tokens it sent (see above)
 
 
 @dataclass
@@ -87,10 +78,9 @@ class Overloaded(RuntimeError):
 
 class _Request:
     def __init__(self, prompt: list[int], params: SamplingParams, stops: frozenset[int], generator,
-                 sink: Callable[[object], None], settle: Callable[[float], bool] | None = None):
+                 sink: Callable[[object], None]):
         self.prompt, self.params, self.stops, self.generator = prompt, params, stops, generator
         self.sink = sink           # called in the scheduler thread: each Token, or the RequestFailed that ends it
-        self.settle = settle       # settle(timeout) → whether the sink's consumer has handled all it was sent
         self.cancelled = False     # set by the caller's thread; the scheduler frees the slot
         self.slot = -1
         self.length = 0            # tokens in the KV cache (during prefill: the prompt tokens run so far)
@@ -146,10 +136,9 @@ class Stream:
 
 class LLM:
     def __init__(self, model: MoEModel, tokenizer, model_dir: str | Path | None = None, *,
-                 chunk_size: int = DEFAULT_CHUNK, max_queue: int | None = None, settle_s: float = SETTLE_S):
+                 chunk_size: int = DEFAULT_CHUNK, max_queue: int | None = None):
         """chunk_size: prefill tokens per scheduler turn. max_queue: requests waiting for a slot before new
-        ones are refused with Overloaded (default 4 × the KV cache's slots). settle_s: on the CPU, the longest
-        a turn waits for the consumers of the previous turn's tokens (0: never waits; see the module's doc)."""
+        ones are refused with Overloaded (default 4 × the KV cache's slots)."""
         if chunk_size < 1:
             raise ValueError(f"chunk_size {chunk_size} must be at least 1")
         self.model, self.tokenizer = model, tokenizer
@@ -181,12 +170,6 @@ class LLM:
         # H200 this stall was ~0.3 ms of a 2 ms resident step). Elsewhere each item goes out at once.
         self._defer = model.async_decode
         self._outbox: list[tuple[Callable[[object], None], object]] = []
-        # CPU steps: before a turn's compute, wait (up to settle_s) for the consumers of what the last turn sent.
-        self._settle_s = settle_s if model.device.type == "cpu" and not self._defer else 0.0
-        self._unsettled: dict[Callable[[float], bool], None] = {}   # settle callables owed a wait, in order
-        self._laggards: set[Callable[[float], bool]] = set()       # missed a wait: not waited for until settled
-        self._settle_waits = 0
-        self._settle_timeouts = 0
         self._thread = threading.Thread(target=self._loop, name="engine-scheduler", daemon=True)
         self._thread.start()
         # An engine nobody closed still stops its scheduler at interpreter exit: a daemon thread that ran
@@ -224,13 +207,10 @@ class LLM:
         return Stream(self.submit(prompt_ids, params, sink=out.put), out)
 
     def submit(self, prompt_ids: list[int], params: SamplingParams | None = None, *,
-               sink: Callable[[object], None], settle: Callable[[float], bool] | None = None) -> Submitted:
+               sink: Callable[[object], None]) -> Submitted:
         """Submit a request whose tokens go to `sink`, called in the scheduler thread with each Token (the last
         carries finish) or the RequestFailed that ends it: it must return at once and never raise. Checks
-        eagerly (ValueError: the caller's input; Overloaded: the queue is full; RuntimeError: engine closed).
-        settle(timeout), called in the scheduler thread, waits up to timeout seconds until the sink's consumer
-        has handled everything it was given and says whether it has (see the module's doc); requests may share
-        one."""
+        eagerly (ValueError: the caller's input; Overloaded: the queue is full; RuntimeError: engine closed)."""
         params = params or SamplingParams()
         prompt = [int(t) for t in prompt_ids]
         if not prompt:
@@ -243,7 +223,7 @@ class LLM:
         params.check()
         stops = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else frozenset(self.eos_token_ids))
         gen = None if is_greedy(params.temperature) else make_generator(params.seed, self.model.device)
-        req = _Request(prompt, params, stops, gen, sink, settle)
+        req = _Request(prompt, params, stops, gen, sink)
         with self._cv:
             if self._closed:
                 raise RuntimeError("the engine is closed")
@@ -268,8 +248,7 @@ class LLM:
             out.update(prompt_tokens_total=self._prompt_tokens, generation_tokens_total=self._generation_tokens,
                        active_streams=len(self._active) + (self._prefilling is not None),
                        queued_streams=len(self._pending), failed_requests_total=self._failed,
-                       rejected_requests_total=self._rejected, settle_waits_total=self._settle_waits,
-                       settle_timeouts_total=self._settle_timeouts)
+                       rejected_requests_total=self._rejected)
         return out
 
     def abort(self, message: str, code: str = "shutting_down") -> None:
@@ -323,12 +302,8 @@ class LLM:
                     new.slot = self.model.kv.alloc()
                     self._prefilling = new
                 if self._prefilling is not None:
-                    if self._unsettled:
-                        self._settle()
                     self._prefill_chunk(self._prefilling)
                 if self._active:
-                    if self._unsettled:
-                        self._settle()
                     self._decode()
                 if not (self._active and self._prefilling is None and not self._pending):
                     self._flush()           # no decode launch comes next to send them behind
@@ -412,23 +387,6 @@ class LLM:
             self._outbox.append((r.sink, item))
         else:
             r.sink(item)
-            if self._settle_s and r.settle is not None:
-                self._unsettled[r.settle] = None
-
-    def _settle(self) -> None:
-        """Before a CPU turn's compute: let the consumers of the last turn's tokens finish with them (one wait
-        of at most settle_s in all); one that does not is a laggard, not waited for until it settles by itself."""
-        owed, self._unsettled = list(self._unsettled), {}
-        deadline = time.monotonic() + self._settle_s
-        for settle in owed:
-            if settle in self._laggards:
-                if settle(0.0):
-                    self._laggards.discard(settle)
-                continue
-            self._settle_waits += 1
-            if not settle(max(0.0, deadline - time.monotonic())):
-                self._settle_timeouts += 1
-                self._laggards.add(settle)
 
     def _flush(self) -> None:
         """Hand the deferred items to their sinks, in the order they were made."""

@@ -5,12 +5,6 @@ not wake a thread per request: a Courier, one per event loop, collects what the 
 wakes the loop once for all that arrived meanwhile (a decode step of four streams is one wake-up, not
 four thread hand-offs and four), so the loop's work stays off the scheduler's way. When the client goes
 away the async side cancels the request; the scheduler frees its slot at its next turn.
-
-The Courier also tells the scheduler when the loop is done with what it was given (Courier.settle, the
-`settle` of LLM.submit): a queue is busy from the hand-out that fills it until its TokenPump comes back
-for more and finds it empty (its token detokenized, framed and written to the socket), or ends. On the
-CPU the scheduler waits for that before its next step, so the loop's per-token Python runs in one go
-instead of taking the GIL back and forth with the step's torch ops (engine.llm's doc).
 """
 from __future__ import annotations
 
@@ -31,12 +25,7 @@ class Courier:
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop = loop
         self.lock = threading.Lock()
-        self.settled = threading.Condition(self.lock)
         self.waiting: list[tuple[asyncio.Queue, object]] = []
-        # Queues handed items their reader has not finished with, and queues nobody reads any more (weak: a
-        # queue dropped unread, its request refused before it was read, stops counting).
-        self.busy: weakref.WeakSet = weakref.WeakSet()
-        self.closed: weakref.WeakSet = weakref.WeakSet()
 
     def deliver(self, to: asyncio.Queue, item) -> None:
         with self.lock:
@@ -46,34 +35,13 @@ class Courier:
             try:
                 self.loop.call_soon_threadsafe(self._hand_out)
             except RuntimeError:        # the loop is gone (server shutting down): nobody to tell
-                with self.lock:
-                    self.waiting.clear()
-                    self.settled.notify_all()
+                pass
 
     def _hand_out(self) -> None:
         with self.lock:
             items, self.waiting = self.waiting, []
-            for to, item in items:
-                if to not in self.closed:
-                    to.put_nowait(item)
-                    self.busy.add(to)
-            if not self.busy:
-                self.settled.notify_all()
-
-    def rest(self, q: asyncio.Queue, closed: bool = False) -> None:
-        """(In the loop) q's reader has handled everything q held (closed: and reads no more)."""
-        with self.lock:
-            if closed:
-                self.closed.add(q)
-            if q in self.busy and (closed or q.empty()):
-                self.busy.discard(q)
-                if not self.busy and not self.waiting:
-                    self.settled.notify_all()
-
-    def settle(self, timeout: float) -> bool:
-        """(In the scheduler) wait up to timeout s until the loop has handled everything delivered → whether it has."""
-        with self.lock:
-            return self.settled.wait_for(lambda: not self.waiting and not len(self.busy), timeout)
+        for to, item in items:
+            to.put_nowait(item)
 
 
 _couriers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # event loop → its Courier
@@ -92,16 +60,14 @@ class TokenPump:
 
     def __init__(self, llm, prompt_ids: list[int], params):
         self.queue: asyncio.Queue = asyncio.Queue()
-        c = self.courier = courier()
-        q = self.queue
-        self.submitted = llm.submit(prompt_ids, params, sink=lambda item: c.deliver(q, item), settle=c.settle)
+        c, q = courier(), self.queue
+        self.submitted = llm.submit(prompt_ids, params, sink=lambda item: c.deliver(q, item))
         self.ended = False
 
     def cancel(self):
         if not self.ended:
             self.ended = True
             self.submitted.cancel()
-        self.courier.rest(self.queue, closed=True)
 
     def __del__(self):                  # never iterated (another prompt of its request was refused)
         if not getattr(self, "ended", True):
@@ -110,7 +76,6 @@ class TokenPump:
     async def __aiter__(self):
         try:
             while not self.ended:
-                self.courier.rest(self.queue)   # what it handed out so far is handled
                 item = await self.queue.get()
                 if isinstance(item, BaseException):
                     self.ended = True

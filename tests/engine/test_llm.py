@@ -269,61 +269,6 @@ def test_where_a_step_launches_asynchronously_its_tokens_go_out_after_the_next_l
         assert [ids(list(s)) for s in streams] == want
 
 
-def test_on_the_cpu_a_step_waits_for_the_consumer_to_settle_the_last_tokens(tiny_checkpoint, monkeypatch):
-    """A CPU step shares the cores and the GIL with whoever consumes its tokens: given a settle, the scheduler calls
-    it after handing out a step's token and before computing the next step, with the time left of settle_s; a
-    consumer that misses the wait is not waited for again (settle(0) only) until it has settled by itself. The
-    tokens are the ones generated without a settle."""
-    with LLM.load(tiny_checkpoint("qwen3_moe"), max_context=64, max_batch=2) as engine:
-        params = SamplingParams(max_tokens=5, ignore_eos=True)
-        want = ids(engine.generate(PROMPT, params))
-        events: list = []
-        real_decode = engine.model.decode_step
-        monkeypatch.setattr(engine.model, "decode_step", lambda t, s, p: (events.append("step"), real_decode(t, s, p))[1])
-        answers = iter([True, True, False, False, True])     # the 3rd wait is missed; the 4th call (timeout 0) too
-
-        def settle(timeout):
-            events.append(("settle", 0.0 if timeout == 0 else "wait"))
-            assert 0 <= timeout <= engine._settle_s
-            return next(answers)
-        got: list = []
-        done = threading.Event()
-
-        def sink(item):
-            events.append("token")
-            got.append(item)
-            if item.finish:
-                done.set()
-        engine.submit(PROMPT, params, sink=sink, settle=settle)
-        assert done.wait(60)
-        assert ids(got) == want
-        # t0 comes from the prefill; before each of the 4 steps the last token is settled; the 3rd wait times out,
-        # so before the 4th step it is only asked (timeout 0); it says no, so is still not waited for; t4 ends it.
-        assert events == ["token", ("settle", "wait"), "step", "token", ("settle", "wait"), "step", "token",
-                          ("settle", "wait"), "step", "token", ("settle", 0.0), "step", "token"], events
-        c = engine.counters()
-        assert (c["settle_waits_total"], c["settle_timeouts_total"]) == (3, 1)
-        assert engine._laggards == {settle}
-
-
-def test_settling_is_off_where_steps_launch_asynchronously_or_settle_s_is_0(tiny_checkpoint, monkeypatch):
-    """settle is for the CPU's synchronous steps: a model whose steps launch asynchronously (deferred hand-out), or
-    settle_s=0, never calls it."""
-    from engine.loader import load_model
-    from transformers import AutoTokenizer
-    path = tiny_checkpoint("qwen3_moe")
-    model = load_model(path, max_context=64, max_batch=1)
-    calls = []
-    with LLM(model, AutoTokenizer.from_pretrained(path), settle_s=0.0) as engine:
-        assert engine._settle_s == 0.0
-        got = []
-        engine.submit(PROMPT, SamplingParams(max_tokens=4, ignore_eos=True), sink=got.append,
-                      settle=lambda t: calls.append(t) or True)
-        while not (got and got[-1].finish):
-            threading.Event().wait(0.01)
-    assert len(got) == 4 and calls == []
-
-
 def test_a_full_queue_refuses_at_once_with_a_retry_time(tiny_checkpoint):
     with LLM.load(tiny_checkpoint("qwen3_moe"), max_context=64, max_batch=1, max_queue=1) as engine:
         running = engine.stream(PROMPT, SamplingParams(max_tokens=40, ignore_eos=True))
