@@ -73,10 +73,26 @@ TRACED = """
 import atexit, json, os, sys, time
 import engine.llm as L
 rec, orig = [], L.LLM._step
+marks = {"deliver": [], "hand_out": [], "written": []}
 def _step(self, batch):
     t = time.perf_counter(); r = orig(self, batch); rec.append((t, time.perf_counter())); return r
 L.LLM._step = _step
-dump = lambda *a: open(os.environ["KILN_STEP_TRACE"], "w").write(json.dumps(rec))
+def stamp(name, fn, after=False):    # fn, its call's time (start, or end: after) appended to marks[name]
+    def timed(*a, **k):
+        if not after:
+            marks[name].append(time.perf_counter())
+        r = fn(*a, **k)
+        if after:
+            marks[name].append(time.perf_counter())
+        return r
+    return timed
+if sys.argv[1] == "serve":          # the scheduler's hand-off, the loop's pick-up, each write to a socket done
+    import asyncio.selector_events as se
+    from engine.server import generation as G
+    G.Courier.deliver = stamp("deliver", G.Courier.deliver)
+    G.Courier._hand_out = stamp("hand_out", G.Courier._hand_out)
+    se._SelectorSocketTransport.write = stamp("written", se._SelectorSocketTransport.write, after=True)
+dump = lambda *a: open(os.environ["KILN_STEP_TRACE"], "w").write(json.dumps({"steps": rec, **marks}))
 atexit.register(dump)
 import signal   # uvicorn re-raises the SIGTERM it shut down on, with the handler it found: this one
 signal.signal(signal.SIGTERM, lambda *a: (dump(), sys.exit(0)))
@@ -98,14 +114,31 @@ else:
 """
 
 
-def steps_between(trace: list, t0: float, t1: float) -> dict:
-    """The decode steps timed within [t0, t1]: median step and median gap from a step's end to the next start."""
-    rows = [(a, b) for a, b in trace if t0 <= a and b <= t1]
+def steps_between(trace: dict, t0: float, t1: float) -> dict:
+    """The decode steps timed within [t0, t1]: median step and median gap from a step's end to the next start; served,
+    the token's way out after each step (medians, ms): step end → the scheduler's hand-off to the loop (sampling,
+    emitting), → the loop picking it up (its wake-up), → the SSE chunk written to the socket (the loop's work), and
+    the next step's start relative to that write (negative: the step began before the token was out)."""
+    rows = [(a, b) for a, b in trace["steps"] if t0 <= a and b <= t1]
     if len(rows) < 3:
         return {}
     gaps = [rows[i + 1][0] - rows[i][1] for i in range(len(rows) - 1)]
-    return {"steps": len(rows), "step_ms_median": round(statistics.median(b - a for a, b in rows) * 1e3, 3),
-            "gap_ms_median": round(statistics.median(gaps) * 1e3, 3)}
+    out = {"steps": len(rows), "step_ms_median": round(statistics.median(b - a for a, b in rows) * 1e3, 3),
+           "gap_ms_median": round(statistics.median(gaps) * 1e3, 3)}
+    if trace.get("deliver"):
+        import bisect
+        first = lambda xs, t: xs[i] if (i := bisect.bisect_left(xs, t)) < len(xs) else None  # noqa: E731
+        parts: dict[str, list[float]] = {k: [] for k in ("emit_ms", "loop_wake_ms", "loop_work_ms", "next_step_after_write_ms")}
+        for (_, end), (nxt, _) in zip(rows, rows[1:]):
+            d = first(trace["deliver"], end)
+            h = first(trace["hand_out"], d) if d is not None else None
+            w = first(trace["written"], h) if h is not None else None
+            if w is None or w > nxt + 0.5:
+                continue
+            for k, v in zip(parts, (d - end, h - d, w - h, nxt - w)):
+                parts[k].append(v * 1e3)
+        out.update({k: round(statistics.median(v), 3) for k, v in parts.items() if v})
+    return out
 
 
 def inprocess_round(tree: Path, model: Path, store: Path, tokens: int, trace: Path) -> dict:
@@ -234,7 +267,9 @@ def main():
                 row.update(steps_between(trace, s0, s1))
         got = {k: v for k, v in got.items() if v}
         med = {k: statistics.median(r["decode_tps"] for r in v if r["decode_tps"]) for k, v in got.items()}
-        step_med = {k: {m: statistics.median(r[m] for r in v if m in r) for m in ("step_ms_median", "gap_ms_median")}
+        step_med = {k: {m: statistics.median(r[m] for r in v if m in r) for m in
+                        ("step_ms_median", "gap_ms_median", "emit_ms", "loop_wake_ms", "loop_work_ms",
+                         "next_step_after_write_ms") if any(m in r for r in v)}
                     for k, v in got.items() if k != "llama.cpp" and any("step_ms_median" in r for r in v)}
         pair = lambda a, b: [round(x["decode_tps"] / y["decode_tps"], 3) for x, y in zip(got[a], got[b])]  # noqa: E731
         loop_ms = {k: statistics.median(next((t["cpu_ms_per_token"] for t in r["threads"] if t["thread"].startswith("event loop")), 0.0)
