@@ -209,7 +209,7 @@ void int4_gemv(const float* x_in, int K, const uint8_t* packed, const uint16_t* 
                 std::memcpy(&b, &x[32 * gi + 16 + j], 4);
                 xp[16 * gi + j] = (a >> 16) | (b & 0xffff0000u);
             }
-#pragma omp parallel for num_threads(threads) schedule(dynamic)
+#pragma omp parallel for num_threads(threads) schedule(static)
         for (int nb = 0; nb < tiles; ++nb) {
             int4_tile_bf16(xp, xs, K, packed + (size_t)nb * K * 32, sz, N, nb * 64, y + nb * 64);
             for (int r = nb * 64; r < nb * 64 + 64; ++r) y[r] = bf16_round(y[r]);
@@ -217,7 +217,7 @@ void int4_gemv(const float* x_in, int K, const uint8_t* packed, const uint16_t* 
         return;
     }
 #endif
-#pragma omp parallel for num_threads(threads) schedule(dynamic)
+#pragma omp parallel for num_threads(threads) schedule(static)
     for (int nb = 0; nb < tiles; ++nb) {
         int4_tile(x, xs, K, g, packed + (size_t)nb * K * 32, sz, N, nb * 64, y + nb * 64);
         for (int r = nb * 64; r < nb * 64 + 64; ++r) y[r] = bf16_round(y[r]);
@@ -361,7 +361,7 @@ void router_topk(const float* x, int H, const float* gate, int E, int k, int ren
 void q8_gemv(const float* x, int K, const int8_t* q, const float* d, int N, float* y, int threads) {
     const int blocks = K / 32;
     const int chunk = 16;      // rows per scheduling unit
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 16)
+#pragma omp parallel for num_threads(threads) schedule(static)
     for (int c = 0; c < (N + chunk - 1) / chunk; ++c) {
         int n = c * chunk;
         const int end = N < (c + 1) * chunk ? N : (c + 1) * chunk;

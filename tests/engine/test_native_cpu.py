@@ -74,36 +74,6 @@ def test_q8_projection_holds_exact_blocks_and_computes_the_float_matmul(threads)
     assert Q8Projection.exact(w.to(torch.bfloat16)) is None
 
 
-def test_the_gemvs_give_the_same_bits_however_their_rows_are_shared_out():
-    """The int4 and Q8_0 GEMVs hand their 64-row tiles (16-row chunks) to the threads as each comes free (dynamic
-    scheduling: a thread the OS takes off a core leaves its rows to the other), so which thread sums a row varies
-    from call to call: every row is summed by one thread in one order, the same bits on 1 thread or 2, with a
-    third busy thread taking turns on the cores or not."""
-    import subprocess
-    import sys
-    gen = torch.Generator().manual_seed(11)
-    packed, sz = int4_operand(3072, 576, gen)
-    q8 = Q8Projection.exact(q8_weight(4096, 576, gen))
-    x = torch.randn(576, generator=gen)
-    before = torch.get_num_threads()
-    busy = None                     # a process, not a thread: a Python thread would wait for the GIL the kernels keep
-    try:
-        torch.set_num_threads(1)
-        want = native.int4pack_gemv(x, packed, sz, 32), native.q8_gemv(x, q8.q, q8.d)
-        torch.set_num_threads(2)
-        for spin in (False, True):
-            if spin:
-                busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
-            for _ in range(50):
-                assert torch.equal(native.int4pack_gemv(x, packed, sz, 32), want[0])
-                assert torch.equal(native.q8_gemv(x, q8.q, q8.d), want[1])
-    finally:
-        if busy is not None:
-            busy.kill()
-            busy.wait()
-        torch.set_num_threads(before)
-
-
 def test_add_rms_norm_and_routing_are_the_torch_forms():
     from engine.models.common import rms_norm
     gen = torch.Generator().manual_seed(5)
