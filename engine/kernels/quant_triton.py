@@ -5,7 +5,8 @@ it needs in registers, reading each record's bytes once — a 4-bit record moves
   decode   GEMV kernels, one program per (pair, block of output rows): h = silu(gate x)·(up x), then
            y = w·(down h); out_t = Σ_k y[t·K + k]
   prefill  a grouped GEMM: the (token, expert) pairs sorted by slot and padded to BLOCK_M per expert, each
-           program one BLOCK_M x BLOCK_N tile of one expert with tl.dot (tensor cores on sm_80+)
+           program one BLOCK_M x BLOCK_N tile of one expert with tl.dot (tensor cores on sm_80+); int8/int4
+           weights are unpacked a tile at a time (_weights_tile), BLOCK_M follows the pairs a slot has
 
 Plain Triton (no TMA, no wgmma, no Hopper-only intrinsics): the same source runs on sm_86 and sm_90, and
 through Triton's interpreter on CPU tensors in CI. Weights are dequantized to fp32 and rounded to the
@@ -95,6 +96,34 @@ if triton is not None:
             q = ((b >> ((j % 2) * 4)) & 15).to(tl.float32)
             w = (d * sc.to(tl.float32)) * q - dmin * mn.to(tl.float32)
         return w
+
+    @triton.jit
+    def _weights_tile(mat, rows, rmask, k0, OUT: tl.constexpr, IN: tl.constexpr, FMT: tl.constexpr, G: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """fp32 W[rows, k0:k0+BLOCK_K] of an int8/int4 rows-form matrix (BLOCK_K a multiple of G; k past IN and rows
+        masked give 0): a row's codes in one contiguous load and one scale (and zero) a group, where _weights
+        gathers codes, scales and zeros per element. The same values as _weights: (q − 8)·s + z, q·s in fp32."""
+        KG: tl.constexpr = BLOCK_K // G
+        r = rows[:, None].to(tl.int64)
+        gi = k0 // G + tl.arange(0, KG)
+        gm = rmask[:, None] & (gi < IN // G)[None, :]
+        if FMT == 0:      # int8: q [OUT, IN] int8 | s fp16 [OUT, IN/G]
+            k = k0 + tl.arange(0, BLOCK_K)
+            q = tl.load((mat + r * IN + k[None, :]).to(tl.pointer_type(tl.int8)),
+                        mask=rmask[:, None] & (k < IN)[None, :], other=0).to(tl.float32)
+            s = tl.load((mat + OUT * IN + (r * (IN // G) + gi[None, :]) * 2).to(tl.pointer_type(tl.float16)),
+                        mask=gm, other=0.0).to(tl.float32)
+            w = tl.reshape(q, (BLOCK_N, KG, G)) * s[:, :, None]
+        else:             # int4: codes [OUT, IN/2] (even k the low nibble) | (s, z) bf16 [OUT, IN/G, 2]
+            j = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+            b = tl.load(mat + r * (IN // 2) + j[None, :], mask=rmask[:, None] & (j < IN // 2)[None, :],
+                        other=0).to(tl.int32)
+            q = tl.interleave(b & 15, b >> 4).to(tl.float32)
+            sz = (mat + OUT * (IN // 2) + (r * (IN // G) + gi[None, :]) * 4).to(tl.pointer_type(tl.bfloat16))
+            s = tl.load(sz, mask=gm, other=0.0).to(tl.float32)
+            z = tl.load(sz + 1, mask=gm, other=0.0).to(tl.float32)
+            w = (tl.reshape(q, (BLOCK_N, KG, G)) - 8.0) * s[:, :, None] + z[:, :, None]
+        return tl.reshape(w, (BLOCK_N, BLOCK_K))
 
     @triton.jit
     def _gate_up_gemv(x_ptr, arena_ptr, slot_ptr, h_ptr, SLOT_OFF, table_ptr, log_ptr, K: tl.constexpr,
@@ -213,8 +242,8 @@ if triton is not None:
     @triton.jit
     def _gate_up_gemm(x_ptr, arena_ptr, block_slot_ptr, pair_ptr, h_ptr, P, K: tl.constexpr, H: tl.constexpr,
                       I: tl.constexpr, REC: tl.constexpr, GATE: tl.constexpr, UP: tl.constexpr, FMT: tl.constexpr,
-                      G: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr):
+                      G: tl.constexpr, IEEE: tl.constexpr, VEC: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         pm = tl.program_id(0)
         rec = arena_ptr + tl.load(block_slot_ptr + pm).to(tl.int64) * REC
         pairs = tl.load(pair_ptr + pm * BLOCK_M + tl.arange(0, BLOCK_M))     # -1: padding
@@ -229,9 +258,13 @@ if triton is not None:
             ks = k0 + tl.arange(0, BLOCK_K)
             kmask = ks < H
             xt = tl.load(x_ptr + toks[:, None] * H + ks[None, :], mask=pmask[:, None] & kmask[None, :], other=0.0)
-            m = rmask[:, None] & kmask[None, :]
-            g = _weights(rec + GATE, rows, ks, m, I, H, FMT, G).to(out_ty)
-            u = _weights(rec + UP, rows, ks, m, I, H, FMT, G).to(out_ty)
+            if VEC:
+                g = _weights_tile(rec + GATE, rows, rmask, k0, I, H, FMT, G, BLOCK_N, BLOCK_K).to(out_ty)
+                u = _weights_tile(rec + UP, rows, rmask, k0, I, H, FMT, G, BLOCK_N, BLOCK_K).to(out_ty)
+            else:
+                m = rmask[:, None] & kmask[None, :]
+                g = _weights(rec + GATE, rows, ks, m, I, H, FMT, G).to(out_ty)
+                u = _weights(rec + UP, rows, ks, m, I, H, FMT, G).to(out_ty)
             if IEEE:
                 acc_g += tl.dot(xt, tl.trans(g), input_precision="ieee")
                 acc_u += tl.dot(xt, tl.trans(u), input_precision="ieee")
@@ -245,7 +278,7 @@ if triton is not None:
     @triton.jit
     def _down_gemm(h_ptr, arena_ptr, block_slot_ptr, pair_ptr, w_ptr, y_ptr, P, H: tl.constexpr, I: tl.constexpr,
                    REC: tl.constexpr, DOWN: tl.constexpr, FMT: tl.constexpr, G: tl.constexpr, IEEE: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                   VEC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         pm = tl.program_id(0)
         rec = arena_ptr + tl.load(block_slot_ptr + pm).to(tl.int64) * REC
         pairs = tl.load(pair_ptr + pm * BLOCK_M + tl.arange(0, BLOCK_M))
@@ -259,7 +292,10 @@ if triton is not None:
             ks = k0 + tl.arange(0, BLOCK_K)
             kmask = ks < I
             ht = tl.load(h_ptr + prow[:, None] * I + ks[None, :], mask=pmask[:, None] & kmask[None, :], other=0.0)
-            d = _weights(rec + DOWN, rows, ks, rmask[:, None] & kmask[None, :], H, I, FMT, G).to(out_ty)
+            if VEC:
+                d = _weights_tile(rec + DOWN, rows, rmask, k0, H, I, FMT, G, BLOCK_N, BLOCK_K).to(out_ty)
+            else:
+                d = _weights(rec + DOWN, rows, ks, rmask[:, None] & kmask[None, :], H, I, FMT, G).to(out_ty)
             if IEEE:
                 acc += tl.dot(ht, tl.trans(d), input_precision="ieee")
             else:
@@ -328,10 +364,16 @@ def quant_slot_moe(x: torch.Tensor, arena: torch.Tensor, slots: torch.Tensor, to
     return sum_picks(y, t, k, x.dtype)
 
 
-def _align_pairs(slots_flat: torch.Tensor, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pairs sorted by slot, each slot's run padded to block_m with -1 → (pair ids [B·block_m], slot per block [B])."""
+def _runs(slots_flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Pairs sorted by slot (stable) → (order, the slots in use, pairs a slot)."""
     order = torch.argsort(slots_flat, stable=True)
     uniq, counts = torch.unique_consecutive(slots_flat[order], return_counts=True)
+    return order, uniq, counts
+
+
+def _align_pairs(slots_flat: torch.Tensor, block_m: int, runs=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pairs sorted by slot, each slot's run padded to block_m with -1 → (pair ids [B·block_m], slot per block [B])."""
+    order, uniq, counts = runs if runs is not None else _runs(slots_flat)
     blocks = (counts + block_m - 1) // block_m
     pairs = torch.full((int(blocks.sum()) * block_m,), -1, dtype=torch.int32, device=slots_flat.device)
     starts = torch.cumsum(blocks, 0) - blocks
@@ -343,27 +385,63 @@ def _align_pairs(slots_flat: torch.Tensor, block_m: int) -> tuple[torch.Tensor, 
     return pairs, torch.repeat_interleave(uniq.to(torch.int32), blocks)
 
 
+def block_m_for(pairs: int, slots_used: int, most: int = 64) -> int:
+    """Rows of a grouped-GEMM tile: the pairs a slot has on average, as a power of two from 16 (tl.dot's least) up
+    to `most`. Every tile dequantizes its BLOCK_N rows of the weights afresh, so the fewer tiles a slot's run
+    takes the fewer times its weights are unpacked; past the run's length a tile only computes padding."""
+    m = 16
+    while m < most and m < pairs / max(slots_used, 1):
+        m *= 2
+    return m
+
+
+# The grouped GEMM's tiles as measured on the H200 (bench/probes/prefill_kernels.py, results/2026-12-03-h200-prefill-
+# kernels-1.json and -kernels.json; int4, top-8 of 128, one layer): 128 tokens (8 pairs a slot: 16-row tiles) in
+# 0.79 ms with 64 x 128 weight tiles (7.75 with the weights unpacked element by element), 512 tokens (32-row tiles)
+# in 1.06 with 128 x 64 (17.9), 2048 tokens (64-row tiles) in 1.79 with 64 x 128 (59.9); 128-row tiles gained
+# nothing sure (1.71-2.38 by tile and warps). Keyed by block_m: (block_n, block_k, warps).
+GEMM_DEFAULTS = dict(most_m=64, stages=3, vec=True)
+GEMM_TILES = {16: (64, 128, 4), 32: (128, 64, 4), 64: (64, 128, 4), 128: (128, 128, 8)}
+
+
 def quant_grouped_moe(x: torch.Tensor, arena: torch.Tensor, slots: torch.Tensor, topk_weights: torch.Tensor,
-                      layout: QuantLayout, *, block_m: int = 16, block_n: int = 64, block_k: int = 64) -> torch.Tensor:
-    """Prefill: the same function as quant_slot_moe by a grouped GEMM over the pairs of each slot."""
+                      layout: QuantLayout, *, block_m: int | None = None, most_m: int | None = None,
+                      block_n: int | None = None, block_k: int | None = None, warps: int | None = None,
+                      stages: int | None = None, vec: bool | None = None) -> torch.Tensor:
+    """Prefill: the same function as quant_slot_moe by a grouped GEMM over the pairs of each slot. block_m: the
+    tile's rows (None: block_m_for the pairs a slot has, up to most_m); block_n / block_k: the weight tile (None:
+    GEMM_TILES[block_m], as are warps); vec: int8/int4 weights by _weights_tile (block_k rounded up to a multiple of the scheme's
+    group) rather than per element; the rest: GEMM_DEFAULTS."""
+    o = {k: v for k, v in dict(most_m=most_m, block_n=block_n, block_k=block_k, warps=warps, stages=stages,
+                               vec=vec).items() if v is not None}
+    o = {**GEMM_DEFAULTS, **o}
     t, k = slots.shape
     hdim, idim = layout.hidden, layout.intermediate
     p = t * k
-    pairs, block_slot = _align_pairs(slots.reshape(-1).to(torch.int64), block_m)
+    flat = slots.reshape(-1).to(torch.int64)
+    runs = _runs(flat)
+    bm = block_m or block_m_for(p, runs[1].numel(), o["most_m"])
+    tile_n, tile_k, tile_warps = GEMM_TILES.get(bm, GEMM_TILES[32])
+    pairs, block_slot = _align_pairs(flat, bm, runs)
     nb = block_slot.numel()
     h = torch.zeros(p, idim, dtype=x.dtype, device=x.device)
     y = torch.empty(p, hdim, dtype=torch.float32, device=x.device)
     prm = _params(layout)
     ieee = x.dtype == torch.float32            # no TF32 for fp32 models: keep the reference's precision
     rec = layout.record_bytes
-    _gate_up_gemm[(nb, triton.cdiv(idim, block_n))](
+    gh, gi = group_size(hdim, layout.scheme), group_size(idim, layout.scheme)
+    vec = o["vec"] and layout.scheme in ("int8", "int4")
+    bn, bk = o.get("block_n", tile_n), o.get("block_k", tile_k)
+    bk_up = -(-bk // gh) * gh if vec else bk         # a tile covers whole groups
+    bk_down = -(-bk // gi) * gi if vec else bk
+    launch = dict(IEEE=ieee, VEC=vec, BLOCK_M=bm, BLOCK_N=bn, num_warps=o.get("warps", tile_warps),
+                  num_stages=o["stages"])
+    _gate_up_gemm[(nb, triton.cdiv(idim, bn))](
         x.contiguous(), arena, block_slot, pairs, h, p, K=k, H=hdim, I=idim, REC=rec, GATE=prm["GATE"],
-        UP=prm["UP"], FMT=prm["FMT"], G=group_size(hdim, layout.scheme), IEEE=ieee, BLOCK_M=block_m,
-        BLOCK_N=block_n, BLOCK_K=block_k)
-    _down_gemm[(nb, triton.cdiv(hdim, block_n))](
+        UP=prm["UP"], FMT=prm["FMT"], G=gh, BLOCK_K=bk_up, **launch)
+    _down_gemm[(nb, triton.cdiv(hdim, bn))](
         h, arena, block_slot, pairs, topk_weights.reshape(-1).contiguous(), y, p, H=hdim, I=idim, REC=rec,
-        DOWN=layout.regions["down"][0], FMT=prm["FMT"], G=group_size(idim, layout.scheme), IEEE=ieee,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+        DOWN=layout.regions["down"][0], FMT=prm["FMT"], G=gi, BLOCK_K=bk_down, **launch)
     return y.view(t, k, hdim).sum(dim=1).to(x.dtype)
 
 

@@ -236,12 +236,16 @@ def test_triton_kernels_equal_dequantize_then_matmul(scheme):
     arena = torch.stack([record(lay, gen) for _ in range(5)]).to(DEV)
     dtypes = [(torch.float32, 1e-5)] + ([(torch.bfloat16, 2e-2)] if CUDA else [])
     for dtype, tol in dtypes:
-        for t, k in [(1, 2), (3, 2)]:
+        # 3 x 2 pairs: tiles of 16 rows, mostly padding; 80 x 2 over 5 slots: 32 a slot, tiles of 32
+        for t, k in [(1, 2), (3, 2), (80, 2)]:
             x = torch.randn(t, h, generator=gen).to(dtype).to(DEV)
             slots = torch.randint(0, 5, (t, k), generator=gen).to(DEV)
             w = torch.rand(t, k, generator=gen).to(dtype).to(DEV)
             ref = quant_moe_reference(x, arena, slots, w, lay).float()
-            for name, fn in (("gemv", quant_slot_moe), ("grouped gemm", quant_grouped_moe)):
+            kernels = [("gemv", quant_slot_moe)] if t < 80 else []
+            # the grouped GEMM with the weights unpacked a tile at a time (vec) and element by element
+            kernels += [(f"grouped gemm vec={v}", partial(quant_grouped_moe, vec=v)) for v in (True, False)]
+            for name, fn in kernels:
                 got = fn(x, arena, slots, w, lay).float()
                 assert torch.isfinite(got).all()
                 assert float((got - ref).norm() / ref.norm()) < tol, (name, dtype, t, k)
@@ -277,6 +281,16 @@ def test_the_grouped_gemm_pads_each_slots_pairs_to_its_blocks():
     pairs, block_slot = _align_pairs(slots, 2)
     assert block_slot.tolist() == [0, 1, 3, 3]
     assert pairs.tolist() == [4, -1, 1, 5, 0, 2, 3, -1]
+
+
+def test_the_grouped_gemm_tile_follows_the_pairs_a_slot_has():
+    pytest.importorskip("triton", reason="triton is not installed (CUDA builds of torch carry it)")
+    from engine.kernels.quant_triton import block_m_for
+    assert block_m_for(1024, 128) == 16          # a 128-token chunk over 128 experts: 8 a slot
+    assert block_m_for(4096, 128) == 32          # 512 tokens: 32 a slot
+    assert block_m_for(65536, 128) == 64         # 8k tokens: capped
+    assert block_m_for(65536, 128, most=128) == 128
+    assert block_m_for(3, 0) == 16
 
 
 # ------------------------------------------------------------------ stores: pack, manifest, serve
