@@ -80,7 +80,8 @@ def drain_on_exit(server, engine, drain_seconds: float):
 @options.max_batch
 @click.option("--chunk-size", type=click.IntRange(min=1), default=512, show_default=True,
               help="Prefill tokens per scheduler turn (a recipe's serve.chunk_size): a long prompt is prefilled "
-                   "in chunks between the running streams' decode steps.")
+                   "in chunks between the running streams' decode steps (on CUDA, with no stream decoding, "
+                   "4 chunks a turn).")
 @click.option("--max-queue", type=click.IntRange(min=0), default=None,
               help="Requests waiting for a slot before new ones get 429 with Retry-After (default 4 x --max-batch).")
 @click.option("--max-body-bytes", type=click.IntRange(min=1024), default=8 * 1024 * 1024, show_default=True,

@@ -17,18 +17,23 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from engine.config import ModelConfig
 from engine.experts import ExpertProvider
 from engine.kernels import native, triton_decode
 from engine.kv_cache import KVCache, select
 from engine.projection import Int4Projection, Projection, Q8Projection, dense_projection
+
+if TYPE_CHECKING:
+    from torch.nn.attention.bias import CausalBias
 
 log = logging.getLogger("engine.models")
 
@@ -162,6 +167,13 @@ def kv_buckets(max_len: int) -> list[int]:
     return out
 
 
+# Attention on CUDA without cuDNN's kernel: it builds a plan for every new shape, 0.5 s for the first and ~90 ms each
+# after on the H200 (results/2026-12-03-h200-prefill-kernels-2.json, the sdpa rows), so a prompt of a length not seen
+# before paid it at every chunk (an 8000-token prompt in 512-token chunks: 1.45 s on a 4-layer model, 0.09 s once the
+# shapes were known). Flash attention needs no plan; a later chunk's causal mask is its lower-right form (CausalBias).
+CUDA_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
 @dataclass
 class Step:
     """Where one forward's tokens sit: built once per prefill/decode step, shared by every layer."""
@@ -174,7 +186,8 @@ class Step:
     kv_len: int                    # keys to attend over (longest sequence in the batch)
     cos: torch.Tensor              # [B, T, 1, rotary_dim]
     sin: torch.Tensor
-    mask: torch.Tensor | None      # [B, 1, T, kv_len] bool, or None: a plain causal prefill / a decode that sees all
+    mask: torch.Tensor | CausalBias | None   # [B, 1, T, kv_len] bool, or a CUDA prefill chunk's lower-right causal
+                                   # bias, or None: a plain causal prefill / a decode that sees all
     decode: bool
     fused: bool = False            # a decode step on the fused kernels (MoEModel.fused_kernels)
     native: bool = False           # a one-sequence CPU decode step on engine.kernels.native (MoEModel.native_decode)
@@ -256,9 +269,10 @@ class Attention(nn.Module):
         else:
             self.kv.write_prefill(self.layer, s.slots[0], s.start, k[0], v[0])
         keys, values = self.kv.read(self.layer, s.sel, s.kv_len)
-        o = F.scaled_dot_product_attention(
-            q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=s.mask,
-            is_causal=s.mask is None and not s.decode, scale=self.scale, enable_gqa=cfg.kv_groups > 1)
+        with sdpa_kernel(CUDA_ATTENTION) if q.is_cuda else nullcontext():
+            o = F.scaled_dot_product_attention(
+                q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=s.mask,
+                is_causal=s.mask is None and not s.decode, scale=self.scale, enable_gqa=cfg.kv_groups > 1)
         o = o.transpose(1, 2).reshape(b, t, cfg.num_heads * cfg.head_dim)
         return self.o(o)
 
@@ -381,10 +395,17 @@ class MoEModel(nn.Module):
         sel, idx = select([slot], self.device)
         kv_len = start + t
         positions = torch.arange(start, kv_len, device=self.device).view(1, t)
-        plain_causal = start == 0 and not (self.cfg.sliding_window and t > self.cfg.sliding_window)
+        windowed = bool(self.cfg.sliding_window and kv_len > self.cfg.sliding_window)
+        if start == 0 and not windowed:
+            mask = None                                   # plain causal
+        elif self.device.type == "cuda" and not windowed:
+            from torch.nn.attention.bias import causal_lower_right     # imports triton: CUDA only (a CPU serve's RSS)
+            mask = causal_lower_right(t, kv_len)          # query i sees keys up to start + i: flash, no dense mask
+        else:
+            mask = self._mask(positions, kv_len)
         s = Step(slots=[slot], sel=sel, idx=idx, positions=positions, start=start, kv_len=kv_len,
                  cos=self.cos[start:kv_len].view(1, t, 1, -1), sin=self.sin[start:kv_len].view(1, t, 1, -1),
-                 mask=None if plain_causal else self._mask(positions, kv_len), decode=False)
+                 mask=mask, decode=False)
         with native.allow(self.native_kernels):
             h = self._run(ids, s)[0]
             return self.head(h if all_logits else h[-1])

@@ -133,6 +133,41 @@ def test_served_engine_is_graph_captured_and_equals_eager(tiny_store, caplog):
 
 
 @needs_cuda
+def test_a_prompt_alone_is_prefilled_in_larger_chunks_and_chunks_see_what_one_prefill_sees(tiny_store):
+    """On CUDA a prompt with no stream decoding beside it is prefilled ALONE_CHUNKS chunks a turn, beside a
+    decoding stream chunk_size tokens a turn (the stream waits at most one chunk); a later chunk attends through
+    the lower-right causal bias (flash attention), and the chunks' last logits are one whole prefill's."""
+    from engine.llm import ALONE_CHUNKS, LLM, SamplingParams
+    ck, store = tiny_store
+    prompt = [(7 * i + 3) % 300 for i in range(150)]
+    with LLM.load(ck, store, device="cuda", max_context=512, max_batch=2, chunk_size=16) as llm:
+        m, sizes = llm.model, []
+        real = m.prefill
+
+        def spy(ids, slot, start=0, all_logits=False):
+            sizes.append(len(ids))
+            return real(ids, slot, start=start, all_logits=all_logits)
+
+        m.prefill = spy
+        llm.generate(prompt, SamplingParams(max_tokens=4, ignore_eos=True))
+        assert ALONE_CHUNKS > 1 and sizes == [16 * ALONE_CHUNKS, 16 * ALONE_CHUNKS, 150 - 32 * ALONE_CHUNKS]
+        sizes.clear()
+        it = llm.stream(PROMPTS[0], SamplingParams(max_tokens=200, ignore_eos=True))
+        next(it)                                            # its prompt is in: it decodes from here on
+        llm.generate(prompt, SamplingParams(max_tokens=4, ignore_eos=True))
+        assert sizes == [12] + [16] * 9 + [6]
+        for _ in it:                                        # run out: the scheduler idle before the model is used
+            pass
+        m.prefill = real
+        with torch.inference_mode():
+            whole = m.prefill(prompt, 0).float()
+            for start in range(0, 150, 40):
+                part = m.prefill(prompt[start:start + 40], 0, start=start)
+        part = part.float()
+        assert float((whole - part).norm() / whole.norm()) < 2e-2 and int(whole.argmax()) == int(part.argmax())
+
+
+@needs_cuda
 def test_tiered_engine_decodes_from_graph_pieces_with_the_resident_tokens(tiny_store, caplog):
     """Under a small GPU budget auto picks the tiered provider; its decode replays graph pieces between the
     routing reads and gives the resident engine's tokens, misses and all."""
