@@ -240,7 +240,7 @@ if triton is not None:
         tl.store(y_ptr + p * H + rows, acc * w, mask=rmask)
 
     @triton.jit
-    def _gate_up_gemm(x_ptr, arena_ptr, block_slot_ptr, pair_ptr, h_ptr, P, K: tl.constexpr, H: tl.constexpr,
+    def _gate_up_gemm(x_ptr, arena_ptr, block_slot_ptr, pair_ptr, h_ptr, K: tl.constexpr, H: tl.constexpr,
                       I: tl.constexpr, REC: tl.constexpr, GATE: tl.constexpr, UP: tl.constexpr, FMT: tl.constexpr,
                       G: tl.constexpr, IEEE: tl.constexpr, VEC: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -276,7 +276,7 @@ if triton is not None:
         tl.store(dst, hv, mask=pmask[:, None] & rmask[None, :])
 
     @triton.jit
-    def _down_gemm(h_ptr, arena_ptr, block_slot_ptr, pair_ptr, w_ptr, y_ptr, P, H: tl.constexpr, I: tl.constexpr,
+    def _down_gemm(h_ptr, arena_ptr, block_slot_ptr, pair_ptr, w_ptr, y_ptr, H: tl.constexpr, I: tl.constexpr,
                    REC: tl.constexpr, DOWN: tl.constexpr, FMT: tl.constexpr, G: tl.constexpr, IEEE: tl.constexpr,
                    VEC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         pm = tl.program_id(0)
@@ -437,10 +437,10 @@ def quant_grouped_moe(x: torch.Tensor, arena: torch.Tensor, slots: torch.Tensor,
     launch = dict(IEEE=ieee, VEC=vec, BLOCK_M=bm, BLOCK_N=bn, num_warps=o.get("warps", tile_warps),
                   num_stages=o["stages"])
     _gate_up_gemm[(nb, triton.cdiv(idim, bn))](
-        x.contiguous(), arena, block_slot, pairs, h, p, K=k, H=hdim, I=idim, REC=rec, GATE=prm["GATE"],
+        x.contiguous(), arena, block_slot, pairs, h, K=k, H=hdim, I=idim, REC=rec, GATE=prm["GATE"],
         UP=prm["UP"], FMT=prm["FMT"], G=gh, BLOCK_K=bk_up, **launch)
     _down_gemm[(nb, triton.cdiv(hdim, bn))](
-        h, arena, block_slot, pairs, topk_weights.reshape(-1).contiguous(), y, p, H=hdim, I=idim, REC=rec,
+        h, arena, block_slot, pairs, topk_weights.reshape(-1).contiguous(), y, H=hdim, I=idim, REC=rec,
         DOWN=layout.regions["down"][0], FMT=prm["FMT"], G=gi, BLOCK_K=bk_down, **launch)
     return y.view(t, k, hdim).sum(dim=1).to(x.dtype)
 
