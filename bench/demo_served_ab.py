@@ -27,12 +27,11 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
-from quant_demo_speed import GGUF_NAME, RECIPE, prepare, serve_args, vm  # noqa: E402
+from quant_demo_speed import GGUF_NAME, RECIPE, prepare, serve_args, vm, wait_healthy  # noqa: E402
 from trees import tree_commit  # noqa: E402
 
 
@@ -161,19 +160,8 @@ def start_engine(tree: Path, model: Path, store: Path, log: Path, trace: Path) -
     env = {**os.environ, "PYTHONPATH": str(tree), "KILN_STEP_TRACE": str(trace)}
     proc = subprocess.Popen([sys.executable, "-c", TRACED, *serve_args(model, store, port)], cwd=tree, env=env,
                             stdout=open(log, "w"), stderr=subprocess.STDOUT)
-    t0 = time.monotonic()
-    while True:
-        if proc.poll() is not None:
-            raise SystemExit(f"engine serve ({tree}) exited {proc.returncode}: see {log}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
-                return proc, f"http://127.0.0.1:{port}"
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() - t0 > 900:
-            proc.kill()
-            raise SystemExit(f"engine serve ({tree}) not ready in 900 s")
-        time.sleep(0.5)
+    wait_healthy(proc, port, str(tree), str(log))
+    return proc, f"http://127.0.0.1:{port}"
 
 
 def engine_imports_from(tree: Path) -> str:

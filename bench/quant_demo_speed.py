@@ -127,19 +127,26 @@ def start_engine(name: str, paths: dict, evidence: Path):
     model = paths.get(f"{name}_model", paths["model"])
     proc = subprocess.Popen([*ENGINE, *serve_args(model, paths[name], port)], cwd=REPO, env=env,
                             stdout=log, stderr=subprocess.STDOUT)
+    waited = wait_healthy(proc, port, name, log.name)
+    return proc, f"http://127.0.0.1:{port}/v1", log, waited
+
+
+def wait_healthy(proc: subprocess.Popen, port: int, what: str, log_name: str, limit_s: float = 900) -> float:
+    """Poll the engine's GET /health until 200; seconds taken. Exits naming `what` and its log if the process
+    ends or is not ready in limit_s (and kills it then)."""
     t0 = time.monotonic()
     while True:
         if proc.poll() is not None:
-            raise SystemExit(f"engine serve ({name}) exited {proc.returncode}: see {log.name}")
+            raise SystemExit(f"engine serve ({what}) exited {proc.returncode}: see {log_name}")
         try:
             if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
-                return proc, f"http://127.0.0.1:{port}/v1", log, time.monotonic() - t0
+                return time.monotonic() - t0
         except httpx.HTTPError:
             pass
-        if time.monotonic() - t0 > 900:
+        if time.monotonic() - t0 > limit_s:
             proc.kill()
-            raise SystemExit(f"engine serve ({name}) not ready in 900 s")
-        time.sleep(1)
+            raise SystemExit(f"engine serve ({what}) not ready in {limit_s:.0f} s")
+        time.sleep(0.5)
 
 
 def direct(name: str, paths: dict, gguf: Path, llama: Path, evidence: Path, rounds: int, tokens: int) -> dict:
