@@ -13,6 +13,8 @@
 3. A 4-layer model of the same shapes: an 8000-token prompt prefilled in chunks of 512 and 2048 tokens as the
    scheduler does, twice (the first pass meets every attention shape anew), int4 and bf16; a torch.profiler table of
    one 2048-token int4 chunk.
+4. (--parts new-lengths) a fresh process's int4 model meeting prompts of lengths it has not seen: first pass
+   against second (a recompile or a per-shape plan shows as the difference).
 Earlier forms, their results kept: -kernels-1.json (the int4 tile sweep at 128 and 512 tokens; 512-token chunks),
 -kernels-2.json (the sweep at 2048; chunks of 512/2048/4096 with torch's attention backends and without cuDNN's).
 """
@@ -181,12 +183,40 @@ def model_prefill(model_dir: Path, store: Path, dev, label: str, chunks=(512, 20
     return res
 
 
+def new_lengths(model_dir: Path, store: Path, dev) -> list[dict]:
+    """A fresh process's int4 model: prompts of lengths it has not met, each prefilled twice in the scheduler's
+    alone chunks (4 x 512): ms of the first pass and the second. A first pass much slower than the second is a
+    compile or a plan built for a new shape (a chunk of 2,011 tokens: 16,088 pairs, not a multiple of 16)."""
+    from engine.llm import ALONE_CHUNKS, DEFAULT_CHUNK
+    chunk = ALONE_CHUNKS * DEFAULT_CHUNK
+    m = load_model(model_dir, store_dir=store, device=dev, max_context=8704, max_batch=1, experts="resident",
+                   cuda_graphs=False)
+    ids = torch.randint(0, m.cfg.vocab_size, (8192,), generator=torch.Generator().manual_seed(4))
+    rows = []
+    with torch.inference_mode():
+        for n in (8192, 8155, 5001, 777):
+            passes = []
+            for _ in range(2):
+                t0 = time.perf_counter()
+                for start in range(0, n, chunk):
+                    m.prefill(ids[start:min(start + chunk, n)], 0, start=start)
+                torch.cuda.synchronize()
+                passes.append(round((time.perf_counter() - t0) * 1000, 1))
+            rows.append({"tokens": n, "ms_first_pass": passes[0], "ms_second_pass": passes[1]})
+            print("new length", json.dumps(rows[-1]), flush=True)
+    del m
+    torch.cuda.empty_cache()
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--work", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--parts", default="kernels,sdpa,model", help="of kernels, sdpa, model, new-lengths")
     args = ap.parse_args()
+    parts = set(args.parts.split(","))
     dev = torch.device("cuda")
     work = Path(args.work)
     t0 = time.perf_counter()
@@ -196,11 +226,16 @@ def main():
                        **({"quant": quant} if quant else {}))
     result: dict = {"command": " ".join(["python3"] + sys.argv), "gpu": torch.cuda.get_device_name(0),
                     "synth_s": round(time.perf_counter() - t0, 1)}
-    result["kernels"] = kernel_sweep(work / "store-int4", work / "store", dev)
-    result["sdpa"] = sdpa_first_calls(dev)
+    if "new-lengths" in parts:        # first: the process has compiled nothing yet
+        result["new_lengths"] = new_lengths(work / "model-int4", work / "store-int4", dev)
+    if "kernels" in parts:
+        result["kernels"] = kernel_sweep(work / "store-int4", work / "store", dev)
+    if "sdpa" in parts:
+        result["sdpa"] = sdpa_first_calls(dev)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    result["model"] = [model_prefill(work / "model-int4", work / "store-int4", dev, "int4", profile=True),
-                       model_prefill(work / "model", work / "store", dev, "bf16")]
+    if "model" in parts:
+        result["model"] = [model_prefill(work / "model-int4", work / "store-int4", dev, "int4", profile=True),
+                           model_prefill(work / "model", work / "store", dev, "bf16")]
     result["wall_s"] = round(time.perf_counter() - t0, 1)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
 
