@@ -41,7 +41,8 @@ from engine.sampling import SamplingError, check_params, choose, is_greedy, make
 
 DEFAULT_CHUNK = 512            # prefill tokens per scheduler turn (engine serve --chunk-size)
 # A CUDA prefill with no stream decoding beside it takes this many chunks a turn: an 8000-token prompt on the H200
-# (int4 experts, 4 layers) in 88 ms as 512-token chunks, 48 as 2048 (results/2026-12-03-h200-prefill-kernels.json).
+# (int4 experts, 4 layers) in 88 ms as 512-token chunks, 48 as 2048 (results/2026-12-03-h200-prefill-kernels-2.json;
+# 124 and 51 in -kernels.json, on a slower host).
 ALONE_CHUNKS = 4
 
 
