@@ -234,6 +234,7 @@ GROUPS = {"aten::_weight_int4pack_mm_for_cpu": "int4 expert GEMV (Q4_1 records)"
           "aten::addmm": "fp32 dense GEMV (qkv, o, router, lm_head)",
           "aten::_scaled_dot_product_flash_attention_for_cpu": "attention (SDPA)",
           "native::int4_ffn": "native: Q4_1 expert FFN (gate|up, SiLU, down; 50 MB)",
+          "native::moe_tail": "native: MoE half (Q4_1 expert FFN 50 MB, weighted sum, add + norm)",
           "native::attn_block": "native: attention half (q|k|v and o Q4_1 GEMVs, rotary + KV write + attention, add + norm)",
           "native::q8_gemv": "native: vocabulary GEMV (Q8_0, 31 MB)",
           "native::add_rms_norm": "native: add + RMSNorm, routing", "native::router_topk": "native: add + RMSNorm, routing",

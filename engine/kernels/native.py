@@ -43,7 +43,10 @@ SIGNATURES = {
     "attn_block": [_P, _P, _I, _P, _P, _I, _P, _P, _I, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _P, _P, _F, _P,
                    _P, _P, _P, _I],
     "router_topk": [_P, _I, _P, _I, _I, _I, _P, _P],
+    "moe_tail": [_P, _I, _P, _P, _P, _I, _I, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, _I, _P,
+                 _P, _P, _F, _P, _I],
 }
+MAX_TOP_K = 64        # experts a moe_tail call computes (its bookkeeping array)
 
 
 MAX_K = 8192          # inputs an int4 GEMV takes (native_cpu.cpp's stack buffers): wider ones stay on torch's kernel
@@ -186,6 +189,43 @@ def int4_ffn(x: torch.Tensor, rec: torch.Tensor, regions: dict, group: int) -> t
     return y
 
 
+class MoETail:
+    """The MoE half of a one-token native decode step after routing, for one layer's quantized records (cols
+    order, 4-bit: QuantLayout.cpu_int4): the picked experts' int4_ffn in ascending expert order, their
+    weighted sum as engine.experts.moe_forward sums one token, then add_rms_norm into the next norm — one call
+    where the torch forms take an FFN call per expert, a multiply, an add and a norm call. Its buffers are
+    its own (one decode step at a time, as the model's)."""
+
+    def __init__(self, regions: dict, hidden: int, intermediate: int, group: int, top_k: int):
+        assert top_k <= MAX_TOP_K and max(hidden, intermediate) <= MAX_K
+        (gu_off, _, two_i, h), (d_off, _, _, i) = regions["gate_up"], regions["down"]
+        self.offsets = (gu_off, gu_off + two_i * h // 2, d_off, d_off + h * i // 2)
+        self.hidden, self.intermediate, self.group, self.top_k = hidden, intermediate, group, top_k
+        self.ids = torch.empty(top_k, dtype=torch.int64)              # route()'s outputs, read by __call__
+        self.weights = torch.empty(top_k)
+        self.records = (ctypes.c_uint64 * top_k)()
+        self.scratch = torch.empty(3 * intermediate + 2 * hidden)
+
+    def route(self, h: torch.Tensor, gate: torch.Tensor, renormalize: bool) -> list[int]:
+        """router_topk of h fp32 [H] (contiguous) into self.ids / self.weights → the picked experts."""
+        lib().router_topk(h.data_ptr(), self.hidden, gate.data_ptr(), gate.shape[0], self.top_k, int(renormalize),
+                          self.ids.data_ptr(), self.weights.data_ptr())
+        return self.ids.tolist()
+
+    def __call__(self, h: torch.Tensor, addresses: list[int], x: torch.Tensor, next_w: torch.Tensor,
+                 eps: float) -> torch.Tensor:
+        """h fp32 [H] (the experts' input), addresses the records of self.ids' experts (in their order),
+        x the residual stream (x += the experts' sum, in place) → rms_norm(x)·next_w, a new tensor."""
+        for j, a in enumerate(addresses):
+            self.records[j] = a
+        out = torch.empty_like(x)
+        lib().moe_tail(h.data_ptr(), len(addresses), self.ids.data_ptr(), ctypes.addressof(self.records),
+                       self.weights.data_ptr(), self.hidden, self.intermediate, *self.offsets, self.group,
+                       self.scratch.data_ptr(), x.data_ptr(), next_w.data_ptr(), eps, out.data_ptr(),
+                       torch.get_num_threads())
+        return out
+
+
 def add_rms_norm(x: torch.Tensor, r: torch.Tensor | None, w: torch.Tensor, eps: float) -> torch.Tensor:
     """x += r (in place; r None: no add), then rms_norm(x)·w as a new tensor; all fp32, contiguous, one row."""
     h = torch.empty_like(x)
@@ -207,22 +247,37 @@ def attn_decode(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kc: tor
     return o
 
 
-def attn_block(x: torch.Tensor, h: torch.Tensor, qkv, o, cos: torch.Tensor, sin: torch.Tensor, kc: torch.Tensor,
-               vc: torch.Tensor, p: int, window: int, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-               scores: torch.Tensor, post_norm: torch.Tensor, eps: float, scratch: torch.Tensor) -> torch.Tensor:
+class AttnBlock:
     """A decode layer's attention half on one token, in one call: qkv and o (engine.projection.Int4Projection,
-    one group size) around attn_decode, then x += o (in place) → rms_norm(x)·post_norm, a new tensor. scratch:
-    at least qkv.out_features + num_heads·head_dim + hidden floats."""
-    hidden = x.numel()
-    out = torch.empty_like(x)
-    buf = scratch.data_ptr()
-    nqkv, no = qkv.out_features, num_heads * head_dim
-    lib().attn_block(x.data_ptr(), h.data_ptr(), hidden, qkv.packed.data_ptr(), qkv.sz.data_ptr(), nqkv,
-                     o.packed.data_ptr(), o.sz.data_ptr(), qkv.group, cos.data_ptr(), sin.data_ptr(), kc.data_ptr(),
-                     vc.data_ptr(), p, window, num_heads, num_kv_heads, head_dim, cos.numel(), scale,
-                     scores.data_ptr(), post_norm.data_ptr(), eps, buf, buf + 4 * nqkv, buf + 4 * (nqkv + no),
-                     out.data_ptr(), torch.get_num_threads())
-    return out
+    one group size) around attn_decode, then x += o (in place) → rms_norm(x)·post_norm, a new tensor. What
+    does not change from step to step (weights, shapes, scratch, each slot's KV rows) is resolved once: the
+    call's Python is a decode step's glue 30 times over."""
+
+    def __init__(self, qkv, o, k_cache: torch.Tensor, v_cache: torch.Tensor, *, window: int, num_heads: int,
+                 num_kv_heads: int, head_dim: int, scale: float, eps: float):
+        self.hidden, nqkv, no = o.out_features, qkv.out_features, num_heads * head_dim
+        self.scratch = torch.empty(nqkv + no + self.hidden)
+        buf = self.scratch.data_ptr()
+        self.k_cache, self.v_cache = k_cache, v_cache             # [slots, max_len, nkv, hd] of this layer
+        self.weights = (self.hidden, qkv.packed.data_ptr(), qkv.sz.data_ptr(), nqkv, o.packed.data_ptr(),
+                        o.sz.data_ptr(), qkv.group)
+        self.shape = (window, num_heads, num_kv_heads, head_dim)
+        self.buffers = (buf, buf + 4 * nqkv, buf + 4 * (nqkv + no))
+        self.scale, self.eps = scale, eps
+        self._rows: dict[int, tuple[int, int]] = {}
+
+    def __call__(self, x: torch.Tensor, h: torch.Tensor, slot: int, p: int, cos: torch.Tensor, sin: torch.Tensor,
+                 scores: torch.Tensor, post_norm: torch.Tensor) -> torch.Tensor:
+        """x, h fp32 [H] contiguous; the token at position p of KV slot `slot`, cos/sin its rotary rows; scores
+        scratch of at least num_heads·(p + 1) floats."""
+        rows = self._rows.get(slot)
+        if rows is None:
+            rows = self._rows[slot] = (self.k_cache[slot].data_ptr(), self.v_cache[slot].data_ptr())
+        out = torch.empty_like(x)
+        lib().attn_block(x.data_ptr(), h.data_ptr(), *self.weights, cos.data_ptr(), sin.data_ptr(), *rows, p,
+                         *self.shape, cos.numel(), self.scale, scores.data_ptr(), post_norm.data_ptr(), self.eps,
+                         *self.buffers, out.data_ptr(), torch.get_num_threads())
+        return out
 
 
 def router_topk(x: torch.Tensor, gate: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -248,6 +248,34 @@ void int4_ffn(const float* x, int H, int I, const uint8_t* gu_packed, const uint
 }
 
 // x += r (r may be null), then h = x · rsqrt(mean(x²) + eps) · w.
+void add_rms_norm(float* x, const float* r, const float* w, float eps, int H, float* h);
+
+// A one-token MoE half after routing: the k picked experts (records recs[j], router weight w[j], expert ids[j])
+// computed as engine.experts.moe_forward computes one token — each int4_ffn, in ascending expert order,
+// out = y·w (+ y'·w' ...) — then add_rms_norm(x, out, next_w) into h_out. Record offsets: gate|up codes, its
+// scales, down codes, its scales. scratch: 2I + I + H + H floats.
+void moe_tail(const float* h, int k, const int64_t* ids, const uint64_t* recs, const float* w, int H, int I,
+              int64_t gu_off, int64_t gu_sz_off, int64_t d_off, int64_t d_sz_off, int g, float* scratch, float* x,
+              const float* next_w, float eps, float* h_out, int threads) {
+    float *gu = scratch, *hid = scratch + 2 * I, *y = hid + I, *out = y + H;
+    bool done[64] = {};
+    for (int n = 0; n < k; ++n) {
+        int j = -1;                                   // the lowest expert id not yet computed
+        for (int t = 0; t < k; ++t)
+            if (!done[t] && (j < 0 || ids[t] < ids[j])) j = t;
+        done[j] = true;
+        const uint8_t* rec = reinterpret_cast<const uint8_t*>(recs[j]);
+        int4_ffn(h, H, I, rec + gu_off, reinterpret_cast<const uint16_t*>(rec + gu_sz_off), rec + d_off,
+                 reinterpret_cast<const uint16_t*>(rec + d_sz_off), g, gu, hid, y, threads);
+        const float wj = w[j];
+        if (n == 0)
+            for (int i = 0; i < H; ++i) out[i] = y[i] * wj;
+        else
+            for (int i = 0; i < H; ++i) out[i] = out[i] + y[i] * wj;
+    }
+    add_rms_norm(x, out, next_w, eps, H, h_out);
+}
+
 void add_rms_norm(float* x, const float* r, const float* w, float eps, int H, float* h) {
     if (r)
         for (int i = 0; i < H; ++i) x[i] += r[i];

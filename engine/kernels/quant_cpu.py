@@ -38,12 +38,20 @@ def int4_linear(layout: QuantLayout, rec: torch.Tensor, name: str, x: torch.Tens
     return int4_mm(x, packed, g, sz)
 
 
+def native_ffn_group(layout: QuantLayout) -> int | None:
+    """The group size where one float32 token's FFN on this layout's records may be the native int4_ffn (the
+    same function as torch's int4 kernel; one group size for both matrices, widths it takes), else None."""
+    if not layout.cpu_int4 or max(layout.hidden, layout.intermediate) > native.MAX_K or not native.int4_ok():
+        return None
+    g = group_size(layout.hidden, layout.scheme)
+    return g if g == group_size(layout.intermediate, layout.scheme) else None
+
+
 def quant_ffn(layout: QuantLayout, rec: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """down(silu(gate x) * up x) for one quantized record; x [M, H] → [M, H] in x.dtype."""
     if layout.cpu_int4 and rec.device.type == "cpu":
         g = group_size(layout.hidden, layout.scheme)
-        if x.shape[0] == 1 and x.dtype == torch.float32 and max(layout.hidden, layout.intermediate) <= native.MAX_K \
-                and native.allowed() and native.int4_ok() and g == group_size(layout.intermediate, layout.scheme):
+        if x.shape[0] == 1 and x.dtype == torch.float32 and native.allowed() and native_ffn_group(layout):
             # one token: the whole FFN in one native call (the same function as below)
             return native.int4_ffn(x.reshape(-1).contiguous(), rec, layout.regions, g).view(1, -1)
         i = layout.intermediate

@@ -51,6 +51,17 @@ class WeightSource(Protocol):
     def blocks(self, name: str) -> tuple[str, torch.Tensor] | None: ...
 
 
+def native_tail(model: "MoEModel", provider) -> native.MoETail | None:
+    """The native MoE half for a model's one-token CPU decode (engine.kernels.native.MoETail) where its provider
+    hands out host records (host_records) of a layout the native int4 FFN computes, else None."""
+    from engine.kernels.quant_cpu import native_ffn_group
+    quant = getattr(getattr(provider, "layout", None), "quantized", None)
+    if not hasattr(provider, "host_records") or quant is None or model.cfg.top_k > native.MAX_TOP_K:
+        return None
+    g = native_ffn_group(quant)
+    return None if g is None else native.MoETail(quant.regions, quant.hidden, quant.intermediate, g, model.cfg.top_k)
+
+
 # ---------------------------------------------------------------- norms, rotary, linear
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -216,21 +227,20 @@ class Attention(nn.Module):
         self.k_norm = w.get(f"{p}.k_norm.weight") if cfg.use_qk_norm else None
         self.scale = cfg.head_dim ** -0.5
         # Both projections 4-bit blocks of one group size (the demo's --attention-blocks): natively the whole
-        # attention half of a decode layer is one call (native.attn_block) over this scratch.
-        self.scratch = None
+        # attention half of a decode layer is one call (native.AttnBlock).
+        self.block = None
         if (isinstance(self.qkv, Int4Projection) and isinstance(self.o, Int4Projection) and self.q_norm is None
-                and self.qkv.group == self.o.group and max(self.qkv.in_features, self.o.in_features) <= native.MAX_K):
-            self.scratch = torch.empty(self.qkv.out_features + cfg.num_heads * cfg.head_dim + cfg.hidden)
+                and self.qkv.group == self.o.group and max(self.qkv.in_features, self.o.in_features) <= native.MAX_K
+                and native.lib() is not None):
+            self.block = native.AttnBlock(self.qkv, self.o, kv.k[layer], kv.v[layer], window=cfg.sliding_window or 0,
+                                          num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
+                                          head_dim=cfg.head_dim, scale=self.scale, eps=cfg.rms_eps)
 
     def native_block(self, x: torch.Tensor, h: torch.Tensor, s: Step, post_norm: torch.Tensor) -> torch.Tensor:
         """The attention half of a native decode step (s.native): x += attention(h) in place → rms_norm(x)·post_norm."""
-        cfg, slot = self.cfg, s.slots[0]
-        if self.scratch is None or not native.int4_ok():
-            return native.add_rms_norm(x, self.forward(h, s), post_norm, cfg.rms_eps)
-        return native.attn_block(x, h, self.qkv, self.o, s.cos, s.sin, self.kv.k[self.layer, slot],
-                                 self.kv.v[self.layer, slot], s.start, cfg.sliding_window or 0, cfg.num_heads,
-                                 cfg.num_kv_heads, cfg.head_dim, self.scale, s.scores, post_norm, cfg.rms_eps,
-                                 self.scratch)
+        if self.block is None or not native.int4_ok():
+            return native.add_rms_norm(x, self.forward(h, s), post_norm, self.cfg.rms_eps)
+        return self.block(x, h, s.slots[0], s.start, s.cos, s.sin, s.scores, post_norm)
 
     def forward(self, x: torch.Tensor, s: Step) -> torch.Tensor:
         cfg = self.cfg
@@ -374,7 +384,9 @@ class MoEModel(nn.Module):
             self._native_layers = [(layer.attn, layer.post_norm, layer.mlp, n) for layer, n in zip(layers, norms)]
         for attn, post_norm, mlp, next_norm in self._native_layers:
             h = attn.native_block(x, h, s, post_norm)
-            h = native.add_rms_norm(x, mlp.forward(h.view(1, -1)), next_norm, eps)
+            if getattr(mlp, "tail", None) is None or (h_next := mlp.native_step(x, h, next_norm, eps)) is None:
+                h_next = native.add_rms_norm(x, mlp.forward(h.view(1, -1)), next_norm, eps)
+            h = h_next
         return h
 
     def _mask(self, positions: torch.Tensor, kv_len: int) -> torch.Tensor:

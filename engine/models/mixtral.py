@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.kernels import native
-from engine.models.common import MoEModel, WeightSource, softmax_topk
+from engine.models.common import MoEModel, WeightSource, native_tail, softmax_topk
 
 
 class MixtralBlock(nn.Module):
@@ -16,6 +16,14 @@ class MixtralBlock(nn.Module):
         self.layer, self.provider, self.top_k = layer, model.provider, model.cfg.top_k
         self.gate = w.get(f"model.layers.{layer}.block_sparse_moe.gate.weight")
         self.native = model.native_decode and self.gate.dtype == torch.float32 and self.gate.shape[0] <= 1024
+        self.tail = native_tail(model, self.provider) if self.native else None
+
+    def native_step(self, x: torch.Tensor, h: torch.Tensor, next_norm: torch.Tensor, eps: float) -> torch.Tensor | None:
+        """A native decode step's MoE half (MoEModel._run_native): route h, compute the picked experts from
+        their host records, x += their sum → rms_norm(x)·next_norm; None where the provider computes them."""
+        experts = self.tail.route(h, self.gate, True)
+        addresses = self.provider.host_records(self.layer, experts)
+        return None if addresses is None else self.tail(h, addresses, x, next_norm, eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.native and x.shape[0] == 1 and x.dtype == torch.float32:    # one token: routed in one native call

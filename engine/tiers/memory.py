@@ -22,5 +22,15 @@ class InMemoryExperts:
         return moe_forward(x, topk_weights, group_routes(topk_ids),
                            lambda experts: [self.layout.views(recs[e]) for e in experts], len(recs))
 
+    def host_records(self, layer: int, experts: list[int]) -> list[int] | None:
+        """One token's experts computed on the CPU by the caller (TieredExperts.host_records' contract): their
+        records' host addresses in the given order, or None where the records are not in host memory."""
+        recs = self.records[layer]
+        if recs.device.type != "cpu":
+            return None
+        self._served += len(experts)
+        base, stride = recs.data_ptr(), recs.stride(0) * recs.element_size()
+        return [base + e * stride for e in experts]
+
     def counters(self) -> dict:
         return {"provider": "memory", "served": {"gpu": 0, "ram": self._served, "store": 0}, "store_read_bytes": 0}

@@ -234,6 +234,21 @@ class TieredExperts:
             (lambda wave: self._resolve_ram(layer, wave, picks))
         return moe_forward(x, topk_weights, routes, resolve, self.wave)
 
+    def host_records(self, layer: int, experts: list[int]) -> list[int] | None:
+        """One token's picked experts computed on the CPU by the caller (the native decode step,
+        engine.kernels.native.MoETail): their records' host addresses, in the given order, resident in RAM
+        (misses read from the store), served and counted as forward serves and counts them → None where this
+        provider computes the token itself (a slot tier, or a RAM tier smaller than one token's picks)."""
+        if self.gpu is not None or len(experts) > self.wave:
+            return None
+        order = sorted(experts)                        # forward's order: its fetch, trace and counts see the same
+        self.record_trace(layer, order)
+        self.lanes.add("cpu", len(order), len(order) * self.layout.record_bytes)
+        slots, from_store = self.ram.fetch(layer, order, ())
+        for e in order:
+            self.served["store" if e in from_store else "ram"] += 1
+        return [self.ram.arena.host_address(slots[e]) for e in experts]
+
     def counters(self) -> dict:
         gpu = self.gpu.cache if self.gpu is not None else ExpertCache("gpu", 0)     # the CPU has no GPU tier
         tiers = {name: {"slots": c.capacity, **c.stats.as_dict()} for name, c in (("gpu", gpu), ("ram", self.ram.cache))}

@@ -169,3 +169,43 @@ def test_the_cache_directory_is_systemds_else_the_users_else_a_temp_one(tmp_path
     assert native.cache_dir() == tmp_path / "cache" / "kiln" / "native"
     monkeypatch.setenv("CACHE_DIRECTORY", f"{tmp_path / 'unit'}:{tmp_path / 'other'}")      # a systemd serve unit's
     assert native.cache_dir() == tmp_path / "unit" / "native"
+
+
+@pytest.mark.parametrize("tiered", [True, False], ids=["ram-tier-smaller-than-the-store", "all-in-memory"])
+def test_the_native_moe_half_is_the_providers_own_step(tiny_checkpoint, tmp_path, monkeypatch, tiered):
+    """A one-token native decode step computes an int4 store's experts itself (MixtralBlock.native_step: route,
+    the provider's host records, native.MoETail: FFNs, weighted sum, add + norm in one call): the same logits,
+    bit for bit, as the provider's own forward over the same records (moe_forward), and the provider serves and
+    counts the same — picks per tier, the RAM tier's hits, misses and evictions (a 4-slot tier: experts read
+    from the store mid-step), lanes. Top-4, so the sum's expert order matters (two terms commute, three do not)."""
+    from engine.checkpoint import Checkpoint
+    from engine.loader import load_model
+    from engine.store.pack import pack_store
+    from engine.tiers import build_provider, in_memory
+    path = tiny_checkpoint("mixtral", hidden=64, top_k=4)
+    ck = Checkpoint(path)
+    if tiered:
+        pack_store(path, tmp_path / "s", order="cols", quant="int4")
+    provider = (lambda: build_provider(ck, tmp_path / "s", ram_slots=4, readers=1)) if tiered else \
+        (lambda: in_memory(ck, order="cols", quant="int4"))
+    on, off = (load_model(path, provider=provider(), device="cpu", dtype="float32", max_context=64, max_batch=1)
+               for _ in range(2))
+    assert all(layer.mlp.tail is not None for layer in on.layers)
+    for layer in off.layers:
+        layer.mlp.tail = None                         # the provider's forward, as without this path
+    calls = []
+    monkeypatch.setattr(native.MoETail, "__call__", (lambda f: lambda *a: calls.append(1) or f(*a))(native.MoETail.__call__))
+    with torch.inference_mode():
+        (toks, rows), (want, want_rows) = (greedy(m, [5, 17, 200, 42, 99, 7], 12) for m in (on, off))
+    assert toks == want
+    for a, b in zip(rows, want_rows):
+        assert torch.equal(a, b)
+    assert len(calls) == 11 * len(on.layers)          # every decode step's every layer took it
+    assert counts(on.provider.counters()) == counts(off.provider.counters())
+
+
+def counts(c):
+    """A provider's counters without its timings (the two runs' clocks differ, their counts must not)."""
+    if isinstance(c, dict):
+        return {k: counts(v) for k, v in c.items() if "seconds" not in k}
+    return c
