@@ -153,6 +153,29 @@ def test_group_routes_visit_experts_as_moe_reference_does():
         assert r.tokens == tok.tolist() and r.ks == k.tolist()
 
 
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("tokens,top_k,experts", [(1, 2, 8), (37, 4, 8), (300, 8, 128), (64, 3, 200)])
+def test_moe_reference_is_the_per_expert_nonzero_loop(device, tokens, top_k, experts):
+    """moe_reference's one-sort grouping visits the experts, and each expert's (token, k) pairs, exactly as the
+    plain loop over torch.unique and nonzero does: the same bits (unused experts, one-pair experts, and more
+    experts than tokens pick among them)."""
+    lay = ExpertLayout(64, 32, torch.float32, "rows")
+    recs = packed_records(lay, experts, seed=tokens).to(device)
+    g = torch.Generator().manual_seed(tokens + top_k)
+    x = torch.randn(tokens, 64, generator=g).to(device)
+    ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)]).to(device)
+    w = torch.softmax(torch.randn(tokens, top_k, generator=g), -1).to(device)
+    want = torch.zeros_like(x)
+    for e in torch.unique(ids).tolist():
+        tok, k = (ids == e).nonzero(as_tuple=True)
+        gate, up, down = lay.views(recs[e])
+        want.index_add_(0, tok, expert_ffn(x[tok], gate, up, down) * w[tok, k, None])
+    assert torch.equal(moe_reference(x, ids, w, lambda e: lay.views(recs[e])), want)
+
+
 @pytest.mark.parametrize("hidden,inter", SHAPES[1:])
 @pytest.mark.parametrize("tokens,top_k", [(1, 2), (1, 3), (1, 8), (5, 2)])
 @pytest.mark.parametrize("wave", [1, 2, 3, 8])
