@@ -227,19 +227,22 @@ class Attention(nn.Module):
         self.k_norm = w.get(f"{p}.k_norm.weight") if cfg.use_qk_norm else None
         self.scale = cfg.head_dim ** -0.5
         # Both projections 4-bit blocks of one group size (the demo's --attention-blocks): natively the whole
-        # attention half of a decode layer is one call (native.AttnBlock).
-        self.block = None
-        if (isinstance(self.qkv, Int4Projection) and isinstance(self.o, Int4Projection) and self.q_norm is None
-                and self.qkv.group == self.o.group and max(self.qkv.in_features, self.o.in_features) <= native.MAX_K
-                and native.lib() is not None):
-            self.block = native.AttnBlock(self.qkv, self.o, kv.k[layer], kv.v[layer], window=cfg.sliding_window or 0,
-                                          num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
-                                          head_dim=cfg.head_dim, scale=self.scale, eps=cfg.rms_eps)
+        # attention half of a decode layer is one call (native.AttnBlock, made at the first native step).
+        self.block_fits = (isinstance(self.qkv, Int4Projection) and isinstance(self.o, Int4Projection)
+                           and self.q_norm is None and self.qkv.group == self.o.group
+                           and max(self.qkv.in_features, self.o.in_features) <= native.MAX_K)
+        self.block: native.AttnBlock | None = None
 
     def native_block(self, x: torch.Tensor, h: torch.Tensor, s: Step, post_norm: torch.Tensor) -> torch.Tensor:
         """The attention half of a native decode step (s.native): x += attention(h) in place → rms_norm(x)·post_norm."""
-        if self.block is None or not native.int4_ok():
+        if not self.block_fits or not native.int4_ok():
             return native.add_rms_norm(x, self.forward(h, s), post_norm, self.cfg.rms_eps)
+        if self.block is None:
+            cfg = self.cfg
+            self.block = native.AttnBlock(self.qkv, self.o, self.kv.k[self.layer], self.kv.v[self.layer],
+                                          window=cfg.sliding_window or 0, num_heads=cfg.num_heads,
+                                          num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, scale=self.scale,
+                                          eps=cfg.rms_eps)
         return self.block(x, h, s.slots[0], s.start, s.cos, s.sin, s.scores, post_norm)
 
     def forward(self, x: torch.Tensor, s: Step) -> torch.Tensor:
