@@ -149,19 +149,21 @@ def moe_reference(x, topk_ids, topk_weights, get_views) -> torch.Tensor:
     ascending, each over its (token, k) pairs in row-major order — what (topk_ids == e).nonzero() gives — found
     by one stable sort and ONE read to the host, not a read per expert: on CUDA each read waits for every
     launch before it, so a prefill chunk's 128 experts ran as 128 stalls (tests/engine/test_speed_paths.py
-    holds it to the nonzero loop, bit for bit)."""
+    holds it to the nonzero loop, bit for bit). The rows and weights are gathered once, in that order, and each
+    expert reads its slice: the same values as a gather per expert, two launches fewer per expert."""
     out = torch.zeros_like(x)
     flat = topk_ids.reshape(-1)
     experts, counts = torch.unique(flat, return_counts=True)
     pairs = torch.argsort(flat, stable=True)               # grouped by expert, row-major within each
     toks, ks = pairs // topk_ids.shape[1], pairs % topk_ids.shape[1]
+    xs, ws = x[toks], topk_weights[toks, ks, None]
     start = 0
     for e, n in zip(*torch.stack([experts.long(), counts]).tolist()):
-        tok, k = toks[start:start + n], ks[start:start + n]
+        rows = slice(start, start + n)
         start += n
         gate, up, down = get_views(e)
-        y = expert_ffn(x[tok], gate.to(x.dtype), up.to(x.dtype), down.to(x.dtype))
-        out.index_add_(0, tok, y * topk_weights[tok, k, None].to(y.dtype))
+        y = expert_ffn(xs[rows], gate.to(x.dtype), up.to(x.dtype), down.to(x.dtype))
+        out.index_add_(0, toks[rows], y * ws[rows].to(y.dtype))
     return out
 
 
