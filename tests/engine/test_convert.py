@@ -263,8 +263,8 @@ def test_attention_blocks_keep_the_ggufs_bytes_and_the_cpu_computes_what_they_ho
 
 def test_the_demo_model_decodes_natively_as_its_torch_forms_do(gguf, tmp_path, monkeypatch):
     """The demo's model as the recipe converts it (top-1, attention blocks) and its q4_1 cols records: the engine's
-    native decode is the path it takes on the CPU — a layer's attention half one call, the tied Q8_0 vocabulary
-    held as its blocks (the same values as the float embedding) — and decodes the same greedy tokens as the
+    native decode is the path it takes on the CPU — a layer's attention half one call, its MoE half another, the
+    tied Q8_0 vocabulary held as its blocks (the same values as the float embedding) — and decodes the same greedy tokens as the
     torch forms (native_kernels off), logits within the bf16 activations' rounding."""
     import torch
     from engine.checkpoint import Checkpoint
@@ -286,13 +286,13 @@ def test_the_demo_model_decodes_natively_as_its_torch_forms_do(gguf, tmp_path, m
     on, off = (load_model(kept, provider=InMemoryExperts(lay, records), device="cpu", max_context=256, max_batch=1,
                           native_kernels=n) for n in (True, False))
     assert on.native_decode and isinstance(on.head, Q8Projection) and on.embed is None
-    assert all(layer.attn.scratch is not None and layer.mlp.native for layer in on.layers)
+    assert all(layer.attn.block_fits and layer.mlp.native and layer.mlp.tail is not None for layer in on.layers)
     ids = torch.tensor([1, 200, 49151])
     assert torch.equal(on.head.rows(ids), off.embed[ids])       # the blocks hold the float vocabulary's values
     calls = {"on": 0, "off": 0}
-    for name in ("int4_ffn", "int4pack_gemv"):      # which model's steps reach the native int4 kernels
-        fn = getattr(native, name)
-        monkeypatch.setattr(native, name, lambda *a, fn=fn: calls.__setitem__(side, calls[side] + 1) or fn(*a))
+    for owner, name in ((native, "int4_ffn"), (native, "int4pack_gemv"), (native.MoETail, "__call__")):
+        fn = getattr(owner, name)                     # which model's steps reach the native int4 kernels
+        monkeypatch.setattr(owner, name, lambda *a, fn=fn: calls.__setitem__(side, calls[side] + 1) or fn(*a))
     with torch.inference_mode():
         side = "on"
         toks, rows = greedy(on, list(range(300, 340)), 17)
