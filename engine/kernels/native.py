@@ -180,13 +180,19 @@ def int4pack_gemv(x: torch.Tensor, packed: torch.Tensor, sz: torch.Tensor, group
 def int4_ffn(x: torch.Tensor, rec: torch.Tensor, regions: dict, group: int) -> torch.Tensor:
     """One expert on one token (engine.kernels.quant_cpu.quant_ffn's function): x fp32 [H] contiguous, rec a
     cols-order 4-bit record (uint8, contiguous), regions its QuantLayout.regions → y fp32 [H]."""
-    (gu_off, _, two_i, h), (d_off, _, _, i) = regions["gate_up"], regions["down"]
+    h, i = regions["down"][2:]
     base = rec.data_ptr()
-    gu, hid, y = torch.empty(two_i), torch.empty(i), torch.empty(h)
-    lib().int4_ffn(x.data_ptr(), h, i, base + gu_off, base + gu_off + two_i * h // 2, base + d_off,
-                   base + d_off + h * i // 2, group, gu.data_ptr(), hid.data_ptr(), y.data_ptr(),
-                   torch.get_num_threads())
+    gu, hid, y = torch.empty(2 * i), torch.empty(i), torch.empty(h)
+    lib().int4_ffn(x.data_ptr(), h, i, *(base + off for off in ffn_offsets(regions)), group, gu.data_ptr(),
+                   hid.data_ptr(), y.data_ptr(), torch.get_num_threads())
     return y
+
+
+def ffn_offsets(regions: dict) -> tuple[int, int, int, int]:
+    """A cols-order 4-bit record's byte offsets (QuantLayout.regions): gate|up codes, their scales, down codes,
+    their scales — the int4pack operands int4_ffn and moe_tail read."""
+    (gu_off, _, two_i, h), (d_off, _, _, i) = regions["gate_up"], regions["down"]
+    return gu_off, gu_off + two_i * h // 2, d_off, d_off + h * i // 2
 
 
 class MoETail:
@@ -198,8 +204,7 @@ class MoETail:
 
     def __init__(self, regions: dict, hidden: int, intermediate: int, group: int, top_k: int):
         assert top_k <= MAX_TOP_K and max(hidden, intermediate) <= MAX_K
-        (gu_off, _, two_i, h), (d_off, _, _, i) = regions["gate_up"], regions["down"]
-        self.offsets = (gu_off, gu_off + two_i * h // 2, d_off, d_off + h * i // 2)
+        self.offsets = ffn_offsets(regions)
         self.hidden, self.intermediate, self.group, self.top_k = hidden, intermediate, group, top_k
         self.ids = torch.empty(top_k, dtype=torch.int64)              # route()'s outputs, read by __call__
         self.weights = torch.empty(top_k)
