@@ -443,7 +443,8 @@ def main():
                          "tiered_24gb_piecewise_uniform (in-process, routing replaced by a uniform trace), "
                          "tiered_24gb_cpu_auto / tiered_24gb_cpu_on (the same with "
                          "--cpu-experts auto/on: the CPU expert lane), resident_int4, budget_24gb_int4 (int4 records, "
-                         "the 24 GB budget)")
+                         "the 24 GB budget), resident_no_ahead / resident_int4_no_ahead (in-process, --no-decode-ahead: "
+                         "decode ahead's A/B baseline)")
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     work = Path(args.work)
@@ -496,7 +497,7 @@ def main():
     result["budget_24gb"] = budget
     wanted = args.configs.split(",")
     store4, tb4, budget4 = work / "store-int4", None, None
-    if any(c.endswith("int4") for c in wanted):
+    if any("int4" in c for c in wanted):
         # the same seed's draws quantized (engine synth --quant int4): the same checkpoint, a quarter the bytes
         if not (store4 / mf.MANIFEST).exists():
             t0 = time.perf_counter()
@@ -514,6 +515,8 @@ def main():
     configs = {    # name: (LLM.load knobs, engine serve flags, sampled, store, token bytes)
         "resident": ({"experts": "resident"}, ["--experts", "resident"], False, store, tb),
         "resident_torch_ops": ({"experts": "resident", "fused_kernels": False}, None, False, store, tb),
+        # the A/B baseline of decode ahead (engine.llm): each step launched once the last one's tokens are read
+        "resident_no_ahead": ({"experts": "resident", "decode_ahead": False}, None, False, store, tb),
         # decoded as the tiered runs are (sampled): the host's sampling per token beside the same GPU step
         "resident_sampled": ({"experts": "resident"}, None, True, store, tb),
         "tiered_24gb": ({"experts": "tiered", "gpu_slots": gpu_slots, "ram_slots": budget["ram_slots"], "readers": 16},
@@ -532,6 +535,7 @@ def main():
         configs[f"tiered_24gb_cpu_{mode}"] = ({**kw, "cpu_experts": mode}, [*flags, "--cpu-experts", mode], sampled, st, t)
     if budget4:
         configs["resident_int4"] = ({"experts": "resident"}, ["--experts", "resident"], False, store4, tb4)
+        configs["resident_int4_no_ahead"] = ({"experts": "resident", "decode_ahead": False}, None, False, store4, tb4)
         # auto placement under the 24 GB card's slots: int4 records all fit, so it must pick resident
         configs["budget_24gb_int4"] = ({"experts": "auto", "gpu_slots": budget4["gpu_slots"],
                                         "ram_slots": budget["ram_slots"], "readers": 16},
@@ -616,6 +620,10 @@ def main():
     ops = runs.get("resident_torch_ops", {}).get("inprocess")
     if ops and "inprocess" in res_:
         t["resident_fused_over_torch_ops_decode"] = round(res_["inprocess"]["decode_tps"] / ops["decode_tps"], 3)
+    for base in ("resident", "resident_int4"):      # decode ahead's A/B, in-process, same run
+        on, off = runs.get(base, {}).get("inprocess"), runs.get(f"{base}_no_ahead", {}).get("inprocess")
+        if on and off:
+            t[f"{base}_ahead_over_no_ahead_decode"] = round(on["decode_tps"] / off["decode_tps"], 3)
     r4 = runs.get("resident_int4", {}).get("inprocess")
     if r4 and "inprocess" in res_:
         t["resident_int4_over_bf16_decode"] = round(r4["decode_tps"] / res_["inprocess"]["decode_tps"], 3)

@@ -13,6 +13,12 @@ in a decode step it took part in ends that request with RequestFailed and the ot
 batched step is retried one sequence at a time to find whose it was). The queue is bounded: past
 `max_queue` waiting requests a new one is refused at once with Overloaded (the server's 429).
 
+Decode ahead: where a decode step launches asynchronously (CUDA, every expert resident: decode_ahead_ok) and
+every running sequence is greedy, the step after it is launched from the argmax still on the GPU before the host
+reads this step's tokens, so the GPU computes while the host reads, emits and checks stops. A sequence that ends
+at that read, or one that joins, leaves the launched step unused: it is run again, from the host's tokens, at the
+same positions (its KV writes are simply redone), so the tokens are the step-by-step path's.
+
 Callers never touch the model. stream() hands a caller its tokens through a queue it iterates;
 submit() calls the caller's own sink in the scheduler thread instead (the server's: straight into its
 event loop, with no thread of its own per request). Closing a stream or cancelling a submitted request
@@ -37,7 +43,7 @@ from engine.kernels.cpu import set_compute_threads
 from engine.loader import load_model
 from engine.models.common import MoEModel
 from engine.runtime import EngineConfig
-from engine.sampling import SamplingError, check_params, choose, is_greedy, make_generator
+from engine.sampling import GreedyPicks, SamplingError, check_params, choose, is_greedy, make_generator
 
 DEFAULT_CHUNK = 512            # prefill tokens per scheduler turn (engine serve --chunk-size)
 # A CUDA prefill with no stream decoding beside it takes this many chunks a turn: an 8000-token prompt on the H200
@@ -80,6 +86,13 @@ class Overloaded(RuntimeError):
     def __init__(self, message: str, retry_after: int):
         super().__init__(message)
         self.retry_after = retry_after
+
+
+class _Launched(NamedTuple):
+    """A decode step on its way: its batch, logits, and (all greedy) its argmax on the device (GreedyPicks)."""
+    batch: list
+    logits: torch.Tensor
+    picks: GreedyPicks | None
 
 
 class _Request:
@@ -142,9 +155,10 @@ class Stream:
 
 class LLM:
     def __init__(self, model: MoEModel, tokenizer, model_dir: str | Path | None = None, *,
-                 chunk_size: int = DEFAULT_CHUNK, max_queue: int | None = None):
+                 chunk_size: int = DEFAULT_CHUNK, max_queue: int | None = None, decode_ahead: bool = True):
         """chunk_size: prefill tokens per scheduler turn. max_queue: requests waiting for a slot before new
-        ones are refused with Overloaded (default 4 × the KV cache's slots)."""
+        ones are refused with Overloaded (default 4 × the KV cache's slots). decode_ahead: greedy steps launch
+        before the previous one's tokens are read, where the model allows it (model.decode_ahead_ok)."""
         if chunk_size < 1:
             raise ValueError(f"chunk_size {chunk_size} must be at least 1")
         self.model, self.tokenizer = model, tokenizer
@@ -177,6 +191,10 @@ class LLM:
         # H200 this stall was ~0.3 ms of a 2 ms resident step). Elsewhere each item goes out at once.
         self._defer = model.async_decode
         self._outbox: list[tuple[Callable[[object], None], object]] = []
+        self._chain = decode_ahead and model.decode_ahead_ok  # decode ahead (the module's docstring)
+        self._ahead: _Launched | None = None                  # the step launched ahead, its tokens not yet read
+        self._ahead_used = 0
+        self._ahead_redone = 0
         self._thread = threading.Thread(target=self._loop, name="engine-scheduler", daemon=True)
         self._thread.start()
         # An engine nobody closed still stops its scheduler at interpreter exit: a daemon thread that ran
@@ -212,7 +230,8 @@ class LLM:
         if config.device_kind == "cpu":
             set_compute_threads(config.threads)  # here, not in the scheduler: a daemon thread that set them aborts the exit
             trim_heap()                          # what the load freed, back to the kernel (engine.tiers.ram.trim_heap)
-        return cls(model, tokenizer, model_dir, chunk_size=chunk_size, max_queue=max_queue)
+        return cls(model, tokenizer, model_dir, chunk_size=chunk_size, max_queue=max_queue,
+                   decode_ahead=config.decode_ahead)
 
     # ------------------------------------------------------------ callers' side (any thread)
 
@@ -259,6 +278,7 @@ class LLM:
         out = dict(self.model.provider.counters())
         if (graphs := self.model.graphs) is not None:
             out.update(decode_graph_replays=graphs.replays, decode_graph_captures=graphs.captures)
+        out.update(decode_ahead_steps_total=self._ahead_used, decode_ahead_redone_total=self._ahead_redone)
         with self._cv:
             out.update(prompt_tokens_total=self._prompt_tokens, generation_tokens_total=self._generation_tokens,
                        active_streams=len(self._active) + (self._prefilling is not None),
@@ -307,6 +327,7 @@ class LLM:
                     if not abort and self._prefilling is None and self._pending and self.model.kv.free_slots():
                         new = self._pending.popleft()
                 if abort:
+                    self._ahead = None
                     for r in self._running() + waiting:
                         self._fail(r, RequestFailed(*abort))
                     self._flush()
@@ -351,30 +372,63 @@ class LLM:
 
     def _decode(self) -> None:
         batch = sorted(self._active, key=lambda r: r.slot)     # ascending slots: usually one contiguous view
-        try:
-            logits = self._step(batch)
-        except Exception:
-            self._flush()
-            # Whose was it? The same step, one sequence at a time (it rewrites the same KV positions).
-            for r in batch:
-                try:
-                    row = self._step([r])
-                except Exception as e:
-                    self._fail(r, RequestFailed(f"generation failed: decode: {e}"))
-                else:
-                    self._finish_step([r], row)
-            return
+        step, self._ahead = self._ahead, None
+        if step is not None and step.batch != batch:
+            self._ahead_redone += 1         # a stream joined or left: run from the host's tokens, same positions
+            step = None
+        if step is None:
+            try:
+                logits = self._step(batch)
+            except Exception:
+                self._flush()
+                # Whose was it? The same step, one sequence at a time (it rewrites the same KV positions).
+                for r in batch:
+                    try:
+                        row = self._step([r])
+                    except Exception as e:
+                        self._fail(r, RequestFailed(f"generation failed: decode: {e}"))
+                    else:
+                        self._finish_step([r], row)
+                return
+            step = _Launched(batch, logits, GreedyPicks(logits) if self._chains(batch) else None)
+        ahead = None
+        if step.picks is not None and self._chains(batch):
+            try:
+                logits = self.model.decode_step(step.picks.best, [r.slot for r in batch], [r.length + 1 for r in batch])
+                ahead = _Launched(batch, logits, GreedyPicks(logits))
+            except Exception:
+                ahead = None                # the next turn runs that step the ordinary way (and finds whose it was)
         self._flush()                       # the previous step's tokens, while this one computes
-        self._finish_step(batch, logits)
+        if step.picks is None:
+            self._finish_step(batch, step.logits)
+            return
+        tokens, all_argmax = step.picks.tokens()
+        self._finish_tokens(batch, tokens)
+        if ahead is not None:
+            if all_argmax and all(r.slot >= 0 and not r.cancelled for r in batch):
+                self._ahead = ahead
+                self._ahead_used += 1
+            else:                           # it fed a token this read did not give, or a sequence ended
+                self._ahead_redone += 1
+
+    def _chains(self, batch: list[_Request]) -> bool:
+        """Whether the step after this one may launch before this one's tokens are read: the engine decodes ahead,
+        every sequence is greedy and none ends by length at this step, and no stream is about to join."""
+        if not self._chain or self._prefilling is not None or (self._pending and self.model.kv.free_slots()):
+            return False
+        return all(is_greedy(r.params.temperature) and r.generated + 1 < r.params.max_tokens
+                   and r.length + 2 < self.max_context for r in batch)
 
     def _step(self, batch: list[_Request]) -> torch.Tensor:
         return self.model.decode_step([r.last for r in batch], [r.slot for r in batch], [r.length for r in batch])
 
     def _finish_step(self, batch: list[_Request], logits: torch.Tensor) -> None:
+        self._finish_tokens(batch, choose(logits, [r.params.temperature for r in batch],
+                                          [r.params.top_p for r in batch], [r.generator for r in batch]))
+
+    def _finish_tokens(self, batch: list[_Request], tokens: list) -> None:
         for r in batch:
             r.length += 1
-        tokens = choose(logits, [r.params.temperature for r in batch], [r.params.top_p for r in batch],
-                        [r.generator for r in batch])
         for r, t in zip(batch, tokens):
             if not r.cancelled:
                 self._emit(r, t)

@@ -99,3 +99,36 @@ def choose(logits: torch.Tensor, temperatures: list[float], top_ps: list[float],
         except SamplingError as e:
             out[i] = e
     return out
+
+
+class GreedyPicks:
+    """choose()'s answer for a batch whose rows are all greedy, with the host read deferred: the argmax
+    (`best`) stays on the logits' device, where it can feed the next decode step before the host has seen it
+    (engine.llm: decode ahead), and travels to the host beside each row's finiteness without a wait."""
+
+    def __init__(self, logits: torch.Tensor):
+        self.logits = logits
+        self.best = logits.argmax(dim=-1)
+        # A row whose largest logit is finite has no NaN (argmax would pick it) and no +inf: its argmax is greedy_row's.
+        finite = torch.isfinite(logits.gather(-1, self.best[:, None]))[:, 0]
+        if logits.device.type == "cuda":
+            self._host = torch.empty(2, len(self.best), dtype=torch.long, pin_memory=True)
+            self._host[0].copy_(self.best, non_blocking=True)
+            self._host[1].copy_(finite, non_blocking=True)
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+        else:
+            self._host, self._ready = torch.stack([self.best, finite.long()]), None
+
+    def tokens(self) -> tuple[list[int | SamplingError], bool]:
+        """(choose()'s tokens for these logits at temperature 0, whether every row was `best`'s argmax:
+        a row with a NaN or inf logit goes to greedy_row, as in choose(), and may differ or fail)."""
+        if self._ready is not None:
+            self._ready.synchronize()
+        out, ok = self._host.tolist()
+        for i in (i for i, fine in enumerate(ok) if not fine):
+            try:
+                out[i] = greedy_row(self.logits[i])
+            except SamplingError as e:
+                out[i] = e
+        return out, all(ok)

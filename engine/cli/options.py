@@ -48,6 +48,10 @@ lane_rates = click.option("--lane-rates", default=None,
                                "decode step).")
 cuda_graphs = click.option("--cuda-graphs/--no-cuda-graphs", default=EngineConfig.cuda_graphs, show_default=True,
                            help="Replay decode steps from CUDA graphs on a GPU (per batch size and context bucket).")
+decode_ahead = click.option("--decode-ahead/--no-decode-ahead", default=EngineConfig.decode_ahead, show_default=True,
+                            help="On a GPU whose steps launch asynchronously (every expert resident), launch a greedy "
+                                 "batch's next decode step from the argmax still on the GPU, before the host reads "
+                                 "this step's tokens; the same tokens.")
 fused_kernels = click.option("--fused-kernels/--no-fused-kernels", default=EngineConfig.fused_kernels,
                              show_default=True,
                              help="Decode on a GPU with fused Triton kernels (norms, rotary + KV write, attention, "
@@ -74,10 +78,11 @@ zero_copy = click.option("--zero-copy", type=click.Choice(ZERO_COPY), default=En
 def tiers(f):
     """Where the routed experts live and who reads them: --experts, --gpu-slots, --ram-slots, --readers,
     --cpu-layout, --threads, --policy, where RAM-tier experts are computed (--cpu-experts, --lane-rates) and
-    how a GPU decodes (--cuda-graphs, --fused-kernels, --zero-copy) and a CPU (--native-kernels); whether the tiers
+    how a GPU decodes (--cuda-graphs, --decode-ahead, --fused-kernels, --zero-copy) and a CPU (--native-kernels); whether the tiers
     fill at load (--preload)."""
     for option in reversed((experts, gpu_slots, ram_slots, readers, cpu_layout, threads, policy, cpu_experts,
-                            lane_rates, cuda_graphs, fused_kernels, native_kernels, preload, zero_copy)):
+                            lane_rates, cuda_graphs, decode_ahead, fused_kernels, native_kernels, preload,
+                            zero_copy)):
         f = option(f)
     return f
 

@@ -5,7 +5,8 @@ One graph chain per (batch size, KV-length bucket), captured on first use and re
 so continuous batching (the batch grows and shrinks by a stream at a time) keeps working: each exact
 batch size gets its own graphs (padding a batch would route the padding rows to real experts, and
 every padded row costs top_k expert reads). Tokens, slots and positions are copied into static device
-tensors before each replay; the step's logits are cloned out of the graph's memory.
+tensors before each replay (tokens may be the last step's argmax, already on the device: engine.llm's
+decode ahead); the step's logits are cloned out of the graph's memory.
 
 A provider that needs host work inside a step (the tiered provider reads each MoE layer's routing to
 copy the experts it lacks) does it between graph pieces: while the Recorder captures, the provider
@@ -90,12 +91,16 @@ class DecodeGraphs:
     def decode(self, tokens, slots: list[int], positions: list[int]) -> torch.Tensor:
         b = len(slots)
         kv_len = kv_bucket(max(positions) + 1, self.model.max_len)
+        fed = torch.is_tensor(tokens) and tokens.device.type == "cuda"    # the last step's argmax (engine.llm)
         self.copied.synchronize()                     # the staging row is free again
-        self.host[0, :b] = torch.as_tensor(tokens, dtype=torch.long).view(-1)
+        if not fed:
+            self.host[0, :b] = torch.as_tensor(tokens, dtype=torch.long).view(-1)
         self.host[1, :b] = torch.as_tensor(positions, dtype=torch.long)
         self.host[2, :b] = torch.as_tensor(slots, dtype=torch.long)
         self.static.copy_(self.host, non_blocking=True)     # the whole (contiguous) staging: rows past b unused
         self.copied.record()
+        if fed:                                       # device to device, in stream order: no host read
+            self.static[0, :b].copy_(tokens.view(-1))
         entry = self.graphs.get((b, kv_len))
         if entry is None:
             entry = self.graphs[(b, kv_len)] = self._capture(b, kv_len)

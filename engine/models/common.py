@@ -440,6 +440,13 @@ class MoEModel(nn.Module):
         inside it: resident), so the host can do other work until it reads the logits."""
         return self.device.type == "cuda" and not getattr(self.provider, "host_steps", True)
 
+    @property
+    def decode_ahead_ok(self) -> bool:
+        """A step may launch before the last one's logits are read (engine.llm's decode ahead): launches are
+        asynchronous and the provider has no hook between steps (zero-copy's routing log and promotions read each
+        step's log once its logits are read)."""
+        return self.async_decode and getattr(self.provider, "after_decode_launch", None) is None
+
     def decode_meta(self, slots: list[int], sel, idx: torch.Tensor, pos: torch.Tensor, kv_len: int) -> Step:
         """A decode step's Step (eager and graph-captured decode build it here alike). pos [B, 1]."""
         b = pos.shape[0]

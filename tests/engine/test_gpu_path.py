@@ -133,6 +133,25 @@ def test_served_engine_is_graph_captured_and_equals_eager(tiny_store, caplog):
 
 
 @needs_cuda
+def test_decoding_ahead_from_graphs_gives_the_step_by_step_tokens(tiny_store):
+    """`engine serve --device cuda`'s default on a resident engine: each greedy step's graph is fed the last step's
+    argmax on the device and launched before the host reads that step's tokens (engine.llm's decode ahead); the
+    tokens are --no-decode-ahead's, and streams that join and leave mid-batch run to their lengths."""
+    from engine.llm import LLM
+    ck, store = tiny_store
+    with LLM.load(ck, store, device="cuda", max_context=256, max_batch=3) as ahead, \
+            LLM.load(ck, store, device="cuda", max_context=256, max_batch=3, decode_ahead=False) as plain:
+        assert ahead._chain and not plain._chain and ahead.model.graphs is not None
+        assert _one_by_one(ahead, PROMPTS) == _one_by_one(plain, PROMPTS)
+        c = ahead.counters()
+        # 23 decode steps a prompt: the first from the host's token, the other 22 launched ahead, each used.
+        assert c["decode_ahead_steps_total"] == 3 * 22 and c["decode_ahead_redone_total"] == 0
+        assert plain.counters()["decode_ahead_steps_total"] == 0
+        assert [len(t) for t in _streams(ahead, PROMPTS)] == [24] * 3
+        assert ahead.counters()["decode_ahead_steps_total"] > 3 * 22
+
+
+@needs_cuda
 def test_a_prompt_alone_is_prefilled_in_larger_chunks_and_chunks_see_what_one_prefill_sees(tiny_store):
     """On CUDA a prompt with no stream decoding beside it is prefilled ALONE_CHUNKS chunks a turn, beside a
     decoding stream chunk_size tokens a turn (the stream waits at most one chunk); a later chunk attends through
@@ -253,6 +272,7 @@ def test_zero_copy_engine_is_one_graph_a_step_with_the_resident_tokens(tiny_stor
     with zc, LLM.load(ck, store, device="cuda", max_context=256, max_batch=3, cuda_graphs=False) as ref:
         p = zc.model.provider
         assert isinstance(p, TieredExperts) and p.zero_copy is not None and zc.model.async_decode
+        assert not zc._chain            # its routing log is read once a step's logits are: no step launched ahead
         assert any("zero-copy decode: on" in r.message for r in caplog.records)
         reads = p.counters()["store_reads"]
         want = _one_by_one(ref, PROMPTS)

@@ -155,13 +155,16 @@ def _run_beside_three(engine, bad_prompt, bad_params=GREEDY):
     return [[f.id] + ids(list(s)) for f, s in zip(firsts, streams)], outcome
 
 
+@pytest.mark.parametrize("ahead", [False, True], ids=["step-by-step", "decode-ahead"])
 @pytest.mark.parametrize("fault", ["prefill", "decode", "nan-logits"])
-def test_a_failing_request_ends_alone_beside_three_streams(llm, monkeypatch, fault):
+def test_a_failing_request_ends_alone_beside_three_streams(llm, monkeypatch, fault, ahead):
     """Fault injection (a test double where no real model fault can be provoked on demand): the real
     prefill/decode_step, wrapped to fail for the one sequence whose positions reach 45 (only the bad
-    request's 45-token prompt gets there; the good ones stay below 33)."""
+    request's 45-token prompt gets there; the good ones stay below 33). Decoding ahead (forced on this CPU
+    model, as in the decode-ahead tests below), a failure met by a step launched ahead ends the same request."""
     good = [PROMPT[:n] for n in (5, 9, 12)]
     alone = [ids(llm.generate(p, GREEDY)) for p in good]
+    monkeypatch.setattr(llm, "_chain", ahead)
     real_prefill, real_decode = llm.model.prefill, llm.model.decode_step
 
     def prefill(ids_, slot, start=0, all_logits=False):
@@ -267,6 +270,78 @@ def test_where_a_step_launches_asynchronously_its_tokens_go_out_after_the_next_l
         assert ids(got) == want[0] and got[-1].finish == "length"
         streams = [engine.stream(p, params) for p in (PROMPT, PROMPT[:5])]
         assert [ids(list(s)) for s in streams] == want
+
+
+# ---- decode ahead: the next greedy step launched from the device's argmax ---------------------------------
+# On a GPU with every expert resident a step launches asynchronously (model.async_decode) and the engine decodes
+# ahead by default. No GPU here: the policy is forced on a CPU model, whose steps are synchronous, so the tests
+# hold the scheduler's bookkeeping (tokens, ends, joins, redone steps) to the step-by-step path; on the H200,
+# tests/engine/test_gpu_path.py holds the graphed steps to it.
+
+def test_decoding_ahead_gives_the_step_by_step_tokens_and_launches_before_reading(tiny_checkpoint, monkeypatch):
+    with LLM.load(tiny_checkpoint("qwen3_moe"), max_context=64, max_batch=3) as engine:
+        assert engine._chain is False                # a CPU step is synchronous: nothing to gain
+        want = ids(engine.generate(PROMPT, GREEDY))
+        stop = want[7]                               # a stop id that greedy decoding meets half way
+        want_stopped = ids(engine.generate(PROMPT, SamplingParams(max_tokens=20, stop_token_ids=(stop,))))
+        monkeypatch.setattr(engine, "_chain", True)
+        events: list = []
+        real_decode = engine.model.decode_step
+        monkeypatch.setattr(engine.model, "decode_step", lambda t, s, p: (
+            events.append(("launch", p[0], torch.is_tensor(t))), real_decode(t, s, p))[1])
+        got: list = []
+        done = threading.Event()
+
+        def sink(item):
+            events.append(("token", item.id))
+            got.append(item)
+            if item.finish:
+                done.set()
+        engine.submit(PROMPT, GREEDY, sink=sink)
+        assert done.wait(60)
+        assert ids(got) == want and got[-1].finish == "length"
+        launches = [e for e in events if e[0] == "launch"]
+        # One launch per position 12..30, each once: the steps launched ahead were all used. After the first,
+        # each takes the previous step's argmax as a tensor, launched before that step's token went out (the
+        # last too: the step before it does not end the stream).
+        assert [p for _, p, _ in launches] == list(range(12, 31))
+        assert [fed for _, _, fed in launches] == [False] + [True] * 18
+        first_ahead = events.index(("launch", 13, True))
+        assert events[first_ahead + 1] == ("token", want[1])     # t0 (prefill), launch 12, launch 13, then t1
+        c = engine.counters()
+        assert c["decode_ahead_steps_total"] == 18 and c["decode_ahead_redone_total"] == 0
+        # A stop id ends the stream at the same token; the step launched past it is not used.
+        stopped = ids(engine.generate(PROMPT, SamplingParams(max_tokens=20, stop_token_ids=(stop,))))
+        assert stopped == want_stopped and stopped[-1] == stop and len(stopped) < 20
+        assert engine.counters()["decode_ahead_redone_total"] == 1
+
+
+def test_decoding_ahead_beside_joining_leaving_and_sampled_streams(llm, monkeypatch):
+    """Seven callers on three slots (streams join and leave mid-batch), one of them sampled at a seed: every
+    caller's tokens are the step-by-step path's, and steps launched ahead were both used and redone."""
+    prompts = [PROMPT[:n] for n in (3, 5, 7, 9, 11, 12, 4)]
+    lengths = [20, 7, 13, 20, 3, 16, 9]
+    sampled = SamplingParams(max_tokens=12, temperature=1.0, seed=77, ignore_eos=True)
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in lengths]
+    params[4] = sampled
+    alone = [ids(llm.generate(p, q)) for p, q in zip(prompts, params)]
+    monkeypatch.setattr(llm, "_chain", True)
+    before = llm.counters()
+    results: dict[int, list[int]] = {}
+    start = threading.Barrier(len(prompts))
+
+    def caller(i):
+        start.wait()
+        results[i] = ids(llm.stream(prompts[i], params[i]))
+    threads = [threading.Thread(target=caller, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert [results.get(i) for i in range(len(prompts))] == alone
+    after = llm.counters()
+    assert after["decode_ahead_steps_total"] > before["decode_ahead_steps_total"]
+    assert after["active_streams"] == after["queued_streams"] == 0
 
 
 def test_a_full_queue_refuses_at_once_with_a_retry_time(tiny_checkpoint):
