@@ -50,6 +50,10 @@ class _EngineCollector:
                 ("prompt_tokens_total", "kiln_prompt_tokens", "Prompt tokens prefilled"),
                 ("generation_tokens_total", "kiln_generation_tokens", "Tokens generated"),
                 ("decode_graph_replays", "kiln_decode_graph_replays", "Decode steps replayed from CUDA graphs"),
+                ("decode_ahead_steps_total", "kiln_decode_ahead_steps", "Decode steps launched from the last step's "
+                 "argmax on the GPU before the host read it, and used"),
+                ("decode_ahead_redone_total", "kiln_decode_ahead_redone", "Decode steps launched ahead and not used "
+                 "(a stream ended or joined): run again from the host's tokens"),
                 ("failed_requests_total", "kiln_requests_failed", "Requests whose own generation failed (the others went on)"),
                 ("rejected_requests_total", "kiln_requests_rejected", "Requests refused with 429: the queue was full")):
             yield CounterMetricFamily(name, doc, value=float(c.get(key, 0)))

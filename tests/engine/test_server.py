@@ -306,6 +306,8 @@ def test_metrics_move_with_requests(qwen):
     assert metric(c, "kiln_store_read_bytes_total") >= 0 and metric(c, "kiln_model_ready") == 1
     assert metric(c, "kiln_expert_provider", {"provider": "memory"}) == 1     # which provider serves the experts
     assert metric(c, "kiln_decode_graph_replays_total") == 0                   # the CPU decodes eagerly
+    assert metric(c, "kiln_decode_ahead_steps_total") == 0                     # ... and step by step (engine.llm)
+    assert metric(c, "kiln_decode_ahead_redone_total") == 0
 
 
 # ---- errors ------------------------------------------------------------------------------------
