@@ -373,7 +373,9 @@ class LLM:
     def _decode(self) -> None:
         batch = sorted(self._active, key=lambda r: r.slot)     # ascending slots: usually one contiguous view
         step, self._ahead = self._ahead, None
-        if step is not None and step.batch != batch:
+        if step is not None and step.batch == batch:
+            self._ahead_used += 1
+        elif step is not None:
             self._ahead_redone += 1         # a stream joined or left: run from the host's tokens, same positions
             step = None
         if step is None:
@@ -406,8 +408,7 @@ class LLM:
         self._finish_tokens(batch, tokens)
         if ahead is not None:
             if all_argmax and all(r.slot >= 0 and not r.cancelled for r in batch):
-                self._ahead = ahead
-                self._ahead_used += 1
+                self._ahead = ahead         # the next turn uses it, unless a stream joins or leaves first
             else:                           # it fed a token this read did not give, or a sequence ended
                 self._ahead_redone += 1
 
