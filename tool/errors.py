@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import enum
 import re
+import signal
+import threading
 
 
 class Exit(enum.IntEnum):
@@ -31,6 +33,29 @@ def child_exit(returncode: int) -> Exit:
         return Exit(returncode)
     except ValueError:
         return Exit.FAILED
+
+
+_interrupted = threading.Event()
+
+
+def interrupt(signum=None, frame=None):
+    """The tool's SIGINT (and `tool up`'s SIGTERM) handler: KeyboardInterrupt, remembered. Python drops an exception
+    raised in an at-fork hook (logging releases its locks after every fork), so a Ctrl-C that lands while a child
+    is forked would vanish and the step would run on to its end; whoever starts a child calls raise_if_interrupted()."""
+    _interrupted.set()
+    raise KeyboardInterrupt
+
+
+def raise_if_interrupted() -> None:
+    if _interrupted.is_set():
+        raise KeyboardInterrupt
+
+
+def catch_interrupts() -> None:
+    """A command's start: SIGINT goes to interrupt() (from the main thread only, as signal.signal requires)."""
+    _interrupted.clear()
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, interrupt)
 
 
 class KilnError(Exception):

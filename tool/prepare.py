@@ -29,7 +29,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from tool.errors import Exit, IntegrityError, KilnError, MissingDependency, NotWritable, child_exit, last_line
+from tool.errors import (Exit, IntegrityError, KilnError, MissingDependency, NotWritable, child_exit, last_line,
+                         raise_if_interrupted)
 from tool.plan import compile_plan
 from tool import store_marker
 from tool.state import Dirs, pid_alive
@@ -82,6 +83,7 @@ def run_command(argv: list[str], env: dict, log, what: str, container: str | Non
     except OSError as e:
         raise MissingDependency(f"{what}: cannot run {argv[0]} ({e.strerror or e})") from None
     try:
+        raise_if_interrupted()          # a Ctrl-C during the fork itself is swallowed there (tool.errors.interrupt)
         rc = proc.wait()
     except BaseException:
         stop_child(proc)

@@ -12,7 +12,7 @@ import traceback
 
 import click
 
-from tool.errors import Exit, KilnError, printable
+from tool.errors import Exit, KilnError, catch_interrupts, printable
 
 # command name -> (module, attribute). Each module owns one command group's job.
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -83,6 +83,7 @@ def main(argv=None) -> int:
 
     Whatever a command is given, the user sees one line, never a traceback: anything unexpected is a
     bug, reported as one (exit 70) with the traceback left to KILN_DEBUG=1."""
+    catch_interrupts()
     try:
         rv = cli.main(args=argv, prog_name="tool", standalone_mode=False)
         return int(rv or 0)

@@ -15,11 +15,7 @@ from rich.console import Console
 from rich.table import Table
 
 from tool.cli import options
-from tool.errors import Exit, KilnError
-
-
-def _terminated(signum, frame):
-    raise KeyboardInterrupt
+from tool.errors import Exit, KilnError, interrupt
 
 
 def steps_table(report: dict) -> Table:
@@ -76,7 +72,7 @@ def up(recipe, runner, once, json_path, port, gates, load_timeout, engine_bin, s
              Options(runner=runner, once=once, port=port, gates=gates, load_timeout_s=load_timeout,
                      engine_bin=engine_bin),
              say=lambda line: err.print(line, markup=False), reporter=RichReporter(err), progress=Progress())
-    signal.signal(signal.SIGTERM, _terminated)     # `kill`/a unit stop: stop the server as Ctrl-C would
+    signal.signal(signal.SIGTERM, interrupt)       # `kill`/a unit stop: stop the server as Ctrl-C would
     try:
         report = run.run()
     except BaseException:
