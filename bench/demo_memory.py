@@ -10,7 +10,7 @@ appended, as native.nix appends it. llama-server runs as tool check's baseline d
 (peak) after it; for the engine also the KV cache it reserves (layers x slots x context x kv_heads x
 head_dim x 2 x the serving dtype's bytes, fp32 on the CPU), which costs RSS only where written.
 
-    .venv/bin/python bench/demo_memory.py [--llama-server PATH] [--work DIR] [--main /work/main]
+    .venv/bin/python -m bench.demo_memory [--llama-server PATH] [--work DIR] [--main /work/main]
 
 --main TREE adds a `before` row: that tree's engine on the same store with the recipe's args as they were
 (no --max-batch). Writes bench/results/demo_memory.json.
@@ -103,7 +103,6 @@ def figures(argv, ready_s, idle, after, peak_sampled) -> dict:
 
 
 def measure_llama(exe: Path, gguf: Path, ctx: int) -> dict:
-    sys.path.insert(0, str(ROOT))
     from tool.checks.llama_cpp import LlamaServerProcess
     t0 = time.monotonic()
     with LlamaServerProcess(exe, gguf, ctx=ctx) as srv:
@@ -167,7 +166,7 @@ def main(llama, main_tree, work, out):
     cap = recipe["runtime"]["native"]["memory_max_bytes"]
     ratio = runs["engine"]["rss_peak_bytes"] / runs["llama.cpp"]["rss_peak_bytes"]
     result = {"date": date.today().isoformat(), "host": platform.node(),
-              "command": ".venv/bin/python bench/demo_memory.py", "recipe": recipe["id"], "context": ctx,
+              "command": ".venv/bin/python -m bench.demo_memory", "recipe": recipe["id"], "context": ctx,
               "store": {"quant": manifest.get("quant"), "record_bytes": manifest["record_bytes"],
                         "records": len(manifest["records"])},
               "memory_max_bytes": cap, "runs": runs,

@@ -18,7 +18,7 @@ lm_head rows zeroed in this synthetic checkpoint, so a gap between events is a g
 Scenario 2 — 32 clients at once (each a 64-token prompt, 32 tokens out, streamed): time to first token
 p50/p99 of the answered ones, and how many got 429 (with Retry-After).
 
-    .venv/bin/python bench/fairness.py [--chunk 512] [--rounds 2] [--threads 1]
+    .venv/bin/python -m bench.fairness [--chunk 512] [--rounds 2] [--threads 1]
 
 Both servers run --threads 1 by default: on this shared 2-core machine (load 9-13 while measured) a
 2-thread OpenMP team waits a time slice at every parallel region (measured in-process, same model:
@@ -46,8 +46,7 @@ import click
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from tests.fixtures.tiny_models import make_tiny_checkpoint  # noqa: E402
+from tests.fixtures.tiny_models import make_tiny_checkpoint
 
 LONG = 6000
 STREAMS = 4
@@ -218,7 +217,7 @@ def main(chunk, rounds, threads, out):
         finally:
             s.close()
     result = {"date": date.today().isoformat(), "host": platform.node(), "cpu_count": os.cpu_count(),
-              "command": f".venv/bin/python bench/fairness.py --chunk {chunk} --rounds {rounds} --threads {threads}",
+              "command": f".venv/bin/python -m bench.fairness --chunk {chunk} --rounds {rounds} --threads {threads}",
               "threads": threads,
               "model": "tiny_models qwen3_moe hidden 256, 4 layers, 8 experts top-2, fp32, CPU",
               "long_prompt_tokens": LONG, "running_streams": STREAMS, "max_batch": MAX_BATCH, "clients": CLIENTS,

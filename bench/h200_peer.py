@@ -1,11 +1,11 @@
 """llama.cpp, the peer users would pick, on the same synthetic checkpoint, machine and 24 GB budget as Kiln's
 served bench (bench/h200_served.py), in phases that each fit one device call (issue 15).
 
-  python3 bench/h200_peer.py --phase convert --work /tmp/kp --llama-bin DIR --llama-src DIR/src --out-dir $OUT
-  python3 bench/h200_peer.py --phase quantize,bench-bf16 ...        # phases run in the order given
-  python3 bench/h200_peer.py --phase report --from DIR... --kiln bench/results/<date>-h200-served.json \
+  python -m bench.h200_peer --phase convert --work /tmp/kp --llama-bin DIR --llama-src DIR/src --out-dir $OUT
+  python -m bench.h200_peer --phase quantize,bench-bf16 ...        # phases run in the order given
+  python -m bench.h200_peer --phase report --from DIR... --kiln bench/results/<date>-h200-served.json \
       --out bench/results/<date>-h200-peer.json                    # anywhere, no GPU: merges the phases' JSON
-  python3 bench/h200_peer.py --tiny --phase all --work /tmp/kpt --llama-bin .kiln/cache/llama.cpp/bin \
+  python -m bench.h200_peer --tiny --phase all --work /tmp/kpt --llama-bin .kiln/cache/llama.cpp/bin \
       --llama-src DIR/src --out-dir /tmp/kpt/out                    # the CPU dry run of every phase
 
 --llama-bin: llama-bench, llama-quantize, llama-server and their libraries (on the device: the peer tarball of
@@ -44,24 +44,16 @@ import time
 from datetime import date
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from bench.harness import (completions_client, free_port, gguf_convert, host_load, llama_bench_figures, log,
+                           machine, measure, stop, wait_ready)
+from engine.measure.peer import STREAMS, budget_n_cpu_moe, gguf_tensors, lane_bound, report, token_bytes
 
-from bench.h200_moe import CARD_BYTES, WORKSPACE  # noqa: E402
-from bench.h200_served import (STREAMS, completions_client, free_port, gguf_convert, llama_bench_figures,  # noqa: E402
-                               measure, stop, wait_ready)
-
-GIB = 1 << 30
 PHASES = ("convert", "quantize", "bench-bf16", "bench-q4", "serve-bf16", "serve-q4", "report")
 QUANTS = {"bf16": "synth-bf16.gguf", "q4": "synth-q4_k_m.gguf"}
 # The CPU dry run's shape: every code path of the 24-layer run, small enough for two shared cores. The vocabulary
 # stays Qwen's (the converter takes it from ggml-vocab-qwen2.gguf); rows of 256 so Q4_K_M's super-blocks apply.
 TINY_SHAPE = dict(num_hidden_layers=2, hidden_size=256, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=256,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=64, intermediate_size=512)
-
-
-def log(*a):
-    print(*a, flush=True)
 
 
 class Clock:
@@ -129,72 +121,6 @@ class GpuMemoryPeak:
 
 # ------------------------------------------------------------------ what the GGUF holds, and the budget
 
-def gguf_tensors(gguf_path: Path, llama_src: Path) -> dict[str, int]:
-    """Tensor name -> bytes, read from the file's header with llama.cpp's own gguf-py."""
-    sys.path.insert(0, str(llama_src / "gguf-py"))
-    import gguf
-    return {t.name: int(t.n_bytes) for t in gguf.GGUFReader(gguf_path).tensors}
-
-
-def expert_bytes_by_layer(tensors: dict[str, int], layers: int) -> list[int]:
-    """Bytes of each layer's routed experts (blk.L.ffn_{gate,up,down,gate_up}_exps: what --n-cpu-moe moves)."""
-    out = [0] * layers
-    for name, n in tensors.items():
-        parts = name.split(".")
-        if parts[0] == "blk" and parts[2].endswith("_exps"):
-            out[int(parts[1])] += n
-    return out
-
-
-def kv_cache_bytes(cfg: dict, prefill: int) -> int:
-    """h200_served's KV figure: 4 streams of prefill + 512 tokens, bf16 K and V."""
-    return 2 * STREAMS * (prefill + 512) * cfg["num_key_value_heads"] * cfg["head_dim"] * 2 * cfg["num_hidden_layers"]
-
-
-def budget_n_cpu_moe(tensors: dict[str, int], cfg: dict, prefill: int) -> dict:
-    """The --n-cpu-moe N that gives llama.cpp what the 24 GB budget gives Kiln.
-
-    Kiln's budget (h200_served, h200_moe): GPU expert slots = (24 GiB - non-expert weights - KV cache of 4 x
-    (8k + 512) tokens - 1.5 GiB workspace) // record bytes; bf16: 2,149 of 3,072 records. Here the same
-    formula runs on this GGUF's own tensor sizes: the room left for experts is 24 GiB - its non-expert tensors
-    - the same KV - the same workspace, and N is the fewest leading layers whose experts go to the CPU
-    (--n-cpu-moe N keeps layers 0..N-1's experts in host memory) so that the other layers' experts fit that
-    room. The GPU then holds at most the expert bytes Kiln's slots hold: for bf16, 16 layers = 2,048 records
-    against Kiln's 2,149, so N - 1 (one layer more: 2,176 records, slightly over) brackets the same budget
-    from the other side. A quantization whose experts all fit gets N = 0: all on the GPU is then the budget."""
-    layers, e = cfg["num_hidden_layers"], cfg["num_experts"]
-    per_layer = expert_bytes_by_layer(tensors, layers)
-    non_expert = sum(tensors.values()) - sum(per_layer)
-    kv = kv_cache_bytes(cfg, prefill)
-    room = CARD_BYTES - non_expert - kv - WORKSPACE
-    n = next(n for n in range(layers + 1) if sum(per_layer[n:]) <= room)
-    record = sum(per_layer) / (layers * e)
-    return {"n_cpu_moe": n, "layers_experts_on_gpu": layers - n, "expert_records_on_gpu": (layers - n) * e,
-            "gpu_expert_bytes": sum(per_layer[n:]), "room_for_experts_bytes": room,
-            "kiln_formula_gpu_slots": max(0, int(room // record)), "records": layers * e,
-            "card_bytes": CARD_BYTES, "non_expert_bytes": non_expert, "kv_cache_bytes": kv, "workspace_bytes": WORKSPACE,
-            "expert_bytes_by_layer": per_layer}
-
-
-def token_bytes(tensors: dict[str, int], cfg: dict, n_cpu_moe: int) -> dict:
-    """Bytes one decode token must read, split by where they live with --n-cpu-moe n: every non-expert tensor
-    but the embedding table (one row of it) on the GPU; top_k of E experts per layer, on the CPU for the first n."""
-    layers, e, k, v = cfg["num_hidden_layers"], cfg["num_experts"], cfg["num_experts_per_tok"], cfg["vocab_size"]
-    per_layer = expert_bytes_by_layer(tensors, layers)
-    embd = tensors.get("token_embd.weight", 0)
-    non_expert = sum(tensors.values()) - sum(per_layer) - embd + embd // v
-    return {"gpu": int(non_expert + sum(b * k / e for b in per_layer[n_cpu_moe:])),
-            "cpu": int(sum(b * k / e for b in per_layer[:n_cpu_moe]))}
-
-
-def lane_bound(tb: dict, lanes: dict | None) -> dict:
-    if not lanes:
-        return {"bound_tps": None}
-    t = {"gpu_hbm": tb["gpu"] / (lanes["hbm_gbps"] * 1e9), "cpu_dram": tb["cpu"] / (lanes["dram_read_16t_gbps"] * 1e9)}
-    return {"bytes_per_token": tb, "lane_seconds_per_token": {k: round(s, 6) for k, s in t.items()},
-            "bound_tps": round(1 / max(t.values()), 1)}
-
-
 # ------------------------------------------------------------------ the work directory
 
 class Work:
@@ -232,12 +158,11 @@ def synth(w: Work, clock: Clock) -> dict:
 
 
 def measure_lanes_here(w: Work, sample_file: Path) -> dict | None:
-    """HBM, pinned PCIe, O_DIRECT disk, DRAM read: h200_moe's and h200_served's probes (CUDA only)."""
+    """HBM, pinned PCIe, O_DIRECT disk, DRAM read: the harness's probes (CUDA only)."""
     import torch
     if not torch.cuda.is_available():
         return None
-    from bench.h200_moe import measure_lanes
-    from bench.h200_served import dram_read_gbps
+    from bench.harness import dram_read_gbps, measure_lanes
     record = 9437184                                    # one bf16 expert record of this shape (4 KiB-aligned)
     lanes = measure_lanes(sample_file, record, sample_file.stat().st_size // record)
     lanes["dram_read_16t_gbps"] = dram_read_gbps(16)
@@ -306,7 +231,7 @@ def phase_quantize(w: Work, clock: Clock, res: dict) -> None:
 def configs_for(w: Work, quant: str, gguf: Path, res: dict) -> list[tuple[str, int]]:
     """(name, --n-cpu-moe) per run: all on the GPU, the budget's N, and the extras asked for."""
     cfg = w.cfg()
-    tensors = gguf_tensors(gguf, w.src)
+    tensors = gguf_tensors(gguf)
     budget = budget_n_cpu_moe(tensors, cfg, w.args.prefill)
     res["budget_24gb"] = budget
     runs = [("all_gpu", 0)]
@@ -433,96 +358,6 @@ def phase_serve(w: Work, clock: Clock, res: dict, quant: str) -> None:
 
 # ------------------------------------------------------------------ report
 
-def load_phases(paths: list[Path]) -> dict:
-    """phase -> its JSON, from the files or folders given (the last of each phase wins)."""
-    out = {}
-    for p in paths:
-        for f in sorted(p.glob("peer-*.json")) if p.is_dir() else [p]:
-            d = json.loads(f.read_text())
-            d["file"] = str(f)
-            out[d["phase"]] = d
-    return out
-
-
-# Kiln's run (bench/h200_served.py's names) standing beside each llama.cpp placement, per quantization
-KILN_RUNS = {"bf16": {"all_gpu": "resident", "budget": "tiered_24gb"},
-             "q4": {"all_gpu": "resident_int4", "budget": "budget_24gb_int4"}}
-
-
-def merge_kiln(paths: list[Path]) -> dict | None:
-    """The runs of several h200_served JSONs (one device call rarely holds every config), each file named."""
-    if not paths:
-        return None
-    runs, sources = {}, []
-    for p in paths:
-        d = json.loads(p.read_text())
-        runs.update(d.get("runs", {}))
-        sources.append({"file": str(p), "date": d.get("date"), "command": d.get("command"), "runs": sorted(d.get("runs", {}))})
-    return {"runs": runs, "sources": sources}
-
-
-def kiln_side(kiln: dict | None, run: str) -> dict | None:
-    """Kiln's served figures of that run (in-process where it was not served)."""
-    if not kiln:
-        return None
-    r = kiln.get("runs", {}).get(run, {})
-    return r.get("served") or r.get("inprocess")
-
-
-def report(args) -> dict:
-    phases = load_phases([Path(p) for p in args.from_])
-    kiln = merge_kiln([Path(k) for k in args.kiln])
-    rows, targets = [], {}
-    for quant in ("bf16", "q4"):
-        bench = phases.get(f"bench-{quant}", {}).get("llama_bench", {})
-        serve = phases.get(f"serve-{quant}", {}).get("llama_server", {})
-        budget = (phases.get(f"bench-{quant}") or phases.get(f"serve-{quant}") or {}).get("budget_24gb")
-        for name in dict.fromkeys([*bench, *serve]):
-            b, s = bench.get(name, {}), serve.get(name, {})
-            is_budget = name.endswith("_budget") or (name == "all_gpu" and budget and budget["n_cpu_moe"] == 0)
-            # all on the GPU beside Kiln's resident run; the budget's placement beside Kiln's 24 GB run (with N = 0
-            # all on the GPU is both)
-            sides = (["all_gpu"] if name == "all_gpu" else []) + (["budget"] if is_budget else [])
-            kilns = {side: kiln_side(kiln, KILN_RUNS[quant][side]) for side in sides}
-            rows.append({"quant": quant, "run": name, "n_cpu_moe": b.get("n_cpu_moe", s.get("n_cpu_moe")),
-                         "is_24gb_budget": bool(is_budget), "llama_bench": b, "llama_server": s,
-                         "kiln_served": {side: k for side, k in kilns.items() if k} or None,
-                         "kiln_runs": {side: KILN_RUNS[quant][side] for side in sides}})
-    for r in rows:
-        b, s = r["llama_bench"], r["llama_server"]
-        for key, k in (r["kiln_served"] or {}).items():
-            if b.get("decode_tps"):
-                targets[f"{r['quant']}_{key}_kiln_over_llama_bench_decode"] = round(k["decode_tps"] / b["decode_tps"], 3)
-            if s.get("decode_tps"):
-                targets[f"{r['quant']}_{key}_kiln_over_llama_server_decode"] = round(k["decode_tps"] / s["decode_tps"], 3)
-            if b.get("prefill_tps_8192"):
-                targets[f"{r['quant']}_{key}_kiln_over_llama_bench_prefill_8k"] = round(k["prefill_tps"] / b["prefill_tps_8192"], 3)
-            if s.get("prefill_tps"):
-                targets[f"{r['quant']}_{key}_kiln_over_llama_server_prefill_8k"] = round(k["prefill_tps"] / s["prefill_tps"], 3)
-    out = {"date": str(date.today()), "command": " ".join(["python3"] + sys.argv),
-           "phases": {p: {k: v for k, v in d.items() if k not in ("llama_bench", "llama_server")} for p, d in phases.items()},
-           "rows": rows,
-           "kiln_source": kiln["sources"] if kiln else None,
-           "targets": {**targets, "required": {"budget_kiln_over_llama_decode": ">= 1.5", "budget_kiln_over_llama_prefill_8k": ">= 1.0",
-                                               "all_gpu_kiln_over_llama_decode": ">= 1.0"}}}
-
-    def f(v):
-        return "" if v is None else v
-    log("\n| quant | run | N | llama-bench decode | pp512 | pp8192 | peak GiB | server decode | 4 streams agg | "
-        "TTFT 128 (s) | server 8k prefill | bound tok/s | Kiln served decode | Kiln 8k prefill |")
-    log("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        b, s = r["llama_bench"], r["llama_server"]
-        k = next(iter((r["kiln_served"] or {}).values()), {})
-        log(f"| {r['quant']} | {r['run']}{' (24 GB budget)' if r['is_24gb_budget'] else ''} | {f(r['n_cpu_moe'])} | "
-            f"{f(b.get('decode_tps'))} | {f(b.get('prefill_tps_512'))} | {f(b.get('prefill_tps_8192'))} | "
-            f"{f(b.get('gpu_memory_peak_gib', s.get('gpu_memory_peak_gib')))} | {f(s.get('decode_tps'))} | "
-            f"{f(s.get('decode_tps_4_streams_aggregate'))} | {f(s.get('ttft_s_128_prompt'))} | {f(s.get('prefill_tps'))} | "
-            f"{f(b.get('bound_tps', s.get('bound_tps')))} | {f(k.get('decode_tps'))} | {f(k.get('prefill_tps'))} |")
-    log("targets:", json.dumps(out["targets"]))
-    return out
-
-
 # ------------------------------------------------------------------ main
 
 def parse_extra(text: str) -> dict[str, list[int]]:
@@ -582,7 +417,7 @@ def main():
         out_dir = Path(args.out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
         res: dict = {"phase": phase, "date": str(date.today()), "command": " ".join(["python3"] + sys.argv),
-                     "tiny": args.tiny, "machine": machine()}
+                     "tiny": args.tiny, "machine": {**machine(), "host": host_load()}}
         t0 = time.perf_counter()
         log(f"== {phase} (call at {clock.elapsed()} s of {args.budget_s:.0f})")
         try:
@@ -606,14 +441,6 @@ def main():
             Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
             log("wrote", args.out)
     sys.exit(1 if failed else 0)
-
-
-def machine() -> dict:
-    out = {"cpus": os.cpu_count(), "loadavg": [round(x, 2) for x in os.getloadavg()]}
-    if shutil.which("nvidia-smi"):
-        out["nvidia_smi"] = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total",
-                                            "--format=csv,noheader"], capture_output=True, text=True).stdout.strip()
-    return out
 
 
 if __name__ == "__main__":

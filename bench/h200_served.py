@@ -2,9 +2,9 @@
 same weights, in one run (issue 13). bench/h200_peer.py measures the peer in phases that each fit a device call,
 with this file's HTTP client, and through llama-server too.
 
-  python3 bench/h200_served.py --work /tmp/kb --tokenizer DIR --llama DIR --out bench/results/<date>-h200-served.json
+  python -m bench.h200_served --work /tmp/kb --tokenizer DIR --llama DIR --out bench/results/<date>-h200-served.json
 
-1. Lanes of this machine (HBM, pinned PCIe, O_DIRECT disk, DRAM): bench/h200_moe.py's measure_lanes, plus
+1. Lanes of this machine (HBM, pinned PCIe, O_DIRECT disk, DRAM): the harness's measure_lanes, plus
    a 16-thread DRAM read (the CPU lane llama.cpp's --n-cpu-moe uses).
 2. The synthetic 24-layer Qwen3-30B-A3B-shaped checkpoint (engine/synth.py, bf16, experts in a rows-order
    store) with Qwen2's tokenizer (151,936 tokens, from llama.cpp's models/ggml-vocab-qwen2.gguf) so that
@@ -34,53 +34,22 @@ import gc
 import json
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
-import threading
 import time
 from datetime import date
 from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from bench.harness import (REPO, completions_client, dram_read_gbps, free_port, gguf_convert, llama_bench_figures,
+                           log, measure, measure_lanes, metrics, stop, wait_ready)
+from engine.measure.peer import CARD_BYTES, RAM_TIER, STREAMS, WORKSPACE
+from engine.store import manifest as mf
+from engine.store import model_manifest
+from engine.synth import QWEN3_30B_A3B, synthesize
 
-from bench.h200_moe import CARD_BYTES, RAM_TIER, WORKSPACE, measure_lanes  # noqa: E402
-from engine.store import manifest as mf  # noqa: E402
-from engine.store import model_manifest  # noqa: E402
-from engine.synth import QWEN3_30B_A3B, synthesize  # noqa: E402
-
-GIB = 1 << 30
 DEV = torch.device("cuda")
-PROMPT_LEN = 128
-STREAMS = 4
-
-
-def log(*a):
-    print(*a, flush=True)
-
-
-def prompt_ids(n: int, vocab: int, seed: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, vocab, (n,), generator=g).tolist()
-
-
-def dram_read_gbps(threads: int = 16) -> float:
-    """Host memory read bandwidth with `threads` torch threads (a sum over 4 GiB of bf16)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        a = torch.ones(2 * GIB, dtype=torch.bfloat16)
-        a.sum()
-        t0 = time.perf_counter()
-        for _ in range(3):
-            a.sum()
-        return round(3 * a.numel() * 2 / (time.perf_counter() - t0) / 1e9, 2)
-    finally:
-        torch.set_num_threads(before)
 
 
 # ------------------------------------------------------------------ what one token must move
@@ -102,73 +71,6 @@ def resident_bound(tb: dict, lanes: dict) -> dict:
 
 
 # ------------------------------------------------------------------ in-process (LLM, the entry the server uses)
-
-def run_stream(stream_fn, out: dict):
-    """Consume one stream, stamping each item: out gets t_submit and stamps (and `tokens` where the stream
-    reports its own count: the server's streamed usage)."""
-    out["t_submit"] = time.perf_counter()
-    stamps = []
-    for _ in stream_fn(out):
-        stamps.append(time.perf_counter())
-    out["stamps"] = stamps
-
-
-def summarize(runs: list[dict]) -> dict:
-    firsts = [r["stamps"][0] for r in runs]
-    lasts = [r["stamps"][-1] for r in runs]
-    n = [r.get("tokens", len(r["stamps"])) for r in runs]
-    per = [(k - 1) / (b - a) for k, a, b in zip(n, firsts, lasts) if k > 1 and b > a]
-    # Aggregate over the window where every stream decodes (prefills are admitted one per step, so the
-    # streams start apart): items stamped inside it, scaled by tokens per item (the server may merge).
-    lo, hi = max(firsts), min(lasts)
-    inside = sum(sum(1 for t in r["stamps"] if lo < t <= hi) * (k / len(r["stamps"])) for r, k in zip(runs, n))
-    return {"streams": len(runs), "tokens_per_stream": n,
-            "decode_tps": round(sum(per) / len(per), 1),
-            "aggregate_tps": round(inside / (hi - lo), 1) if hi > lo else None,
-            "aggregate_tps_first_to_last": round(sum(k - 1 for k in n) / (max(lasts) - min(firsts)), 1),
-            "ttft_s": round(sum(a - r["t_submit"] for a, r in zip(firsts, runs)) / len(runs), 4)}
-
-
-def concurrent(fns) -> list[dict]:
-    outs = [{} for _ in fns]
-    ts = [threading.Thread(target=run_stream, args=(f, o)) for f, o in zip(fns, outs)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
-    return outs
-
-
-def measure(make_stream, vocab: int, steps: int, prefill: int, sampled: bool, counters=None) -> dict:
-    """The same requests whichever side: make_stream(prompt, max_tokens, temperature, seed) -> iterator factory."""
-    temp = 1.0 if sampled else 0.0
-    res: dict = {"decoding": "sampled, temperature 1, seeded" if sampled else "greedy"}
-    # warm: capture the graphs of batch 1 and 4 and the first KV buckets; Triton compiles
-    concurrent([make_stream(prompt_ids(PROMPT_LEN, vocab, 100 + i), 16, temp, i) for i in range(STREAMS)])
-    # (sampled: long enough that the tiers hold what this routing keeps coming back to, past the first touches)
-    concurrent([make_stream(prompt_ids(PROMPT_LEN, vocab, 99), 320 if sampled else 64, temp, 9)])
-    c0 = counters() if counters else None
-    one = summarize(concurrent([make_stream(prompt_ids(PROMPT_LEN, vocab, 1), steps, temp, 1)]))
-    c1 = counters() if counters else None
-    four = summarize(concurrent([make_stream(prompt_ids(PROMPT_LEN, vocab, 10 + i), steps, temp, 10 + i)
-                                 for i in range(STREAMS)]))
-    # one long prompt first, untimed: its first use of the long-sequence kernels (flash attention at 8k, the
-    # prefill GEMMs' shapes) is not the prefill rate (the runs before this warm-up measured that cold request)
-    concurrent([make_stream(prompt_ids(prefill, vocab, 4), 2, temp, 4)])
-    pre = summarize(concurrent([make_stream(prompt_ids(prefill, vocab, 3), 2, temp, 3)]))
-    # a prompt of a length not seen before, as a user's is: kernels compiled, but every attention shape new
-    fresh = prefill - 37
-    new = summarize(concurrent([make_stream(prompt_ids(fresh, vocab, 6), 2, temp, 6)]))
-    res.update({"decode_tps": one["decode_tps"], "ttft_s_128_prompt": one["ttft_s"], "steps": steps,
-                "decode_tps_4_streams_aggregate": four["aggregate_tps"], "decode_tps_4_streams_each": four["decode_tps"],
-                "decode_tps_4_streams_first_to_last": four["aggregate_tps_first_to_last"],
-                "prefill_tokens": prefill, "prefill_ttft_s": pre["ttft_s"],
-                "prefill_tps": round(prefill / pre["ttft_s"], 1), "prefill_new_length_tokens": fresh,
-                "prefill_new_length_tps": round(fresh / new["ttft_s"], 1)})
-    if counters:
-        res["window_1_stream"] = {"before": c0, "after": c1, "tokens": one["tokens_per_stream"][0]}
-    return res
-
 
 class UniformRouting:
     """Bench only, labelled in the results: each Qwen3-MoE block's routing of a decode step replaced by a uniform
@@ -231,78 +133,6 @@ def inprocess(model_dir, store, kw: dict, vocab, steps, prefill, sampled, unifor
 
 
 # ------------------------------------------------------------------ served (engine serve, HTTP)
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def metrics(base: str) -> dict:
-    import requests
-    out = {}
-    for line in requests.get(f"{base}/metrics", timeout=10).text.splitlines():
-        if line.startswith("kiln_") and not line.startswith("#"):
-            name, _, val = line.rpartition(" ")
-            out[name] = float(val)
-    return out
-
-
-def wait_ready(proc: subprocess.Popen, base: str, log_path: Path, what: str, limit_s: float = 400) -> float:
-    """Poll GET /health until 200 (engine serve and llama-server both answer it once loaded); seconds taken."""
-    import requests
-    t0 = time.perf_counter()
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{what} exited {proc.returncode}: {log_path.read_text()[-2000:]}")
-        try:
-            if requests.get(f"{base}/health", timeout=5).status_code == 200:
-                return time.perf_counter() - t0
-        except requests.RequestException:
-            pass
-        if time.perf_counter() - t0 > limit_s:
-            raise RuntimeError(f"{what} did not become ready in {limit_s:.0f} s")
-        time.sleep(0.5)
-
-
-def stop(proc: subprocess.Popen) -> None:
-    """SIGTERM the server's process group (started with start_new_session), SIGKILL after 30 s."""
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-
-
-def completions_client(base: str, model: str, usage: list[dict], timings: list[dict] | None = None):
-    """measure()'s make_stream over HTTP: streamed /v1/completions with token-id prompts and usage included,
-    the same requests whichever server (bench/h200_peer.py sends llama-server these). Each stream's token count
-    is the server's own (its streamed usage); `timings` collects what a server reports about itself in its last
-    chunk (llama-server does)."""
-    import requests
-
-    def make(prompt, n, temp, seed):
-        body = {"model": model, "prompt": prompt, "max_tokens": n, "temperature": temp, "seed": seed,
-                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-
-        def gen(out):
-            with requests.post(f"{base}/v1/completions", json=body, stream=True, timeout=600) as r:
-                r.raise_for_status()
-                for line in r.iter_lines():
-                    if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                        continue
-                    ev = json.loads(line[6:])
-                    if ev.get("usage"):
-                        usage.append(ev["usage"])
-                        out["tokens"] = ev["usage"]["completion_tokens"]     # the server's own count
-                    if timings is not None and ev.get("timings"):
-                        timings.append(ev["timings"])
-                    if ev.get("choices") and ev["choices"][0].get("text"):
-                        yield ev
-        return gen
-    return make
-
 
 def served(model_dir, store, args: list[str], vocab, steps, prefill, sampled, log_path: Path) -> dict:
     port = free_port()
@@ -379,30 +209,6 @@ def attach_bound(res: dict, tiered: bool, served_side: bool, tb: dict, lanes: di
 
 
 # ------------------------------------------------------------------ llama.cpp
-
-def gguf_convert(model_dir: Path, store: Path, llama_src: Path, out: Path, timeout_s: float | None = None) -> dict:
-    """The checkpoint as GGUF bf16 through llama.cpp's own converter class (bench/gguf_from_store.py)."""
-    t0 = time.perf_counter()
-    r = subprocess.run([sys.executable, str(REPO / "bench" / "gguf_from_store.py"), "--model", str(model_dir),
-                        "--store", str(store), "--llama-src", str(llama_src), "--out", str(out)],
-                       capture_output=True, text=True, timeout=timeout_s)
-    if r.returncode != 0:
-        raise RuntimeError(f"GGUF conversion failed: {r.stderr[-3000:]}")
-    return {"seconds": round(time.perf_counter() - t0, 1), "gguf_bytes": out.stat().st_size,
-            "log_tail": r.stderr[-600:]}
-
-
-def llama_bench_figures(rows: list[dict]) -> dict:
-    """llama-bench's JSON rows -> decode tok/s (the -n test) and prefill tok/s per prompt length (the -p tests)."""
-    out = {}
-    for row in rows:
-        if row.get("n_gen"):
-            out["decode_tps"] = round(row["avg_ts"], 1)
-            out["decode_tps_stdev"] = round(row.get("stddev_ts", 0), 1)
-        else:
-            out[f"prefill_tps_{row['n_prompt']}"] = round(row["avg_ts"], 1)
-    return out
-
 
 def llama_bench(llama: Path, gguf: Path, extra: list[str]) -> dict:
     libs = [str(llama / "bin"), "/usr/local/cuda/lib64", "/usr/local/cuda-13.0/lib64", os.environ.get("LD_LIBRARY_PATH", "")]

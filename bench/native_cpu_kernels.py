@@ -1,6 +1,6 @@
 """The engine's native CPU GEMVs (engine.kernels.native) against the torch kernels they replace, at the demo's shapes.
 
-  PYTHONPATH=$PWD python3 bench/native_cpu_kernels.py --out bench/results/native_cpu_kernels.json
+  python -m bench.native_cpu_kernels --out bench/results/native_cpu_kernels.json
 
 One token, streamed as a decode step reads them: each path runs over COPIES distinct copies of its matrix (more
 bytes than the shared L3 keeps for one process), so the figure is the stream's, not a cache's. Per matrix:
@@ -72,7 +72,7 @@ def main():
         "paths": {"float32 x @ W^T (Projection before)": (lambda *_: x.view(1, -1) @ w_t),
                   "native q8_gemv (Q8_0 codes + fp32 scales)": (lambda qq, dd: native.q8_gemv(x, qq, dd))},
         "ops": qs}
-    result = {"what": __doc__.strip().splitlines()[0], "command": "python3 bench/native_cpu_kernels.py --out ...",
+    result = {"what": __doc__.strip().splitlines()[0], "command": "python -m bench.native_cpu_kernels --out ...",
               "date": time.strftime("%Y-%m-%d %H:%M"), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
               "rounds": args.rounds, "results": {}}
     for threads in (1, 2):

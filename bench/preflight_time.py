@@ -3,7 +3,7 @@
 Each command runs as a fresh process (what a user types), several times; the baseline is
 `tool --help`, the interpreter and CLI start-up every command pays. One table, one JSON file.
 
-    .venv/bin/python bench/preflight_time.py [--runs 7] [--out bench/results/preflight_time.json]
+    .venv/bin/python -m bench.preflight_time [--runs 7] [--out bench/results/preflight_time.json]
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Which CPU kernel computes a quantized expert fastest, exactly enough (SmolLM2's expert: hidden 576, FFN 1536).
 
-  python3 bench/quant_cpu_kernels.py --out bench/results/quant_cpu_kernels.json
+  python -m bench.quant_cpu_kernels --out bench/results/quant_cpu_kernels.json
 
 One expert FFN (gate|up, SiLU, down) on 1 token (decode) and on 16 (a prefill chunk), 2 threads, each path
 in interleaved rounds, medians, the load average printed beside each round:
@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -28,7 +27,6 @@ import torch
 import torch.nn.functional as F
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 
 H, I = 576, 1536
 

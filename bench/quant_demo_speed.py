@@ -1,7 +1,7 @@
 """The CPU demo's decode, quantized, against llama.cpp's own llama-server on the same GGUF, in one run.
 
   scripts/build-llama-cpp.sh        # once: llama.cpp's CPU binaries into .kiln/cache/llama.cpp
-  python3 bench/quant_demo_speed.py --workdir /tmp/kiln-quant-demo --out bench/results/quant_demo_speed.json
+  python -m bench.quant_demo_speed --workdir /tmp/kiln-quant-demo --out bench/results/quant_demo_speed.json
 
 For each engine variant — q4_1 (the demo recipe's store: the GGUF's own Q4_1 blocks, cols order, torch's int4
 kernel) and fp32 (the store before it) — `engine serve` runs as the recipe's serve step says (its RAM tier,
@@ -17,7 +17,7 @@ judge a busy host and then run one round and no baseline): both up at once, roun
 llama.cpp, engine, …, each streamed as the gate streams one (tool.checks.speed.time_stream), with the load
 average and CPU pressure of each round beside it; medians and their ratio.
 
-  python3 bench/quant_demo_speed.py --direct --variants q4_1 --rounds 5 --tokens 64 --out bench/results/quant_demo_speed.json
+  python -m bench.quant_demo_speed --direct --variants q4_1 --rounds 5 --tokens 64 --out bench/results/quant_demo_speed.json
 """
 from __future__ import annotations
 
@@ -35,6 +35,7 @@ import httpx
 REPO = Path(__file__).resolve().parent.parent
 RECIPE = REPO / "recipes/cpu/any/smollm2-135m.kiln.8k.json"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."   # the in-process rows' prompt
 ENGINE = [sys.executable, "-m", "engine"]
 TOOL = [sys.executable, "-c", "import sys; from tool.cli import entry; sys.argv[0] = 'tool'; sys.exit(entry())"]
 
@@ -209,11 +210,23 @@ def find_speed(ev) -> dict:
     return {}
 
 
+def engine_run(llm, prompt: list[int], n: int) -> tuple[float, list[int], dict]:
+    """Decode tok/s (first token to last, the server's path) and the store counters' change over the decode."""
+    from engine.llm import SamplingParams      # function-level: the served runs never load torch in this process
+    stamps, toks, before = [], [], None
+    for t in llm.stream(prompt, SamplingParams(max_tokens=n, ignore_eos=True)):
+        stamps.append(time.perf_counter())
+        toks.append(t.id)
+        if before is None:                       # after the prefill: count only the decode's reads
+            before = llm.counters()
+    after = llm.counters()
+    delta = {k: after.get(k, 0) - before.get(k, 0) for k in ("store_read_bytes", "store_reads", "read_seconds")}
+    return (n - 1) / (stamps[-1] - stamps[0]), toks, delta
+
+
 def engine_row(model: Path, store: str, tokens: int) -> float:
     """--row: one engine decode in this process (fresh per round, as a server is): q4_1 store with every record
     in its RAM tier, or fp32 with every expert in memory (store "none"); decode tok/s, eos ignored."""
-    sys.path.insert(0, str(REPO / "bench"))
-    from smollm2_demo_speed import PROMPT, engine_run
     from engine.llm import LLM
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(model)
@@ -263,9 +276,7 @@ def profile_decode(model: Path, store: Path, threads: int, steps: int) -> dict:
     """One decode step's self CPU time by kind (torch.profiler; the native kernels as native:: ranges), the recipe's
     RAM tier and KV cache, the model's own steps after the demo prompt's prefill; 'other' is every remaining op
     (views, allocations, the argmax) plus the Python between them (wall − profiled)."""
-    sys.path.insert(0, str(REPO / "bench"))
     import torch
-    from smollm2_demo_speed import PROMPT
     from torch.profiler import ProfilerActivity, profile
     from engine.llm import LLM
     from transformers import AutoTokenizer
@@ -370,7 +381,7 @@ def main():
     paths = prepare(gguf, args.workdir, args.variants.split(","))
     evidence = args.workdir / "evidence"
     evidence.mkdir(exist_ok=True)
-    out = {"what": __doc__.strip().splitlines()[0], "command": "python3 bench/quant_demo_speed.py " + " ".join(sys.argv[1:]),
+    out = {"what": __doc__.strip().splitlines()[0], "command": "python -m bench.quant_demo_speed " + " ".join(sys.argv[1:]),
            "date": time.strftime("%Y-%m-%d %H:%M"), "gguf": str(gguf),
            "llama_server": str(args.llama_server), "load_avg_start": os.getloadavg(), "variants": {}}
     if args.profile:

@@ -1,7 +1,7 @@
 """Quantized vs bf16 expert kernels on one GPU: the routed-expert part of a 24-layer Qwen3-30B-A3B-shaped
 slice (hidden 2048, expert FFN 768, 128 experts, top-8), every expert resident in one slot arena.
 
-  python3 bench/quant_gpu_kernels.py --out bench/results/quant_gpu_kernels.json
+  python -m bench.quant_gpu_kernels --out bench/results/quant_gpu_kernels.json
 
 decode   one token through 24 MoE layers (8 random experts each, distinct slots per layer so nothing is
          served from L2 twice): bf16 with the engine's own GEMV kernels (engine.gpu.moe_kernels.slot_moe)
@@ -18,14 +18,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 
 H, I, E, K, LAYERS = 2048, 768, 128, 8, 24
 

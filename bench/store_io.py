@@ -4,7 +4,7 @@ write and read of the same byte count, plus one core's sha256 rate, all in one r
 A synthetic bf16 checkpoint shaped like Qwen3-30B-A3B's experts (hidden 2048, expert FFN 768,
 9,437,184-byte records) is written first, sized to fit the free disk (--gb, default 4).
 
-    .venv/bin/python bench/store_io.py [--gb 4] [--dir /tmp] [--readers N]
+    .venv/bin/python -m bench.store_io [--gb 4] [--dir /tmp] [--readers N]
 
 pack's write figure includes reading the checkpoint (from the page cache: it was just written),
 packing and hashing each record; verify's includes hashing. The plain rows are the disk's bound.
@@ -16,7 +16,6 @@ import json
 import os
 import platform
 import shutil
-import sys
 import tempfile
 import time
 from datetime import date
@@ -28,10 +27,9 @@ from rich.console import Console
 from rich.table import Table
 from safetensors.torch import save_file
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from engine.store.odirect import aligned_buffer, fstype, pread_full, pwrite_full  # noqa: E402
-from engine.store.pack import pack_store  # noqa: E402
-from engine.store.verify import default_readers, verify_store  # noqa: E402
+from engine.store.odirect import aligned_buffer, fstype, pread_full, pwrite_full
+from engine.store.pack import pack_store
+from engine.store.verify import default_readers, verify_store
 
 HIDDEN, INTER = 2048, 768
 RECORD = 3 * HIDDEN * INTER * 2

@@ -1,5 +1,6 @@
-"""bench/h200_peer.py's arithmetic and plumbing, on CPU: the --n-cpu-moe the 24 GB budget gives llama.cpp, the bytes
-a token reads where, a real GGUF's tensor sizes read back, the report's merge of phase files, and bad arguments.
+"""The peer bench's arithmetic and plumbing, on CPU (engine/measure/peer.py, which bench.h200_peer runs): the
+--n-cpu-moe the 24 GB budget gives llama.cpp, the bytes a token reads where, a real GGUF's tensor sizes read back,
+the report's merge of phase files, and bench.h200_peer's bad arguments (run as a user runs it, never imported).
 The llama.cpp runs themselves are the script's `--tiny` dry run against the real CPU build (bench/README.md)."""
 from __future__ import annotations
 
@@ -11,9 +12,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bench import h200_peer as peer
+from engine.measure import peer
 
 REPO = Path(__file__).resolve().parent.parent
+MEASURED = Path(__file__).resolve().parent / "fixtures" / "measured"
 SHAPE = dict(num_hidden_layers=24, num_experts=128, num_experts_per_tok=8, num_key_value_heads=4, head_dim=128,
              vocab_size=151936)
 RECORD = 3 * 768 * 2048 * 2                         # one bf16 expert: gate, up, down of 768 x 2048
@@ -30,7 +32,7 @@ def bf16_tensors(layers: int = 24) -> dict[str, int]:
 
 def test_the_bf16_budget_is_kilns_formula_on_the_ggufs_sizes():
     b = peer.budget_n_cpu_moe(bf16_tensors(), {**SHAPE}, prefill=8192)
-    served = json.loads((REPO / "bench" / "results" / "2026-12-01-h200-served.json").read_text())["budget_24gb"]
+    served = json.loads((MEASURED / "h200-served-2026-12-01.json").read_text())["budget_24gb"]
     # the same room and slots Kiln's tiered run was given
     assert b["kiln_formula_gpu_slots"] == served["gpu_slots"] == 2149
     assert (b["non_expert_bytes"], b["kv_cache_bytes"], b["workspace_bytes"]) == (
@@ -80,7 +82,7 @@ def test_a_real_gguf_is_read_back_by_layer(tmp_path):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    tensors = peer.gguf_tensors(path, tmp_path / "no-llama-src")      # the installed gguf-py where no source is given
+    tensors = peer.gguf_tensors(path)                                  # the installed gguf package (llama.cpp's gguf-py)
     assert tensors == {k: a.nbytes for k, a in arrays.items()}
     assert peer.expert_bytes_by_layer(tensors, 2) == [2 * 2 * 3 * 4 * 4, 2 * 5 * 4 * 4]
 
@@ -136,6 +138,6 @@ def test_the_report_sets_each_placement_beside_kilns(tmp_path, capsys):
     (["--phase", "report", "--extra-n-cpu-moe", "int3=2"], "'int3=2' is not QUANT=N"),
 ])
 def test_bad_arguments_get_one_line(argv, message):
-    r = subprocess.run([sys.executable, str(REPO / "bench" / "h200_peer.py"), *argv], capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-m", "bench.h200_peer", *argv], capture_output=True, text=True,
                        cwd=REPO, timeout=120)
     assert r.returncode != 0 and message in r.stderr and "Traceback" not in r.stderr

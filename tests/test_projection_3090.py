@@ -1,4 +1,6 @@
-"""bench/projection_3090.py: the projection follows from the measured inputs it names, and says it is one."""
+"""The 3090 projection (engine/measure/projection_3090.py, written by bench.projection_3090): it follows from the
+measured inputs it names, and says it is one. The inputs are the H200 figures it was first run on, copied into
+tests/fixtures/measured."""
 from __future__ import annotations
 
 import json
@@ -6,15 +8,16 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench import projection_3090 as proj
+from engine.measure import projection_3090 as proj
 
 REPO = Path(__file__).resolve().parent.parent
-RESULTS = REPO / "bench" / "results"
+MEASURED = Path(__file__).resolve().parent / "fixtures" / "measured"
+SERVED, QUANT = MEASURED / "h200-served-cpu-lane-2026-12-01.json", MEASURED / "quant-gpu-kernels-2026-12-01.json"
 
 
 def projected():
-    served = json.loads((RESULTS / "2026-12-01-h200-served-cpu-lane.json").read_text())
-    quant = json.loads((RESULTS / "quant_gpu_kernels.json").read_text())
+    served = json.loads(SERVED.read_text())
+    quant = json.loads(QUANT.read_text())
     x = proj.inputs(served, quant)
     return x, proj.project(x)
 
@@ -47,7 +50,8 @@ def test_each_lane_is_bytes_over_its_rate():
 
 def test_the_file_says_it_is_a_projection_and_where_each_rate_comes_from(tmp_path):
     out = tmp_path / "p.json"
-    r = subprocess.run([sys.executable, str(REPO / "bench" / "projection_3090.py"), "--out", str(out)],
+    r = subprocess.run([sys.executable, "-m", "bench.projection_3090", "--served", str(SERVED), "--quant", str(QUANT),
+                        "--out", str(out)],
                        capture_output=True, text=True, cwd=REPO, timeout=60)
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("PROJECTION, not measured")

@@ -1,9 +1,8 @@
-"""bench/served_overhead.py end to end, briefly: a real uvicorn child serving the GPU double, the real client,
-both sides measured (the full run is bench/results/served_overhead.json). A change that breaks the bench, or
-the double's promise (a step takes its --step-ms; the host work holds the GIL for --host-ms), fails here."""
+"""bench.served_overhead end to end, briefly (run as a user runs it, never imported): a real uvicorn child serving
+the GPU double (tests/fixtures/gpu_double.py), the real client, both sides measured. A change that breaks the
+bench, or the double's promise (a step takes its --step-ms; the host work holds the GIL for --host-ms), fails here."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -13,18 +12,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _bench():
-    spec = importlib.util.spec_from_file_location("served_overhead", REPO / "bench" / "served_overhead.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_the_double_takes_its_step_time_and_returns_one_token_for_each_sequence(tiny_checkpoint):
     from engine.llm import LLM
-    bench = _bench()
+    from tests.fixtures.gpu_double import gpu_double
     with LLM.load(tiny_checkpoint("qwen3_moe"), device="cpu", max_context=256, max_batch=4) as llm:
-        bench.gpu_double(llm, 0.02, 0.005)
+        gpu_double(llm, 0.02, 0.005)
         t0 = time.perf_counter()
         logits = llm.model.decode_step([1, 2, 3], [0, 1, 2], [5, 5, 5])
         took = time.perf_counter() - t0
@@ -34,7 +26,7 @@ def test_the_double_takes_its_step_time_and_returns_one_token_for_each_sequence(
 
 def test_one_short_run_measures_both_sides_and_writes_its_json(tmp_path):
     out = tmp_path / "so.json"
-    r = subprocess.run([sys.executable, str(REPO / "bench" / "served_overhead.py"), "--rounds", "1", "--steps", "24",
+    r = subprocess.run([sys.executable, "-m", "bench.served_overhead", "--rounds", "1", "--steps", "24",
                         "--step-ms", "2", "--out", str(out)], capture_output=True, text=True, timeout=600, cwd=REPO)
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(out.read_text())

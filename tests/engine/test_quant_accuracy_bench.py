@@ -1,19 +1,14 @@
-"""bench/quant_accuracy.py's measurement on a tiny checkpoint: what it compares is what it says it is.
+"""The quantized-records accuracy measure (engine/measure/quant_accuracy.py, which bench.quant_accuracy runs) on
+a tiny checkpoint: what it compares is what it says it is.
 
-The full run (SmolLM2, thousands of positions) is bench/results/quant_accuracy.json; here the same code
-runs on a few positions, so a change that breaks the bench or makes it compare the wrong records fails.
+The full run (SmolLM2, thousands of positions) is bench.quant_accuracy's; here the same code runs on a few
+positions, so a change that breaks the bench or makes it compare the wrong records fails.
 """
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import torch
 
-REPO = Path(__file__).resolve().parents[2]
-spec = importlib.util.spec_from_file_location("quant_accuracy", REPO / "bench" / "quant_accuracy.py")
-qa = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(qa)
+from engine.measure import quant_accuracy as qa
 
 
 def test_the_reference_agrees_with_itself_and_quantized_records_measure_their_error(tiny_checkpoint):
