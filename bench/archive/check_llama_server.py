@@ -27,13 +27,12 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
-from rich.console import Console  # noqa: E402
-from rich.table import Table  # noqa: E402
+from rich.console import Console
+from rich.table import Table
 
-from tests.fixtures.llama_server import LlamaServer, llama_server_bin  # noqa: E402
-from tests.fixtures import smollm2  # noqa: E402
+from tests.fixtures.llama_server import LlamaServer, llama_server_bin
+from tests.fixtures import smollm2
 
 OUT = REPO / "bench" / "results" / "check_llama_server.json"
 EVIDENCE = REPO / "bench" / "results" / "check_llama_server.evidence"      # each run's whole evidence file

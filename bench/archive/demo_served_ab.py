@@ -29,10 +29,8 @@ from pathlib import Path
 
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "bench"))
-from quant_demo_speed import GGUF_NAME, RECIPE, prepare, serve_args, vm, wait_healthy  # noqa: E402
-from trees import tree_commit  # noqa: E402
+from bench.quant_demo_speed import GGUF_NAME, RECIPE, prepare, serve_args, vm, wait_healthy
+from bench.harness import tree_commit
 
 
 def threads_of(pid: int) -> dict[str, dict]:

@@ -32,11 +32,10 @@ from rich.console import Console
 from rich.table import Table
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from engine.kernels.cpu import set_compute_threads  # noqa: E402
-from engine.llm import LLM, SamplingParams  # noqa: E402
-from engine.projection import Projection  # noqa: E402
-from tests.fixtures.tiny_models import make_tiny_checkpoint  # noqa: E402
+from engine.kernels.cpu import set_compute_threads
+from engine.llm import LLM, SamplingParams
+from engine.projection import Projection
+from tests.fixtures.tiny_models import make_tiny_checkpoint
 
 ARCHS = ("qwen3_moe", "glm4_moe", "mixtral")
 

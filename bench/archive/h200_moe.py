@@ -37,15 +37,14 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 
-from engine.tiers.resident import ResidentExperts  # noqa: E402
-from engine.tiers.tiered import TieredExperts  # noqa: E402
-from engine.loader import load_model  # noqa: E402
-from engine.store import manifest as mf  # noqa: E402
-from engine.store.odirect import aligned_buffer, open_direct, pread_full  # noqa: E402
-from engine.synth import QWEN3_30B_A3B, synth_config, synthesize  # noqa: E402
-from engine.tiers.cache import ExpertCache, make_policy  # noqa: E402
+from engine.tiers.resident import ResidentExperts
+from engine.tiers.tiered import TieredExperts
+from engine.loader import load_model
+from engine.store import manifest as mf
+from engine.store.odirect import aligned_buffer, open_direct, pread_full
+from engine.synth import QWEN3_30B_A3B, synth_config, synthesize
+from engine.tiers.cache import ExpertCache, make_policy
 
 GIB = 1 << 30
 CARD_BYTES = 24 * GIB          # the RTX 3090's 24 GiB

@@ -15,8 +15,7 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, os.getcwd())
-from bench.h200_served import completions_client, free_port, prompt_ids, stop, summarize, wait_ready, run_stream
+from bench.harness import completions_client, free_port, prompt_ids, stop, summarize, wait_ready, run_stream
 
 out = Path(os.environ["OUT"])
 model, store = "/tmp/kb/model", "/tmp/kb/store"

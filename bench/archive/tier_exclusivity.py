@@ -23,8 +23,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-from bench.trees import parse_with_tree  # noqa: E402
+from bench.harness import parse_with_tree
 
 
 def run(ck: Path, store: Path, gpu_slots: int, ram_slots: int, prompt: list[int], tokens: int) -> dict:

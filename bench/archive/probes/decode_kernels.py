@@ -17,12 +17,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from engine.experts import ExpertLayout  # noqa: E402
-from engine.kernels import triton_decode as td  # noqa: E402
-from engine.kernels.quant_triton import quant_slot_moe  # noqa: E402
-from engine.kernels.triton_moe import slot_moe  # noqa: E402
+from engine.experts import ExpertLayout
+from engine.kernels import triton_decode as td
+from engine.kernels.quant_triton import quant_slot_moe
+from engine.kernels.triton_moe import slot_moe
 
 H, I, E, K, NH, NKV, HD, V = 2048, 768, 128, 8, 32, 4, 128, 151936
 REPS = 40

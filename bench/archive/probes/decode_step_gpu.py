@@ -22,13 +22,12 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from engine.llm import LLM, SamplingParams  # noqa: E402
-from engine.sampling import GreedyPicks  # noqa: E402
-from engine.store import manifest as mf  # noqa: E402
-from engine.store import model_manifest  # noqa: E402
-from engine.synth import synthesize  # noqa: E402
+from engine.llm import LLM, SamplingParams
+from engine.sampling import GreedyPicks
+from engine.store import manifest as mf
+from engine.store import model_manifest
+from engine.synth import synthesize
 
 
 def replay_ms(fn, n: int = 100) -> float:

@@ -20,8 +20,7 @@ import click
 import httpx
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "bench"))
-from demo_memory import RECIPE, REQUEST, status  # noqa: E402
+from bench.demo_memory import RECIPE, REQUEST, status
 
 
 def smaps(pid: int) -> dict:

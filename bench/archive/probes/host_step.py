@@ -32,9 +32,8 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
 
-from bench.trees import tree_commit  # noqa: E402
+from bench.harness import tree_commit
 
 SHAPE = {"layers": 24, "hidden": 256, "experts": 128, "top_k": 8, "moe_intermediate": 64, "vocab": 2048}
 SLOTS = {"gpu": 2149, "ram": 1820}

@@ -18,7 +18,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(REPO), str(REPO / "bench")]
 
 
 def main():
@@ -30,8 +29,8 @@ def main():
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     import torch
-    from quant_demo_speed import RECIPE
-    from smollm2_demo_speed import PROMPT
+    from bench.quant_demo_speed import RECIPE
+    from bench.archive.smollm2_demo_speed import PROMPT
     from transformers import AutoTokenizer
     from engine.llm import LLM
     recipe = json.loads(RECIPE.read_text())

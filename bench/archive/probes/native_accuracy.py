@@ -19,7 +19,6 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(REPO), str(REPO / "bench")]
 TEXT = ("engine/quant/records.py", "engine/config.py", "engine/kv_cache.py", "engine/sampling.py")
 
 
@@ -39,7 +38,7 @@ def main():
     ap.add_argument("--chunk", type=int, default=256)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
-    from quant_accuracy import compare
+    from engine.measure.quant_accuracy import compare
     from transformers import AutoTokenizer
     from engine.kernels.cpu import set_compute_threads
     from engine.loader import load_model

@@ -13,7 +13,6 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(REPO), str(REPO / "bench")]
 
 
 def main():
@@ -23,7 +22,7 @@ def main():
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
-    from quant_accuracy import PROMPTS
+    from bench.quant_accuracy import PROMPTS
     from transformers import AutoTokenizer
     from engine.llm import LLM, SamplingParams
     from tool.checks.speed import MESSAGES

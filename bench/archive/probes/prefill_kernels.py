@@ -29,14 +29,13 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from engine.kernels import quant_triton as qt  # noqa: E402
-from engine.kernels.triton_moe import slot_moe_reference  # noqa: E402
-from engine.loader import load_model  # noqa: E402
-from engine.store import manifest as mf  # noqa: E402
-from engine.synth import synthesize  # noqa: E402
-from engine.tiers.resident import ResidentExperts  # noqa: E402
+from engine.kernels import quant_triton as qt
+from engine.kernels.triton_moe import slot_moe_reference
+from engine.loader import load_model
+from engine.store import manifest as mf
+from engine.synth import synthesize
+from engine.tiers.resident import ResidentExperts
 
 E, K = 128, 8
 

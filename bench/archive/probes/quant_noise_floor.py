@@ -12,8 +12,7 @@ Run on 2026-12-01 before the int8 change: bench/results/2026-12-01-quant-noise-f
 """
 import sys, time, os, torch
 from pathlib import Path
-sys.path.insert(0, str(Path(__file__).resolve().parents[2])); sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import quant_accuracy as qa
+from engine.measure import quant_accuracy as qa
 from engine.checkpoint import Checkpoint
 from engine.experts import ExpertLayout
 from engine.tiers.memory import InMemoryExperts
@@ -25,7 +24,7 @@ import torch.nn.functional as F
 set_compute_threads(2)
 MD = sys.argv[1]
 ck = Checkpoint(MD)
-from quant_weight_error import asym, sym8  # noqa: E402  (this directory: the same grids)
+from bench.archive.probes.quant_weight_error import asym, sym8
 gen = torch.Generator().manual_seed(1)
 def noise(rel):
     def f(w):

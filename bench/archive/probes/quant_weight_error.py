@@ -5,7 +5,6 @@ groups of 128 where they divide the input dimension, else 64); bench/results/202
 Suffixes: f16/bf the scale (and zero) rounded to fp16/bf16, else float32; sym = absmax, asym = min/max."""
 import torch, sys
 from pathlib import Path
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from engine.checkpoint import Checkpoint
 from engine.quant.records import quantize_int8, quantize_int4, dequantize_matrix
 def former(i):
