@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
-"""Regenerate README.md's CLI reference from the commands' own --help, so it cannot drift.
+"""Regenerate the CLI reference from the commands' own --help, so it cannot drift: README.md holds each program's
+--help (its commands, one line each), docs/cli.md every command's full --help.
 
-  python scripts/cli_reference.py          rewrite the block between the markers in README.md
-  python scripts/cli_reference.py --check  exit 1 if the README's block is stale (tests run this)
+  python scripts/cli_reference.py          rewrite the block between the markers in README.md and docs/cli.md
+  python scripts/cli_reference.py --check  exit 1 if either block is stale (tests run this)
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from click.testing import CliRunner
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 BEGIN, END = "<!-- cli-reference:begin -->", "<!-- cli-reference:end -->"
+FULL = REPO / "docs" / "cli.md"
 
 
 def help_text(group, prog: str, args: list[str]) -> str:
@@ -23,37 +25,42 @@ def help_text(group, prog: str, args: list[str]) -> str:
     return res.output.rstrip()
 
 
-def reference() -> str:
+def reference(every_command: bool) -> str:
+    """Each program's --help; with every_command, each of its commands' --help after it."""
     os.environ["COLUMNS"] = "100"
     from engine.cli import cli as engine_cli, COMMANDS as ENGINE_COMMANDS
     from tool.cli import cli as tool_cli, COMMANDS as TOOL_COMMANDS
     parts = []
     for prog, group, names in (("tool", tool_cli, TOOL_COMMANDS), ("engine", engine_cli, ENGINE_COMMANDS)):
         parts.append(f"### `{prog}`\n\n```\n{help_text(group, prog, [])}\n```")
-        for name in names:
+        for name in names if every_command else ():
             parts.append(f"#### `{prog} {name}`\n\n```\n{help_text(group, prog, [name])}\n```")
     return "\n\n".join(parts)
 
 
-def render(readme: str) -> str:
-    head, rest = readme.split(BEGIN, 1)
+def render(text: str, every_command: bool) -> str:
+    head, rest = text.split(BEGIN, 1)
     _, tail = rest.split(END, 1)
-    return f"{head}{BEGIN}\n{reference()}\n{END}{tail}"
+    return f"{head}{BEGIN}\n{reference(every_command)}\n{END}{tail}"
 
 
 def main() -> int:
-    path = REPO / "README.md"
-    text = path.read_text()
-    new = render(text)
-    if "--check" in sys.argv:
-        if new != text:
-            print("README.md: the CLI reference is stale; run `python scripts/cli_reference.py`", file=sys.stderr)
-            return 1
-        return 0
-    if new != text:
+    stale = []
+    for path, every_command in ((REPO / "README.md", False), (FULL, True)):
+        text = path.read_text()
+        new = render(text, every_command)
+        if new == text:
+            continue
+        if "--check" in sys.argv:
+            stale.append(path.relative_to(REPO))
+            continue
         tmp = path.with_suffix(".md.tmp")
         tmp.write_text(new)
         os.replace(tmp, path)
+    if stale:
+        print(f"{', '.join(map(str, stale))}: the CLI reference is stale; run `python scripts/cli_reference.py`",
+              file=sys.stderr)
+        return 1
     return 0
 
 
