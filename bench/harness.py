@@ -16,7 +16,6 @@ import os
 import platform
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -28,6 +27,7 @@ from pathlib import Path
 from typing import Callable
 
 from tool.checks import hostload
+from tool.checks.llama_cpp import free_port  # noqa: F401  (the entry points' one free-port finder)
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results"
@@ -188,12 +188,6 @@ def parse_with_tree(ap) -> tuple:
 
 
 # ------------------------------------------------------------------ a server driven through HTTP, streamed
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def prompt_ids(n: int, vocab: int, seed: int) -> list[int]:
     import torch        # function-level: keeps torch out of a CPU-only script's start-up until it needs ids

@@ -30,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
+from bench.harness import free_port, wait_ready
 
 REPO = Path(__file__).resolve().parent.parent
 RECIPE = REPO / "recipes/cpu/any/smollm2-135m.kiln.8k.json"
@@ -121,33 +121,18 @@ def stop_engine(proc: subprocess.Popen, log) -> None:
 
 def start_engine(name: str, paths: dict, evidence: Path):
     """`engine serve` as the recipe says, on a free port; (process, base URL, log) once /health is 200."""
-    from tool.checks.llama_cpp import free_port
     port = free_port()
     log = open(evidence / f"engine-{name}.log", "w")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     model = paths.get(f"{name}_model", paths["model"])
     proc = subprocess.Popen([*ENGINE, *serve_args(model, paths[name], port)], cwd=REPO, env=env,
                             stdout=log, stderr=subprocess.STDOUT)
-    waited = wait_healthy(proc, port, name, log.name)
+    try:
+        waited = wait_ready(proc, f"http://127.0.0.1:{port}", Path(log.name), f"engine serve ({name})", limit_s=900)
+    except RuntimeError as e:           # exited, or not ready in time: one line, and no server left behind
+        proc.kill()
+        raise SystemExit(str(e).splitlines()[0] + f" (log: {log.name})")
     return proc, f"http://127.0.0.1:{port}/v1", log, waited
-
-
-def wait_healthy(proc: subprocess.Popen, port: int, what: str, log_name: str, limit_s: float = 900) -> float:
-    """Poll the engine's GET /health until 200; seconds taken. Exits naming `what` and its log if the process
-    ends or is not ready in limit_s (and kills it then)."""
-    t0 = time.monotonic()
-    while True:
-        if proc.poll() is not None:
-            raise SystemExit(f"engine serve ({what}) exited {proc.returncode}: see {log_name}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
-                return time.monotonic() - t0
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() - t0 > limit_s:
-            proc.kill()
-            raise SystemExit(f"engine serve ({what}) not ready in {limit_s:.0f} s")
-        time.sleep(0.5)
 
 
 def direct(name: str, paths: dict, gguf: Path, llama: Path, evidence: Path, rounds: int, tokens: int) -> dict:

@@ -29,8 +29,8 @@ from pathlib import Path
 
 
 REPO = Path(__file__).resolve().parent.parent
-from bench.quant_demo_speed import GGUF_NAME, RECIPE, prepare, serve_args, vm, wait_healthy
-from bench.harness import tree_commit
+from bench.quant_demo_speed import GGUF_NAME, RECIPE, prepare, serve_args, vm
+from bench.harness import tree_commit, wait_ready
 
 
 def threads_of(pid: int) -> dict[str, dict]:
@@ -158,7 +158,7 @@ def start_engine(tree: Path, model: Path, store: Path, log: Path, trace: Path) -
     env = {**os.environ, "PYTHONPATH": str(tree), "KILN_STEP_TRACE": str(trace)}
     proc = subprocess.Popen([sys.executable, "-c", TRACED, *serve_args(model, store, port)], cwd=tree, env=env,
                             stdout=open(log, "w"), stderr=subprocess.STDOUT)
-    wait_healthy(proc, port, str(tree), str(log))
+    wait_ready(proc, f"http://127.0.0.1:{port}", Path(str(log)), str(tree), limit_s=900)
     return proc, f"http://127.0.0.1:{port}"
 
 

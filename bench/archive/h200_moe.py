@@ -38,6 +38,8 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 
+from bench.harness import measure_lanes
+from engine.measure.peer import CARD_BYTES, RAM_TIER, WORKSPACE
 from engine.tiers.resident import ResidentExperts
 from engine.tiers.tiered import TieredExperts
 from engine.loader import load_model
@@ -47,9 +49,6 @@ from engine.synth import QWEN3_30B_A3B, synth_config, synthesize
 from engine.tiers.cache import ExpertCache, make_policy
 
 GIB = 1 << 30
-CARD_BYTES = 24 * GIB          # the RTX 3090's 24 GiB
-RAM_TIER = 16 * GIB
-WORKSPACE = int(1.5 * GIB)     # activations, graphs, allocator slack on a 24 GB card
 DEV = torch.device("cuda")
 
 
@@ -62,57 +61,6 @@ def sync():
 
 
 # ------------------------------------------------------------------ lanes
-
-def measure_lanes(store_file: Path, record_bytes: int, n_records: int) -> dict:
-    out = {}
-    a = torch.empty(2 * GIB // 2, dtype=torch.bfloat16, device=DEV).normal_()
-    b = torch.empty_like(a)
-    for _ in range(3):
-        b.copy_(a)
-    sync()
-    t0 = time.perf_counter()
-    for _ in range(10):
-        b.copy_(a)
-    sync()
-    out["hbm_gbps"] = 2 * 10 * a.numel() * 2 / (time.perf_counter() - t0) / 1e9   # read + write
-    del a, b
-    pieces = 64
-    host = torch.empty(pieces * record_bytes, dtype=torch.uint8).pin_memory()
-    host.random_(0, 255)
-    dev = torch.empty(pieces * record_bytes, dtype=torch.uint8, device=DEV)
-    for _ in range(2):
-        dev.copy_(host, non_blocking=True)
-    sync()
-    t0 = time.perf_counter()
-    for r in range(3):
-        for i in range(pieces):
-            dev[i * record_bytes:(i + 1) * record_bytes].copy_(host[i * record_bytes:(i + 1) * record_bytes], non_blocking=True)
-    sync()
-    out["pcie_h2d_pinned_gbps"] = 3 * pieces * record_bytes / (time.perf_counter() - t0) / 1e9
-    del host, dev
-    # disk: random whole records, O_DIRECT, 1 and 16 threads (what the readers do)
-    fd = open_direct(store_file)
-    try:
-        for threads in (1, 16):
-            bufs = [aligned_buffer(record_bytes) for _ in range(threads)]
-            picks = random.Random(threads).sample(range(n_records), min(n_records, 96 if threads > 1 else 24))
-            t0 = time.perf_counter()
-            with ThreadPoolExecutor(threads) as ex:
-                list(ex.map(lambda ij: pread_full(fd, bufs[ij[0] % threads], picks[ij[1]] * record_bytes),
-                            [(i, i) for i in range(len(picks))]))
-            out[f"disk_odirect_random_{threads}t_gbps"] = len(picks) * record_bytes / (time.perf_counter() - t0) / 1e9
-    finally:
-        os.close(fd)
-    src = torch.empty(GIB, dtype=torch.uint8).random_(0, 255)
-    dst = torch.empty_like(src)
-    torch.set_num_threads(1)
-    t0 = time.perf_counter()
-    for _ in range(3):
-        dst.copy_(src)
-    out["dram_copy_1t_gbps"] = 2 * 3 * GIB / (time.perf_counter() - t0) / 1e9
-    torch.set_num_threads(os.cpu_count() or 1)
-    return {k: round(v, 2) for k, v in out.items()}
-
 
 # ------------------------------------------------------------------ engine runs
 

