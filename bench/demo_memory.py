@@ -33,6 +33,8 @@ from pathlib import Path
 import click
 import httpx
 
+from bench.harness import write_result
+
 ROOT = Path(__file__).resolve().parent.parent
 RECIPE = ROOT / "recipes" / "cpu" / "any" / "smollm2-135m.kiln.8k.json"
 
@@ -172,9 +174,7 @@ def main(llama, main_tree, work, out):
               "memory_max_bytes": cap, "runs": runs,
               "target": "engine RSS while serving <= 2x llama-server's, same GGUF and context",
               "engine_peak_vs_llama_cpp_peak": round(ratio, 2), "target_met": ratio <= 2.0}
-    tmp = Path(out).with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(result, indent=2) + "\n")
-    tmp.replace(out)
+    write_result(Path(out), result)
     gb = 1e9
     print("\n| server | KV slots | KV reserved GB | RSS idle GB | RSS serving, max GB | peak (VmHWM) GB | peak / cap | load |")
     print("|---|---|---|---|---|---|---|---|")

@@ -45,8 +45,10 @@ from pathlib import Path
 import click
 import httpx
 
-ROOT = Path(__file__).resolve().parent.parent
+from bench.harness import write_result
 from tests.fixtures.tiny_models import make_tiny_checkpoint
+
+ROOT = Path(__file__).resolve().parent.parent
 
 LONG = 6000
 STREAMS = 4
@@ -222,9 +224,7 @@ def main(chunk, rounds, threads, out):
               "model": "tiny_models qwen3_moe hidden 256, 4 layers, 8 experts top-2, fp32, CPU",
               "long_prompt_tokens": LONG, "running_streams": STREAMS, "max_batch": MAX_BATCH, "clients": CLIENTS,
               "runs": runs}
-    tmp = Path(out).with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(result, indent=2) + "\n")
-    tmp.replace(out)
+    write_result(Path(out), result)
     print(f"\n| run | chunk | one chunk s | longest gap s | 2x chunk s | within | 6k TTFT alone s | "
           f"{CLIENTS} clients: TTFT p50 / p99 s | 429s | load |")
     print("|---|---|---|---|---|---|---|---|---|---|")

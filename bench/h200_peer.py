@@ -45,7 +45,7 @@ from datetime import date
 from pathlib import Path
 
 from bench.harness import (completions_client, free_port, gguf_convert, host_load, llama_bench_figures, log,
-                           machine, measure, stop, wait_ready)
+                           machine, measure, stop, wait_ready, write_result)
 from engine.measure.peer import STREAMS, budget_n_cpu_moe, gguf_tensors, lane_bound, report, token_bytes
 
 PHASES = ("convert", "quantize", "bench-bf16", "bench-q4", "serve-bf16", "serve-q4", "report")
@@ -430,15 +430,14 @@ def main():
             failed = True
             log(f"{phase}: FAILED: {res['error']}")
         res["seconds"] = round(time.perf_counter() - t0, 1)
-        (out_dir / f"peer-{phase}.json").write_text(json.dumps(res, indent=2) + "\n")
+        write_result(out_dir / f"peer-{phase}.json", res)
         log(f"== {phase}: {res['seconds']} s; wrote {out_dir / f'peer-{phase}.json'}")
     if "report" in phases:
         if args.tiny and args.out_dir and not args.from_:
             args.from_ = [args.out_dir]
         out = report(args)
         if args.out:
-            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
+            write_result(Path(args.out), out)
             log("wrote", args.out)
     sys.exit(1 if failed else 0)
 

@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 
 from bench.harness import (REPO, completions_client, dram_read_gbps, free_port, gguf_convert, llama_bench_figures,
-                           log, measure, measure_lanes, metrics, stop, wait_ready)
+                           log, measure, measure_lanes, metrics, stop, wait_ready, write_result)
 from engine.measure.peer import CARD_BYTES, RAM_TIER, STREAMS, WORKSPACE
 from engine.store import manifest as mf
 from engine.store import model_manifest
@@ -257,12 +257,12 @@ def main():
     work.mkdir(parents=True, exist_ok=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    result: dict = {"command": " ".join(["python3"] + sys.argv), "date": str(date.today()), "runs": {}}
+    result: dict = {"runs": {}}
     t_start = time.perf_counter()
 
     def save():
         result["wall_seconds"] = round(time.perf_counter() - t_start, 1)
-        out.write_text(json.dumps(result, indent=2) + "\n")
+        write_result(out, result)
 
     props = torch.cuda.get_device_properties(0)
     result["machine"] = {"gpu": props.name, "sms": props.multi_processor_count, "cpus": os.cpu_count(),

@@ -119,7 +119,7 @@ def write_result(path: Path, doc: dict) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(doc, indent=1) + "\n")
+    tmp.write_text(json.dumps(doc, indent=2, default=str) + "\n")
     os.replace(tmp, path)
     return path
 

@@ -14,7 +14,6 @@ of the native result against torch's (relative to the largest output).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
@@ -22,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from bench.harness import write_result
 from engine.kernels import native
 from engine.quant.records import int4pack_operands, to_int4pack
 
@@ -93,7 +93,7 @@ def main():
                                                              "speedup": round(base / new, 2), "loadavg": loads}
             print(f"{threads} thr {name:22} " + "  ".join(f"{p}: {m:.1f} us" for p, m in med.items())
                   + f"  x{base / new:.2f}  load {loads}", flush=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.out, result)
 
 
 if __name__ == "__main__":

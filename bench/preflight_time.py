@@ -7,7 +7,6 @@ Each command runs as a fresh process (what a user types), several times; the bas
 """
 from __future__ import annotations
 
-import json
 import os
 import platform
 import statistics
@@ -20,6 +19,8 @@ from pathlib import Path
 import click
 from rich.console import Console
 from rich.table import Table
+
+from bench.harness import write_result
 
 REPO = Path(__file__).resolve().parent.parent
 TOOL = str(Path(sys.executable).parent / "tool")
@@ -61,10 +62,7 @@ def main(runs, out):
               "host": {"cpus": os.cpu_count(), "machine": platform.machine(), "python": platform.python_version()},
               "figure": {"preflight_glm_5_3_flash_median_s": rows[1]["median_s"]},
               "baseline": {"tool_help_median_s": rows[0]["median_s"]}, "bound_s": BOUND_S, "rows": rows}
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(out).with_suffix(".tmp")
-    tmp.write_text(json.dumps(result, indent=2) + "\n")
-    tmp.replace(out)
+    write_result(Path(out), result)
     click.echo(f"wrote {out}")
     sys.exit(0 if all(r["within_bound"] is not False for r in rows) else 1)
 

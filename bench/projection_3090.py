@@ -14,6 +14,7 @@ import sys
 from datetime import date
 from pathlib import Path
 
+from bench.harness import write_result
 from engine.measure.projection_3090 import BOX, GIB, inputs, project
 
 REPO = Path(__file__).resolve().parent.parent
@@ -44,7 +45,7 @@ def main():
                           "the H200's; the seed's pick split "
                           "(GLM-5.3-Flash on its box) as a locality case"},
            **res}
-    Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")
+    write_result(Path(args.out), doc)
     print(f"PROJECTION, not measured: 48-layer Qwen3-30B-A3B on a 3090 box (24 GB, PCIe {BOX['pcie_gbps']} GB/s, "
           f"NVMe {BOX['nvme_gbps']} GB/s, RAM tier {BOX['ram_tier_bytes'] // GIB} GiB)")
     b = res["budget"]

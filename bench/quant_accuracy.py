@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from bench.harness import write_result
 from engine.measure.quant_accuracy import GREEDY, SERVED, SWEEP, WITH_ATTENTION_BLOCKS, measure
 
 REPO = Path(__file__).resolve().parent.parent
@@ -72,9 +73,7 @@ def main():
     out["complete"] = False
 
     def saved():
-        tmp = Path(args.out + ".tmp")
-        tmp.write_text(json.dumps(out, indent=2) + "\n")
-        tmp.replace(args.out)
+        write_result(Path(args.out), out)
     # The synthetic checkpoint first (seconds), then SmolLM2's served records, then its sweep (an hour on a
     # busy 2-core host): the JSON is rewritten after every variant.
     if not args.no_synthetic:

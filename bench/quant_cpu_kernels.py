@@ -17,7 +17,6 @@ Each path's max error against a plain dequantize-then-matmul of the same record 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
@@ -25,6 +24,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from bench.harness import write_result
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -125,7 +126,7 @@ def main():
         for name, c in case.items():
             print(f"{name:24} {c['median_us']:10.1f} {c['speedup_vs_fp32_record']:7.2f} "
                   f"{c['record_bytes'] / 1e6:9.2f} {c['max_err_rel']:9.1e}")
-    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
+    write_result(Path(args.out), out)
 
 
 if __name__ == "__main__":

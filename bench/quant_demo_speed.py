@@ -30,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.harness import free_port, wait_ready
+from bench.harness import free_port, wait_ready, write_result
 
 REPO = Path(__file__).resolve().parent.parent
 RECIPE = REPO / "recipes/cpu/any/smollm2-135m.kiln.8k.json"
@@ -306,7 +306,7 @@ def engine_only(paths: dict, rounds: int, tokens: int) -> dict:
     for _ in range(rounds):
         for name, (model, store) in rows.items():
             loads.append(round(os.getloadavg()[0], 2))
-            r = sh([sys.executable, __file__, "--row", str(model), store, str(tokens), "--out", "-"],
+            r = sh([sys.executable, "-m", "bench.quant_demo_speed", "--row", str(model), store, str(tokens), "--out", "-"],
                    capture_output=True, text=True)
             if r.returncode:
                 raise SystemExit(f"row {name} failed: {r.stderr[-1500:]}")
@@ -357,7 +357,7 @@ def main():
         paths = prepare(gguf, args.workdir, ["q4_1", "fp32"])
         out = {"what": "the engine's q4_1 demo store against its own fp32 path (llama.cpp not run)",
                "date": time.strftime("%Y-%m-%d %H:%M"), **engine_only(paths, args.rounds, args.tokens)}
-        args.out.write_text(json.dumps(out, indent=2) + "\n")
+        write_result(args.out, out)
         print(json.dumps(out, indent=2))
         return
     if gguf is None or not args.llama_server.exists():
@@ -373,12 +373,12 @@ def main():
         out["what"] = "where the engine's quantized decode step spends its time (torch.profiler, self CPU time)"
         out["profiles"] = []
         for th in (1, 2):          # each in a fresh process, as a server is
-            r = sh([sys.executable, __file__, "--profile-row", str(paths["model"]), str(paths["q4_1"]), str(th),
+            r = sh([sys.executable, "-m", "bench.quant_demo_speed", "--profile-row", str(paths["model"]), str(paths["q4_1"]), str(th),
                     "--out", "-"], capture_output=True, text=True)
             if r.returncode:
                 raise SystemExit(f"profile failed: {r.stderr[-1500:]}")
             out["profiles"].append(json.loads(r.stdout.strip().splitlines()[-1]))
-        args.out.write_text(json.dumps(out, indent=2) + "\n")
+        write_result(args.out, out)
         print(json.dumps(out["profiles"], indent=2))
         return
     if args.direct:
@@ -388,7 +388,7 @@ def main():
         out["engine_threads"] = args.engine_threads or "the engine's default (2 on 2 CPUs)"
         for name in args.variants.split(","):
             out["variants"][name] = direct(name, paths, gguf, args.llama_server, evidence, args.rounds, args.tokens)
-        args.out.write_text(json.dumps(out, indent=2, default=str) + "\n")
+        write_result(args.out, out)
         print(f"\n{'engine':7} {'record MB':>9} {'engine tok/s':>12} {'llama.cpp tok/s':>15} {'ratio':>6} {'RSS peak GB':>11}")
         for name, v in out["variants"].items():
             m = v["median_decode_tps"]
@@ -398,7 +398,7 @@ def main():
     for name in args.variants.split(","):
         out["variants"][name] = run_variant(name, paths, gguf, args.llama_server, evidence)
         out["variants"][name]["load_avg_after"] = os.getloadavg()
-    args.out.write_text(json.dumps(out, indent=2, default=str) + "\n")
+    write_result(args.out, out)
     print(f"\n{'engine':7} {'record MB':>9} {'engine tok/s':>12} {'llama.cpp tok/s':>15} {'ratio':>6} {'RSS peak GB':>11}  verdict")
     for name, v in out["variants"].items():
         s = v["speed"]

@@ -16,12 +16,13 @@ This is the kernels' figure, not a whole-model decode: attention, norms and the 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
 
 import torch
+
+from bench.harness import write_result
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -138,7 +139,7 @@ def main():
            "shape": {"hidden": H, "intermediate": I, "experts": E, "top_k": K, "layers": LAYERS},
            "hbm_copy_gbps": round(hbm_gbps, 1), "iters": args.iters, "date": time.strftime("%Y-%m-%d"),
            "results": results}
-    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
+    write_result(Path(args.out), out)
     print(f"{'scheme':7} {'rec MB':>7} {'dec us/tok':>10} {'tok/s':>7} {'x bf16':>6} {'GB/s':>6} {'bound':>7} "
           f"{'pre512 us':>9} {'x bf16':>6}  exact")
     for s, r in results.items():

@@ -27,6 +27,7 @@ from rich.console import Console
 from rich.table import Table
 from safetensors.torch import save_file
 
+from bench.harness import write_result
 from engine.store.odirect import aligned_buffer, fstype, pread_full, pwrite_full
 from engine.store.pack import pack_store
 from engine.store.verify import default_readers, verify_store
@@ -132,8 +133,7 @@ def bench(gb, base, readers, out):
               "loadavg_1m_before_after": [load0, os.getloadavg()[0]],
               "notes": "checkpoint read from the page cache during pack (just written); store and plain I/O are O_DIRECT"}
     path = Path(out or Path(__file__).parent / "results" / f"{date.today().isoformat()}-cpu-store.json")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(path, result)
     Console(stderr=True).print(f"wrote {path}")
 
 
