@@ -6,6 +6,10 @@ from this checkout with no sys.path edits:
 
     python -m bench.h200_served --help
 
+A result worth keeping gets its row in results/index.jsonl:
+
+    python -m bench.harness index bench/results/<file>.json decode_tps=609.1 prefill_8k_tps=31172
+
 What each result file holds is /work/shared/BENCH.md's list (command, commit, machine, conditions, rounds,
 medians, peaks, the peer and the bound); `write_result` stamps the first three.
 """
@@ -134,8 +138,8 @@ def index_row(path: Path, headline: dict, doc: dict | None = None) -> dict:
     """The results index's row for a kept result: date, commit, machine, command, headline figures, file."""
     doc = doc if doc is not None else json.loads(Path(path).read_text())
     m = doc.get("machine") or {}
-    return {"date": str(doc.get("date", ""))[:10], "commit": doc.get("commit") or doc.get("tree"),
-            "machine": m.get("nvidia_smi") or m.get("cpu") or m if isinstance(m, dict) else m,
+    return {"date": str(doc.get("date", ""))[:10], "commit": doc.get("commit"),
+            "machine": (m.get("nvidia_smi") or m.get("cpu")) if isinstance(m, dict) else m,
             "command": doc.get("command"), "headline": headline,
             "file": str(Path(path).resolve().relative_to(REPO / "bench"))}
 
@@ -433,3 +437,32 @@ def measure_lanes(store_file: Path, record_bytes: int, n_records: int) -> dict:
     out["dram_copy_1t_gbps"] = 2 * 3 * GIB / (time.perf_counter() - t0) / 1e9
     torch.set_num_threads(os.cpu_count() or 1)
     return {k: round(v, 2) for k, v in out.items()}
+
+
+def main(argv: list[str]) -> int:
+    """`index RESULT.json NAME=VALUE...`: put RESULT's row, with these headline figures, in results/index.jsonl."""
+    if len(argv) < 3 or argv[0] != "index" or not all("=" in a for a in argv[2:]):
+        print("usage: python -m bench.harness index RESULT.json NAME=VALUE...", file=sys.stderr)
+        return 2
+    path = Path(argv[1]).resolve()
+    if not path.is_file() or RESULTS not in path.parents:
+        print(f"{argv[1]}: not a result file under {RESULTS}", file=sys.stderr)
+        return 2
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        print(f"{argv[1]}: not JSON ({e})", file=sys.stderr)
+        return 2
+    headline = {}
+    for item in argv[2:]:
+        name, _, value = item.partition("=")
+        try:
+            headline[name] = json.loads(value)
+        except ValueError:
+            headline[name] = value
+    add_to_index(index_row(path, headline, doc))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

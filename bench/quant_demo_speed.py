@@ -30,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.harness import free_port, wait_ready, write_result
+from bench.harness import free_port, median_spread, wait_ready, write_result
 
 REPO = Path(__file__).resolve().parent.parent
 RECIPE = REPO / "recipes/cpu/any/smollm2-135m.kiln.8k.json"
@@ -140,7 +140,6 @@ def direct(name: str, paths: dict, gguf: Path, llama: Path, evidence: Path, roun
     the speed gate times a round (tool.checks.speed.time_stream on the gate's chat prompt, ignore_eos,
     greedy): no host-quiet rule, so a figure comes out on a busy host, each round with the load average
     and the CPU pressure (share of its wall time some task waited for a CPU) it ran under. Medians."""
-    import statistics
     from tool.checks import hostload
     from tool.checks.client import Client
     from tool.checks.llama_cpp import LlamaServerProcess
@@ -167,9 +166,11 @@ def direct(name: str, paths: dict, gguf: Path, llama: Path, evidence: Path, roun
                                   "ttft_s": ans.ttft_s, "loadavg_1m": h["loadavg"][0] if h["loadavg"] else None,
                                   "cpu_pressure_some": h["cpu_pressure_some"]})
                 print(f"  {side:9} {got[side][-1]}", file=sys.stderr, flush=True)
-        med = {k: statistics.median(r["decode_tps"] for r in v if r["decode_tps"]) for k, v in got.items()}
+        spread = {k: median_spread([r["decode_tps"] for r in v if r["decode_tps"]]) for k, v in got.items()}
+        med = {k: m["median"] for k, m in spread.items()}
         return {"engine_ready_s": round(ready_s, 1), "engine_rss_peak_bytes": vm(proc.pid, "VmHWM"),
                 "llama_server_argv": llama_srv.argv, "rounds": got, "median_decode_tps": med,
+                "decode_tps_median_spread": spread,
                 "vs_llama_cpp": round(med["engine"] / med["llama.cpp"], 3),
                 "store_record_bytes": json.loads((paths[name] / "manifest.json").read_text())["record_bytes"]}
     finally:
