@@ -168,7 +168,7 @@ def main(llama, main_tree, work, out):
     cap = recipe["runtime"]["native"]["memory_max_bytes"]
     ratio = runs["engine"]["rss_peak_bytes"] / runs["llama.cpp"]["rss_peak_bytes"]
     result = {"date": date.today().isoformat(), "host": platform.node(),
-              "command": ".venv/bin/python -m bench.demo_memory", "recipe": recipe["id"], "context": ctx,
+              "recipe": recipe["id"], "context": ctx,
               "store": {"quant": manifest.get("quant"), "record_bytes": manifest["record_bytes"],
                         "records": len(manifest["records"])},
               "memory_max_bytes": cap, "runs": runs,

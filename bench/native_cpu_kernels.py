@@ -14,14 +14,13 @@ of the native result against torch's (relative to the largest output).
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 from pathlib import Path
 
 import torch
 
-from bench.harness import write_result
+from bench.harness import interleaved, write_result
 from engine.kernels import native
 from engine.quant.records import int4pack_operands, to_int4pack
 
@@ -72,20 +71,20 @@ def main():
         "paths": {"float32 x @ W^T (Projection before)": (lambda *_: x.view(1, -1) @ w_t),
                   "native q8_gemv (Q8_0 codes + fp32 scales)": (lambda qq, dd: native.q8_gemv(x, qq, dd))},
         "ops": qs}
-    result = {"what": __doc__.strip().splitlines()[0], "command": "python -m bench.native_cpu_kernels --out ...",
-              "date": time.strftime("%Y-%m-%d %H:%M"), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+    result = {"what": __doc__.strip().splitlines()[0], "date": time.strftime("%Y-%m-%d %H:%M"), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
               "rounds": args.rounds, "results": {}}
     for threads in (1, 2):
         torch.set_num_threads(threads)
         for name, r in rows.items():
-            got = {p: [] for p in r["paths"]}
-            loads = []
-            for _ in range(args.rounds):
-                loads.append(round(os.getloadavg()[0], 2))
-                for p, fn in r["paths"].items():
-                    copies = r["ops"] if p.startswith(("native", "torch")) else [()]
-                    timed(fn, copies[:2], 3)
-                    got[p].append(round(timed(fn, copies, max(1, 60 // len(copies))), 1))
+
+            def one(p, fn, r=r):
+                copies = r["ops"] if p.startswith(("native", "torch")) else [()]
+                timed(fn, copies[:2], 3)                 # warm
+                return round(timed(fn, copies, max(1, 60 // len(copies))), 1)
+            rounds = interleaved({p: (lambda p=p, fn=fn: one(p, fn)) for p, fn in r["paths"].items()}, args.rounds,
+                                 warmup=False)
+            got = {p: [x[p] for x in rounds] for p in r["paths"]}
+            loads = [x["host"]["loadavg"][0] if x["host"]["loadavg"] else None for x in rounds]
             med = {p: statistics.median(v) for p, v in got.items()}
             base, new = list(med.values())
             result["results"].setdefault(name, {"bytes": r["bytes"], "max_rel_err_vs_torch": r["max_rel_err_vs_torch"]})

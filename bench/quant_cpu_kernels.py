@@ -17,7 +17,6 @@ Each path's max error against a plain dequantize-then-matmul of the same record 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 from pathlib import Path
@@ -25,7 +24,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from bench.harness import write_result
+from bench.harness import interleaved, write_result
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -101,16 +100,17 @@ def main():
            "date": time.strftime("%Y-%m-%d %H:%M"), "rounds": args.rounds, "calls_per_round": args.calls, "cases": {}}
     for m in (1, 16):
         x = torch.randn(m, H, generator=g)
-        times = {k: [] for k in paths}
-        loads = []
-        for _ in range(args.rounds):
-            loads.append(round(os.getloadavg()[0], 2))
-            for name, fn in paths.items():
+
+        def per_call_us(fn, x=x):
+            fn(x)                                        # warm: this path's operands back in cache
+            t = time.perf_counter()
+            for _ in range(args.calls):
                 fn(x)
-                t = time.perf_counter()
-                for _ in range(args.calls):
-                    fn(x)
-                times[name].append((time.perf_counter() - t) / args.calls * 1e6)
+            return (time.perf_counter() - t) / args.calls * 1e6
+        rounds = interleaved({name: (lambda fn=fn: per_call_us(fn)) for name, fn in paths.items()}, args.rounds,
+                             warmup=False)
+        times = {k: [r[k] for r in rounds] for k in paths}
+        loads = [r["host"]["loadavg"][0] if r["host"]["loadavg"] else None for r in rounds]
         case = {}
         for name, fn in paths.items():
             got, want = fn(x).float(), refs[name](x).float()
