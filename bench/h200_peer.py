@@ -41,7 +41,6 @@ import subprocess
 import sys
 import threading
 import time
-from datetime import date
 from pathlib import Path
 
 from bench.harness import (completions_client, free_port, gguf_convert, host_load, llama_bench_figures, log,
@@ -416,8 +415,7 @@ def main():
     for phase in device_phases:
         out_dir = Path(args.out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
-        res: dict = {"phase": phase, "date": str(date.today()), "command": " ".join(["python3"] + sys.argv),
-                     "tiny": args.tiny, "machine": {**machine(), "host": host_load()}}
+        res: dict = {"phase": phase, "tiny": args.tiny, "machine": {**machine(), "host": host_load()}}
         t0 = time.perf_counter()
         log(f"== {phase} (call at {clock.elapsed()} s of {args.budget_s:.0f})")
         try:

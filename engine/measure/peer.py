@@ -1,11 +1,10 @@
 """llama.cpp beside Kiln on the same weights: the --n-cpu-moe that gives llama.cpp what Kiln's 24 GB budget gives
 Kiln, the bytes a token reads where, the bound they set, and the report that sets llama.cpp's runs beside Kiln's
-(bench/h200_peer.py measures; this is its arithmetic)."""
+(bench/h200_peer.py measures and writes the report, stamped with its command, commit and machine; this is its
+arithmetic)."""
 from __future__ import annotations
 
 import json
-import sys
-from datetime import date
 from pathlib import Path
 
 GIB = 1 << 30
@@ -155,8 +154,7 @@ def report(args) -> dict:
                 targets[f"{r['quant']}_{key}_kiln_over_llama_bench_prefill_8k"] = round(k["prefill_tps"] / b["prefill_tps_8192"], 3)
             if s.get("prefill_tps"):
                 targets[f"{r['quant']}_{key}_kiln_over_llama_server_prefill_8k"] = round(k["prefill_tps"] / s["prefill_tps"], 3)
-    out = {"date": str(date.today()), "command": " ".join(["python3"] + sys.argv),
-           "phases": {p: {k: v for k, v in d.items() if k not in ("llama_bench", "llama_server")} for p, d in phases.items()},
+    out = {"phases": {p: {k: v for k, v in d.items() if k not in ("llama_bench", "llama_server")} for p, d in phases.items()},
            "rows": rows,
            "kiln_source": kiln["sources"] if kiln else None,
            "targets": {**targets, "required": {"budget_kiln_over_llama_decode": ">= 1.5", "budget_kiln_over_llama_prefill_8k": ">= 1.0",
