@@ -386,6 +386,7 @@ def measure_lanes(store_file: Path, record_bytes: int, n_records: int) -> dict:
     from concurrent.futures import ThreadPoolExecutor
 
     import torch        # function-level, as above
+    # engine, never at this module's top: run_with_tree must pick whose engine is imported before anything imports it
     from engine.store.odirect import aligned_buffer, open_direct, pread_full
 
     dev = torch.device("cuda")
