@@ -10,7 +10,7 @@ A result worth keeping gets its row in results/index.jsonl:
 
     python -m bench.harness index bench/results/<file>.json decode_tps=609.1 prefill_8k_tps=31172
 
-What each result file holds is /work/shared/BENCH.md's list (command, commit, machine, conditions, rounds,
+What each result file holds (bench/README.md): the command, commit, machine, conditions, rounds,
 medians, peaks, the peer and the bound); `write_result` stamps the first three.
 """
 from __future__ import annotations
@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import random
 import shutil
 import signal
 import statistics
@@ -26,6 +27,7 @@ import sys
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable
@@ -382,9 +384,6 @@ def dram_read_gbps(threads: int = 16) -> float:
 def measure_lanes(store_file: Path, record_bytes: int, n_records: int) -> dict:
     """HBM copy, pinned host-to-device copy of whole records, O_DIRECT random record reads (1 and 16 threads) and
     one-thread DRAM copy, in GB/s: the lanes a token's bytes cross, measured on this machine now (CUDA only)."""
-    import random
-    from concurrent.futures import ThreadPoolExecutor
-
     import torch        # function-level, as above
     # engine, never at this module's top: run_with_tree must pick whose engine is imported before anything imports it
     from engine.store.odirect import aligned_buffer, open_direct, pread_full
