@@ -11,7 +11,7 @@ A result worth keeping gets its row in results/index.jsonl:
     python -m bench.harness index bench/results/<file>.json decode_tps=609.1 prefill_8k_tps=31172
 
 What each result file holds (bench/README.md): the command, commit, machine, conditions, rounds,
-medians, peaks, the peer and the bound); `write_result` stamps the first three.
+medians, peaks, the peer and the bound; `write_result` stamps the first three.
 """
 from __future__ import annotations
 
