@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 from bench.quant_demo_speed import GGUF_NAME, RECIPE, prepare, serve_args, vm
 from bench.harness import tree_commit, wait_ready
 

@@ -31,7 +31,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 from engine.kernels.cpu import set_compute_threads
 from engine.llm import LLM, SamplingParams
 from engine.projection import Projection

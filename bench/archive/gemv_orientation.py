@@ -25,7 +25,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SHAPES = {  # name -> (out, in) as the checkpoint holds it
     "expert gate|up 3072x576": (3072, 576),
     "expert down 576x1536": (576, 1536),

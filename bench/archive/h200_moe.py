@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 from bench.harness import measure_lanes
 from engine.measure.peer import CARD_BYTES, RAM_TIER, WORKSPACE

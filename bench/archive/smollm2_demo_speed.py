@@ -36,7 +36,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 from engine.kernels.cpu import default_threads
 from engine.llm import LLM, SamplingParams
 from bench.archive.engine_cpu_decode import hf_decode as hf_run
@@ -94,7 +94,8 @@ def measure(row: str, gguf: Path, model_dir: Path, store_dir: Path, prompt: list
 
 def run_row(row: str, args: list[str]) -> tuple[float, list[int], dict]:
     """measure() in a fresh process (the same script, --row), its result as the last line of stdout."""
-    out = subprocess.run([sys.executable, __file__, *args, "--row", row], capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-m", "bench.archive.smollm2_demo_speed", *args, "--row", row], capture_output=True,
+                         text=True, cwd=ROOT)
     if out.returncode:
         raise SystemExit(f"row {row} failed (exit {out.returncode}):\n{out.stderr[-2000:]}")
     rate, toks, delta = json.loads(out.stdout.strip().splitlines()[-1])

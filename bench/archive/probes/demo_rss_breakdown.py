@@ -19,7 +19,7 @@ from pathlib import Path
 import click
 import httpx
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 from bench.demo_memory import RECIPE, REQUEST, status
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 TEXT = ("engine/quant/records.py", "engine/config.py", "engine/kv_cache.py", "engine/sampling.py")
 
 
