@@ -42,6 +42,7 @@ import torch
 from engine.kernels.cpu import set_compute_threads
 from engine.loader import load_model
 from engine.models.common import MoEModel
+from engine.prefix_cache import PrefixCache
 from engine.runtime import EngineConfig
 from engine.sampling import GreedyPicks, SamplingError, check_params, choose, is_greedy, make_generator
 
@@ -104,6 +105,7 @@ class _Request:
         self.slot = -1
         self.length = 0            # tokens in the KV cache (during prefill: the prompt tokens run so far)
         self.generated = 0
+        self.emitted: list[int] = []   # its tokens so far: the KV's positions past the prompt hold emitted[:length - len(prompt)]
         self.last = -1             # the latest token, fed at the next decode step
         self.submitted = time.monotonic()
 
@@ -155,10 +157,13 @@ class Stream:
 
 class LLM:
     def __init__(self, model: MoEModel, tokenizer, model_dir: str | Path | None = None, *,
-                 chunk_size: int = DEFAULT_CHUNK, max_queue: int | None = None, decode_ahead: bool = True):
+                 chunk_size: int = DEFAULT_CHUNK, max_queue: int | None = None, decode_ahead: bool = True,
+                 prefix_cache: bool = True):
         """chunk_size: prefill tokens per scheduler turn. max_queue: requests waiting for a slot before new
         ones are refused with Overloaded (default 4 × the KV cache's slots). decode_ahead: greedy steps launch
-        before the previous one's tokens are read, where the model allows it (model.decode_ahead_ok)."""
+        before the previous one's tokens are read, where the model allows it (model.decode_ahead_ok).
+        prefix_cache: a prompt starts its prefill after the longest prefix a KV slot already holds
+        (engine.prefix_cache), where the model's cache allows it (KVCache.reusable_prefix)."""
         if chunk_size < 1:
             raise ValueError(f"chunk_size {chunk_size} must be at least 1")
         self.model, self.tokenizer = model, tokenizer
@@ -195,6 +200,7 @@ class LLM:
         self._ahead: _Launched | None = None                  # the step launched ahead, its tokens not yet read
         self._ahead_used = 0
         self._ahead_redone = 0
+        self._prefix = PrefixCache(model.kv) if prefix_cache and model.kv.reusable_prefix else None
         self._thread = threading.Thread(target=self._loop, name="engine-scheduler", daemon=True)
         self._thread.start()
         # An engine nobody closed still stops its scheduler at interpreter exit: a daemon thread that ran
@@ -231,7 +237,7 @@ class LLM:
             set_compute_threads(config.threads)  # here, not in the scheduler: a daemon thread that set them aborts the exit
             trim_heap()                          # what the load freed, back to the kernel (engine.tiers.ram.trim_heap)
         return cls(model, tokenizer, model_dir, chunk_size=chunk_size, max_queue=max_queue,
-                   decode_ahead=config.decode_ahead)
+                   decode_ahead=config.decode_ahead, prefix_cache=config.prefix_cache)
 
     # ------------------------------------------------------------ callers' side (any thread)
 
@@ -279,6 +285,8 @@ class LLM:
         if (graphs := self.model.graphs) is not None:
             out.update(decode_graph_replays=graphs.replays, decode_graph_captures=graphs.captures)
         out.update(decode_ahead_steps_total=self._ahead_used, decode_ahead_redone_total=self._ahead_redone)
+        if self._prefix is not None:
+            out.update(self._prefix.counters())
         with self._cv:
             out.update(prompt_tokens_total=self._prompt_tokens, generation_tokens_total=self._generation_tokens,
                        active_streams=len(self._active) + (self._prefilling is not None),
@@ -335,7 +343,11 @@ class LLM:
                 for r in [r for r in self._running() if r.cancelled]:
                     self._retire(r)
                 if new is not None:
-                    new.slot = self.model.kv.alloc()
+                    if self._prefix is None:
+                        new.slot = self.model.kv.alloc()
+                    else:
+                        new.slot, new.length = self._prefix.admit(new.prompt)
+                        self._prompt_tokens += new.length     # a prompt's tokens count, prefilled or reused
                     self._prefilling = new
                 if self._prefilling is not None:
                     self._prefill_chunk(self._prefilling)
@@ -367,6 +379,8 @@ class LLM:
             return
         self._prefilling = None
         self._active.append(r)
+        if self._prefix is not None:
+            self._prefix.publish(r.slot, r.prompt)
         token = choose(logits[None], [r.params.temperature], [r.params.top_p], [r.generator])[0]
         self._emit(r, token)
 
@@ -440,6 +454,7 @@ class LLM:
             return
         r.generated += 1
         r.last = token
+        r.emitted.append(token)
         with self._cv:
             self._generation_tokens += 1
         if token in r.stops:
@@ -470,14 +485,18 @@ class LLM:
         with self._cv:
             self._failed += 1
         if r.slot >= 0:
-            self._retire(r)
+            self._retire(r, failed=True)
 
-    def _retire(self, r: _Request) -> None:
+    def _retire(self, r: _Request, failed: bool = False) -> None:
         if r is self._prefilling:
             self._prefilling = None
         else:
             self._active.remove(r)
-        self.model.kv.release(r.slot)
+        if self._prefix is None:
+            self.model.kv.release(r.slot)
+        else:                           # its positions stay for a later prompt to reuse, unless a step failed
+            held = (r.prompt + r.emitted)[:r.length]
+            self._prefix.release(r.slot, None if failed else held)
         r.slot = -1
         with self._cv:
             self._request_seconds += 0.2 * (time.monotonic() - r.submitted - self._request_seconds)
