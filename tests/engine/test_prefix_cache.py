@@ -163,8 +163,9 @@ def test_the_commands_take_the_switch(tiny_checkpoint, capsys):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the H200)")
 def test_on_cuda_a_chats_turns_give_the_same_tokens_with_graphs(tiny_checkpoint):
     ckpt = tiny_checkpoint("qwen3_moe")
-    with LLM.load(ckpt, device="cuda", max_context=160, max_batch=3) as cached, \
-            LLM.load(ckpt, device="cuda", max_context=160, max_batch=3, prefix_cache=False) as plain:
+    # fp32, as the exactness tests are: in bf16 a prefill from a reused prefix rounds as another chunking does
+    with LLM.load(ckpt, device="cuda", dtype="float32", max_context=160, max_batch=3) as cached, \
+            LLM.load(ckpt, device="cuda", dtype="float32", max_context=160, max_batch=3, prefix_cache=False) as plain:
         history = prompt(5, 30)
         for _ in range(3):
             got = ids(cached.generate(history, GREEDY))
