@@ -250,7 +250,8 @@ def main():
                          "tiered_24gb_cpu_auto / tiered_24gb_cpu_on (the same with "
                          "--cpu-experts auto/on: the CPU expert lane), resident_int4, budget_24gb_int4 (int4 records, "
                          "the 24 GB budget), resident_no_ahead / resident_int4_no_ahead (in-process, --no-decode-ahead: "
-                         "decode ahead's A/B baseline)")
+                         "decode ahead's A/B baseline), resident_sampled / resident_int4_sampled (temperature 1, "
+                         "seeded: the GPU sampler)")
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     work = Path(args.work)
@@ -342,6 +343,8 @@ def main():
     if budget4:
         configs["resident_int4"] = ({"experts": "resident"}, ["--experts", "resident"], False, store4, tb4)
         configs["resident_int4_no_ahead"] = ({"experts": "resident", "decode_ahead": False}, None, False, store4, tb4)
+        # temperature 1, seeded, in-process and served: sampled on the GPU, decoding ahead (engine.sampling)
+        configs["resident_int4_sampled"] = ({"experts": "resident"}, ["--experts", "resident"], True, store4, tb4)
         # auto placement under the 24 GB card's slots: int4 records all fit, so it must pick resident
         configs["budget_24gb_int4"] = ({"experts": "auto", "gpu_slots": budget4["gpu_slots"],
                                         "ram_slots": budget["ram_slots"], "readers": 16},

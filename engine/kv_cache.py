@@ -28,6 +28,10 @@ def _untouched_zeros(shape: tuple[int, ...], dtype: torch.dtype, device) -> torc
 
 
 class KVCache:
+    # A slot's whole state is its positions' keys and values, so a prefix another slot computed can be copied in
+    # (engine.prefix_cache); a cache with state beyond its positions (a recurrent one) cannot.
+    reusable_prefix = True
+
     def __init__(self, num_layers: int, slots: int, max_len: int, kv_heads: int, head_dim: int, *,
                  dtype: torch.dtype, device: str | torch.device = "cpu"):
         assert slots > 0 and max_len > 0, "the KV cache needs at least one slot and one position"
@@ -46,13 +50,25 @@ class KVCache:
     def free_slots(self) -> int:
         return len(self._free)
 
-    def alloc(self) -> int:
-        self._free.sort()
-        return self._free.pop(0)
+    def free_list(self) -> list[int]:
+        return list(self._free)
+
+    def alloc(self, slot: int | None = None) -> int:
+        """The lowest free slot, or `slot` (which must be free: engine.prefix_cache picks the one to reuse)."""
+        if slot is None:
+            self._free.sort()
+            return self._free.pop(0)
+        self._free.remove(slot)
+        return slot
 
     def release(self, slot: int) -> None:
         assert slot not in self._free, f"slot {slot} released twice"
         self._free.append(slot)
+
+    def copy_prefix(self, src: int, dst: int, n: int) -> None:
+        """Positions 0..n of slot `src` into slot `dst`, every layer (a prefix computed once, reused)."""
+        self.k[:, dst, :n] = self.k[:, src, :n]
+        self.v[:, dst, :n] = self.v[:, src, :n]
 
     # --- per-layer access; `sel`/`idx` come from select(), made once per step, not per layer ---
     def write_prefill(self, layer: int, slot: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -42,8 +42,9 @@ import torch
 from engine.kernels.cpu import set_compute_threads
 from engine.loader import load_model
 from engine.models.common import MoEModel
+from engine.prefix_cache import PrefixCache
 from engine.runtime import EngineConfig
-from engine.sampling import GreedyPicks, SamplingError, check_params, choose, is_greedy, make_generator
+from engine.sampling import Penalties, Picks, RowSpec, SamplingError, check_params, choose, draw_seed
 
 DEFAULT_CHUNK = 512            # prefill tokens per scheduler turn (engine serve --chunk-size)
 # A CUDA prefill with no stream decoding beside it takes this many chunks a turn: an 8000-token prompt on the H200
@@ -60,11 +61,18 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()   # in addition to the model's eos ids
     ignore_eos: bool = False
+    top_k: int = 0                # 0: off
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0   # over the prompt and the output (1: off)
+    presence_penalty: float = 0.0     # over the output, as OpenAI's
+    frequency_penalty: float = 0.0
 
     def check(self) -> None:
         if not (isinstance(self.max_tokens, int) and self.max_tokens >= 1):
             raise ValueError(f"max_tokens is {self.max_tokens}; it must be at least 1")
-        check_params(self.temperature, self.top_p, self.seed)
+        check_params(self.temperature, self.top_p, self.seed, top_k=self.top_k, min_p=self.min_p,
+                     repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
+                     frequency_penalty=self.frequency_penalty)
 
 
 class Token(NamedTuple):
@@ -89,23 +97,30 @@ class Overloaded(RuntimeError):
 
 
 class _Launched(NamedTuple):
-    """A decode step on its way: its batch, logits, and (all greedy) its argmax on the device (GreedyPicks)."""
+    """A decode step on its way: its batch, logits, and (when it may chain) its tokens on the device (Picks)."""
     batch: list
     logits: torch.Tensor
-    picks: GreedyPicks | None
+    picks: Picks | None
 
 
 class _Request:
-    def __init__(self, prompt: list[int], params: SamplingParams, stops: frozenset[int], generator,
+    def __init__(self, prompt: list[int], params: SamplingParams, stops: frozenset[int], seed: int,
                  sink: Callable[[object], None]):
-        self.prompt, self.params, self.stops, self.generator = prompt, params, stops, generator
+        self.prompt, self.params, self.stops, self.seed = prompt, params, stops, seed
         self.sink = sink           # called in the scheduler thread: each Token, or the RequestFailed that ends it
         self.cancelled = False     # set by the caller's thread; the scheduler frees the slot
         self.slot = -1
         self.length = 0            # tokens in the KV cache (during prefill: the prompt tokens run so far)
         self.generated = 0
+        self.emitted: list[int] = []   # its tokens so far: the KV's positions past the prompt hold emitted[:length - len(prompt)]
         self.last = -1             # the latest token, fed at the next decode step
         self.submitted = time.monotonic()
+
+    def spec(self, ahead: int = 0) -> RowSpec:
+        """The sampler's row for this request's next token (`ahead`: that many tokens after it)."""
+        p = self.params
+        return RowSpec(p.temperature, p.top_p, p.top_k, p.min_p, p.repetition_penalty, p.presence_penalty,
+                       p.frequency_penalty, self.seed, self.generated + ahead)
 
 
 class Submitted:
@@ -155,10 +170,13 @@ class Stream:
 
 class LLM:
     def __init__(self, model: MoEModel, tokenizer, model_dir: str | Path | None = None, *,
-                 chunk_size: int = DEFAULT_CHUNK, max_queue: int | None = None, decode_ahead: bool = True):
+                 chunk_size: int = DEFAULT_CHUNK, max_queue: int | None = None, decode_ahead: bool = True,
+                 prefix_cache: bool = True):
         """chunk_size: prefill tokens per scheduler turn. max_queue: requests waiting for a slot before new
         ones are refused with Overloaded (default 4 × the KV cache's slots). decode_ahead: greedy steps launch
-        before the previous one's tokens are read, where the model allows it (model.decode_ahead_ok)."""
+        before the previous one's tokens are read, where the model allows it (model.decode_ahead_ok).
+        prefix_cache: a prompt starts its prefill after the longest prefix a KV slot already holds
+        (engine.prefix_cache), where the model's cache allows it (KVCache.reusable_prefix)."""
         if chunk_size < 1:
             raise ValueError(f"chunk_size {chunk_size} must be at least 1")
         self.model, self.tokenizer = model, tokenizer
@@ -195,6 +213,8 @@ class LLM:
         self._ahead: _Launched | None = None                  # the step launched ahead, its tokens not yet read
         self._ahead_used = 0
         self._ahead_redone = 0
+        self._prefix = PrefixCache(model.kv) if prefix_cache and model.kv.reusable_prefix else None
+        self._penalties: Penalties | None = None       # made at the first request that asks for a penalty
         self._thread = threading.Thread(target=self._loop, name="engine-scheduler", daemon=True)
         self._thread.start()
         # An engine nobody closed still stops its scheduler at interpreter exit: a daemon thread that ran
@@ -231,7 +251,7 @@ class LLM:
             set_compute_threads(config.threads)  # here, not in the scheduler: a daemon thread that set them aborts the exit
             trim_heap()                          # what the load freed, back to the kernel (engine.tiers.ram.trim_heap)
         return cls(model, tokenizer, model_dir, chunk_size=chunk_size, max_queue=max_queue,
-                   decode_ahead=config.decode_ahead)
+                   decode_ahead=config.decode_ahead, prefix_cache=config.prefix_cache)
 
     # ------------------------------------------------------------ callers' side (any thread)
 
@@ -256,8 +276,7 @@ class LLM:
             raise ValueError(f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
         params.check()
         stops = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else frozenset(self.eos_token_ids))
-        gen = None if is_greedy(params.temperature) else make_generator(params.seed, self.model.device)
-        req = _Request(prompt, params, stops, gen, sink)
+        req = _Request(prompt, params, stops, draw_seed(params.seed), sink)
         with self._cv:
             if self._closed:
                 raise RuntimeError("the engine is closed")
@@ -279,6 +298,8 @@ class LLM:
         if (graphs := self.model.graphs) is not None:
             out.update(decode_graph_replays=graphs.replays, decode_graph_captures=graphs.captures)
         out.update(decode_ahead_steps_total=self._ahead_used, decode_ahead_redone_total=self._ahead_redone)
+        if self._prefix is not None:
+            out.update(self._prefix.counters())
         with self._cv:
             out.update(prompt_tokens_total=self._prompt_tokens, generation_tokens_total=self._generation_tokens,
                        active_streams=len(self._active) + (self._prefilling is not None),
@@ -335,7 +356,11 @@ class LLM:
                 for r in [r for r in self._running() if r.cancelled]:
                     self._retire(r)
                 if new is not None:
-                    new.slot = self.model.kv.alloc()
+                    if self._prefix is None:
+                        new.slot = self.model.kv.alloc()
+                    else:
+                        new.slot, new.length = self._prefix.admit(new.prompt)
+                        self._prompt_tokens += new.length     # a prompt's tokens count, prefilled or reused
                     self._prefilling = new
                 if self._prefilling is not None:
                     self._prefill_chunk(self._prefilling)
@@ -367,8 +392,14 @@ class LLM:
             return
         self._prefilling = None
         self._active.append(r)
-        token = choose(logits[None], [r.params.temperature], [r.params.top_p], [r.generator])[0]
-        self._emit(r, token)
+        if self._prefix is not None:
+            self._prefix.publish(r.slot, r.prompt)
+        spec = r.spec()
+        if spec.penalised:
+            if self._penalties is None:
+                self._penalties = Penalties(self.max_batch, logits.shape[-1], logits.device)
+            self._penalties.reset(r.slot, r.prompt)
+        self._emit(r, choose(logits[None], [spec], **self._penalised([r], [spec]))[0])
 
     def _decode(self) -> None:
         batch = sorted(self._active, key=lambda r: r.slot)     # ascending slots: usually one contiguous view
@@ -392,40 +423,51 @@ class LLM:
                     else:
                         self._finish_step([r], row)
                 return
-            step = _Launched(batch, logits, GreedyPicks(logits) if self._chains(batch) else None)
+            step = _Launched(batch, logits, self._picks(batch, logits) if self._chains(batch) else None)
         ahead = None
         if step.picks is not None and self._chains(batch):
             try:
                 logits = self.model.decode_step(step.picks.best, [r.slot for r in batch], [r.length + 1 for r in batch])
-                ahead = _Launched(batch, logits, GreedyPicks(logits))
+                ahead = _Launched(batch, logits, self._picks(batch, logits, ahead=1))
             except Exception:
                 ahead = None                # the next turn runs that step the ordinary way (and finds whose it was)
         self._flush()                       # the previous step's tokens, while this one computes
         if step.picks is None:
             self._finish_step(batch, step.logits)
             return
-        tokens, all_argmax = step.picks.tokens()
+        tokens, all_sampled = step.picks.tokens()
         self._finish_tokens(batch, tokens)
         if ahead is not None:
-            if all_argmax and all(r.slot >= 0 and not r.cancelled for r in batch):
+            if all_sampled and all(r.slot >= 0 and not r.cancelled for r in batch):
                 self._ahead = ahead         # the next turn uses it, unless a stream joins or leaves first
-            else:                           # it fed a token this read did not give, or a sequence ended
+            else:                           # a row could not be sampled, or a sequence ended
                 self._ahead_redone += 1
 
     def _chains(self, batch: list[_Request]) -> bool:
         """Whether the step after this one may launch before this one's tokens are read: the engine decodes ahead,
-        every sequence is greedy and none ends by length at this step, and no stream is about to join."""
+        no sequence is penalised (its counts follow the tokens read) and none ends by length at this step, and no
+        stream is about to join."""
         if not self._chain or self._prefilling is not None or (self._pending and self.model.kv.free_slots()):
             return False
-        return all(is_greedy(r.params.temperature) and r.generated + 1 < r.params.max_tokens
+        return all(not r.spec().penalised and r.generated + 1 < r.params.max_tokens
                    and r.length + 2 < self.max_context for r in batch)
 
     def _step(self, batch: list[_Request]) -> torch.Tensor:
         return self.model.decode_step([r.last for r in batch], [r.slot for r in batch], [r.length for r in batch])
 
     def _finish_step(self, batch: list[_Request], logits: torch.Tensor) -> None:
-        self._finish_tokens(batch, choose(logits, [r.params.temperature for r in batch],
-                                          [r.params.top_p for r in batch], [r.generator for r in batch]))
+        specs = [r.spec() for r in batch]
+        self._finish_tokens(batch, choose(logits, specs, **self._penalised(batch, specs)))
+
+    def _picks(self, batch: list[_Request], logits: torch.Tensor, ahead: int = 0) -> Picks:
+        specs = [r.spec(ahead) for r in batch]
+        return Picks(logits, specs, **self._penalised(batch, specs))
+
+    def _penalised(self, batch: list[_Request], specs: list[RowSpec]) -> dict:
+        """sample()'s penalty arguments for a batch with a penalised row (their slots' counts), else none."""
+        if not any(s.penalised for s in specs):
+            return {}
+        return {"penalties": self._penalties, "slots": torch.tensor([r.slot for r in batch], device=self.model.device)}
 
     def _finish_tokens(self, batch: list[_Request], tokens: list) -> None:
         for r in batch:
@@ -440,6 +482,7 @@ class LLM:
             return
         r.generated += 1
         r.last = token
+        r.emitted.append(token)
         with self._cv:
             self._generation_tokens += 1
         if token in r.stops:
@@ -470,14 +513,18 @@ class LLM:
         with self._cv:
             self._failed += 1
         if r.slot >= 0:
-            self._retire(r)
+            self._retire(r, failed=True)
 
-    def _retire(self, r: _Request) -> None:
+    def _retire(self, r: _Request, failed: bool = False) -> None:
         if r is self._prefilling:
             self._prefilling = None
         else:
             self._active.remove(r)
-        self.model.kv.release(r.slot)
+        if self._prefix is None:
+            self.model.kv.release(r.slot)
+        else:                           # its positions stay for a later prompt to reuse, unless a step failed
+            held = (r.prompt + r.emitted)[:r.length]
+            self._prefix.release(r.slot, None if failed else held)
         r.slot = -1
         with self._cv:
             self._request_seconds += 0.2 * (time.monotonic() - r.submitted - self._request_seconds)

@@ -51,6 +51,7 @@ class EngineConfig:
     experts: str = "auto"               # auto | resident | tiered: where a GPU's experts live (tiers.choose_placement)
     cuda_graphs: bool = True            # decode steps replay CUDA graphs where device and provider allow
     decode_ahead: bool = True           # greedy steps launch before the last one's tokens are read (engine.llm)
+    prefix_cache: bool = True           # a prompt's prefill starts after the prefix a KV slot holds (engine.prefix_cache)
     # auto | on | off: RAM-tier experts computed on the CPU lane (tiers.lanes). Off by default: the lane is tested
     # on the H200 (same tokens as the resident engine, eager and graphed) but its speed is not measured there yet.
     cpu_experts: str = "off"

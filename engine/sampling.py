@@ -1,14 +1,24 @@
-"""Next-token choice for a batch of sequences: greedy, or temperature + top-p with a torch.Generator
-per request, so a seeded request draws the same tokens whether it runs alone or batched.
+"""Next-token choice for a batch of sequences, computed where the logits are: on the GPU, nothing goes to the host
+but the chosen ids.
 
-Numerically safe at every value the API lets through: a temperature too small to divide by is greedy,
-top-p always keeps the most likely token, NaN logits never win and +inf ones share the draw. A row
-that has no finite logit at all is that request's failure (SamplingError), never its neighbours'.
+One sampler for every device and every row: penalties (repetition over the prompt and output, presence and
+frequency over the output), temperature, top-k, top-p, min-p, then a draw. The draw inverts the kept tokens'
+cumulative distribution at one uniform number from a counter-based hash of (the request's seed, the index of the
+token being drawn): an exact draw from softmax(z) restricted to the kept tokens, whose randomness depends on
+nothing but the request's own seed and position, so a seeded request draws the same tokens alone or in any batch,
+and no generator state has to travel with it (a step launched ahead draws from the ids still on the GPU,
+engine.llm's decode ahead). Every op is a fixed-shape tensor op: no host read inside. (Per-token noise, as
+Gumbel-max needs, cost 12 ms a draw over SmolLM2's 49,152 logits on the CPU; one number a row costs nothing.)
+
+Numerically safe at every value the API lets through: a temperature too small to divide by is greedy, top-p and
+min-p always keep the most likely token, NaN logits never win and +inf ones share the draw. A row that has no
+finite logit at all is that request's failure (SamplingError), never its neighbours'.
 """
 from __future__ import annotations
 
 import math
 import secrets
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -16,119 +26,224 @@ import torch
 # Below this a softmax(logits / T) is one-hot up to fp32 rounding (a logit gap of 1e-3 is e^-100 apart),
 # and dividing by a subnormal T overflows: such requests are greedy, as T -> 0+ is in the limit.
 GREEDY_BELOW = 1e-5
-SEED_MIN, SEED_MAX = -2**63, 2**63 - 1          # int64, as vLLM takes it; torch's generator takes all of it
+SEED_MIN, SEED_MAX = -2**63, 2**63 - 1          # int64, as vLLM takes it
+MAX_PENALTY = 100.0                              # repetition penalty's limit; presence/frequency: ±2, as OpenAI's
 
 
 class SamplingError(ValueError):
     """This row cannot be sampled (the model's logits are all NaN/-inf): its request fails alone."""
 
 
-def check_params(temperature: float, top_p: float, seed: int | None) -> None:
+def check_params(temperature: float, top_p: float, seed: int | None, *, top_k: int = 0, min_p: float = 0.0,
+                 repetition_penalty: float = 1.0, presence_penalty: float = 0.0, frequency_penalty: float = 0.0) -> None:
     """ValueError naming the field and its limit for anything the sampler cannot use."""
-    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature >= 0.0):
+    def number(v) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    if not (number(temperature) and temperature >= 0.0):
         raise ValueError(f"temperature is {temperature}; it must be a finite number >= 0")
     if not (isinstance(top_p, (int, float)) and 0.0 < top_p <= 1.0):
         raise ValueError(f"top_p is {top_p}; it must be in (0, 1]")
     if seed is not None and not (isinstance(seed, int) and SEED_MIN <= seed <= SEED_MAX):
         raise ValueError(f"seed is {seed}; it must be an integer in {SEED_MIN}..{SEED_MAX} (64 bits)")
+    if not (isinstance(top_k, int) and not isinstance(top_k, bool) and 0 <= top_k < 2**31):
+        raise ValueError(f"top_k is {top_k}; it must be an integer >= 0 (0: off)")
+    if not (number(min_p) and 0.0 <= min_p <= 1.0):
+        raise ValueError(f"min_p is {min_p}; it must be in [0, 1]")
+    if not (number(repetition_penalty) and 0.0 < repetition_penalty <= MAX_PENALTY):
+        raise ValueError(f"repetition_penalty is {repetition_penalty}; it must be in (0, {MAX_PENALTY:g}] (1: off)")
+    for name, v in (("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty)):
+        if not (number(v) and -2.0 <= v <= 2.0):
+            raise ValueError(f"{name} is {v}; it must be in [-2, 2]")
 
 
 def is_greedy(temperature: float) -> bool:
     return temperature < GREEDY_BELOW
 
 
-def make_generator(seed: int | None, device: str | torch.device) -> torch.Generator:
-    return torch.Generator(device=device).manual_seed(seed if seed is not None else secrets.randbits(63))
+def draw_seed(seed: int | None) -> int:
+    """A request's seed: its own, or a fresh random one (the draws are then still the request's alone)."""
+    return seed if seed is not None else secrets.randbits(63)
 
 
-def _finite(logits: torch.Tensor) -> torch.Tensor:
-    """fp32 logits [V] with NaN as -inf; where some are +inf, those alone (equal) and the rest -inf."""
+@dataclass(frozen=True)
+class RowSpec:
+    """One row's sampling: the request's settings, its seed, and which of its tokens this draw makes."""
+
+    temperature: float
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int = 0
+    index: int = 0                       # the request's token index being drawn (0: its first)
+
+    @property
+    def greedy(self) -> bool:
+        return is_greedy(self.temperature) and not self.penalised
+
+    @property
+    def penalised(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def truncates(self) -> bool:
+        return self.top_p < 1.0 or self.top_k > 0 or self.min_p > 0.0
+
+
+class Penalties:
+    """Per KV slot, on the logits' device: which tokens its sequence holds (prompt and output: repetition
+    penalty) and how often each was generated (presence and frequency penalties). Made at the first request that
+    asks for a penalty; reset when a slot takes a new request."""
+
+    def __init__(self, slots: int, vocab: int, device):
+        self.seen = torch.zeros(slots, vocab, dtype=torch.bool, device=device)
+        self.counts = torch.zeros(slots, vocab, dtype=torch.int32, device=device)
+
+    def reset(self, slot: int, prompt: list[int]) -> None:
+        self.seen[slot].zero_()
+        self.counts[slot].zero_()
+        self.seen[slot, torch.tensor(prompt, device=self.seen.device)] = True
+
+    def record(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Tokens [B] generated into slots [B] (device tensors: no host read)."""
+        self.seen[slots, tokens] = True
+        self.counts[slots, tokens] += 1
+
+
+# splitmix64's constants as int64 (torch's integer ops wrap modulo 2^64 on every device)
+_GOLDEN, _MIX1, _MIX2 = -7046029254386353131, -4658895280553007687, -7723592293110705685
+_STEP = 0x632BE59BD9B4E019
+
+
+def _mix(z: torch.Tensor) -> torch.Tensor:
+    z = (z ^ ((z >> 30) & ((1 << 34) - 1))) * _MIX1        # logical shifts: arithmetic ones, masked
+    z = (z ^ ((z >> 27) & ((1 << 37) - 1))) * _MIX2
+    return z ^ ((z >> 31) & ((1 << 33) - 1))
+
+
+def uniform(seed: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """One number in (0, 1) per row [B] (fp64, 53 bits), a pure function of the row's (seed, draw index) [B]."""
+    key = _mix(_mix(seed * _GOLDEN + index * _STEP))
+    return (((key >> 11) & ((1 << 53) - 1)).double() + 0.5) * (1.0 / (1 << 53))
+
+
+def _invert(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Per row, the first index whose cumulative weight reaches u × the row's total: weights [B, N] >= 0 (a zero
+    weight is never chosen), u [B]."""
+    c = torch.cumsum(p.double(), -1)
+    return torch.searchsorted(c, (u * c[:, -1])[:, None]).clamp_(max=p.shape[-1] - 1)[:, 0]
+
+
+def _clean(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp32 logits with NaN as -inf, and in a row with some +inf those alone at 0, the rest -inf; whether each row
+    has a finite logit)."""
     x = logits.float()
     posinf = x == float("inf")
-    if bool(posinf.any()):
-        return torch.where(posinf, 0.0, float("-inf"))
-    x = torch.nan_to_num(x, nan=float("-inf"), posinf=0.0, neginf=float("-inf"))
-    if not bool(torch.isfinite(x).any()):
-        raise SamplingError("the model produced no finite logit for this sequence (all NaN or -inf)")
-    return x
+    x = torch.where(posinf.any(-1, keepdim=True), torch.where(posinf, 0.0, float("-inf")),
+                    torch.nan_to_num(x, nan=float("-inf"), posinf=0.0, neginf=float("-inf")))
+    return x, torch.isfinite(x.amax(-1))
+
+
+def sample(logits: torch.Tensor, rows: list[RowSpec], *, penalties: Penalties | None = None,
+           slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token ids [B], whether each row's id is final [B]) for logits [B, V], on the logits' device, without
+    reading anything back. A row that is not final: a sampled one had no finite logit; in an all-greedy batch
+    (the plain argmax, three launches) a row whose largest logit is not finite (NaN or +inf: greedy_row decides it
+    on the host). Penalised rows need `penalties` and their `slots` [B]."""
+    dev = logits.device
+    if all(r.greedy for r in rows):
+        best = logits.argmax(-1)
+        return best, torch.isfinite(logits.gather(-1, best[:, None]))[:, 0]
+    x, ok = _clean(logits)
+    pin = dev.type == "cuda"           # a pageable copy would wait for the stream: decode ahead's launch with it
+    floats = torch.tensor([[r.temperature, r.top_p, r.min_p, r.repetition_penalty, r.presence_penalty,
+                            r.frequency_penalty] for r in rows], dtype=torch.float32, pin_memory=pin)
+    ints = torch.tensor([[r.seed, r.index, r.top_k, is_greedy(r.temperature)] for r in rows], dtype=torch.int64,
+                        pin_memory=pin)
+    floats, ints = floats.to(dev, non_blocking=True), ints.to(dev, non_blocking=True)
+    temperature, top_p, min_p, rep, presence, frequency = floats.T[:, :, None]
+    seed, index, top_k, greedy = ints.T
+    if penalties is not None and any(r.penalised for r in rows):
+        seen, counts = penalties.seen[slots], penalties.counts[slots].float()
+        x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x) - presence * (counts > 0) - frequency * counts
+    best = x.argmax(-1)
+    if all(is_greedy(r.temperature) for r in rows):         # greedy rows with a penalty
+        if penalties is not None:
+            penalties.record(slots, best)
+        return best, ok
+    z = x / torch.where(temperature < GREEDY_BELOW, 1.0, temperature)
+    if any(r.truncates for r in rows):
+        z, order = torch.sort(z, dim=-1, descending=True)
+        pos = torch.arange(z.shape[-1], device=dev)
+        z = torch.where((top_k[:, None] > 0) & (pos >= top_k[:, None]), float("-inf"), z)
+        p = torch.softmax(z, dim=-1)
+        keep = ((torch.cumsum(p, -1) - p) < top_p) & (p >= min_p * p[:, :1])
+        keep[:, 0] = True                               # the most likely token always stays
+        drawn = order.gather(-1, _invert(torch.where(keep, p, 0.0), uniform(seed, index))[:, None])[:, 0]
+    else:
+        drawn = _invert(torch.softmax(z, dim=-1), uniform(seed, index))
+    tokens = torch.where(greedy.bool(), best, drawn)
+    if penalties is not None:
+        penalties.record(slots, tokens)
+    return tokens, ok
 
 
 def greedy_row(logits: torch.Tensor) -> int:
-    return int(_finite(logits).argmax())
+    x, ok = _clean(logits[None])
+    if not bool(ok[0]):
+        raise SamplingError("the model produced no finite logit for this sequence (all NaN or -inf)")
+    return int(x[0].argmax())
 
 
-def sample_row(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> int:
-    """One token id from logits [V]: softmax(logits / T) truncated to the smallest set of tokens whose
-    probability reaches top_p (always at least the most likely one)."""
-    if is_greedy(temperature):
-        return greedy_row(logits)
-    x = _finite(logits)
-    probs = torch.softmax((x - x.max()) / temperature, dim=-1)     # the best token's weight is exactly 1: never 0/0
-    if top_p < 1.0:
-        sorted_p, order = torch.sort(probs, descending=True)
-        # Drop a token when the mass before it already reaches top_p; the first never goes (top_p may round to 0).
-        drop = (torch.cumsum(sorted_p, dim=-1) - sorted_p) >= top_p
-        drop[0] = False
-        sorted_p = sorted_p.masked_fill(drop, 0.0)
-        return int(order[torch.multinomial(sorted_p, 1, generator=generator)[0]])
-    return int(torch.multinomial(probs, 1, generator=generator)[0])
+def _fast_greedy(logits: torch.Tensor) -> list[int] | None:
+    """The CPU's all-greedy batch by numpy's argmax (~8 µs over SmolLM2's 49 152 logits where torch's took ~0.3 ms,
+    a tenth of the CPU demo's step), where every row's largest logit is finite (then it has no NaN, which argmax
+    would pick, and no +inf); else None."""
+    x = logits.detach().numpy()
+    best = x.argmax(-1)
+    return best.tolist() if bool(np.isfinite(x[np.arange(len(best)), best]).all()) else None
 
 
-def choose(logits: torch.Tensor, temperatures: list[float], top_ps: list[float],
-           generators: list[torch.Generator | None]) -> list[int | SamplingError]:
-    """Token ids for logits [B, V]; a row with temperature ~0 is greedy. A row that cannot be sampled
-    gives its SamplingError in its place, so the caller fails that request only. One host sync for a
-    batch of greedy rows with finite logits (the common case)."""
-    if logits.device.type == "cpu" and logits.dtype == torch.float32:
-        # numpy's argmax: ~8 µs over SmolLM2's 49 152 logits where torch's argmax and isfinite().all() took ~0.3 ms
-        # (a tenth of the CPU demo's step). A row whose largest logit is finite has no NaN (argmax would pick it)
-        # and no +inf, so its argmax is greedy_row's answer; any other row goes to greedy_row, as before.
-        x = logits.detach().numpy()
-        best = x.argmax(-1)
-        out: list = best.tolist()
-        ok = np.isfinite(x[np.arange(len(out)), best]).tolist()
-    else:
-        best, finite = logits.argmax(dim=-1), torch.isfinite(logits).all(dim=-1)
-        out = best.tolist()
-        ok = finite.tolist()
-    for i, t in enumerate(temperatures):
-        if ok[i] and is_greedy(t):
-            continue
-        try:
-            out[i] = greedy_row(logits[i]) if is_greedy(t) else sample_row(logits[i], t, top_ps[i], generators[i])
-        except SamplingError as e:
-            out[i] = e
-    return out
+class Picks:
+    """sample()'s answer with the host read deferred: the ids (`best`) stay on the logits' device, where they can
+    feed the next decode step before the host has seen them (engine.llm: decode ahead), and travel to the host
+    beside each row's finiteness without a wait."""
 
-
-class GreedyPicks:
-    """choose()'s answer for a batch whose rows are all greedy, with the host read deferred: the argmax
-    (`best`) stays on the logits' device, where it can feed the next decode step before the host has seen it
-    (engine.llm: decode ahead), and travels to the host beside each row's finiteness without a wait."""
-
-    def __init__(self, logits: torch.Tensor):
-        self.logits = logits
-        self.best = logits.argmax(dim=-1)
-        # A row whose largest logit is finite has no NaN (argmax would pick it) and no +inf: its argmax is greedy_row's.
-        finite = torch.isfinite(logits.gather(-1, self.best[:, None]))[:, 0]
+    def __init__(self, logits: torch.Tensor, rows: list[RowSpec], *, penalties: Penalties | None = None,
+                 slots: torch.Tensor | None = None):
+        self.logits, self.rows = logits, rows
+        self.best, ok = sample(logits, rows, penalties=penalties, slots=slots)
         if logits.device.type == "cuda":
             self._host = torch.empty(2, len(self.best), dtype=torch.long, pin_memory=True)
             self._host[0].copy_(self.best, non_blocking=True)
-            self._host[1].copy_(finite, non_blocking=True)
+            self._host[1].copy_(ok, non_blocking=True)
             self._ready = torch.cuda.Event()
             self._ready.record()
         else:
-            self._host, self._ready = torch.stack([self.best, finite.long()]), None
+            self._host, self._ready = torch.stack([self.best, ok.long()]), None
 
     def tokens(self) -> tuple[list[int | SamplingError], bool]:
-        """(choose()'s tokens for these logits at temperature 0, whether every row was `best`'s argmax:
-        a row with a NaN or inf logit goes to greedy_row, as in choose(), and may differ or fail)."""
+        """(each row's token, or the SamplingError of a row with no finite logit; whether every row's id on the
+        device was final: else a step launched from them fed a row a token it did not get)."""
         if self._ready is not None:
             self._ready.synchronize()
         out, ok = self._host.tolist()
         for i in (i for i, fine in enumerate(ok) if not fine):
             try:
+                if not self.rows[i].greedy:
+                    raise SamplingError("the model produced no finite logit for this sequence (all NaN or -inf)")
                 out[i] = greedy_row(self.logits[i])
             except SamplingError as e:
                 out[i] = e
         return out, all(ok)
+
+
+def choose(logits: torch.Tensor, rows: list[RowSpec], *, penalties: Penalties | None = None,
+           slots: torch.Tensor | None = None) -> list[int | SamplingError]:
+    """Token ids for logits [B, V] now (one host read), a failing row's SamplingError in its place."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and all(r.greedy for r in rows):
+        if (fast := _fast_greedy(logits)) is not None:
+            return fast
+    return Picks(logits, rows, penalties=penalties, slots=slots).tokens()[0]

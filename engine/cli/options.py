@@ -52,6 +52,10 @@ decode_ahead = click.option("--decode-ahead/--no-decode-ahead", default=EngineCo
                             help="On a GPU whose steps launch asynchronously (every expert resident), launch a greedy "
                                  "batch's next decode step from the argmax still on the GPU, before the host reads "
                                  "this step's tokens; the same tokens.")
+prefix_cache = click.option("--prefix-cache/--no-prefix-cache", default=EngineConfig.prefix_cache, show_default=True,
+                            help="Start a prompt's prefill after the longest prefix (whole 16-token blocks) that a KV "
+                                 "slot already holds: a chat's next turn reuses the last turn's positions, and "
+                                 "concurrent prompts with one system prompt compute it once. Outputs are the same.")
 fused_kernels = click.option("--fused-kernels/--no-fused-kernels", default=EngineConfig.fused_kernels,
                              show_default=True,
                              help="Decode on a GPU with fused Triton kernels (norms, rotary + KV write, attention, "
@@ -78,10 +82,10 @@ zero_copy = click.option("--zero-copy", type=click.Choice(ZERO_COPY), default=En
 def tiers(f):
     """Where the routed experts live and who reads them: --experts, --gpu-slots, --ram-slots, --readers,
     --cpu-layout, --threads, --policy, where RAM-tier experts are computed (--cpu-experts, --lane-rates) and
-    how a GPU decodes (--cuda-graphs, --decode-ahead, --fused-kernels, --zero-copy) and a CPU (--native-kernels); whether the tiers
+    whether prompts reuse cached prefixes (--prefix-cache); how a GPU decodes (--cuda-graphs, --decode-ahead, --fused-kernels, --zero-copy) and a CPU (--native-kernels); whether the tiers
     fill at load (--preload)."""
     for option in reversed((experts, gpu_slots, ram_slots, readers, cpu_layout, threads, policy, cpu_experts,
-                            lane_rates, cuda_graphs, decode_ahead, fused_kernels, native_kernels, preload,
+                            lane_rates, cuda_graphs, decode_ahead, prefix_cache, fused_kernels, native_kernels, preload,
                             zero_copy)):
         f = option(f)
     return f

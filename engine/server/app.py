@@ -156,7 +156,9 @@ class ServerState:
                               temperature=d["temperature"] if req.temperature is None else req.temperature,
                               top_p=d["top_p"] if req.top_p is None else req.top_p,
                               seed=req.seed, stop_token_ids=() if req.ignore_eos else stop_ids,
-                              ignore_eos=req.ignore_eos)
+                              ignore_eos=req.ignore_eos, top_k=req.top_k, min_p=req.min_p,
+                              repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
+                              frequency_penalty=req.frequency_penalty)
 
     def generation(self, llm, ids, params, req, endpoint: str, t0: float) -> tuple[Outcome, AsyncIterator[str]]:
         outcome = Outcome(started=t0)

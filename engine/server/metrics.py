@@ -54,6 +54,11 @@ class _EngineCollector:
                  "argmax on the GPU before the host read it, and used"),
                 ("decode_ahead_redone_total", "kiln_decode_ahead_redone", "Decode steps launched ahead and not used "
                  "(a stream ended or joined): run again from the host's tokens"),
+                ("prefix_cache_lookups_total", "kiln_prefix_cache_lookups", "Prompts looked up in the prefix cache"),
+                ("prefix_cache_hits_total", "kiln_prefix_cache_hits", "Prompts whose prefill started after a prefix a KV "
+                 "slot already held"),
+                ("prefix_cache_reused_tokens_total", "kiln_prefix_cache_reused_tokens", "Prompt tokens not prefilled "
+                 "because a KV slot already held them"),
                 ("failed_requests_total", "kiln_requests_failed", "Requests whose own generation failed (the others went on)"),
                 ("rejected_requests_total", "kiln_requests_rejected", "Requests refused with 429: the queue was full")):
             yield CounterMetricFamily(name, doc, value=float(c.get(key, 0)))

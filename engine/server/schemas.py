@@ -12,7 +12,7 @@ from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from engine.sampling import SEED_MAX, SEED_MIN
+from engine.sampling import MAX_PENALTY, SEED_MAX, SEED_MIN
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
@@ -119,6 +119,12 @@ class _Sampling(_Request):
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)      # 64 bits, as the sampler takes it
+    # OpenAI's penalties, and vLLM's / llama-server's top_k, min_p and repetition_penalty (engine.sampling)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    top_k: int = Field(default=0, ge=0, lt=2**31)
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=MAX_PENALTY)
     stop: Union[str, list[str], None] = None
     stream: bool = False
     stream_options: StreamOptions | None = None

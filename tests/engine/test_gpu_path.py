@@ -159,7 +159,8 @@ def test_a_prompt_alone_is_prefilled_in_larger_chunks_and_chunks_see_what_one_pr
     from engine.llm import ALONE_CHUNKS, LLM, SamplingParams
     ck, store = tiny_store
     prompt = [(7 * i + 3) % 300 for i in range(150)]
-    with LLM.load(ck, store, device="cuda", max_context=512, max_batch=2, chunk_size=16) as llm:
+    # (the prompt is sent again below: with no prefix reuse, so every chunk is prefilled)
+    with LLM.load(ck, store, device="cuda", max_context=512, max_batch=2, chunk_size=16, prefix_cache=False) as llm:
         m, sizes = llm.model, []
         real = m.prefill
 

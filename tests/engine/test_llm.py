@@ -344,6 +344,29 @@ def test_decoding_ahead_beside_joining_leaving_and_sampled_streams(llm, monkeypa
     assert after["active_streams"] == after["queued_streams"] == 0
 
 
+def test_sampled_streams_decode_ahead_too_with_the_step_by_step_tokens(tiny_checkpoint, monkeypatch):
+    """Seeded streams at temperature 1 with top-k/top-p/min-p: every step after the first launches from the ids
+    sampled on the device, before the host reads them, and the tokens are the step-by-step path's. A penalised
+    stream never chains (its counts follow the tokens read)."""
+    specs = [SamplingParams(max_tokens=20, temperature=1.0, seed=5, ignore_eos=True),
+             SamplingParams(max_tokens=20, temperature=0.8, top_k=20, top_p=0.9, min_p=0.02, seed=6, ignore_eos=True)]
+    penalised = SamplingParams(max_tokens=10, temperature=1.0, seed=7, presence_penalty=1.0, ignore_eos=True)
+    with LLM.load(tiny_checkpoint("qwen3_moe"), max_context=64, max_batch=3) as engine:
+        want = [ids(engine.generate(PROMPT, q)) for q in specs]
+        want_penalised = ids(engine.generate(PROMPT, penalised))
+        monkeypatch.setattr(engine, "_chain", True)
+        for q, w in zip(specs, want):
+            fed: list = []
+            real = engine.model.decode_step
+            monkeypatch.setattr(engine.model, "decode_step", lambda t, s, p: (fed.append(torch.is_tensor(t)), real(t, s, p))[1])
+            assert ids(engine.generate(PROMPT, q)) == w
+            monkeypatch.setattr(engine.model, "decode_step", real)
+            assert fed == [False] + [True] * 18      # each launch after the first took the sampled ids on the device
+        before = engine.counters()["decode_ahead_steps_total"]
+        assert ids(engine.generate(PROMPT, penalised)) == want_penalised
+        assert engine.counters()["decode_ahead_steps_total"] == before
+
+
 def test_a_full_queue_refuses_at_once_with_a_retry_time(tiny_checkpoint):
     with LLM.load(tiny_checkpoint("qwen3_moe"), max_context=64, max_batch=1, max_queue=1) as engine:
         running = engine.stream(PROMPT, SamplingParams(max_tokens=40, ignore_eos=True))

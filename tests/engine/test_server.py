@@ -310,6 +310,20 @@ def test_metrics_move_with_requests(qwen):
     assert metric(c, "kiln_decode_ahead_redone_total") == 0
 
 
+
+def test_a_chats_next_turn_reuses_the_last_turns_positions(qwen):
+    c = qwen.client
+    first = [{"role": "system", "content": "You are a terse assistant who answers in one line. " * 3},
+             {"role": "user", "content": "Name three primary colors, comma separated."}]
+    a = c.post("/v1/chat/completions", json={"messages": first, "max_tokens": 6, "ignore_eos": True}).json()
+    hits, reused = metric(c, "kiln_prefix_cache_hits_total"), metric(c, "kiln_prefix_cache_reused_tokens_total")
+    second = first + [a["choices"][0]["message"], {"role": "user", "content": "And three secondary ones?"}]
+    b = c.post("/v1/chat/completions", json={"messages": second, "max_tokens": 6, "ignore_eos": True}).json()
+    assert metric(c, "kiln_prefix_cache_hits_total") == hits + 1
+    assert metric(c, "kiln_prefix_cache_reused_tokens_total") - reused >= a["usage"]["prompt_tokens"] - 16
+    assert b["usage"]["prompt_tokens"] > a["usage"]["prompt_tokens"]
+
+
 # ---- errors ------------------------------------------------------------------------------------
 
 BAD = [
@@ -326,6 +340,10 @@ BAD = [
     ("/v1/chat/completions", {"messages": HI, "temperature": -0.1}, "temperature", "greater than or equal to 0"),
     ("/v1/chat/completions", {"messages": HI, "top_p": 0}, "top_p", "greater than 0"),
     ("/v1/chat/completions", {"messages": HI, "n": 2}, "n", "less than or equal to 1"),
+    ("/v1/chat/completions", {"messages": HI, "top_k": -3}, "top_k", "greater than or equal to 0"),
+    ("/v1/chat/completions", {"messages": HI, "min_p": 1.5}, "min_p", "less than or equal to 1"),
+    ("/v1/completions", {"prompt": "x", "presence_penalty": 3}, "presence_penalty", "less than or equal to 2"),
+    ("/v1/completions", {"prompt": "x", "repetition_penalty": 0}, "repetition_penalty", "greater than 0"),
     ("/v1/chat/completions", {"messages": HI, "tool_choice": "required", "tools": WEATHER_TOOL}, "tool_choice",
      "only 'auto' and 'none'"),
     ("/v1/chat/completions", {"messages": HI, "stop": ["a", "b", "c", "d", "e"]}, "stop", "at most 4"),

@@ -80,7 +80,8 @@ def test_a_seed_outside_64_bits_is_a_400_naming_the_field_and_the_limit(served, 
 
 
 @pytest.mark.parametrize("extreme", [{"temperature": 1e-40}, {"temperature": 1e-39}, {"temperature": 5e-324},
-                                     {"top_p": 1e-300, "temperature": 1.0}])
+                                     {"top_p": 1e-300, "temperature": 1.0}, {"top_k": 1, "temperature": 1.7},
+                                     {"min_p": 1.0, "temperature": 1.0}])
 def test_sampling_extremes_answer_greedily(served, extreme):
     body = {"prompt": "Once upon a time", "max_tokens": 8, "ignore_eos": True}
     greedy = served.client.post("/v1/completions", json={**body, "temperature": 0}).json()["choices"][0]["text"]

@@ -1,0 +1,112 @@
+"""Prefix reuse across requests: a new prompt that begins with tokens some KV slot already holds starts its
+prefill after them, as llama-server's slots, vLLM's automatic prefix caching and SGLang's RadixAttention do.
+
+The KV cache's slots are the store (engine.kv_cache): a finished sequence's slot keeps its keys and values
+until the slot is taken again, so a chat's next turn (its history, then a new message) finds the last turn's
+positions still there. The index here is block-granular: a slot's tokens are hashed BLOCK at a time as a
+chain (each block's hash covers every token before it), and each block hash counts the slots that hold it
+(a reference count: the hash goes when its last holder does). A lookup walks the prompt's blocks while some
+slot holds them, then checks the tokens themselves, so a hash collision can only cost a miss, never a wrong
+reuse.
+
+Where the longest prefix lies:
+  - in a free slot: the request takes that slot; nothing moves;
+  - in a running sequence's slot (concurrent requests with one system prompt): the request takes a free slot
+    and the prefix's positions are copied into it on the device (KVCache.copy_prefix), computed once for all.
+Free slots are taken least recently used first, so eviction is LRU within the KV cache's own budget: the
+prefixes kept cost no memory beyond the slots the engine already holds.
+
+At least the prompt's last token is always prefilled (its logits give the first new token), and reuse is
+whole blocks only. Outputs do not change: a reused prefix is the same positions the prefill would compute,
+and the rest is prefilled from there exactly as a later chunk of a chunked prefill is.
+"""
+from __future__ import annotations
+
+from engine.kv_cache import KVCache
+
+BLOCK = 16          # tokens a block: small, since a hit's cost is a copy and a miss's the block's prefill
+
+
+class PrefixCache:
+    """The scheduler's slot allocation with prefix reuse (the scheduler's thread only)."""
+
+    def __init__(self, kv: KVCache, block: int = BLOCK):
+        assert block > 0, "a prefix block holds at least one token"
+        self.kv, self.block = kv, block
+        self._tokens: dict[int, list[int]] = {}        # slot -> the tokens whose positions it holds
+        self._hashes: dict[int, list[int]] = {}        # slot -> its full blocks' chain hashes
+        self._holders: dict[int, set[int]] = {}        # block chain hash -> the slots holding it (its references)
+        self._released: dict[int, int] = {}            # slot -> release tick (LRU among free slots)
+        self._tick = 0
+        self.lookups = self.hits = self.reused_tokens = 0
+
+    # --- the scheduler's calls, in place of KVCache.alloc / release ---
+    def admit(self, prompt: list[int]) -> tuple[int, int]:
+        """A slot for `prompt` and how many of its leading tokens that slot now holds (prefill starts there)."""
+        self.lookups += 1
+        src, n = self._longest(prompt)
+        free = self.kv.free_list()
+        if src is not None and src in free:
+            slot = src
+        else:
+            # Least recently released first; never-used slots lowest-first, as KVCache.alloc hands them out.
+            slot = min(free, key=lambda s: (self._released.get(s, -1), s))
+        self._forget(slot)                             # its old positions are about to be overwritten
+        self.kv.alloc(slot)
+        if n and src != slot:
+            self.kv.copy_prefix(src, slot, n)
+        if n:
+            self.hits += 1
+            self.reused_tokens += n
+        return slot, n
+
+    def publish(self, slot: int, tokens: list[int]) -> None:
+        """`slot` holds `tokens`' positions (a running sequence's prompt once prefilled): others may reuse them."""
+        self._forget(slot)
+        self._tokens[slot] = list(tokens)
+        h, hashes = 0, []
+        for i in range(len(tokens) // self.block):
+            h = hash((h, tuple(tokens[i * self.block:(i + 1) * self.block])))
+            hashes.append(h)
+            self._holders.setdefault(h, set()).add(slot)
+        self._hashes[slot] = hashes
+
+    def release(self, slot: int, tokens: list[int] | None) -> None:
+        """The sequence in `slot` ended holding `tokens`' positions; None: its positions are not to be trusted (a
+        failed step), so nothing is kept."""
+        self.kv.release(slot)
+        self._tick += 1
+        self._released[slot] = self._tick
+        if tokens is None:
+            self._forget(slot)
+        else:
+            self.publish(slot, tokens)
+
+    def counters(self) -> dict:
+        return dict(prefix_cache_lookups_total=self.lookups, prefix_cache_hits_total=self.hits,
+                    prefix_cache_reused_tokens_total=self.reused_tokens)
+
+    # --- the index ---
+    def _longest(self, prompt: list[int]) -> tuple[int | None, int]:
+        """(a slot holding the longest whole-block prefix of prompt, its length), leaving the last token to prefill;
+        a free holder before a running one (no copy)."""
+        h, found, holders = 0, 0, set()
+        for i in range((len(prompt) - 1) // self.block):
+            h = hash((h, tuple(prompt[i * self.block:(i + 1) * self.block])))
+            slots = self._holders.get(h)
+            if not slots:
+                break
+            found, holders = (i + 1) * self.block, slots
+        free = set(self.kv.free_list())
+        for slot in sorted(holders, key=lambda s: (s not in free, s)):
+            if self._tokens[slot][:found] == prompt[:found]:      # the tokens, not only their hashes
+                return slot, found
+        return None, 0
+
+    def _forget(self, slot: int) -> None:
+        for h in self._hashes.pop(slot, ()):
+            holders = self._holders[h]
+            holders.discard(slot)
+            if not holders:
+                del self._holders[h]
+        self._tokens.pop(slot, None)
