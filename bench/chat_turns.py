@@ -2,7 +2,7 @@
 cache beside llama-server (which reuses its slot's prefix), the CPU demo's model and the same GGUF, in one run.
 
   scripts/build-llama-cpp.sh        # once: llama.cpp's CPU binaries into .kiln/cache/llama.cpp
-  python3 bench/chat_turns.py --workdir /tmp/kiln-quant-demo --rounds 8 --out bench/results/DATE-chat-turns.json
+  python -m bench.chat_turns --workdir /tmp/kiln-quant-demo --rounds 8 --out bench/results/DATE-chat-turns.json
 
 Each round is one conversation per server, the servers in turn (engine with the cache, engine without, llama.cpp;
 the order rotates each round so none always follows another): a system prompt, then ten user messages, each
@@ -22,14 +22,10 @@ import json
 import os
 import statistics
 import subprocess
-import sys
-import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "bench"))
-from quant_demo_speed import ENGINE, GGUF_NAME, RECIPE, prepare, serve_args, stop_engine, wait_healthy  # noqa: E402
+from bench.harness import REPO, free_port, host_load, log, median_spread, table, wait_ready, write_result
+from bench.quant_demo_speed import ENGINE, GGUF_NAME, RECIPE, prepare, serve_args, stop_engine
 
 SYSTEM = ("You are Kiln's test assistant. Answer briefly and plainly, in one or two sentences, and never use "
           "lists unless asked. The user is planning a small garden and asks about plants, soil and weather.")
@@ -40,14 +36,17 @@ TURNS = ["Which vegetables grow well in a small sunny garden?", "How often shoul
 
 
 def start(name: str, model: Path, store: Path, extra: list[str], evidence: Path):
-    from tool.checks.llama_cpp import free_port
     port = free_port()
-    log = open(evidence / f"engine-{name}.log", "w")
+    out = open(evidence / f"engine-{name}.log", "w")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.Popen([*ENGINE, *serve_args(model, store, port), *extra], cwd=REPO, env=env,
-                            stdout=log, stderr=subprocess.STDOUT)
-    wait_healthy(proc, port, name, log.name)
-    return proc, f"http://127.0.0.1:{port}/v1", log
+                            stdout=out, stderr=subprocess.STDOUT)
+    try:
+        wait_ready(proc, f"http://127.0.0.1:{port}", Path(out.name), f"engine serve ({name})", limit_s=900)
+    except RuntimeError as e:
+        proc.kill()
+        raise SystemExit(str(e).splitlines()[0] + f" (log: {out.name})")
+    return proc, f"http://127.0.0.1:{port}/v1", out
 
 
 def conversation(client, served: str, reply_tokens: int) -> list[dict]:
@@ -66,7 +65,6 @@ def conversation(client, served: str, reply_tokens: int) -> list[dict]:
 
 
 def main():
-    from tool.checks import hostload
     from tool.checks.client import Client
     from tool.checks.llama_cpp import LlamaServerProcess
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -95,8 +93,8 @@ def main():
     try:
         servers = {}
         for name, extra in (("kiln", []), ("kiln-no-cache", ["--no-prefix-cache"])):
-            proc, url, log = start(name, paths["model"], paths["q4_1"], extra, evidence)
-            procs.append((proc, log))
+            proc, url, out = start(name, paths["model"], paths["q4_1"], extra, evidence)
+            procs.append((proc, out))
             servers[name] = Client(url, timeout_s=600)
         llama.start()
         servers["llama.cpp"] = Client(llama.url, timeout_s=600)
@@ -108,49 +106,36 @@ def main():
             order = names[i % 3:] + names[:i % 3]
             row = {"order": order}
             for name in order:
-                a0 = hostload.snapshot()
                 turns = conversation(servers[name], served, args.reply_tokens)
-                h = hostload.between(a0, hostload.snapshot())
                 row[name] = {"turns": turns, "median_ttft_2_10_s": statistics.median(t["ttft_s"] for t in turns[1:]),
-                             "loadavg_1m": h["loadavg"][0] if h["loadavg"] else None,
-                             "cpu_pressure_some": h["cpu_pressure_some"]}
-                print(f"round {i + 1} {name:14} TTFT turns 2-10 median {row[name]['median_ttft_2_10_s']:.3f} s  "
-                      f"turn 1 {turns[0]['ttft_s']:.3f} s  load {row[name]['loadavg_1m']}  "
-                      f"pressure {row[name]['cpu_pressure_some']}", file=sys.stderr, flush=True)
+                             "host": host_load()}
+                log(f"round {i + 1} {name:14} TTFT turns 2-10 median {row[name]['median_ttft_2_10_s']:.3f} s  "
+                    f"turn 1 {turns[0]['ttft_s']:.3f} s  host {row[name]['host']}")
             rounds.append(row)
-        med = {n: statistics.median(r[n]["median_ttft_2_10_s"] for r in rounds) for n in names}
-        spread = {n: [min(r[n]["median_ttft_2_10_s"] for r in rounds), max(r[n]["median_ttft_2_10_s"] for r in rounds)]
-                  for n in names}
+        stats = {n: median_spread([r[n]["median_ttft_2_10_s"] for r in rounds]) for n in names}
+        med = {n: stats[n]["median"] for n in names}
         per_turn = {n: [statistics.median(r[n]["turns"][t]["ttft_s"] for r in rounds) for t in range(len(TURNS))]
                     for n in names}
         same = all(r["kiln"]["turns"][t]["reply"] == r["kiln-no-cache"]["turns"][t]["reply"]
                    for r in rounds for t in range(len(TURNS)))
-        out = {"what": "ten-turn chat through HTTP, greedy, time to first token per turn; Kiln's engine with and "
+        doc = {"what": "ten-turn chat through HTTP, greedy, time to first token per turn; Kiln's engine with and "
                        "without its prefix cache beside llama-server on the same GGUF, rounds rotating",
-               "command": " ".join([sys.executable, *sys.argv]), "date": time.strftime("%Y-%m-%d"),
-               "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-                                        text=True).stdout.strip(),
-               "machine": {"cpus": os.cpu_count(), "cpu": next((line.split(":", 1)[1].strip() for line in
-                                                               Path("/proc/cpuinfo").read_text().splitlines()
-                                                               if line.startswith("model name")), None)},
                "reply_tokens": args.reply_tokens, "llama_server_argv": llama.argv,
-               "median_ttft_turns_2_10_s": med, "spread_s": spread, "per_turn_median_ttft_s": per_turn,
+               "median_ttft_turns_2_10_s": med, "ttft_turns_2_10_s": stats, "per_turn_median_ttft_s": per_turn,
                "kiln_vs_llama_cpp": round(med["kiln"] / med["llama.cpp"], 3),
                "target": "Kiln's median TTFT of turns 2-10 <= llama-server's",
                "met": med["kiln"] <= med["llama.cpp"], "replies_equal_with_and_without_cache": same,
                "rounds": rounds}
-        tmp = args.out.with_suffix(".tmp")
-        tmp.write_text(json.dumps(out, indent=1) + "\n")
-        tmp.rename(args.out)
-        print(f"\n{'server':16} {'TTFT turns 2-10 (median of rounds)':>36} {'spread':>18}")
-        for n in names:
-            print(f"{n:16} {med[n]:>34.3f} s {spread[n][0]:>8.3f}-{spread[n][1]:.3f} s")
-        print(f"kiln / llama.cpp: {out['kiln_vs_llama_cpp']}x (target <= 1.0: {'met' if out['met'] else 'missed'}); "
-              f"replies equal with and without the cache: {same}")
+        write_result(args.out, doc)
+        table([{"server": n, "TTFT turns 2-10 (s)": med[n], "min": stats[n]["min"], "max": stats[n]["max"],
+                "turn 1 (s)": per_turn[n][0]} for n in names],
+              ["server", "TTFT turns 2-10 (s)", "min", "max", "turn 1 (s)"])
+        log(f"kiln / llama.cpp: {doc['kiln_vs_llama_cpp']}x (target <= 1.0: {'met' if doc['met'] else 'missed'}); "
+            f"replies equal with and without the cache: {same}")
     finally:
         llama.stop()
-        for proc, log in procs:
-            stop_engine(proc, log)
+        for proc, out in procs:
+            stop_engine(proc, out)
 
 
 if __name__ == "__main__":
