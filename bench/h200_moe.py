@@ -39,6 +39,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from engine.experts.provider import ExpertProvider  # noqa: E402
 from engine.tiers.resident import ResidentExperts  # noqa: E402
 from engine.tiers.tiered import TieredExperts  # noqa: E402
 from engine.loader import load_model  # noqa: E402
@@ -229,7 +230,7 @@ class UniformRouting:
         return torch.tensor(rows, dtype=topk_ids.dtype).to(topk_ids.device, non_blocking=True)
 
 
-class RoutedBy:
+class RoutedBy(ExpertProvider):
     """Bench only: the tiered provider fed a labelled synthetic routing trace instead of the model's router.
     The trace is drawn on the host, so such a run decodes eagerly (not graph-capturable)."""
 
