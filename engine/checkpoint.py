@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from engine.experts import ExpertLayout
+from engine.experts.layout import ExpertLayout
 
 # model_type -> (mlp prefix, gate/up/down names, keys of the expert count, key of the expert FFN width).
 # Published configs and transformers 5's save_pretrained name the expert count differently.

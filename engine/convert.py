@@ -30,12 +30,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.errors import EngineError, Exit
-from engine.experts import DTYPES
+from engine.experts.layout import DTYPES
 from engine.projection import BLOCK_SCHEMES, BLOCKS_SUFFIX
-from engine.quant.gguf import GGUF_TYPES
+from engine.quant.gguf import GGUF_SHA256_KEY, GGUF_TYPES
 from engine.store import model_manifest
 
-GGUF_SHA256_KEY = "kiln_source_gguf_sha256"   # config.json: the GGUF a checkpoint without experts came from
 SHARD_BYTES = 1 << 30           # shards of ≤ ~1 GiB: bounded memory while writing, a few files to read
 
 # llama.cpp tensor name (per block) → Llama name in transformers; the MLP ones become expert weights.

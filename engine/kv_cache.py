@@ -95,3 +95,27 @@ def select(slots: list[int], device) -> tuple[slice | torch.Tensor, torch.Tensor
     if slots == list(range(first, first + len(slots))):
         return slice(first, first + len(slots)), idx
     return idx, idx
+
+
+# ---------------------------------------------------------------- decode's key lengths
+# The CUDA decode (eager, and each captured graph: engine.gpu.graphs) attends over a bucket of keys, not the exact
+# count, so few shapes exist.
+
+MIN_KV_BUCKET = 256
+
+
+def kv_bucket(need: int, max_len: int) -> int:
+    """Keys a CUDA decode step attends over when `need` are live: the next power of two (at least
+    MIN_KV_BUCKET), capped at the KV cache's length. Few buckets, so few decode graphs (and few cuDNN
+    plans in eager decode); the mask hides the keys past each sequence's position."""
+    assert 0 < need <= max_len, f"{need} keys do not fit a KV cache of {max_len}"
+    return min(max_len, max(MIN_KV_BUCKET, 1 << (need - 1).bit_length()))
+
+
+def kv_buckets(max_len: int) -> list[int]:
+    """Every bucket kv_bucket gives for a KV cache of max_len keys, shortest first."""
+    out, n = [], 1
+    while not out or out[-1] < max_len:
+        out.append(kv_bucket(n, max_len))
+        n = out[-1] + 1
+    return out

@@ -319,8 +319,7 @@ class LLM:
             self._closed = True
             self._cv.notify()
         self._thread.join()
-        if close := getattr(self.model.provider, "close", None):
-            close()
+        self.model.provider.close()
 
     def __enter__(self):
         return self

@@ -12,10 +12,11 @@ import torch
 
 from engine.checkpoint import Checkpoint, CheckpointError
 from engine.config import ModelConfig
-from engine.experts import DTYPES, ExpertProvider
+from engine.experts.layout import DTYPES
+from engine.experts.provider import ExpertProvider
 from engine.kv_cache import KVCache
 from engine.models import model_class
-from engine.models.common import MoEModel
+from engine.models.common import MoEModel, layer_ahead_predictor
 from engine.projection import BLOCK_SCHEMES, BLOCKS_SUFFIX
 from engine.runtime import EngineConfig
 
@@ -114,17 +115,15 @@ def load_model(model_dir: str | Path, provider: ExpertProvider | None = None, *,
     if unused := weights.unused():
         raise CheckpointError(f"{ckpt.dir}: {len(unused)} tensors are not part of the {cfg.arch} model "
                               f"(unsupported variant?), e.g. {unused[0]}")
-    if defer and hasattr(provider, "preload"):
-        from engine.tiers.ram import trim_heap
+    if defer:
+        from engine.tiers.ram import trim_heap      # the tiers' modules: only where build_provider was imported
         trim_heap()         # the build's freed transients leave the heap before the tier's records come on top
         try:
             provider.preload()
         except BaseException:
             provider.close()
             raise
-    if getattr(provider, "predictor", False) is None:     # a tiered provider: prefetch by layer-ahead routing
-        from engine.tiers.tiered import layer_ahead_predictor
-        provider.predictor = layer_ahead_predictor(model)
+    provider.use_predictor(layer_ahead_predictor(model))     # a tiered provider prefetches by it
     if config.cuda_graphs:
         model.use_cuda_graphs()
     return model.eval()

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.cpu_layout import parse_cpu_layout
+
 DEVICE_KINDS = ("cpu", "cuda")
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 EXPERTS = ("auto", "resident", "tiered")              # engine.tiers.choose_placement's modes      # engine.experts.DTYPES' keys (torch-free here)
@@ -88,7 +90,6 @@ class EngineConfig:
             if (n := getattr(self, name)) is not None and n < 1:
                 raise ValueError(f"{name} is {n}; it must be at least 1")
         if self.cpu_layout:
-            from engine.tiers.readers import parse_cpu_layout
             parse_cpu_layout(self.cpu_layout)       # EngineError (usage) naming the bad entry
 
     @property

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from engine.errors import EngineError, Exit
-from engine.experts import ExpertLayout
+from engine.experts.layout import ExpertLayout
 from engine.store import manifest as mf
 from engine.store.odirect import aligned_buffer, open_direct, probe, pwrite_full
 from engine.store import model_manifest

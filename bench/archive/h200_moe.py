@@ -39,6 +39,7 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 
 from bench.harness import measure_lanes
+from engine.experts.provider import ExpertProvider
 from engine.measure.peer import CARD_BYTES, RAM_TIER, WORKSPACE
 from engine.tiers.resident import ResidentExperts
 from engine.tiers.tiered import TieredExperts
@@ -176,7 +177,7 @@ class UniformRouting:
         return torch.tensor(rows, dtype=topk_ids.dtype).to(topk_ids.device, non_blocking=True)
 
 
-class RoutedBy:
+class RoutedBy(ExpertProvider):
     """Bench only: the tiered provider fed a labelled synthetic routing trace instead of the model's router.
     The trace is drawn on the host, so such a run decodes eagerly (not graph-capturable)."""
 

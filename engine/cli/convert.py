@@ -6,7 +6,7 @@ from pathlib import Path
 import click
 
 from engine.convert import convert_gguf
-from engine.experts import DTYPES
+from engine.experts.layout import DTYPES
 
 
 @click.command("convert")

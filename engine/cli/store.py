@@ -9,7 +9,7 @@ import click
 
 from engine.checkpoint import CheckpointError
 from engine.errors import EngineError, Exit
-from engine.experts import DTYPES
+from engine.experts.layout import DTYPES
 
 FLOAT_QUANTS = {"float32": "float32", "bf16": "bfloat16"}       # --quant spellings of float records
 QUANT_FLAGS = ("float32", "bf16", "int8", "int4", "gguf")

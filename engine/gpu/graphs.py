@@ -9,8 +9,8 @@ tensors before each replay (tokens may be the last step's argmax, already on the
 decode ahead); the step's logits are cloned out of the graph's memory.
 
 A provider that needs host work inside a step (the tiered provider reads each MoE layer's routing to
-copy the experts it lacks) does it between graph pieces: while the Recorder captures, the provider
-calls recorder.cut(host_step), which ends the current piece and begins the next; at replay the host
+copy the experts it lacks) does it between graph pieces: while the Recorder captures (handed to the provider by
+ExpertProvider.capturing), the provider calls recorder.cut(host_step), which ends the current piece and begins the next; at replay the host
 steps run between the pieces. A resident provider never cuts, so its whole step is one graph.
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Callable
 
 import torch
 
-from engine.models.common import kv_bucket
+from engine.kv_cache import kv_bucket
 
 log = logging.getLogger("engine.gpu")
 
@@ -85,8 +85,7 @@ class DecodeGraphs:
         return max((len(r.pieces) for r, _ in self.graphs.values()), default=0)
 
     def usable(self, batch: int) -> bool:
-        ok = getattr(self.model.provider, "graph_pairs_ok", None)
-        return batch <= self.max_batch and (ok is None or ok(batch * self.model.cfg.top_k))
+        return batch <= self.max_batch and self.model.provider.graph_pairs_ok(batch * self.model.cfg.top_k)
 
     def decode(self, tokens, slots: list[int], positions: list[int]) -> torch.Tensor:
         b = len(slots)
@@ -124,16 +123,14 @@ class DecodeGraphs:
             # Triton compiles, cuBLAS picks its kernels, a provider makes its slot tables.
             self._forward(b, kv_len)
             self.stream.synchronize()
-            provider.recorder = rec
-            try:
-                rec.begin()
-                logits = self._forward(b, kv_len)
-                rec.end()
-            except BaseException:
-                rec.abort()
-                raise
-            finally:
-                provider.recorder = None
+            with provider.capturing(rec):
+                try:
+                    rec.begin()
+                    logits = self._forward(b, kv_len)
+                    rec.end()
+                except BaseException:
+                    rec.abort()
+                    raise
         current.wait_stream(self.stream)
         self.captures += 1
         log.info("decode graph captured: batch %d, %d keys, %d piece(s)", b, kv_len, len(rec.pieces))

@@ -198,7 +198,7 @@ def ffn_offsets(regions: dict) -> tuple[int, int, int, int]:
 class MoETail:
     """The MoE half of a one-token native decode step after routing, for one layer's quantized records (cols
     order, 4-bit: QuantLayout.cpu_int4): the picked experts' int4_ffn in ascending expert order, their
-    weighted sum as engine.experts.moe_forward sums one token, then add_rms_norm into the next norm — one call
+    weighted sum as engine.tiers.waves.moe_forward sums one token, then add_rms_norm into the next norm — one call
     where the torch forms take an FFN call per expert, a multiply, an add and a norm call. Its buffers are
     its own (one decode step at a time, as the model's)."""
 

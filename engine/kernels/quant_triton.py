@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import torch
 
+from engine.experts.reference import moe_reference
 from engine.kernels import import_triton
-from engine.kernels.triton_moe import GEMV_MAX_PAIRS, _table_args, sum_picks
+from engine.kernels.triton_common import GEMV_MAX_PAIRS, sum_picks, table_args
 from engine.quant.records import GGUF_BLOCK, QuantLayout, group_size
 
 # Triton ships with CUDA builds of torch; CPU-only installs use the reference path (and do not import triton at all).
@@ -44,7 +45,7 @@ def _row_bytes(scheme: str, inp: int) -> int:
 
 
 if triton is not None:
-    from engine.kernels.triton_moe import record_ptr, swiglu
+    from engine.kernels.triton_common import record_ptr, swiglu      # jitted: they exist only with Triton
 
     @triton.jit
     def _fp16_at(p):
@@ -339,7 +340,7 @@ def quant_slot_moe(x: torch.Tensor, arena: torch.Tensor, slots: torch.Tensor, to
     prm = _params(layout)
     rec = layout.record_bytes
     w_flat = topk_weights.reshape(-1).contiguous()
-    tab, lg, use_table, use_log = _table_args(table, log, slot_flat)
+    tab, lg, use_table, use_log = table_args(table, log, slot_flat)
     where = dict(REC=rec, TABLE=use_table)
     if layout.scheme in ("int8", "int4"):
         # Group-wise codes: one scale per (row, group), the codes' dot product per group (_group_dot).
@@ -448,7 +449,6 @@ def quant_grouped_moe(x: torch.Tensor, arena: torch.Tensor, slots: torch.Tensor,
 def quant_moe_reference(x, arena, slots, topk_weights, layout: QuantLayout) -> torch.Tensor:
     """The oracle: each pick's record dequantized by engine.quant.records (plain torch), then the plain
     per-expert loop (engine.experts.moe_reference) in x.dtype."""
-    from engine.experts import moe_reference
     return moe_reference(x, slots.long(), topk_weights, lambda s: layout.dequantize(arena[s]))
 
 

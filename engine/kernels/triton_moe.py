@@ -12,7 +12,7 @@ over experts with dense GEMMs (moe_reference), which tensor cores do well.
 Accumulation is fp32; g and u are rounded to the model dtype before the SiLU as torch's bf16
 F.linear does, so results agree with the reference to bf16 rounding.
 
-Where a record lies (record_ptr, shared with engine.kernels.quant_triton): slot_offset + the pick's id in the
+Where a record lies (engine.kernels.triton_common.record_ptr, shared with engine.kernels.quant_triton): slot_offset + the pick's id in the
 arena, or with a `table` the element offset table[slot_offset + id] from the arena's start, which may point
 into page-locked host memory the GPU reads in place over PCIe (engine.tiers.zero_copy). With a `log`, the kernels
 also write each pick's id there, so the host learns a graph-replayed step's routing without reading it per layer.
@@ -21,45 +21,16 @@ from __future__ import annotations
 
 import torch
 
-from engine.experts import ExpertLayout, moe_reference
+from engine.experts.layout import ExpertLayout
+from engine.experts.reference import moe_reference
 from engine.kernels import import_triton
+from engine.kernels.triton_common import GEMV_MAX_PAIRS, sum_picks, table_args, triton_available
 
 # Triton ships with CUDA builds of torch; CPU-only installs use the reference path (and do not import triton at all).
 triton, tl = import_triton()
 
-# Below this many pairs the GEMV kernels win; above, per-expert GEMMs do (measured on the H200 bench).
-GEMV_MAX_PAIRS = 64
-
-
-def triton_available(device: torch.device) -> bool:
-    import os
-    if triton is None:
-        return False
-    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
-
-
 if triton is not None:
-    @triton.jit
-    def swiglu(acc_g, acc_u, ty: tl.constexpr):
-        """silu(g)·u from fp32 gate/up sums, each rounded to the model dtype where torch's F.linear and silu round
-        (every expert kernel's epilogue: these GEMVs and the quantized kernels in engine.kernels.quant_triton)."""
-        g = acc_g.to(ty).to(tl.float32)
-        u = acc_u.to(ty).to(tl.float32)
-        s = (g * tl.sigmoid(g)).to(ty).to(tl.float32)
-        return (s * u).to(ty)
-
-    @triton.jit
-    def record_ptr(arena_ptr, slot_ptr, table_ptr, log_ptr, p, SLOT_OFF, REC: tl.constexpr, TABLE: tl.constexpr,
-                   LOG: tl.constexpr):
-        """Pair p's record: slot SLOT_OFF + id[p] of the arena (REC elements a slot), or with TABLE the arena-relative
-        element offset table[SLOT_OFF + id[p]] (anywhere the GPU can address: a slot, or a page-locked host record).
-        LOG: id[p] also goes to log[p], written by the first row block's program."""
-        sid = tl.load(slot_ptr + p).to(tl.int64)
-        if LOG:
-            tl.store(log_ptr + p, sid.to(tl.int32), mask=tl.program_id(1) == 0)
-        if TABLE:
-            return arena_ptr + tl.load(table_ptr + SLOT_OFF + sid)
-        return arena_ptr + (sid + SLOT_OFF) * REC
+    from engine.kernels.triton_common import record_ptr, swiglu      # jitted: they exist only with Triton
 
     @triton.jit
     def _read_kernel(arena_ptr, off, out_ptr, N: tl.constexpr, BLOCK: tl.constexpr):
@@ -112,25 +83,6 @@ if triton is not None:
         w = tl.load(w_ptr + p).to(tl.float32)
         tl.store(y_ptr + p * H + rows, acc * w, mask=rmask)
 
-    @triton.jit
-    def _sum_picks_kernel(y_ptr, out_ptr, K: tl.constexpr, H: tl.constexpr, BLOCK: tl.constexpr):
-        """out[t] = Σ_k y[t·K + k] in pick order (fp32), rounded once to the model dtype."""
-        t = tl.program_id(0).to(tl.int64)
-        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        m = cols < H
-        acc = tl.zeros([BLOCK], dtype=tl.float32)
-        for k in tl.static_range(K):
-            acc += tl.load(y_ptr + (t * K + k) * H + cols, mask=m, other=0.0)
-        tl.store(out_ptr + t * H + cols, acc.to(out_ptr.dtype.element_ty), mask=m)
-
-
-def sum_picks(y: torch.Tensor, t: int, k: int, dtype: torch.dtype) -> torch.Tensor:
-    """[T·K, H] fp32 weighted expert outputs → [T, H] in `dtype`: `y.view(t, k, h).sum(1).to(dtype)` in one
-    launch instead of two (a decode step does this once per MoE layer)."""
-    hdim = y.shape[-1]
-    out = torch.empty(t, hdim, dtype=dtype, device=y.device)
-    _sum_picks_kernel[(t, triton.cdiv(hdim, 1024))](y, out, K=k, H=hdim, BLOCK=1024, num_warps=4)
-    return out
 
 
 def read_record(arena: torch.Tensor, offset: int, n: int) -> torch.Tensor:
@@ -139,12 +91,6 @@ def read_record(arena: torch.Tensor, offset: int, n: int) -> torch.Tensor:
     out = torch.empty(n, dtype=arena.dtype, device=arena.device)
     _read_kernel[(triton.cdiv(n, 1024),)](arena, offset, out, N=n, BLOCK=1024)
     return out
-
-
-def _table_args(table: torch.Tensor | None, log: torch.Tensor | None, slots: torch.Tensor):
-    """The kernels' (table, log) pointers and flags; unused pointers are the slots (never read)."""
-    return (table if table is not None else slots, log if log is not None else slots,
-            table is not None, log is not None)
 
 
 def slot_moe(x: torch.Tensor, arena: torch.Tensor, slots: torch.Tensor, topk_weights: torch.Tensor,
@@ -167,7 +113,7 @@ def slot_moe(x: torch.Tensor, arena: torch.Tensor, slots: torch.Tensor, topk_wei
     slot_flat = slots.reshape(-1).contiguous()
     h = torch.empty(p, idim, dtype=x.dtype, device=x.device)
     y = torch.empty(p, hdim, dtype=torch.float32, device=x.device)
-    tab, lg, use_table, use_log = _table_args(table, log, slot_flat)
+    tab, lg, use_table, use_log = table_args(table, log, slot_flat)
     _gate_up_kernel[(p, triton.cdiv(idim, block_i))](
         xs, arena, slot_flat, h, slot_offset, tab, lg, K=k, H=hdim, I=idim, REC=layout.record_elems,
         TABLE=use_table, LOG=use_log, BLOCK_I=block_i, BLOCK_H=gate_up_cols, num_warps=warps)

@@ -27,9 +27,10 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from engine.config import ModelConfig
-from engine.experts import ExpertProvider
+from engine.experts.provider import ExpertProvider, Predictor
 from engine.kernels import native, triton_decode
-from engine.kv_cache import KVCache, select
+from engine.kernels.quant_cpu import native_ffn_group
+from engine.kv_cache import KVCache, kv_bucket, kv_buckets, select
 from engine.projection import Int4Projection, Projection, Q8Projection, dense_projection
 
 if TYPE_CHECKING:
@@ -51,12 +52,11 @@ class WeightSource(Protocol):
     def blocks(self, name: str) -> tuple[str, torch.Tensor] | None: ...
 
 
-def native_tail(model: "MoEModel", provider) -> native.MoETail | None:
+def native_tail(model: "MoEModel", provider: ExpertProvider) -> native.MoETail | None:
     """The native MoE half for a model's one-token CPU decode (engine.kernels.native.MoETail) where its provider
     hands out host records (host_records) of a layout the native int4 FFN computes, else None."""
-    from engine.kernels.quant_cpu import native_ffn_group
-    quant = getattr(getattr(provider, "layout", None), "quantized", None)
-    if not hasattr(provider, "host_records") or quant is None or model.cfg.top_k > native.MAX_TOP_K:
+    quant = provider.layout.quantized
+    if not provider.hands_out_host_records or quant is None or model.cfg.top_k > native.MAX_TOP_K:
         return None
     g = native_ffn_group(quant)
     return None if g is None else native.MoETail(quant.regions, quant.hidden, quant.intermediate, g, model.cfg.top_k)
@@ -156,27 +156,24 @@ def sigmoid_grouped_topk(logits: torch.Tensor, bias: torch.Tensor, *, top_k: int
     return ids, (weights * scale).to(out_dtype)
 
 
+def layer_ahead_predictor(model: "MoEModel") -> Predictor:
+    """The seed's layer-ahead routing, for a provider that prefetches (ExpertProvider.use_predictor): the next MoE
+    layer's router applied to this layer's input predicts that layer's experts (softmax top-k of its router logits;
+    the order of the logits, which is what a prediction needs, is the same under GLM's sigmoid)."""
+    moe = sorted(model.cfg.moe_layers)
+    nxt = {a: b for a, b in zip(moe, moe[1:])}
+    top_k = model.cfg.top_k
+
+    def predict(layer: int, x: torch.Tensor):
+        if layer not in nxt:
+            return None
+        gate = model.layers[nxt[layer]].mlp.gate
+        ids, _ = softmax_topk(F.linear(x.to(gate.dtype), gate), top_k, False, x.dtype)
+        return nxt[layer], ids
+    return predict
+
+
 # ---------------------------------------------------------------- attention over the KV cache
-
-MIN_KV_BUCKET = 256
-
-
-def kv_bucket(need: int, max_len: int) -> int:
-    """Keys a CUDA decode step attends over when `need` are live: the next power of two (at least
-    MIN_KV_BUCKET), capped at the KV cache's length. Few buckets, so few decode graphs (and few cuDNN
-    plans in eager decode); the mask hides the keys past each sequence's position."""
-    assert 0 < need <= max_len, f"{need} keys do not fit a KV cache of {max_len}"
-    return min(max_len, max(MIN_KV_BUCKET, 1 << (need - 1).bit_length()))
-
-
-def kv_buckets(max_len: int) -> list[int]:
-    """Every bucket kv_bucket gives for a KV cache of max_len keys, shortest first."""
-    out, n = [], 1
-    while not out or out[-1] < max_len:
-        out.append(kv_bucket(n, max_len))
-        n = out[-1] + 1
-    return out
-
 
 # Attention on CUDA without cuDNN's kernel: it builds a plan for every new shape, 0.5 s for the first and ~90 ms each
 # after on the H200 (results/2026-12-03-h200-prefill-kernels-2.json, the sdpa rows), so a prompt of a length not seen
@@ -428,9 +425,9 @@ class MoEModel(nn.Module):
     def use_cuda_graphs(self) -> bool:
         """Replay decode steps from CUDA graphs (engine.gpu.graphs) where the device and the expert provider
         allow it: a CUDA device and a graph-capturable provider. → whether decode_step now does."""
-        if self.device.type != "cuda" or not getattr(self.provider, "graph_capturable", False):
+        if self.device.type != "cuda" or not self.provider.graph_capturable:
             return False
-        from engine.gpu.graphs import DecodeGraphs
+        from engine.gpu.graphs import DecodeGraphs       # CUDA only: graphs are not part of a CPU model's load
         self.graphs = DecodeGraphs(self)
         return True
 
@@ -438,14 +435,14 @@ class MoEModel(nn.Module):
     def async_decode(self) -> bool:
         """decode_step returns before the device has computed the step (CUDA, and a provider with no host step
         inside it: resident), so the host can do other work until it reads the logits."""
-        return self.device.type == "cuda" and not getattr(self.provider, "host_steps", True)
+        return self.device.type == "cuda" and not self.provider.host_steps
 
     @property
     def decode_ahead_ok(self) -> bool:
         """A step may launch before the last one's logits are read (engine.llm's decode ahead): launches are
         asynchronous and the provider has no hook between steps (zero-copy's routing log and promotions read each
         step's log once its logits are read)."""
-        return self.async_decode and getattr(self.provider, "after_decode_launch", None) is None
+        return self.async_decode and not self.provider.decode_hooks
 
     def decode_meta(self, slots: list[int], sel, idx: torch.Tensor, pos: torch.Tensor, kv_len: int) -> Step:
         """A decode step's Step (eager and graph-captured decode build it here alike). pos [B, 1]."""
@@ -470,13 +467,9 @@ class MoEModel(nn.Module):
         (TieredExperts' zero-copy decode: its record table, routing log, promotions) run around the launch."""
         b = len(slots)
         assert b == len(positions) and max(positions) < self.max_len, "decode position beyond the KV cache"
-        before = getattr(self.provider, "before_decode", None)
-        if before is not None:
-            before()
+        self.provider.before_decode()
         logits = self._decode_launch(tokens, slots, positions)
-        after = getattr(self.provider, "after_decode_launch", None)
-        if after is not None:
-            after(b * self.cfg.top_k)            # while the device computes the step
+        self.provider.after_decode_launch(b * self.cfg.top_k)      # while the device computes the step
         return logits
 
     def _decode_launch(self, tokens, slots: list[int], positions: list[int]) -> torch.Tensor:

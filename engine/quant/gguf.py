@@ -16,6 +16,8 @@ import torch
 from engine.errors import EngineError, Exit
 
 GGUF_TYPES = {"Q8_0": "q8_0", "Q4_1": "q4_1", "Q4_K": "q4_k"}    # GGML type name -> engine.quant scheme
+# config.json of a checkpoint engine.convert made without its experts: the sha256 of the GGUF they stay in
+GGUF_SHA256_KEY = "kiln_source_gguf_sha256"
 _KINDS = ("ffn_gate", "ffn_up", "ffn_down")
 
 

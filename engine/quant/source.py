@@ -4,12 +4,17 @@ whatever the machine's tiers."""
 from __future__ import annotations
 
 import os
-from typing import Callable
+import hashlib
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from engine.errors import EngineError, Exit
-from engine.experts import ExpertLayout
+from engine.quant.gguf import GGUF_SHA256_KEY, GgufExperts
+from engine.quant.records import QuantLayout
+
+if TYPE_CHECKING:                   # the checkpoint hands out its layouts; no import of the layer above
+    from engine.experts.layout import ExpertLayout
 
 QUANT_CHOICES = ("none", "int8", "int4", "gguf")
 # A GGUF whose experts are not the checkpoint's (another model, another size) dequantizes far from them;
@@ -36,7 +41,6 @@ def record_source(ck, *, dtype: torch.dtype | None = None, order: str = "rows", 
                               Exit.BAD_MODEL) from None
         return layout, lambda l, e: layout.pack(*ck.expert(l, e))
 
-    from engine.quant.gguf import GgufExperts
     src = GgufExperts(gguf, layers=ck.moe_layers, experts=ck.n_experts, hidden=ck.hidden,
                       intermediate=ck.moe_intermediate)
     try:
@@ -60,10 +64,8 @@ def record_source(ck, *, dtype: torch.dtype | None = None, order: str = "rows", 
 
 
 def check_gguf_is_the_source(ck, path) -> None:
-    """A checkpoint converted without its experts names the GGUF it came from (engine.convert.GGUF_SHA256_KEY):
+    """A checkpoint converted without its experts names the GGUF it came from (engine.quant.gguf.GGUF_SHA256_KEY):
     its experts are that file's, so any other file is refused by name."""
-    import hashlib
-    from engine.convert import GGUF_SHA256_KEY
     want = ck.config.get(GGUF_SHA256_KEY)
     if want is None:
         return              # engine synth's store-backed checkpoints name no GGUF
@@ -77,7 +79,6 @@ def check_gguf_is_the_source(ck, path) -> None:
 def check_gguf_matches(ck, src, layout: ExpertLayout) -> None:
     """The GGUF's first and last experts dequantize close to the checkpoint's (exactly, for a checkpoint
     engine.convert made from this file): a GGUF of another model is refused by name."""
-    from engine.quant.records import QuantLayout
     rows = QuantLayout(layout.hidden, layout.intermediate, layout.quant, "rows")
     for l, e in {(ck.moe_layers[0], 0), (ck.moe_layers[-1], ck.n_experts - 1)}:
         got = rows.dequantize(rows.pack_blocks(*src.blocks(l, e)))

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from engine.errors import EngineError, Exit
-from engine.experts import ALIGN, DTYPES, ORDERS, ExpertLayout
+from engine.experts.layout import ALIGN, DTYPES, ORDERS, ExpertLayout
 from engine.store import manifest_file
 from engine.quant.records import SCHEMES
 

@@ -13,7 +13,7 @@ import secrets
 from pathlib import Path
 
 from engine.errors import EngineError, Exit
-from engine.experts import ALIGN
+from engine.experts.layout import ALIGN
 
 
 def fstype(path: str | os.PathLike) -> str:

@@ -11,6 +11,7 @@ and the tiers they are built from:
   lanes     — the CPU expert lane, the lane cost model (compute on the CPU vs copy to the GPU), lane counters
   zero_copy — a tiered decode step that reads RAM-tier records in place (no host step: one graph a step)
   readers   — O_DIRECT store readers (threads, optionally pinned to CPUs)
+  waves     — the CPU waves the host-memory providers share (group_routes, moe_forward)
 simulate  — `engine simulate-cache`: policies vs Belady on a recorded routing trace
 """
 from __future__ import annotations
@@ -22,7 +23,9 @@ from pathlib import Path
 
 import torch
 
-from engine.experts import DTYPES, ExpertProvider, order_for
+from engine.experts.layout import DTYPES, order_for
+from engine.experts.provider import ExpertProvider
+from engine.cpu_layout import parse_cpu_layout
 from engine.runtime import EXPERTS, EngineConfig
 from engine.tiers.memory import InMemoryExperts
 
@@ -145,7 +148,6 @@ def build_provider(checkpoint, store_dir, config: EngineConfig | None = None, *,
 
     from engine.tiers.gpu import default_gpu_slots
     from engine.tiers.ram import default_ram_slots
-    from engine.tiers.readers import parse_cpu_layout
     from engine.tiers.tiered import TieredExperts
     if ram_slots is None:
         ram_slots = default_ram_slots(m.record_bytes, n)

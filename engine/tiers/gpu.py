@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from engine.experts import ExpertLayout
+from engine.experts.layout import ExpertLayout
 from engine.tiers.cache import ExpertCache, ExpertKey, make_policy
 
 log = logging.getLogger("engine.tiers")

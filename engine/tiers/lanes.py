@@ -3,7 +3,7 @@
 A pick (one token's choice of one expert) is computed on one of two lanes:
   gpu  — from a GPU slot (the slot kernels); an expert not in a slot first crosses
   pcie — a copy RAM tier -> GPU slot (engine.tiers.gpu, a side stream);
-  cpu  — straight from its RAM-tier slot on the CPU lane's thread (engine.experts.moe_forward: the CPU
+  cpu  — straight from its RAM-tier slot on the CPU lane's thread (engine.tiers.waves.moe_forward: the CPU
          kernels of engine.kernels.cpu / quant_cpu), while the GPU computes the slot experts; the CPU
          partial sum is copied to the device and added to the GPU's.
 and an expert in neither tier first crosses
@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.runtime import CPU_EXPERTS, parse_lane_rates
+from engine.tiers.waves import group_routes, moe_forward
 
 LANES = ("gpu", "cpu", "pcie", "disk")
 LANE_NAMES = ("pcie", "cpu", "disk")      # the lanes with a rate (the GPU computes at HBM speed: not modelled)
@@ -216,7 +217,6 @@ def measure_rates(provider, given: str | None = None, lanes=LANE_NAMES, known: d
         out["pcie"] = layout.record_bytes / _median_seconds(copy, reps), "measured"
         dst.zero_()                            # slots the cache has not filled stay zeros (see GpuTier)
     if "cpu" in todo:
-        from engine.experts import group_routes, moe_forward
         dtype = torch.float32 if layout.quantized else layout.dtype
         x = torch.randn(1, layout.hidden).to(dtype)
         w = torch.ones(1, 1, dtype=dtype)

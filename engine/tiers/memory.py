@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import torch
 
-from engine.experts import ExpertLayout, group_routes, moe_forward
+from engine.experts.layout import ExpertLayout
+from engine.experts.provider import ExpertProvider
+from engine.tiers.waves import group_routes, moe_forward
 
 
-class InMemoryExperts:
+class InMemoryExperts(ExpertProvider):
     """Every expert of every layer held as packed records in one tensor per layer (reference / all-resident)."""
+
+    hands_out_host_records = True        # in host memory on the CPU: a native decode step computes from them
 
     def __init__(self, layout: ExpertLayout, records: dict[int, torch.Tensor]):
         # records[layer] : [n_experts, record_elems] in layout.dtype
@@ -23,8 +27,7 @@ class InMemoryExperts:
                            lambda experts: [self.layout.views(recs[e]) for e in experts], len(recs))
 
     def host_records(self, layer: int, experts: list[int]) -> list[int] | None:
-        """One token's experts computed on the CPU by the caller (TieredExperts.host_records' contract): their
-        records' host addresses in the given order, or None where the records are not in host memory."""
+        """ExpertProvider.host_records: None where the records are not in host memory (a CUDA device)."""
         recs = self.records[layer]
         if recs.device.type != "cpu":
             return None

@@ -11,16 +11,16 @@ from pathlib import Path
 
 import torch
 
-from engine.experts import ExpertLayout
+from engine.experts.layout import ExpertLayout
+from engine.experts.provider import ExpertProvider
 from engine.kernels.triton_moe import moe_from_slots
 from engine.store import manifest as mf
 from engine.store.odirect import aligned_buffer, open_direct, pread_full
 
 
-class ResidentExperts:
-    graph_capturable = True          # no host read in forward: a decode step is one graph
+class ResidentExperts(ExpertProvider):
+    graph_capturable = True          # no host read in forward: a decode step is one graph (never cut)
     host_steps = False               # ... and its launch returns before the GPU has computed it
-    recorder = None                  # set by engine.gpu.graphs while it captures; never cut here
 
     def __init__(self, layout: ExpertLayout, arena: torch.Tensor, bases: dict[int, int]):
         self.layout, self.arena, self.bases = layout, arena, bases

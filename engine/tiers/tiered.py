@@ -2,7 +2,7 @@
 
 This class only decides where each expert's record comes from and which lane computes it; the arithmetic
 never depends on it:
-- on the CPU the experts are computed straight from their RAM slots (engine.experts.moe_forward,
+- on the CPU the experts are computed straight from their RAM slots (engine.tiers.waves.moe_forward,
   moe_reference's arithmetic operation for operation, in waves of at most the RAM tier's slots);
 - on a CUDA device they are copied into GPU slots on a side stream (engine.tiers.gpu) and computed
   there: a decode step's few pairs by the slot-indexed GEMV kernels from a slot table, prefill by
@@ -14,7 +14,7 @@ never depends on it:
 Where the GPU and RAM tiers hold every record (preloaded), a CUDA decode step reads RAM-tier records in place
 instead (engine.tiers.zero_copy): no host step, one graph a step, promotions behind the steps. Otherwise:
 decode on CUDA needs one host read of the routing per MoE layer (the host must know what to copy);
-with a predictor (layer_ahead_predictor) the next layer's router applied to this layer's input
+with a predictor (engine.models.common.layer_ahead_predictor, handed in by use_predictor) the next layer's router applied to this layer's input
 predicts its experts, whose copies then overlap this layer's compute. That host read is the only
 host work, so the rest of a step is CUDA-graph capturable in pieces between the reads: under a
 graph Recorder (engine.gpu.graphs) forward hands the host step to the recorder instead of running it;
@@ -33,12 +33,14 @@ from itertools import groupby
 from operator import itemgetter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 
-from engine.experts import ExpertLayout, group_routes, moe_forward
-from engine.kernels.triton_moe import GEMV_MAX_PAIRS, moe_from_slots, triton_available
+from engine.experts.layout import ExpertLayout
+from engine.experts.provider import ExpertProvider, Predictor
+from engine.tiers.waves import group_routes, moe_forward
+from engine.kernels.triton_common import GEMV_MAX_PAIRS, triton_available
+from engine.kernels.triton_moe import moe_from_slots
 from engine.store import manifest as mf
 from engine.tiers.cache import ExpertCache, ExpertKey
 from engine.tiers.gpu import GpuTier
@@ -48,10 +50,6 @@ from engine.tiers.ram import RamTier
 from engine.tiers.zero_copy import MAX_MOVES, ZeroCopyDecode, blocker as zero_copy_blocker
 
 log = logging.getLogger("engine.tiers")
-
-# (layer, x) -> (next MoE layer, its predicted topk_ids) or None
-Predictor = Callable[[int, torch.Tensor], "tuple[int, torch.Tensor] | None"]
-
 
 @dataclass
 class LayerTable:
@@ -79,7 +77,9 @@ class CpuJob:
     experts: int
 
 
-class TieredExperts:
+class TieredExperts(ExpertProvider):
+    decode_hooks = True              # zero-copy decode's record table, routing log and promotions run between steps
+    hands_out_host_records = True    # on a CPU device without a slot tier (host_records says None otherwise)
 
     def __init__(self, manifest: mf.Manifest, store_dir: str | Path, *, device: str | torch.device = "cpu",
                  ram_slots: int, gpu_slots: int = 0, readers: int = 4, reader_cpus: set[int] | None = None,
@@ -100,8 +100,7 @@ class TieredExperts:
             self.ram.before_refill = self.gpu.synchronize_copies   # a RAM slot may still feed a copy
         # A wave of experts must fit every tier it passes through (the GPU tier loads RAM-sized chunks).
         self.wave = self.gpu.cache.capacity if self.gpu is not None else ram_slots
-        self.predictor: Predictor | None = None
-        self.recorder = None             # a graph Recorder while engine.gpu.graphs captures a decode step
+        self.predictor: Predictor | None = None      # use_predictor: the model's layer-ahead routing
         self.served = {"gpu": 0, "ram": 0, "store": 0}
         self.origin: dict[ExpertKey, str] = {}   # prefetched key -> the tier it came from (honest counters)
         self.host_seconds = 0.0
@@ -176,6 +175,10 @@ class TieredExperts:
                  "read in place over PCIe, up to %d promoted a step", self.gpu.cache.capacity,
                  self.ram.cache.capacity, len(self.manifest.records), MAX_MOVES)
         return True
+
+    def use_predictor(self, predictor: Predictor) -> None:
+        """Prefetch the next layer's predicted experts while a layer computes (the CUDA decode from slots)."""
+        self.predictor = predictor
 
     def before_decode(self) -> None:
         """MoEModel.decode_step's hook before a step's launch (zero-copy: the record table catches up)."""
@@ -486,18 +489,3 @@ class TieredExperts:
             self._trace.close()
             self._trace = None
 
-
-def layer_ahead_predictor(model) -> Predictor:
-    """Apply the next MoE layer's router to this layer's input (the seed's layer-ahead routing). Reads
-    the router weights and top_k of the model's MoE blocks (their `gate` and `top_k`)."""
-    from engine.models.common import softmax_topk
-    moe = [l for l in range(len(model.layers)) if hasattr(model.layers[l].mlp, "gate")]
-    nxt = {a: b for a, b in zip(moe, moe[1:])}
-
-    def predict(layer: int, x: torch.Tensor):
-        if layer not in nxt:
-            return None
-        block = model.layers[nxt[layer]].mlp
-        ids, _ = softmax_topk(torch.nn.functional.linear(x, block.gate), block.top_k, False, x.dtype)
-        return nxt[layer], ids
-    return predict

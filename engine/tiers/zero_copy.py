@@ -15,7 +15,7 @@ address (cudaHostRegister'ed; RamArena.device_address), the slot kernels (Triton
 How the tiers still follow the routing, without the compute stream ever waiting for the host:
 - the record table: an int64 per (MoE layer, expert), its record's element offset from the GPU arena's start —
   a GPU slot, or a RAM slot's device address. The kernels read table[layer base + expert]
-  (engine.kernels.triton_moe.record_ptr). The host keeps a mirror, updated from the tiers' caches (ExpertCache
+  (engine.kernels.triton_common.record_ptr). The host keeps a mirror, updated from the tiers' caches (ExpertCache
   .changes), and copies it to the device between steps, behind any copy it depends on.
 - the routing log: the gate/up kernel writes each pick's expert id into a device row per MoE layer; after each
   step's launch the host queues that log's copy to page-locked memory, and reads it one step later — as arrays
@@ -40,7 +40,8 @@ from collections import Counter
 import numpy as np
 import torch
 
-from engine.kernels.triton_moe import GEMV_MAX_PAIRS, moe_from_slots, read_record, triton_available
+from engine.kernels.triton_common import GEMV_MAX_PAIRS, triton_available
+from engine.kernels.triton_moe import moe_from_slots, read_record
 from engine.tiers.cache import ExpertKey
 
 log = logging.getLogger("engine.tiers")

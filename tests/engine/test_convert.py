@@ -81,7 +81,7 @@ def test_checkpoint_is_what_the_recipe_and_the_engine_expect(converted):
     store = json.loads((REPO / "recipes/cpu/any/smollm2-135m.kiln.8k.json").read_text())["store"]
     assert len(ckpt.moe_layers) * ckpt.n_experts == store["records"]
     # the store keeps the GGUF's own Q4_1 blocks in the cols order (store.quant gguf)
-    from engine.experts import ExpertLayout
+    from engine.experts.layout import ExpertLayout
     assert store["quant"] == "gguf"
     assert ExpertLayout(ckpt.hidden, ckpt.moe_intermediate, torch.uint8, "cols", "q4_1").record_bytes == store["record_bytes"]
     assert "lm_head.weight" not in ckpt.names()

@@ -18,7 +18,7 @@ if not CUDA:
 pytest.importorskip("triton", reason="triton is not installed (CUDA builds of torch carry it)")
 
 from engine.kernels import triton_decode as td  # noqa: E402
-from engine.kernels.triton_moe import sum_picks  # noqa: E402
+from engine.kernels.triton_common import sum_picks  # noqa: E402
 from engine.models.common import apply_rotary, rms_norm, rotary_tables, softmax_topk  # noqa: E402
 
 DEV = torch.device("cuda" if CUDA else "cpu")
@@ -159,7 +159,7 @@ def test_a_fused_decode_step_equals_the_torch_step(tiny_checkpoint, monkeypatch,
 
 
 def test_the_kv_buckets_are_every_length_a_decode_can_need():
-    from engine.models.common import kv_bucket, kv_buckets
+    from engine.kv_cache import kv_bucket, kv_buckets
     for max_len in (96, 256, 300, 8704, 32768):
         buckets = kv_buckets(max_len)
         assert buckets == sorted(set(buckets)) and buckets[-1] == max_len
@@ -173,7 +173,7 @@ def test_a_fused_model_compiles_each_buckets_attention_at_load_and_writes_nothin
     cache and leaves it as it was."""
     import logging
     from engine.loader import load_model
-    from engine.models.common import kv_buckets
+    from engine.kv_cache import kv_buckets
     if not CUDA:
         monkeypatch.setattr(td, "serves_on", lambda device: True)
     with caplog.at_level(logging.INFO, logger="engine.models"):

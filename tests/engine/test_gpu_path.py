@@ -21,7 +21,7 @@ if not CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 triton = pytest.importorskip("triton", reason="triton is not installed (CUDA builds of torch carry it)")
 
-from engine.experts import ExpertLayout  # noqa: E402
+from engine.experts.layout import ExpertLayout  # noqa: E402
 from engine.kernels.triton_moe import slot_moe, slot_moe_reference  # noqa: E402
 
 DEV = torch.device("cuda" if CUDA else "cpu")
@@ -293,7 +293,7 @@ def test_zero_copy_engine_is_one_graph_a_step_with_the_resident_tokens(tiny_stor
 def test_offload_never_changes_a_token_and_graphs_match_eager(synth_model):
     from engine.loader import load_model
     from engine.tiers.resident import ResidentExperts
-    from engine.tiers.tiered import TieredExperts, layer_ahead_predictor
+    from engine.tiers.tiered import TieredExperts
     from engine.store import manifest as mf
     model_dir, store = synth_model
     m = mf.load(store)

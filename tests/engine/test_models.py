@@ -10,6 +10,7 @@ import torch
 
 from engine.checkpoint import Checkpoint, CheckpointError
 from engine.config import ModelConfig
+from engine.experts.provider import ExpertProvider
 from engine.loader import load_model, resolve_dtype
 from engine.tiers import in_memory
 from tests.fixtures.decode import greedy
@@ -90,7 +91,7 @@ def test_batched_decode_equals_each_alone(arch, slots, tiny_checkpoint):
         torch.testing.assert_close(torch.stack(batch_logits[b]), torch.stack(want_logits[1:]), atol=1e-4, rtol=0)
 
 
-class RecordingExperts:
+class RecordingExperts(ExpertProvider):
     """The real in-memory provider, recording which experts each layer was asked for."""
 
     def __init__(self, inner):

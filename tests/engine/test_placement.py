@@ -7,7 +7,7 @@ import logging
 import pytest
 
 from engine.errors import EngineError
-from engine.models.common import MIN_KV_BUCKET, kv_bucket
+from engine.kv_cache import MIN_KV_BUCKET, kv_bucket
 from engine.tiers import choose_placement
 
 GIB = 1 << 30

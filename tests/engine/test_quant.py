@@ -255,7 +255,7 @@ def test_the_gpu_resident_provider_serves_a_quantized_store(tiny_checkpoint, tmp
     """The providers' hook: a rows-order int4 store in a slot arena, computed by the quantized kernels
     (moe_from_slots hands quantized layouts to them), equals the plain loop over the dequantized records."""
     pytest.importorskip("triton", reason="triton is not installed (CUDA builds of torch carry it)")
-    from engine.experts import moe_reference
+    from engine.experts.reference import moe_reference
     from engine.tiers.resident import ResidentExperts
     from engine.store import manifest as mf
     ck_dir = tiny_checkpoint("mixtral", hidden=64)
@@ -418,7 +418,7 @@ def test_a_quantized_store_serves_on_the_cpu_like_its_dequantized_experts(ckpt, 
     """Tiers (a RAM tier smaller than the store), the all-in-memory provider and the plain reference over
     the dequantized records give the same logits; and int8 stays close to the float model."""
     from engine.checkpoint import Checkpoint
-    from engine.experts import moe_reference
+    from engine.experts.reference import moe_reference
     from engine.loader import load_model
     from engine.tiers import build_provider, in_memory
     ck = Checkpoint(ckpt)

@@ -15,7 +15,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.experts import ORDERS, ExpertLayout, expert_ffn, group_routes, moe_forward, moe_reference
+from engine.experts.layout import ORDERS, ExpertLayout
+from engine.experts.reference import expert_ffn, moe_reference
+from engine.tiers.waves import group_routes, moe_forward
 from engine.kernels.cpu import pair_ffn, set_compute_threads, single_ffn
 from engine.projection import Projection
 from engine.store.odirect import aligned_buffer

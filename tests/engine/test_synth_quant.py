@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from engine.experts import ExpertLayout
+from engine.experts.layout import ExpertLayout
 from engine.store import manifest as mf
 
 

@@ -18,7 +18,7 @@ from engine.errors import EngineError
 from engine.store.pack import pack_store
 from engine.tiers import build_provider, in_memory
 from engine.tiers.memory import InMemoryExperts
-from engine.tiers.readers import parse_cpu_layout
+from engine.cpu_layout import parse_cpu_layout
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 triton = pytest.importorskip("triton", reason="triton is not installed (its interpreter runs the slot kernels)")
 
 from engine.errors import EngineError, Exit  # noqa: E402
-from engine.experts import ExpertLayout  # noqa: E402
+from engine.experts.layout import ExpertLayout  # noqa: E402
 from engine.kernels.triton_moe import slot_moe, slot_moe_reference  # noqa: E402
 
 PROMPTS = [[5, 17, 200, 42, 99, 7, 311, 64, 128, 3, 250, 19], [8, 9, 10, 11, 300, 1, 2]]

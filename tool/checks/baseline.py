@@ -21,6 +21,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
+from tool.checks.stream_timing import time_stream
 from tool.errors import last_line
 
 # engine's exit codes for "not here": 3 bad/missing model/checkpoint/store, 4 missing dependency
@@ -153,7 +154,6 @@ class LlamaCppBaseline:
         return {"kind": "llama.cpp", "label": self.label, "argv": self.argv, "version": self.version}
 
     def measure(self, messages: list[dict], tokens: int, sampling: dict) -> dict:
-        from tool.checks.speed import time_stream
         body = {"model": self.name, "messages": messages, "max_tokens": tokens, **sampling,
                 "ignore_eos": True,               # exactly `tokens`, as the server was timed on
                 "stream_options": {"include_usage": True}}

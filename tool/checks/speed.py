@@ -36,8 +36,9 @@ import statistics
 
 from tool.checks import baseline as bl
 from tool.checks import filler, hostload
-from tool.checks.client import Answer, ClientError
+from tool.checks.client import ClientError
 from tool.checks.gate import GateContext, fail, inconclusive, ok
+from tool.checks.stream_timing import time_stream
 
 PROMPT = "Write a 600-word story about a lighthouse keeper who finds a message in a bottle."
 MESSAGES = [{"role": "user", "content": PROMPT}]
@@ -48,15 +49,6 @@ RATIO_RULE = "every server round beats every baseline round (or loses to every o
 def thresholds(limits: dict) -> dict:
     return {"spread_max": limits["speed_spread_max"], "idle_cpu_busy_max": limits["speed_idle_busy_max"],
             "round_cpu_pressure_some_max": limits["speed_pressure_max"], "ratio": RATIO_RULE}
-
-
-def time_stream(a: Answer, n: int | None = None) -> tuple[float, int] | None:
-    """(decode tok/s, tokens) of a streamed answer: n tokens, else its usage's completion_tokens."""
-    if n is None:
-        n = (a.usage or {}).get("completion_tokens")
-    if not isinstance(n, int) or a.t_first is None or n < 2 or a.t_last <= a.t_first:
-        return None
-    return (n - 1) / (a.t_last - a.t_first), n
 
 
 def _round(ctx: GateContext, max_tokens: int, window: float | None, label: str) -> dict:

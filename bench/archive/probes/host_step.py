@@ -43,15 +43,15 @@ import json, sys, time, torch
 from engine.loader import load_model
 from engine.models.common import MoEModel
 from engine.store import manifest as mf
-from engine.tiers.tiered import TieredExperts, layer_ahead_predictor
+from engine.models.common import layer_ahead_predictor
+from engine.tiers.tiered import TieredExperts
 ck, store, tokens, gpu, ram = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
 torch.set_num_threads(1)
 with torch.inference_mode():
     prov = TieredExperts(mf.load(store), store, device="cpu", gpu_slots=gpu, ram_slots=ram, readers=2)
-    if hasattr(prov, "preload"):
-        prov.preload()
+    prov.preload()
     model = load_model(ck, provider=prov, device="cpu", max_context=tokens + 64)
-    prov.predictor = layer_ahead_predictor(model)
+    prov.use_predictor(layer_ahead_predictor(model))
     prompt = [(31 * i + 7) % 2000 for i in range(32)]
     tok = int(model.prefill(torch.tensor(prompt), 0).argmax())
     for i in range(8):                                   # warm: first tables, first misses
