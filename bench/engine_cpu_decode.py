@@ -33,9 +33,9 @@ from rich.table import Table
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from engine.dense_weights import Projection  # noqa: E402
 from engine.kernels.cpu import set_compute_threads  # noqa: E402
 from engine.llm import LLM, SamplingParams  # noqa: E402
-from engine.projection import Projection  # noqa: E402
 from tests.fixtures.tiny_models import make_tiny_checkpoint  # noqa: E402
 
 ARCHS = ("qwen3_moe", "glm4_moe", "mixtral")

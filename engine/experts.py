@@ -17,7 +17,7 @@ GPU slots ← pinned RAM tier ← O_DIRECT store). They must never change a resu
 
 Here: the record layout, the provider protocol, the reference arithmetic (moe_reference) and the routing
 arithmetic every provider shares (group_routes, moe_forward). The kernels that compute it fast are in
-engine.kernels; the providers in engine.tiers (and engine.gpu); the dense Projection in engine.projection.
+engine.kernels; the providers in engine.tiers (and engine.gpu); the dense Projection in engine.dense_weights.
 """
 from __future__ import annotations
 

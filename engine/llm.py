@@ -39,10 +39,10 @@ from typing import NamedTuple
 
 import torch
 
+from engine.engine_config import EngineConfig
 from engine.kernels.cpu import set_compute_threads
 from engine.loader import load_model
 from engine.models.common import MoEModel
-from engine.runtime import EngineConfig
 from engine.sampling import GreedyPicks, SamplingError, check_params, choose, is_greedy, make_generator
 
 DEFAULT_CHUNK = 512            # prefill tokens per scheduler turn (engine serve --chunk-size)

@@ -11,13 +11,13 @@ from pathlib import Path
 import torch
 
 from engine.checkpoint import Checkpoint, CheckpointError
-from engine.config import ModelConfig
+from engine.dense_weights import BLOCK_SCHEMES, BLOCKS_SUFFIX
+from engine.engine_config import EngineConfig
 from engine.experts import DTYPES, ExpertProvider
 from engine.kv_cache import KVCache
+from engine.model_config import ModelConfig
 from engine.models import model_class
 from engine.models.common import MoEModel
-from engine.projection import BLOCK_SCHEMES, BLOCKS_SUFFIX
-from engine.runtime import EngineConfig
 
 DEFAULT_MAX_CONTEXT = 4096      # the KV cache is preallocated: a 128k default would take tens of GB
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")

@@ -20,7 +20,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(REPO), str(REPO / "bench")]
-TEXT = ("engine/quant/records.py", "engine/config.py", "engine/kv_cache.py", "engine/sampling.py")
+TEXT = ("engine/quant/records.py", "engine/model_config.py", "engine/kv_cache.py", "engine/sampling.py")
 
 
 def decoded(model, chunk: list[int]) -> torch.Tensor:

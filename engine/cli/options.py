@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import click
 
+from engine.engine_config import CPU_EXPERTS, DTYPE_NAMES, EXPERTS, ZERO_COPY, EngineConfig
 from engine.errors import EngineError, Exit
-from engine.runtime import CPU_EXPERTS, DTYPE_NAMES, EXPERTS, ZERO_COPY, EngineConfig
 from engine.tiers.cache import POLICIES
 
 device = click.option("--device", default=EngineConfig.device, show_default=True, help="cpu, cuda or cuda:N.")

@@ -26,11 +26,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from engine.config import ModelConfig
+from engine.dense_weights import Int4Projection, Projection, Q8Projection, dense_projection
 from engine.experts import ExpertProvider
 from engine.kernels import native, triton_decode
 from engine.kv_cache import KVCache, select
-from engine.projection import Int4Projection, Projection, Q8Projection, dense_projection
+from engine.model_config import ModelConfig
 
 if TYPE_CHECKING:
     from torch.nn.attention.bias import CausalBias

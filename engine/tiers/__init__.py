@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
+from engine.engine_config import EXPERTS, EngineConfig
 from engine.experts import DTYPES, ExpertProvider, order_for
-from engine.runtime import EXPERTS, EngineConfig
 from engine.tiers.memory import InMemoryExperts
 
 log = logging.getLogger("engine.tiers")

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.runtime import CPU_EXPERTS, parse_lane_rates
+from engine.engine_config import CPU_EXPERTS, parse_lane_rates
 
 LANES = ("gpu", "cpu", "pcie", "disk")
 LANE_NAMES = ("pcie", "cpu", "disk")      # the lanes with a rate (the GPU computes at HBM speed: not modelled)

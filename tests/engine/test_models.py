@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from engine.checkpoint import Checkpoint, CheckpointError
-from engine.config import ModelConfig
 from engine.loader import load_model, resolve_dtype
+from engine.model_config import ModelConfig
 from engine.tiers import in_memory
 from tests.fixtures.decode import greedy
 

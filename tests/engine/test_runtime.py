@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from engine.cli import main
+from engine.engine_config import EngineConfig
 from engine.errors import EngineError, Exit
 from engine.llm import LLM
-from engine.runtime import EngineConfig
 from engine.store.pack import pack_store
 
 
@@ -63,7 +63,7 @@ def test_the_config_reaches_the_tiers_whole(tiny_checkpoint, tmp_path):
 
 
 def test_lane_rates_parse_as_gb_per_second():
-    from engine.runtime import parse_lane_rates
+    from engine.engine_config import parse_lane_rates
     assert parse_lane_rates("pcie=25, cpu=12.5;disk=6") == {"pcie": 25.0, "cpu": 12.5, "disk": 6.0}
     assert parse_lane_rates(None) == {} == parse_lane_rates("")
 

@@ -15,9 +15,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from engine.dense_weights import Projection
 from engine.experts import ORDERS, ExpertLayout, expert_ffn, group_routes, moe_forward, moe_reference
 from engine.kernels.cpu import pair_ffn, set_compute_threads, single_ffn
-from engine.projection import Projection
 from engine.store.odirect import aligned_buffer
 
 # (hidden, intermediate): the demo's SmolLM2 shape, a small aligned one, and odd ones (declined by pair_ffn).

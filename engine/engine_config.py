@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 DEVICE_KINDS = ("cpu", "cuda")
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
-EXPERTS = ("auto", "resident", "tiered")              # engine.tiers.choose_placement's modes      # engine.experts.DTYPES' keys (torch-free here)
+EXPERTS = ("auto", "resident", "tiered")              # engine.tiers.choose_placement's modes
 CPU_EXPERTS = ("auto", "on", "off")                   # engine.tiers.lanes.split's modes
 ZERO_COPY = ("auto", "on", "off")                     # engine.tiers.tiered.TieredExperts.use_zero_copy's modes
 LANE_RATES = ("pcie", "cpu", "disk")                  # the lanes whose GB/s engine.tiers.lanes.measure_rates measures
