@@ -34,6 +34,25 @@ def test_a_bad_knob_is_refused_by_name(knobs, message):
     assert str(e.value) == message
 
 
+@pytest.mark.parametrize("knobs,message", [
+    ({"chunk_size": 0}, "chunk_size 0 must be at least 1"),
+    ({"max_queue": -1}, "max_queue -1 must be >= 0"),
+])
+def test_a_bad_scheduler_knob_is_refused_by_name(knobs, message):
+    """The scheduler's knobs are EngineConfig's too, checked where the others are."""
+    with pytest.raises(ValueError) as e:
+        EngineConfig(**knobs)
+    assert str(e.value) == message
+
+
+def test_the_scheduler_takes_its_knobs_from_the_config(tiny_checkpoint):
+    ck = tiny_checkpoint("qwen3_moe", layers=2)
+    with LLM.load(ck, config=EngineConfig(max_context=32, max_batch=2, chunk_size=4, max_queue=1)) as llm:
+        assert (llm.chunk_size, llm.max_queue, llm.max_batch) == (4, 1, 2)
+    with LLM.load(ck, max_context=32, max_batch=3) as llm:
+        assert (llm.chunk_size, llm.max_queue) == (EngineConfig.chunk_size, 4 * 3)     # the defaults
+
+
 def test_a_bad_cpu_layout_is_a_usage_error_at_construction():
     with pytest.raises(EngineError, match="--cpu-layout: 'readers' is not NAME=CPULIST") as e:
         EngineConfig(cpu_layout="readers")
