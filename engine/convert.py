@@ -9,7 +9,7 @@ Tensors are dequantized here with the `gguf` package and mapped by llama.cpp's o
 row permutation llama.cpp applies for its rotary layout. The tokenizer and chat template come from the
 GGUF through transformers' GGUF tokenizer converter. With attention_blocks (`--attention-blocks`) the
 attention weights a GGUF holds in Q4_1/Q4_K are not dequantized either: they are written as the file's
-blocks (`<weight>.blocks_<scheme>`, uint8), which the CPU computes with directly (engine.projection) — 6.4x
+blocks (`<weight>.blocks_<scheme>`, uint8), which the CPU computes with directly (engine.dense_weights) — 6.4x
 fewer bytes a token than float32 for SmolLM2's attention; other devices dequantize them at load. With expert_weights off (`--no-expert-weights`) the
 experts are not written at all: a store packed from the GGUF's own blocks (`pack-store --quant gguf`) is
 then the only home of the routed experts, and config.json names the GGUF's sha256 (GGUF_SHA256_KEY) so
@@ -31,7 +31,7 @@ from pathlib import Path
 
 from engine.errors import EngineError, Exit
 from engine.experts.layout import DTYPES
-from engine.projection import BLOCK_SCHEMES, BLOCKS_SUFFIX
+from engine.dense_weights import BLOCK_SCHEMES, BLOCKS_SUFFIX
 from engine.quant.gguf import GGUF_SHA256_KEY, GGUF_TYPES
 from engine.store import model_manifest
 
@@ -221,7 +221,7 @@ def write_checkpoint(reader, d: DenseLlama, out: Path, experts: int, seed: int, 
         if (attention_blocks and parts[0] == "blk" and len(parts) == 3 and parts[2] in _ATTENTION
                 and t.tensor_type.name in _KEPT_BLOCKS):
             # The file's 4-bit blocks byte for byte, rows in transformers' order: a block never spans rows, so
-            # the Q/K row permutation moves whole rows of blocks (engine.projection.Int4Projection reads them).
+            # the Q/K row permutation moves whole rows of blocks (engine.dense_weights.Int4Projection reads them).
             blocks = np.array(t.data, dtype=np.uint8, copy=True)          # [out, row bytes]
             if parts[2] in ("attn_q", "attn_k"):
                 blocks = unpermute_qk(blocks, d.num_heads if parts[2] == "attn_q" else d.num_kv_heads)

@@ -1,5 +1,5 @@
 """The CPU layout knob (--cpu-layout 'lane=2-23;readers=26-39'): which CPUs the CPU expert lane's and the store
-readers' threads are pinned to. Parsed where the config is checked (engine.runtime) and where the threads start
+readers' threads are pinned to. Parsed where the config is checked (engine.engine_config) and where the threads start
 (engine.tiers); free of torch, as the config is."""
 from __future__ import annotations
 

@@ -1,23 +1,9 @@
-"""LLM: the generation API the server builds on — many callers stream at once, one scheduler thread
-runs the model.
+"""LLM: the generation API the server builds on — many callers stream at once, one scheduler thread runs the model.
 
-Continuous batching in the manner of nano-vllm, with chunked prefill: each scheduler turn runs at most
-ONE prefill chunk (of the one request being prefilled; `chunk_size` tokens) and then ONE decode step
-for every running sequence. A long prompt therefore interleaves with the running streams instead of
-freezing them: a running stream waits at most one chunk and one step between its tokens. With no stream
-decoding there is nobody to wait, and on CUDA a prompt is then prefilled ALONE_CHUNKS chunks at a time: each
-chunk pays the host's launches of every layer once, whatever its length.
-
-Every request is its own failure domain: an exception in its prefill, in its sampling (NaN logits) or
-in a decode step it took part in ends that request with RequestFailed and the others go on (a failed
-batched step is retried one sequence at a time to find whose it was). The queue is bounded: past
-`max_queue` waiting requests a new one is refused at once with Overloaded (the server's 429).
-
-Decode ahead: where a decode step launches asynchronously (CUDA, every expert resident: decode_ahead_ok) and
-every running sequence is greedy, the step after it is launched from the argmax still on the GPU before the host
-reads this step's tokens, so the GPU computes while the host reads, emits and checks stops. A sequence that ends
-at that read, or one that joins, leaves the launched step unused: it is run again, from the host's tokens, at the
-same positions (its KV writes are simply redone), so the tokens are the step-by-step path's.
+LLM.load builds the engine from an EngineConfig (or its keyword knobs); the scheduler it runs on (continuous
+batching, chunked prefill, bounded queue, per-request failures) is engine.scheduler, and decode ahead is
+engine.decode_ahead. What a request asks and gets back (SamplingParams, Token, RequestFailed, Overloaded) is
+engine.request, exported here for callers.
 
 Callers never touch the model. stream() hands a caller its tokens through a queue it iterates;
 submit() calls the caller's own sink in the scheduler thread instead (the server's: straight into its
@@ -26,115 +12,34 @@ frees its KV slot at the next turn.
 """
 from __future__ import annotations
 
-import math
 import queue
-import threading
-import time
-import weakref
-from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 
+from engine.engine_config import EngineConfig
 from engine.kernels.cpu import set_compute_threads
 from engine.loader import load_model
 from engine.models.common import MoEModel
-from engine.prefix_cache import PrefixCache
-from engine.runtime import EngineConfig
-from engine.sampling import Penalties, Picks, RowSpec, SamplingError, check_params, choose, draw_seed
+from engine.request import Overloaded, Request, RequestFailed, SamplingParams, Token
+from engine.sampling import draw_seed
+from engine.scheduler import Scheduler
 
-DEFAULT_CHUNK = 512            # prefill tokens per scheduler turn (engine serve --chunk-size)
-# A CUDA prefill with no stream decoding beside it takes this many chunks a turn: an 8000-token prompt on the H200
-# (int4 experts, 4 layers) in 88 ms as 512-token chunks, 48 as 2048 (results/2026-12-03-h200-prefill-kernels-2.json;
-# 124 and 51 in -kernels.json, on a slower host).
-ALONE_CHUNKS = 4
-
-
-@dataclass
-class SamplingParams:
-    max_tokens: int = 256
-    temperature: float = 0.0      # 0 (or below engine.sampling.GREEDY_BELOW) → greedy
-    top_p: float = 1.0
-    seed: int | None = None
-    stop_token_ids: tuple[int, ...] = ()   # in addition to the model's eos ids
-    ignore_eos: bool = False
-    top_k: int = 0                # 0: off
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0   # over the prompt and the output (1: off)
-    presence_penalty: float = 0.0     # over the output, as OpenAI's
-    frequency_penalty: float = 0.0
-
-    def check(self) -> None:
-        if not (isinstance(self.max_tokens, int) and self.max_tokens >= 1):
-            raise ValueError(f"max_tokens is {self.max_tokens}; it must be at least 1")
-        check_params(self.temperature, self.top_p, self.seed, top_k=self.top_k, min_p=self.min_p,
-                     repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
-                     frequency_penalty=self.frequency_penalty)
-
-
-class Token(NamedTuple):
-    id: int
-    finish: str | None            # None, or "stop" (this token is an eos/stop id; do not show it) or "length"
-
-
-class RequestFailed(RuntimeError):
-    """This request's generation failed (its own fault, or the engine closing); other requests go on."""
-
-    def __init__(self, message: str, code: str = "generation_failed"):
-        super().__init__(message)
-        self.code = code
-
-
-class Overloaded(RuntimeError):
-    """The wait queue is full; retry_after: seconds until a seat is likely free (the server's Retry-After)."""
-
-    def __init__(self, message: str, retry_after: int):
-        super().__init__(message)
-        self.retry_after = retry_after
-
-
-class _Launched(NamedTuple):
-    """A decode step on its way: its batch, logits, and (when it may chain) its tokens on the device (Picks)."""
-    batch: list
-    logits: torch.Tensor
-    picks: Picks | None
-
-
-class _Request:
-    def __init__(self, prompt: list[int], params: SamplingParams, stops: frozenset[int], seed: int,
-                 sink: Callable[[object], None]):
-        self.prompt, self.params, self.stops, self.seed = prompt, params, stops, seed
-        self.sink = sink           # called in the scheduler thread: each Token, or the RequestFailed that ends it
-        self.cancelled = False     # set by the caller's thread; the scheduler frees the slot
-        self.slot = -1
-        self.length = 0            # tokens in the KV cache (during prefill: the prompt tokens run so far)
-        self.generated = 0
-        self.emitted: list[int] = []   # its tokens so far: the KV's positions past the prompt hold emitted[:length - len(prompt)]
-        self.last = -1             # the latest token, fed at the next decode step
-        self.submitted = time.monotonic()
-
-    def spec(self, ahead: int = 0) -> RowSpec:
-        """The sampler's row for this request's next token (`ahead`: that many tokens after it)."""
-        p = self.params
-        return RowSpec(p.temperature, p.top_p, p.top_k, p.min_p, p.repetition_penalty, p.presence_penalty,
-                       p.frequency_penalty, self.seed, self.generated + ahead)
+__all__ = ["LLM", "Overloaded", "RequestFailed", "SamplingParams", "Stream", "Submitted", "Token"]
 
 
 class Submitted:
     """A request handed to submit(): cancel() (any thread) ends it at the scheduler's next turn."""
 
-    def __init__(self, llm: "LLM", req: _Request):
+    def __init__(self, llm: "LLM", req: Request):
         self._llm, self._req = llm, req
 
     def cancel(self, wake: bool = True) -> None:
         """wake=False (from a finalizer, which must not take a lock): the scheduler sees it at its next turn."""
         self._req.cancelled = True
         if wake:
-            with self._llm._cv:
-                self._llm._cv.notify()
+            self._llm._wake()
 
 
 class Stream:
@@ -168,64 +73,24 @@ class Stream:
             self._submitted.cancel(wake=False)
 
 
-class LLM:
-    def __init__(self, model: MoEModel, tokenizer, model_dir: str | Path | None = None, *,
-                 chunk_size: int = DEFAULT_CHUNK, max_queue: int | None = None, decode_ahead: bool = True,
-                 prefix_cache: bool = True):
-        """chunk_size: prefill tokens per scheduler turn. max_queue: requests waiting for a slot before new
-        ones are refused with Overloaded (default 4 × the KV cache's slots). decode_ahead: greedy steps launch
-        before the previous one's tokens are read, where the model allows it (model.decode_ahead_ok).
-        prefix_cache: a prompt starts its prefill after the longest prefix a KV slot already holds
-        (engine.prefix_cache), where the model's cache allows it (KVCache.reusable_prefix)."""
-        if chunk_size < 1:
-            raise ValueError(f"chunk_size {chunk_size} must be at least 1")
-        self.model, self.tokenizer = model, tokenizer
+class LLM(Scheduler):
+    """The engine over a loaded model: callers' requests go to the scheduler (engine.scheduler), whose state and
+    thread it is."""
+
+    def __init__(self, model: MoEModel, tokenizer, model_dir: str | Path | None = None,
+                 config: EngineConfig | None = None):
+        """config: the scheduler's knobs (chunk_size, max_queue, decode_ahead); the rest were the load's."""
+        self.tokenizer = tokenizer
         self.model_dir = Path(model_dir) if model_dir else None
         self.model_type: str = model.cfg.arch
-        self.max_context: int = model.max_len
-        self.max_batch: int = model.kv.slots
-        self.chunk_size = chunk_size
-        self.alone_chunk = chunk_size * (ALONE_CHUNKS if model.device.type == "cuda" else 1)
-        self.max_queue = 4 * self.max_batch if max_queue is None else max_queue
-        if self.max_queue < 0:
-            raise ValueError(f"max_queue {self.max_queue} must be >= 0")
         self.eos_token_ids: set[int] = set(model.cfg.eos_token_ids)
         if getattr(tokenizer, "eos_token_id", None) is not None:
             self.eos_token_ids.add(int(tokenizer.eos_token_id))
-        self._cv = threading.Condition()
-        self._pending: deque[_Request] = deque()
-        self._prefilling: _Request | None = None   # the scheduler thread's own, as is _active
-        self._active: list[_Request] = []
-        self._closed = False
-        self._abort: str | None = None             # set by abort(): fail everything at the next turn
-        self._prompt_tokens = 0
-        self._generation_tokens = 0
-        self._failed = 0
-        self._rejected = 0
-        self._request_seconds = 1.0                # running mean of a request's time in the engine
-        # Where a decode step's launch returns before the GPU computes it, the tokens of one step are handed to the
-        # sinks after the next step is launched: the server's event loop then does its per-token work (detokenising,
-        # SSE) while the GPU computes, instead of taking the GIL the scheduler needs to launch that step (on the
-        # H200 this stall was ~0.3 ms of a 2 ms resident step). Elsewhere each item goes out at once.
-        self._defer = model.async_decode
-        self._outbox: list[tuple[Callable[[object], None], object]] = []
-        self._chain = decode_ahead and model.decode_ahead_ok  # decode ahead (the module's docstring)
-        self._ahead: _Launched | None = None                  # the step launched ahead, its tokens not yet read
-        self._ahead_used = 0
-        self._ahead_redone = 0
-        self._prefix = PrefixCache(model.kv) if prefix_cache and model.kv.reusable_prefix else None
-        self._penalties: Penalties | None = None       # made at the first request that asks for a penalty
-        self._thread = threading.Thread(target=self._loop, name="engine-scheduler", daemon=True)
-        self._thread.start()
-        # An engine nobody closed still stops its scheduler at interpreter exit: a daemon thread that ran
-        # OpenMP regions and is still alive when the process exits makes the C++ runtime abort (exit 134).
-        weakref.finalize(self, _stop_scheduler, self.__dict__)
+        super().__init__(model, config or EngineConfig())
 
     @classmethod
-    def load(cls, model_dir, store_dir=None, config: EngineConfig | None = None, *, chunk_size: int = DEFAULT_CHUNK,
-             max_queue: int | None = None, **knobs) -> "LLM":
-        """The engine as `config` (or keyword knobs: EngineConfig's fields) says; chunk_size and max_queue are
-        the scheduler's (see LLM). config.threads: CPU compute
+    def load(cls, model_dir, store_dir=None, config: EngineConfig | None = None, **knobs) -> "LLM":
+        """The engine as `config` (or keyword knobs: EngineConfig's fields) says. config.threads: CPU compute
         threads (engine.kernels.cpu.set_compute_threads; None: its default), which the scheduler thread takes up
         when it starts. The loading runs on one torch thread so the calling thread keeps no OpenMP team of its
         own: with a second team alive, libgomp throttles its spin-waits and every parallel region of the
@@ -250,8 +115,7 @@ class LLM:
         if config.device_kind == "cpu":
             set_compute_threads(config.threads)  # here, not in the scheduler: a daemon thread that set them aborts the exit
             trim_heap()                          # what the load freed, back to the kernel (engine.tiers.ram.trim_heap)
-        return cls(model, tokenizer, model_dir, chunk_size=chunk_size, max_queue=max_queue,
-                   decode_ahead=config.decode_ahead, prefix_cache=config.prefix_cache)
+        return cls(model, tokenizer, model_dir, config)
 
     # ------------------------------------------------------------ callers' side (any thread)
 
@@ -276,18 +140,8 @@ class LLM:
             raise ValueError(f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
         params.check()
         stops = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else frozenset(self.eos_token_ids))
-        req = _Request(prompt, params, stops, draw_seed(params.seed), sink)
-        with self._cv:
-            if self._closed:
-                raise RuntimeError("the engine is closed")
-            if len(self._pending) >= self.max_queue:
-                self._rejected += 1
-                wait = self._request_seconds * (len(self._pending) + 1) / self.max_batch
-                raise Overloaded(f"the queue is full ({len(self._pending)} requests waiting for {self.max_batch} "
-                                 f"running; the limit is {self.max_queue}); retry later",
-                                 retry_after=max(1, min(600, math.ceil(wait))))
-            self._pending.append(req)
-            self._cv.notify()
+        req = Request(prompt, params, stops, draw_seed(params.seed), sink)
+        self._enqueue(req)
         return Submitted(self, req)
 
     def generate(self, prompt_ids: list[int], params: SamplingParams | None = None) -> list[Token]:
@@ -297,242 +151,16 @@ class LLM:
         out = dict(self.model.provider.counters())
         if (graphs := self.model.graphs) is not None:
             out.update(decode_graph_replays=graphs.replays, decode_graph_captures=graphs.captures)
-        out.update(decode_ahead_steps_total=self._ahead_used, decode_ahead_redone_total=self._ahead_redone)
-        if self._prefix is not None:
-            out.update(self._prefix.counters())
-        with self._cv:
-            out.update(prompt_tokens_total=self._prompt_tokens, generation_tokens_total=self._generation_tokens,
-                       active_streams=len(self._active) + (self._prefilling is not None),
-                       queued_streams=len(self._pending), failed_requests_total=self._failed,
-                       rejected_requests_total=self._rejected)
+        out.update(self._scheduler_counters())
         return out
 
-    def abort(self, message: str, code: str = "shutting_down") -> None:
-        """End every request, running or waiting, with RequestFailed(message) at the scheduler's next turn
-        (the server's drain on SIGTERM); requests submitted afterwards run as usual."""
-        with self._cv:
-            self._abort = (message, code)
-            self._cv.notify()
-
     def close(self) -> None:
-        with self._cv:
-            self._closed = True
-            self._cv.notify()
-        self._thread.join()
-        self.model.provider.close()
+        self._stop()
+        if close := getattr(self.model.provider, "close", None):
+            close()
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
         self.close()
-
-    # ------------------------------------------------------------ the scheduler thread
-
-    def _loop(self) -> None:
-        with torch.inference_mode():
-            while True:
-                with self._cv:
-                    while not (self._closed or self._abort or self._pending or self._active or self._prefilling):
-                        self._cv.wait()
-                    if self._closed:
-                        break
-                    abort, self._abort = self._abort, None
-                    for r in [r for r in self._pending if r.cancelled]:
-                        self._pending.remove(r)
-                    waiting = list(self._pending) if abort else []
-                    if abort:
-                        self._pending.clear()
-                    new = None
-                    if not abort and self._prefilling is None and self._pending and self.model.kv.free_slots():
-                        new = self._pending.popleft()
-                if abort:
-                    self._ahead = None
-                    for r in self._running() + waiting:
-                        self._fail(r, RequestFailed(*abort))
-                    self._flush()
-                    continue
-                for r in [r for r in self._running() if r.cancelled]:
-                    self._retire(r)
-                if new is not None:
-                    if self._prefix is None:
-                        new.slot = self.model.kv.alloc()
-                    else:
-                        new.slot, new.length = self._prefix.admit(new.prompt)
-                        self._prompt_tokens += new.length     # a prompt's tokens count, prefilled or reused
-                    self._prefilling = new
-                if self._prefilling is not None:
-                    self._prefill_chunk(self._prefilling)
-                if self._active:
-                    self._decode()
-                if not (self._active and self._prefilling is None and not self._pending):
-                    self._flush()           # no decode launch comes next to send them behind
-        self._flush()
-        gone = RequestFailed("the engine is closed", "engine_closed")
-        for r in self._running() + list(self._pending):
-            r.sink(gone)
-
-    def _running(self) -> list[_Request]:
-        return self._active + ([self._prefilling] if self._prefilling is not None else [])
-
-    def _prefill_chunk(self, r: _Request) -> None:
-        """The next chunk of r's prompt into its slot; after the last, its first token and it joins the batch."""
-        done = r.length
-        chunk = r.prompt[done:done + (self.chunk_size if self._active else self.alone_chunk)]
-        try:
-            logits = self.model.prefill(chunk, r.slot, start=done)
-        except Exception as e:              # its own prompt failed: it alone ends
-            self._fail(r, RequestFailed(f"generation failed: prefill: {e}"))
-            return
-        r.length = done + len(chunk)
-        with self._cv:
-            self._prompt_tokens += len(chunk)
-        if r.length < len(r.prompt):
-            return
-        self._prefilling = None
-        self._active.append(r)
-        if self._prefix is not None:
-            self._prefix.publish(r.slot, r.prompt)
-        spec = r.spec()
-        if spec.penalised:
-            if self._penalties is None:
-                self._penalties = Penalties(self.max_batch, logits.shape[-1], logits.device)
-            self._penalties.reset(r.slot, r.prompt)
-        self._emit(r, choose(logits[None], [spec], **self._penalised([r], [spec]))[0])
-
-    def _decode(self) -> None:
-        batch = sorted(self._active, key=lambda r: r.slot)     # ascending slots: usually one contiguous view
-        step, self._ahead = self._ahead, None
-        if step is not None and step.batch == batch:
-            self._ahead_used += 1
-        elif step is not None:
-            self._ahead_redone += 1         # a stream joined or left: run from the host's tokens, same positions
-            step = None
-        if step is None:
-            try:
-                logits = self._step(batch)
-            except Exception:
-                self._flush()
-                # Whose was it? The same step, one sequence at a time (it rewrites the same KV positions).
-                for r in batch:
-                    try:
-                        row = self._step([r])
-                    except Exception as e:
-                        self._fail(r, RequestFailed(f"generation failed: decode: {e}"))
-                    else:
-                        self._finish_step([r], row)
-                return
-            step = _Launched(batch, logits, self._picks(batch, logits) if self._chains(batch) else None)
-        ahead = None
-        if step.picks is not None and self._chains(batch):
-            try:
-                logits = self.model.decode_step(step.picks.best, [r.slot for r in batch], [r.length + 1 for r in batch])
-                ahead = _Launched(batch, logits, self._picks(batch, logits, ahead=1))
-            except Exception:
-                ahead = None                # the next turn runs that step the ordinary way (and finds whose it was)
-        self._flush()                       # the previous step's tokens, while this one computes
-        if step.picks is None:
-            self._finish_step(batch, step.logits)
-            return
-        tokens, all_sampled = step.picks.tokens()
-        self._finish_tokens(batch, tokens)
-        if ahead is not None:
-            if all_sampled and all(r.slot >= 0 and not r.cancelled for r in batch):
-                self._ahead = ahead         # the next turn uses it, unless a stream joins or leaves first
-            else:                           # a row could not be sampled, or a sequence ended
-                self._ahead_redone += 1
-
-    def _chains(self, batch: list[_Request]) -> bool:
-        """Whether the step after this one may launch before this one's tokens are read: the engine decodes ahead,
-        no sequence is penalised (its counts follow the tokens read) and none ends by length at this step, and no
-        stream is about to join."""
-        if not self._chain or self._prefilling is not None or (self._pending and self.model.kv.free_slots()):
-            return False
-        return all(not r.spec().penalised and r.generated + 1 < r.params.max_tokens
-                   and r.length + 2 < self.max_context for r in batch)
-
-    def _step(self, batch: list[_Request]) -> torch.Tensor:
-        return self.model.decode_step([r.last for r in batch], [r.slot for r in batch], [r.length for r in batch])
-
-    def _finish_step(self, batch: list[_Request], logits: torch.Tensor) -> None:
-        specs = [r.spec() for r in batch]
-        self._finish_tokens(batch, choose(logits, specs, **self._penalised(batch, specs)))
-
-    def _picks(self, batch: list[_Request], logits: torch.Tensor, ahead: int = 0) -> Picks:
-        specs = [r.spec(ahead) for r in batch]
-        return Picks(logits, specs, **self._penalised(batch, specs))
-
-    def _penalised(self, batch: list[_Request], specs: list[RowSpec]) -> dict:
-        """sample()'s penalty arguments for a batch with a penalised row (their slots' counts), else none."""
-        if not any(s.penalised for s in specs):
-            return {}
-        return {"penalties": self._penalties, "slots": torch.tensor([r.slot for r in batch], device=self.model.device)}
-
-    def _finish_tokens(self, batch: list[_Request], tokens: list) -> None:
-        for r in batch:
-            r.length += 1
-        for r, t in zip(batch, tokens):
-            if not r.cancelled:
-                self._emit(r, t)
-
-    def _emit(self, r: _Request, token: int | SamplingError) -> None:
-        if isinstance(token, SamplingError):
-            self._fail(r, RequestFailed(f"generation failed: sampling: {token}"))
-            return
-        r.generated += 1
-        r.last = token
-        r.emitted.append(token)
-        with self._cv:
-            self._generation_tokens += 1
-        if token in r.stops:
-            finish = "stop"
-        elif r.generated >= r.params.max_tokens or r.length + 1 >= self.max_context:
-            finish = "length"                   # max_tokens, or prompt + output fills the context
-        else:
-            finish = None
-        self._send(r, Token(token, finish))
-        if finish is not None:
-            self._retire(r)
-
-    def _send(self, r: _Request, item) -> None:
-        if self._defer:
-            self._outbox.append((r.sink, item))
-        else:
-            r.sink(item)
-
-    def _flush(self) -> None:
-        """Hand the deferred items to their sinks, in the order they were made."""
-        if self._outbox:
-            items, self._outbox = self._outbox, []
-            for sink, item in items:
-                sink(item)
-
-    def _fail(self, r: _Request, e: RequestFailed) -> None:
-        self._send(r, e)
-        with self._cv:
-            self._failed += 1
-        if r.slot >= 0:
-            self._retire(r, failed=True)
-
-    def _retire(self, r: _Request, failed: bool = False) -> None:
-        if r is self._prefilling:
-            self._prefilling = None
-        else:
-            self._active.remove(r)
-        if self._prefix is None:
-            self.model.kv.release(r.slot)
-        else:                           # its positions stay for a later prompt to reuse, unless a step failed
-            held = (r.prompt + r.emitted)[:r.length]
-            self._prefix.release(r.slot, None if failed else held)
-        r.slot = -1
-        with self._cv:
-            self._request_seconds += 0.2 * (time.monotonic() - r.submitted - self._request_seconds)
-
-
-def _stop_scheduler(state: dict) -> None:
-    """LLM's scheduler stop for weakref.finalize (it must not hold the LLM): what close() does to the thread."""
-    with state["_cv"]:
-        state["_closed"] = True
-        state["_cv"].notify()
-    if state["_thread"] is not threading.current_thread():
-        state["_thread"].join(timeout=10)

@@ -11,14 +11,14 @@ from pathlib import Path
 import torch
 
 from engine.checkpoint import Checkpoint, CheckpointError
-from engine.config import ModelConfig
+from engine.model_config import ModelConfig
 from engine.experts.layout import DTYPES
 from engine.experts.provider import ExpertProvider
 from engine.kv_cache import KVCache
 from engine.models import model_class
 from engine.models.common import MoEModel, layer_ahead_predictor
-from engine.projection import BLOCK_SCHEMES, BLOCKS_SUFFIX
-from engine.runtime import EngineConfig
+from engine.dense_weights import BLOCK_SCHEMES, BLOCKS_SUFFIX
+from engine.engine_config import EngineConfig
 
 DEFAULT_MAX_CONTEXT = 4096      # the KV cache is preallocated: a 128k default would take tens of GB
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")

@@ -34,7 +34,7 @@ from rich.table import Table
 ROOT = Path(__file__).resolve().parents[2]
 from engine.kernels.cpu import set_compute_threads
 from engine.llm import LLM, SamplingParams
-from engine.projection import Projection
+from engine.dense_weights import Projection
 from tests.fixtures.tiny_models import make_tiny_checkpoint
 
 ARCHS = ("qwen3_moe", "glm4_moe", "mixtral")

@@ -3,7 +3,7 @@
 A decode step on the CPU is a chain of one-row GEMVs over weights much larger than the caches, so it
 runs at the rate torch's BLAS streams a weight. Measured on the demo's shapes, in one run:
   rows   the checkpoint's [out, in]  (x @ W.t(): a dot product per output)
-  cols   transposed [in, out]         (x @ W^T: the engine's cols store order, engine.projection.Projection)
+  cols   transposed [in, out]         (x @ W^T: the engine's cols store order, engine.dense_weights.Projection)
 each alone (one GEMV), as two halves in one batched matmul (two threads, one half each) and, for the
 experts, as a pair of experts in one batched matmul (what the engine does in a decode step);
 beside the bound: a plain read of the same bytes (torch.sum) on the same threads.

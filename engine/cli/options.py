@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import click
 
+from engine.engine_config import CPU_EXPERTS, DTYPE_NAMES, EXPERTS, ZERO_COPY, EngineConfig
 from engine.errors import EngineError, Exit
-from engine.runtime import CPU_EXPERTS, DTYPE_NAMES, EXPERTS, ZERO_COPY, EngineConfig
 from engine.tiers.cache import POLICIES
 
 device = click.option("--device", default=EngineConfig.device, show_default=True, help="cpu, cuda or cuda:N.")
@@ -20,6 +20,13 @@ context = click.option("--ctx", "max_context", type=click.IntRange(min=2), defau
                             "capped by the model's).")
 max_batch = click.option("--max-batch", type=click.IntRange(min=1), default=EngineConfig.max_batch,
                          show_default=True, help="Streams decoded together; more requests wait their turn.")
+chunk_size = click.option("--chunk-size", type=click.IntRange(min=1), default=EngineConfig.chunk_size, show_default=True,
+                          help="Prefill tokens per scheduler turn (a recipe's serve.chunk_size): a long prompt is "
+                               "prefilled in chunks between the running streams' decode steps (on CUDA, with no "
+                               "stream decoding, 4 chunks a turn).")
+max_queue = click.option("--max-queue", type=click.IntRange(min=0), default=None,
+                         help="Requests waiting for a slot before new ones get 429 with Retry-After (default 4 x "
+                              "--max-batch).")
 gpu_slots = click.option("--gpu-slots", type=click.IntRange(min=0), default=None,
                          help="Expert slots on the GPU (default: from free VRAM).")
 ram_slots = click.option("--ram-slots", type=click.IntRange(min=0), default=None,

@@ -78,12 +78,8 @@ def drain_on_exit(server, engine, drain_seconds: float):
 @click.option("--served-name", default=None, help="Model name in the API (default: the model directory's name).")
 @options.context
 @options.max_batch
-@click.option("--chunk-size", type=click.IntRange(min=1), default=512, show_default=True,
-              help="Prefill tokens per scheduler turn (a recipe's serve.chunk_size): a long prompt is prefilled "
-                   "in chunks between the running streams' decode steps (on CUDA, with no stream decoding, "
-                   "4 chunks a turn).")
-@click.option("--max-queue", type=click.IntRange(min=0), default=None,
-              help="Requests waiting for a slot before new ones get 429 with Retry-After (default 4 x --max-batch).")
+@options.chunk_size
+@options.max_queue
 @click.option("--max-body-bytes", type=click.IntRange(min=1024), default=8 * 1024 * 1024, show_default=True,
               help="Largest request body; a bigger one gets 413 before it is read.")
 @click.option("--drain-seconds", type=click.FloatRange(min=0), default=3.0, show_default=True,
@@ -97,7 +93,7 @@ def drain_on_exit(server, engine, drain_seconds: float):
               help="Require `Authorization: Bearer KEY` (env KILN_API_KEY); /health and /metrics stay open.")
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]),
               default="info", show_default=True)
-def serve(model_dir, store_dir, host, port, served_name, chunk_size, max_queue, max_body_bytes, drain_seconds,
+def serve(model_dir, store_dir, host, port, served_name, max_body_bytes, drain_seconds,
           temperature, top_p, api_key, log_level, **knobs):
     """Serve a model over an OpenAI-compatible HTTP API.
 
@@ -130,7 +126,7 @@ def serve(model_dir, store_dir, host, port, served_name, chunk_size, max_queue, 
 
     def load():
         from engine.llm import LLM
-        return LLM.load(model_dir, store_dir, config, chunk_size=chunk_size, max_queue=max_queue)
+        return LLM.load(model_dir, store_dir, config)
 
     from engine.server.app import sampling_defaults
     app = create_app(loader=load, served_name=served_name or model_dir.resolve().name, api_key=api_key,

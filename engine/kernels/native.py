@@ -253,7 +253,7 @@ def attn_decode(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kc: tor
 
 
 class AttnBlock:
-    """A decode layer's attention half on one token, in one call: qkv and o (engine.projection.Int4Projection,
+    """A decode layer's attention half on one token, in one call: qkv and o (engine.dense_weights.Int4Projection,
     one group size) around attn_decode, then x += o (in place) → rms_norm(x)·post_norm, a new tensor. What
     does not change from step to step (weights, shapes, scratch, each slot's KV rows) is resolved once: the
     call's Python is a decode step's glue 30 times over."""

@@ -26,12 +26,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from engine.config import ModelConfig
+from engine.model_config import ModelConfig
 from engine.experts.provider import ExpertProvider, Predictor
 from engine.kernels import native, triton_decode
 from engine.kernels.quant_cpu import native_ffn_group
 from engine.kv_cache import KVCache, kv_bucket, kv_buckets, select
-from engine.projection import Int4Projection, Projection, Q8Projection, dense_projection
+from engine.dense_weights import Int4Projection, Projection, Q8Projection, dense_projection
 
 if TYPE_CHECKING:
     from torch.nn.attention.bias import CausalBias

@@ -26,7 +26,7 @@ import torch
 from engine.experts.layout import DTYPES, order_for
 from engine.experts.provider import ExpertProvider
 from engine.cpu_layout import parse_cpu_layout
-from engine.runtime import EXPERTS, EngineConfig
+from engine.engine_config import EXPERTS, EngineConfig
 from engine.tiers.memory import InMemoryExperts
 
 log = logging.getLogger("engine.tiers")

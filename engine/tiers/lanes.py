@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.runtime import CPU_EXPERTS, parse_lane_rates
+from engine.engine_config import CPU_EXPERTS, parse_lane_rates
 from engine.tiers.waves import group_routes, moe_forward
 
 LANES = ("gpu", "cpu", "pcie", "disk")

@@ -216,7 +216,7 @@ def test_attention_blocks_keep_the_ggufs_bytes_and_the_cpu_computes_what_they_ho
     from engine.checkpoint import Checkpoint
     from engine.convert import unpermute_qk
     from engine.loader import load_model
-    from engine.projection import Int4Projection, Projection
+    from engine.dense_weights import Int4Projection, Projection
     from engine.quant.records import dequantize_matrix
     from engine.tiers.memory import InMemoryExperts
     from engine.quant.source import record_source
@@ -271,7 +271,7 @@ def test_the_demo_model_decodes_natively_as_its_torch_forms_do(gguf, tmp_path, m
     from engine.convert import convert_gguf
     from engine.kernels import native
     from engine.loader import load_model
-    from engine.projection import Q8Projection
+    from engine.dense_weights import Q8Projection
     from engine.quant.source import record_source
     from engine.tiers.memory import InMemoryExperts
     from tests.fixtures.decode import greedy
@@ -314,7 +314,7 @@ def test_a_projection_half_in_blocks_half_in_floats_is_one_line_not_a_traceback(
     import torch
     from gguf import GGUFReader
     from engine.checkpoint import CheckpointError
-    from engine.projection import dense_projection
+    from engine.dense_weights import dense_projection
 
     t = {x.name: x for x in GGUFReader(str(gguf)).tensors}
     q = torch.from_numpy(np.array(t["blk.0.attn_q.weight"].data, dtype=np.uint8))
@@ -333,5 +333,5 @@ def test_a_projection_half_in_blocks_half_in_floats_is_one_line_not_a_traceback(
     with pytest.raises(CheckpointError, match="a bias beside GGUF blocks"):
         dense_projection(Weights(), ["q_proj"], torch.zeros(576))
     with pytest.raises(CheckpointError, match="uint8 \\[out, row bytes\\]"):
-        from engine.projection import block_shape
+        from engine.dense_weights import block_shape
         block_shape("q4_1", q[:, :-3])

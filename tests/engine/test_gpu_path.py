@@ -156,7 +156,8 @@ def test_a_prompt_alone_is_prefilled_in_larger_chunks_and_chunks_see_what_one_pr
     """On CUDA a prompt with no stream decoding beside it is prefilled ALONE_CHUNKS chunks a turn, beside a
     decoding stream chunk_size tokens a turn (the stream waits at most one chunk); a later chunk attends through
     the lower-right causal bias (flash attention), and the chunks' last logits are one whole prefill's."""
-    from engine.llm import ALONE_CHUNKS, LLM, SamplingParams
+    from engine.llm import LLM, SamplingParams
+    from engine.scheduler import ALONE_CHUNKS
     ck, store = tiny_store
     prompt = [(7 * i + 3) % 300 for i in range(150)]
     # (the prompt is sent again below: with no prefix reuse, so every chunk is prefilled)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine.checkpoint import Checkpoint, CheckpointError
-from engine.config import ModelConfig
+from engine.model_config import ModelConfig
 from engine.experts.provider import ExpertProvider
 from engine.loader import load_model, resolve_dtype
 from engine.tiers import in_memory

@@ -9,9 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from engine.dense_weights import Q8Projection
 from engine.kernels import native
 from engine.models.common import apply_rotary, softmax_topk
-from engine.projection import Q8Projection
 from engine.quant.records import int4pack_operands, to_int4pack
 from tests.fixtures.decode import greedy
 

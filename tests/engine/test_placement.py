@@ -75,7 +75,7 @@ def test_cpu_decode_stays_eager(tiny_checkpoint):
 
 
 def test_engine_config_carries_the_placement_and_refuses_an_unknown_one():
-    from engine.runtime import EngineConfig
+    from engine.engine_config import EngineConfig
     assert EngineConfig().experts == "auto" and EngineConfig().cuda_graphs is True
     assert EngineConfig(experts="tiered", cuda_graphs=False).experts == "tiered"
     with pytest.raises(ValueError, match=r"experts 'gpu' is not one of auto, resident, tiered"):

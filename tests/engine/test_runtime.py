@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from engine.cli import main
+from engine.engine_config import EngineConfig
 from engine.errors import EngineError, Exit
 from engine.llm import LLM
-from engine.runtime import EngineConfig
 from engine.store.pack import pack_store
 
 
@@ -32,6 +32,25 @@ def test_a_bad_knob_is_refused_by_name(knobs, message):
     with pytest.raises(ValueError) as e:
         EngineConfig(**knobs)
     assert str(e.value) == message
+
+
+@pytest.mark.parametrize("knobs,message", [
+    ({"chunk_size": 0}, "chunk_size 0 must be at least 1"),
+    ({"max_queue": -1}, "max_queue -1 must be >= 0"),
+])
+def test_a_bad_scheduler_knob_is_refused_by_name(knobs, message):
+    """The scheduler's knobs are EngineConfig's too, checked where the others are."""
+    with pytest.raises(ValueError) as e:
+        EngineConfig(**knobs)
+    assert str(e.value) == message
+
+
+def test_the_scheduler_takes_its_knobs_from_the_config(tiny_checkpoint):
+    ck = tiny_checkpoint("qwen3_moe", layers=2)
+    with LLM.load(ck, config=EngineConfig(max_context=32, max_batch=2, chunk_size=4, max_queue=1)) as llm:
+        assert (llm.chunk_size, llm.max_queue, llm.max_batch) == (4, 1, 2)
+    with LLM.load(ck, max_context=32, max_batch=3) as llm:
+        assert (llm.chunk_size, llm.max_queue) == (EngineConfig.chunk_size, 4 * 3)     # the defaults
 
 
 def test_a_bad_cpu_layout_is_a_usage_error_at_construction():
@@ -63,7 +82,7 @@ def test_the_config_reaches_the_tiers_whole(tiny_checkpoint, tmp_path):
 
 
 def test_lane_rates_parse_as_gb_per_second():
-    from engine.runtime import parse_lane_rates
+    from engine.engine_config import parse_lane_rates
     assert parse_lane_rates("pcie=25, cpu=12.5;disk=6") == {"pcie": 25.0, "cpu": 12.5, "disk": 6.0}
     assert parse_lane_rates(None) == {} == parse_lane_rates("")
 

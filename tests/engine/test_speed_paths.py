@@ -19,7 +19,7 @@ from engine.experts.layout import ORDERS, ExpertLayout
 from engine.experts.reference import expert_ffn, moe_reference
 from engine.tiers.waves import group_routes, moe_forward
 from engine.kernels.cpu import pair_ffn, set_compute_threads, single_ffn
-from engine.projection import Projection
+from engine.dense_weights import Projection
 from engine.store.odirect import aligned_buffer
 
 # (hidden, intermediate): the demo's SmolLM2 shape, a small aligned one, and odd ones (declined by pair_ffn).

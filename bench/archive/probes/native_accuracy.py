@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[3]
-TEXT = ("engine/quant/records.py", "engine/config.py", "engine/kv_cache.py", "engine/sampling.py")
+TEXT = ("engine/quant/records.py", "engine/model_config.py", "engine/kv_cache.py", "engine/sampling.py")
 
 
 def decoded(model, chunk: list[int]) -> torch.Tensor:

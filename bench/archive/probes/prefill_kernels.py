@@ -186,8 +186,9 @@ def new_lengths(model_dir: Path, store: Path, dev) -> list[dict]:
     """A fresh process's int4 model: prompts of lengths it has not met, each prefilled twice in the scheduler's
     alone chunks (4 x 512): ms of the first pass and the second. A first pass much slower than the second is a
     compile or a plan built for a new shape (a chunk of 2,011 tokens: 16,088 pairs, not a multiple of 16)."""
-    from engine.llm import ALONE_CHUNKS, DEFAULT_CHUNK
-    chunk = ALONE_CHUNKS * DEFAULT_CHUNK
+    from engine.engine_config import EngineConfig
+    from engine.scheduler import ALONE_CHUNKS
+    chunk = ALONE_CHUNKS * EngineConfig.chunk_size
     m = load_model(model_dir, store_dir=store, device=dev, max_context=8704, max_batch=1, experts="resident",
                    cuda_graphs=False)
     ids = torch.randint(0, m.cfg.vocab_size, (8192,), generator=torch.Generator().manual_seed(4))

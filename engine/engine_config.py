@@ -1,8 +1,9 @@
 """EngineConfig: one engine's runtime knobs, built once by a command and passed down whole.
 
 `engine serve` and `engine generate` build it from their options (engine/cli/options.py); LLM.load,
-load_model and tiers.build_provider read it, so each knob is declared here once instead of being threaded
-by hand through four signatures (nano-vllm's Config). What can be checked without a checkpoint is checked
+load_model, tiers.build_provider and the scheduler (engine.scheduler: chunk_size, max_queue, decode_ahead)
+read it, so each knob is declared here once instead of being threaded by hand through four signatures
+(nano-vllm's Config). What can be checked without a checkpoint is checked
 here; what needs one (the context against the model's positions, the dtype against the device and the
 store's records, the eviction policy's name against engine.tiers.cache.POLICIES) where that is read.
 Free of torch, so a command can build it before the slow imports.
@@ -15,7 +16,7 @@ from engine.cpu_layout import parse_cpu_layout
 
 DEVICE_KINDS = ("cpu", "cuda")
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
-EXPERTS = ("auto", "resident", "tiered")              # engine.tiers.choose_placement's modes      # engine.experts.DTYPES' keys (torch-free here)
+EXPERTS = ("auto", "resident", "tiered")              # engine.tiers.choose_placement's modes
 CPU_EXPERTS = ("auto", "on", "off")                   # engine.tiers.lanes.split's modes
 ZERO_COPY = ("auto", "on", "off")                     # engine.tiers.tiered.TieredExperts.use_zero_copy's modes
 LANE_RATES = ("pcie", "cpu", "disk")                  # the lanes whose GB/s engine.tiers.lanes.measure_rates measures
@@ -52,6 +53,8 @@ class EngineConfig:
     policy: str = "lru"                 # expert-cache eviction policy
     experts: str = "auto"               # auto | resident | tiered: where a GPU's experts live (tiers.choose_placement)
     cuda_graphs: bool = True            # decode steps replay CUDA graphs where device and provider allow
+    chunk_size: int = 512               # prefill tokens per scheduler turn (engine.llm)
+    max_queue: int | None = None        # requests waiting for a KV slot before new ones are refused; None: 4 x max_batch
     decode_ahead: bool = True           # greedy steps launch before the last one's tokens are read (engine.llm)
     prefix_cache: bool = True           # a prompt's prefill starts after the prefix a KV slot holds (engine.prefix_cache)
     # auto | on | off: RAM-tier experts computed on the CPU lane (tiers.lanes). Off by default: the lane is tested
@@ -76,6 +79,10 @@ class EngineConfig:
             object.__setattr__(self, "dtype", dtype)
         if self.max_batch < 1:
             raise ValueError(f"max_batch {self.max_batch} must be at least 1")
+        if self.chunk_size < 1:
+            raise ValueError(f"chunk_size {self.chunk_size} must be at least 1")
+        if self.max_queue is not None and self.max_queue < 0:
+            raise ValueError(f"max_queue {self.max_queue} must be >= 0")
         for name in ("gpu_slots", "ram_slots"):
             if (n := getattr(self, name)) is not None and n < 0:
                 raise ValueError(f"{name} is {n}; it must be 0 or more")

@@ -1,0 +1,77 @@
+"""Decode ahead: where a decode step launches asynchronously (CUDA, every expert resident: the model's
+decode_ahead_ok), the step after it is launched from the tokens sampled on the GPU (engine.sampling: greedy or
+sampled, seeded by the request and the token's index, so a step launched ahead draws what the step-by-step path
+would) before the host reads this step's tokens, so the GPU computes while the host reads, emits and checks stops.
+
+A sequence that ends at that read, or one that joins, leaves the launched step unused: it is run again, from the
+host's tokens, at the same positions (its KV writes are simply redone), so the tokens are the step-by-step path's.
+DecodeAhead holds the one step on its way and counts what became of each (used, redone); the scheduler
+(engine.scheduler) decides when to launch and feeds it.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from engine.request import Request
+from engine.sampling import Picks
+
+
+class Launched(NamedTuple):
+    """A decode step on its way: its batch, logits, and (when it may chain) its tokens on the device (Picks)."""
+    batch: list
+    logits: torch.Tensor
+    picks: Picks | None
+
+
+def may_chain(batch: list[Request], max_context: int) -> bool:
+    """Whether the step after this batch's next one can be launched from its tokens on the device: no sequence is
+    penalised (its counts follow the tokens read) and none ends by length (its tokens or the context) at this step."""
+    return all(not r.spec().penalised and r.generated + 1 < r.params.max_tokens
+               and r.length + 2 < max_context for r in batch)
+
+
+class DecodeAhead:
+    """The step launched ahead, its tokens not yet read; used: steps the next turn ran as launched, redone: steps
+    launched but run again from the host's tokens (a stream joined or left, or a token differed)."""
+
+    def __init__(self):
+        self.step: Launched | None = None
+        self.used = 0
+        self.redone = 0
+
+    def take(self, batch: list[Request]) -> Launched | None:
+        """The step launched ahead, if it is this batch's; else None (and the one launched counts as redone)."""
+        step, self.step = self.step, None
+        if step is not None and step.batch == batch:
+            self.used += 1
+            return step
+        if step is not None:
+            self.redone += 1        # a stream joined or left: run from the host's tokens, same positions
+        return None
+
+    def drop(self) -> None:
+        """Forget the step on its way (every request it served has ended)."""
+        self.step = None
+
+    @staticmethod
+    def launch(model, step: Launched) -> Launched | None:
+        """The step after `step`, launched from its tokens on the device; None where the launch failed (the next
+        turn runs that step the ordinary way, and finds whose it was)."""
+        batch = step.batch
+        try:
+            logits = model.decode_step(step.picks.best, [r.slot for r in batch], [r.length + 1 for r in batch])
+        except Exception:
+            return None
+        return Launched(batch, logits, Picks(logits, [r.spec(ahead=1) for r in batch]))
+
+    def keep(self, ahead: Launched | None, all_final: bool) -> None:
+        """After this step's tokens are read: keep `ahead` for the next turn where it fed the tokens the read gave
+        and every sequence goes on; else it counts as redone."""
+        if ahead is None:
+            return
+        if all_final and all(r.slot >= 0 and not r.cancelled for r in ahead.batch):
+            self.step = ahead       # the next turn uses it, unless a stream joins or leaves first
+        else:                       # it fed a token this read did not give, or a sequence ended
+            self.redone += 1
