@@ -455,3 +455,42 @@ def test_a_busy_host_never_turns_a_failing_baseline_into_a_failed_gate(recipe, t
     assert sp["baseline"]["status"] == "not run" and sp["baseline"]["reason"] == "the host was busy before the rounds"
     assert len(sp["rounds"]) == 1 and "prefill_tps" in sp and sp["prefill_tps"] is None
     assert not (tmp_path / "baseline.py.args").exists()
+
+
+def test_a_close_delimited_stream_is_timed_as_it_arrives(recipe):
+    """The server of issue 31: SSE in a close-delimited body (no chunked encoding, as HTTP/1.0-style servers and
+    some proxies send it) at 8 tokens/s. Read to its end before a line was parsed, it passed at 109,960 tok/s; read
+    as it arrives, every token is its own arrival, decode is 8 tok/s, and it fails the floor of 15."""
+    with OpenAIServer(framing="close", token_delay_s=0.125) as s:
+        e = run_gates(recipe, s.url, gates=["speed"], speed_max_tokens=9, **FAST)
+    sp = e["gates"]["speed"]
+    assert not sp["passed"] and not sp.get("inconclusive"), sp["reason"]
+    assert 7.5 <= sp["decode_tps"] <= 8.05, sp["decode_tps_rounds"]
+    assert sp["reason"] == f"decode {sp['decode_tps']:.1f} tok/s is under the floor of 15", sp["reason"]
+    assert [(r["chunks"], r["pieces"]) for r in sp["rounds"]] == [(9, 9)] * 3
+
+
+@pytest.mark.parametrize("framing", ["close", "chunked"])
+def test_a_stream_that_arrives_in_one_piece_is_inconclusive_never_a_pass(recipe, framing):
+    """A server (or a proxy before it) that holds a stream's events and sends them in one write at its end: the span
+    from first to last chunk times that write, not the decode, so the gate says so and judges nothing."""
+    with OpenAIServer(framing=framing, token_delay_s=0.01, faults={"buffered_stream"}) as s:
+        e = run_gates(recipe, s.url, gates=["speed"], speed_max_tokens=11, **FAST)
+    sp = e["gates"]["speed"]
+    assert sp["inconclusive"] and not sp["passed"] and e["verdict"] == "inconclusive", sp["reason"]
+    assert sp["reason"] == ("inconclusive: round 1: all of the stream's 11 text chunks arrived in one piece (1 piece "
+                            "in all): the server or a proxy held them back, so the stream's timings say nothing "
+                            "about decode"), sp["reason"]
+    assert sp["decode_tps"] is None and sp["rounds"][0]["pieces"] == 1 and "decode_span_s" not in sp["rounds"][0]
+
+
+def test_a_usage_that_disagrees_with_the_stream_is_inconclusive_never_a_pass(recipe):
+    """The usage claims 8x the tokens the (close-delimited) stream carried: a rate counted from it would be 8x too
+    high, so the gate names both counts and judges nothing."""
+    with OpenAIServer(framing="close", token_delay_s=0.01, faults={"usage_inflated"}) as s:
+        e = run_gates(recipe, s.url, gates=["speed"], speed_max_tokens=11, **FAST)
+    sp = e["gates"]["speed"]
+    assert sp["inconclusive"] and not sp["passed"], sp["reason"]
+    assert sp["reason"] == ("inconclusive: round 1: the usage says 88 completion tokens, but the streamed text counts "
+                            "11 by /tokenize {prompt} (11 text chunks): the usage is not this stream's, so decode "
+                            "cannot be counted"), sp["reason"]
