@@ -494,3 +494,44 @@ def test_a_usage_that_disagrees_with_the_stream_is_inconclusive_never_a_pass(rec
     assert sp["reason"] == ("inconclusive: round 1: the usage says 88 completion tokens, but the streamed text counts "
                             "11 by /tokenize {prompt} (11 text chunks): the usage is not this stream's, so decode "
                             "cannot be counted"), sp["reason"]
+
+
+def test_runs_here_knows_this_machines_addresses_from_another_hosts():
+    from tests.fixtures.netns import OtherHost
+    from tool.checks.hostload import runs_here
+    assert runs_here("http://127.0.0.1:8000/v1") and runs_here("http://localhost:8000/v1")
+    assert runs_here("http://[::1]:8000/v1") and runs_here("http://0.0.0.0:8000/v1")
+    assert runs_here("http://no-such-host.invalid/v1")          # a doubt judges the load: inconclusive, never a pass
+    if why := OtherHost.unavailable():
+        pytest.skip(why)
+    with OtherHost() as h:
+        assert runs_here(f"http://{h.local_address}:8000/v1")   # this machine's own (non-loopback) address
+        assert not runs_here(f"http://{h.address}:8000/v1")     # the other host's
+
+
+def test_a_busy_host_does_not_make_a_server_on_another_machine_inconclusive(recipe):
+    """The same CPU hog as above, but the server listens on another host (a network namespace behind a veth pair, see
+    tests/fixtures/netns.py): this machine's load cannot slow it, so the gate judges its rounds and the evidence
+    still records the load it saw."""
+    import os
+    from tests.fixtures.netns import OtherHost
+    if why := OtherHost.unavailable():
+        pytest.skip(why)
+    with OtherHost() as h:
+        server = h.start("import time; from tests.fixtures.openai_server import OpenAIServer; "
+                         f"s = OpenAIServer(host={h.address!r}, token_delay_s=0.01).start(); "
+                         "print(s.url, flush=True); time.sleep(300)")
+        url = server.stdout.readline().strip()
+        hogs = _hogs((os.cpu_count() or 1) + 1)
+        try:
+            time.sleep(0.5)
+            e = run_gates(recipe, url, gates=["speed"], speed_max_tokens=11, seed=7, poll_interval_s=0.05,
+                          speed_idle_window_s=0.5)
+        finally:
+            for hog in hogs:
+                hog.kill()
+                hog.wait()
+    sp = e["gates"]["speed"]
+    assert sp["passed"] and not sp.get("inconclusive"), sp["reason"]
+    assert sp["host_idle_windows"]["before"]["cpu_busy"] > 0.25 and sp["host_idle_windows"]["judged"] is False
+    assert sp["host_idle_windows"]["not_judged"].startswith(f"{url} runs on another machine"), sp["host_idle_windows"]

@@ -19,7 +19,9 @@ The verdict is "inconclusive", neither pass nor fail, when (thresholds: gate.DEF
 the evidence as inconclusive_when):
 - the host is busy: other programs used more than speed_idle_busy_max (25 %) of the CPUs in an idle window, or tasks
   waited for a CPU more than speed_pressure_max (20 %) of the timed rounds' time (median round). On this 2-core box
-  one CPU hog already exceeds both; a quiet box reads a few per cent;
+  one CPU hog already exceeds both; a quiet box reads a few per cent. Judged only where this host's load can slow
+  what is timed: an endpoint on this machine (hostload.runs_here), or a baseline run here; for a server on another
+  machine the load is recorded (host_idle_windows, judged: false) and the rounds decide;
 - a side's rounds spread more than speed_spread_max (20 %) and the spread could flip the verdict (some server round
   on each side of the floor, or the rounds of the two sides interleaved): a rate known to ±10 % cannot carry a floor
   or a ratio finer than that (the issue that prompted this saw 11.7 and 16.7 tok/s for the same baseline, 40 %),
@@ -176,6 +178,11 @@ def run(ctx: GateContext) -> dict:
             except bl.BaselineError as e:
                 figures["baseline"] = {"label": bl.label_of(ctx.baseline), "status": "failed", "reason": str(e)}
                 return fail(f"the baseline ({bl.label_of(ctx.baseline)}) failed to start: {e}", **figures)
+        # this host's load can slow only what runs on it: the server, when its endpoint is here, or the baseline
+        host["judged"] = hostload.runs_here(ctx.client.base) or base is not None
+        if not host["judged"]:
+            host["not_judged"] = (f"{ctx.client.base} runs on another machine, which this host's load cannot slow, "
+                                  "and no baseline runs here: the load is recorded, not judged")
         if busy := _busy(host, ctx.limits):
             # found out first, cheaply: on an oversubscribed box a decode can run 100x slower (llama.cpp's
             # spinning threads, seen here at 0.5 tok/s), so one windowed round is kept for the record and
@@ -308,6 +315,8 @@ def _summary(figures: dict, server_rounds: list[dict], base_rounds: list[dict] |
 
 
 def _busy(host: dict, limits: dict) -> str | None:
+    if not host.get("judged", True):
+        return None
     why = []
     idle_max, pressure_max = limits["speed_idle_busy_max"], limits["speed_pressure_max"]
     for when in ("before", "after"):
