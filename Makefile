@@ -32,8 +32,11 @@ $(SMOLLM2): | $(STAMP)
 llama-cpp: bootstrap
 	PY=$(BIN)/python bash scripts/build-llama-cpp.sh
 
+# Exit 75 is an inconclusive verdict (tool.errors.Exit.INCONCLUSIVE: nothing failed, e.g. the speed gate on a busy
+# host): the demo ran to its end and `tool up` printed the verdict and why, so make reports no error for it.
 demo: bootstrap
-	$(BIN)/tool up smollm2-135m --runner foreground --once --state-dir .kiln/state
+	$(BIN)/tool up smollm2-135m --runner foreground --once --state-dir .kiln/state || { rc=$$?; [ $$rc -eq 75 ] || exit $$rc; \
+	  echo "make demo: finished; the verdict is inconclusive (exit 75): nothing failed, the line above says why"; }
 
 # KILN_REQUIRE_LLAMA_CPP: here the real llama-server tests must run, not skip.
 test: bootstrap $(SMOLLM2) llama-cpp

@@ -22,6 +22,7 @@ class Exit(enum.IntEnum):
     NETWORK = 7         # the tool's name; the engine says ADDRESS below
     INTEGRITY = 8       # sha256 / size mismatch, a garbled manifest
     INTERNAL = 70       # a bug in Kiln (EX_SOFTWARE), as the tool numbers it
+    INCONCLUSIVE = 75   # the tool's (its checks could not decide); the engine never exits with it
     INTERRUPTED = 130   # Ctrl-C / SIGTERM
 
     # The engine's words for the shared numbers (aliases: same members, so `Exit(3) is Exit.BAD_MODEL`).

@@ -95,7 +95,7 @@ def test_load_chat_context_speed_against_llama_server(tmp_path, llama, gguf, mon
     else:
         assert sp["passed"], sp["reason"]                  # llama.cpp decodes this model faster than transformers
         assert min(sp["decode_tps_rounds"]) > max(sp["baseline_decode_tps_rounds"])
-    assert code == (0 if e["verdict"] == "pass" else 1)
+    assert code == {"pass": 0, "inconclusive": 75}.get(e["verdict"], 1)
 
 
 def test_a_cpu_hog_makes_the_speed_gate_inconclusive(tmp_path, llama):
@@ -110,7 +110,7 @@ def test_a_cpu_hog_makes_the_speed_gate_inconclusive(tmp_path, llama):
             h.kill()
             h.wait()
     sp = e["gates"]["speed"]
-    assert code == 1 and e["verdict"] == "inconclusive" and sp["inconclusive"], sp["reason"]
+    assert code == 75 and e["verdict"] == "inconclusive" and sp["inconclusive"], sp["reason"]
     assert sp["reason"].startswith("inconclusive: host busy: "), sp["reason"]
     assert sp["host_idle_windows"]["before"]["cpu_busy"] > 0.25
     assert sp["decode_tps"] > 0                                 # measured and kept, just not judged

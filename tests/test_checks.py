@@ -455,3 +455,83 @@ def test_a_busy_host_never_turns_a_failing_baseline_into_a_failed_gate(recipe, t
     assert sp["baseline"]["status"] == "not run" and sp["baseline"]["reason"] == "the host was busy before the rounds"
     assert len(sp["rounds"]) == 1 and "prefill_tps" in sp and sp["prefill_tps"] is None
     assert not (tmp_path / "baseline.py.args").exists()
+
+
+def test_a_close_delimited_stream_is_timed_as_it_arrives(recipe):
+    """The server of issue 31: SSE in a close-delimited body (no chunked encoding, as HTTP/1.0-style servers and
+    some proxies send it) at 8 tokens/s. Read to its end before a line was parsed, it passed at 109,960 tok/s; read
+    as it arrives, every token is its own arrival, decode is 8 tok/s, and it fails the floor of 15."""
+    with OpenAIServer(framing="close", token_delay_s=0.125) as s:
+        e = run_gates(recipe, s.url, gates=["speed"], speed_max_tokens=9, **FAST)
+    sp = e["gates"]["speed"]
+    assert not sp["passed"] and not sp.get("inconclusive"), sp["reason"]
+    assert 7.5 <= sp["decode_tps"] <= 8.05, sp["decode_tps_rounds"]
+    assert sp["reason"] == f"decode {sp['decode_tps']:.1f} tok/s is under the floor of 15", sp["reason"]
+    assert [(r["chunks"], r["pieces"]) for r in sp["rounds"]] == [(9, 9)] * 3
+
+
+@pytest.mark.parametrize("framing", ["close", "chunked"])
+def test_a_stream_that_arrives_in_one_piece_is_inconclusive_never_a_pass(recipe, framing):
+    """A server (or a proxy before it) that holds a stream's events and sends them in one write at its end: the span
+    from first to last chunk times that write, not the decode, so the gate says so and judges nothing."""
+    with OpenAIServer(framing=framing, token_delay_s=0.01, faults={"buffered_stream"}) as s:
+        e = run_gates(recipe, s.url, gates=["speed"], speed_max_tokens=11, **FAST)
+    sp = e["gates"]["speed"]
+    assert sp["inconclusive"] and not sp["passed"] and e["verdict"] == "inconclusive", sp["reason"]
+    assert sp["reason"] == ("inconclusive: round 1: all of the stream's 11 text chunks arrived in one piece (1 piece "
+                            "in all): the server or a proxy held them back, so the stream's timings say nothing "
+                            "about decode"), sp["reason"]
+    assert sp["decode_tps"] is None and sp["rounds"][0]["pieces"] == 1 and "decode_span_s" not in sp["rounds"][0]
+
+
+def test_a_usage_that_disagrees_with_the_stream_is_inconclusive_never_a_pass(recipe):
+    """The usage claims 8x the tokens the (close-delimited) stream carried: a rate counted from it would be 8x too
+    high, so the gate names both counts and judges nothing."""
+    with OpenAIServer(framing="close", token_delay_s=0.01, faults={"usage_inflated"}) as s:
+        e = run_gates(recipe, s.url, gates=["speed"], speed_max_tokens=11, **FAST)
+    sp = e["gates"]["speed"]
+    assert sp["inconclusive"] and not sp["passed"], sp["reason"]
+    assert sp["reason"] == ("inconclusive: round 1: the usage says 88 completion tokens, but the streamed text counts "
+                            "11 by /tokenize {prompt} (11 text chunks): the usage is not this stream's, so decode "
+                            "cannot be counted"), sp["reason"]
+
+
+def test_runs_here_knows_this_machines_addresses_from_another_hosts():
+    from tests.fixtures.netns import OtherHost
+    from tool.checks.hostload import runs_here
+    assert runs_here("http://127.0.0.1:8000/v1") and runs_here("http://localhost:8000/v1")
+    assert runs_here("http://[::1]:8000/v1") and runs_here("http://0.0.0.0:8000/v1")
+    assert runs_here("http://no-such-host.invalid/v1")          # a doubt judges the load: inconclusive, never a pass
+    if why := OtherHost.unavailable():
+        pytest.skip(why)
+    with OtherHost() as h:
+        assert runs_here(f"http://{h.local_address}:8000/v1")   # this machine's own (non-loopback) address
+        assert not runs_here(f"http://{h.address}:8000/v1")     # the other host's
+
+
+def test_a_busy_host_does_not_make_a_server_on_another_machine_inconclusive(recipe):
+    """The same CPU hog as above, but the server listens on another host (a network namespace behind a veth pair, see
+    tests/fixtures/netns.py): this machine's load cannot slow it, so the gate judges its rounds and the evidence
+    still records the load it saw."""
+    import os
+    from tests.fixtures.netns import OtherHost
+    if why := OtherHost.unavailable():
+        pytest.skip(why)
+    with OtherHost() as h:
+        server = h.start("import time; from tests.fixtures.openai_server import OpenAIServer; "
+                         f"s = OpenAIServer(host={h.address!r}, token_delay_s=0.01).start(); "
+                         "print(s.url, flush=True); time.sleep(300)")
+        url = server.stdout.readline().strip()
+        hogs = _hogs((os.cpu_count() or 1) + 1)
+        try:
+            time.sleep(0.5)
+            e = run_gates(recipe, url, gates=["speed"], speed_max_tokens=11, seed=7, poll_interval_s=0.05,
+                          speed_idle_window_s=0.5)
+        finally:
+            for hog in hogs:
+                hog.kill()
+                hog.wait()
+    sp = e["gates"]["speed"]
+    assert sp["passed"] and not sp.get("inconclusive"), sp["reason"]
+    assert sp["host_idle_windows"]["before"]["cpu_busy"] > 0.25 and sp["host_idle_windows"]["judged"] is False
+    assert sp["host_idle_windows"]["not_judged"].startswith(f"{url} runs on another machine"), sp["host_idle_windows"]

@@ -22,6 +22,8 @@ class Exit(enum.IntEnum):
     NETWORK = 7         # download / server unreachable
     INTEGRITY = 8       # hash / size / digest mismatch
     INTERNAL = 70       # a bug in Kiln (EX_SOFTWARE): the one line says so; KILN_DEBUG=1 shows the traceback
+    INCONCLUSIVE = 75   # the checks could not decide (EX_TEMPFAIL: a busy host, a stream whose timings were lost);
+                        # nothing failed, and trying again (on a quieter host, another path) may decide
     INTERRUPTED = 130   # Ctrl-C
 
 

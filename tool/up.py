@@ -26,7 +26,7 @@ STEPS = ("preflight", "pull", "fetch", "prepare", "verify", "serve", "checks")
 
 @dataclass
 class StepResult:
-    status: str         # ok | skipped | failed | none
+    status: str         # ok | skipped | failed | inconclusive | none
     seconds: float
     detail: str
 
@@ -205,10 +205,11 @@ class Up:
                               baseline=from_plan(self.plan), **limits)
         self.report.checks = evidence
         self.report.verdict = evidence["verdict"]
-        failed = evidence["failed_gates"]
+        failed, undecided = evidence["failed_gates"], evidence.get("inconclusive_gates") or []
         detail = f"verdict {evidence['verdict']}" + (f" (failed: {', '.join(failed)})" if failed else "") + \
+            (f" (inconclusive: {', '.join(undecided)})" if undecided and not failed else "") + \
             f"; evidence {', '.join(evidence.get('evidence_files') or [])}"
-        return ("ok" if not failed else "failed"), detail
+        return ("failed" if failed else "inconclusive" if evidence["verdict"] == "inconclusive" else "ok"), detail
 
     # -- the server --------------------------------------------------------------------------------
     def server_alive(self) -> bool:

@@ -12,9 +12,15 @@ import time
 from dataclasses import dataclass, field
 
 import requests
+import urllib3
 
 # Enough of a long prompt's text to recognise it in the evidence without storing 100k tokens.
 _PREVIEW_CHARS = 160
+# The most one read of a stream takes: what a socket holds at once, so one read is one arrival.
+_READ_MAX = 1 << 16
+# A read that returns sooner found its bytes already waiting: they arrived with the read before (a body written
+# in one go is one piece however the transport cut it). A syscall on waiting data takes microseconds.
+_WAITED_S = 0.0002
 
 
 class ClientError(Exception):
@@ -62,8 +68,27 @@ class Answer:
     t_first: float | None = None             # perf_counter of the first and last text chunk
     t_last: float | None = None
     finish_s: float | None = None            # request sent → the event carrying finish_reason
-    chunks: int = 0
+    chunks: int = 0                          # events that carried text
+    pieces: int = 0                          # arrivals that carried text (tool.checks.client._sse_lines)
+    largest_piece: int = 0                   # text events in the fullest arrival
     cut_at_deadline: bool = False
+    _per_piece: dict = field(default_factory=dict, repr=False)
+
+    def arrived(self, piece: int) -> None:
+        """One more text event, which came in arrival `piece`."""
+        self._per_piece[piece] = self._per_piece.get(piece, 0) + 1
+        self.pieces, self.largest_piece = len(self._per_piece), max(self._per_piece.values())
+
+    def timings_lost(self) -> str | None:
+        """Why this stream's arrival times cannot time a decode, or None: when one arrival carried more than half
+        of its text events, something (the server, a proxy) held them back, and the first-to-last span measures
+        that hold, not the decode (a stream buffered to its end reads as a decode of thousands of tok/s)."""
+        if self.chunks < 2 or 2 * self.largest_piece <= self.chunks:
+            return None
+        how = "all" if self.largest_piece == self.chunks else f"{self.largest_piece}"
+        return (f"{how} of the stream's {self.chunks} text chunks arrived in one piece ({self.pieces} "
+                f"piece{'s' if self.pieces > 1 else ''} in all): the server or a proxy held them back, so the "
+                f"stream's timings say nothing about decode")
 
     def summary(self) -> dict:
         out = {"content": self.content, "finish_reason": self.finish_reason}
@@ -73,7 +98,7 @@ class Answer:
             out["reasoning"] = self.reasoning
         if self.tool_calls:
             out["tool_calls"] = self.tool_calls
-        for k in ("usage", "system_fingerprint", "model", "ttft_s", "chunks"):
+        for k in ("usage", "system_fingerprint", "model", "ttft_s", "chunks", "pieces", "largest_piece"):
             v = getattr(self, k)
             if v:
                 out[k] = v
@@ -183,8 +208,7 @@ class Client:
                 if "text/event-stream" not in ctype:
                     raise ClientError(f"POST {url}: expected an event stream, got {ctype or 'no content-type'}: "
                                       f"{_snippet(r.text)}")
-                for line in _sse_lines(r):
-                    now = time.perf_counter()
+                for piece, now, line in _sse_lines(r):
                     if not line.startswith("data:"):
                         continue             # comments, event:, id:, blank separators
                     payload = line[5:].strip()
@@ -210,6 +234,7 @@ class Client:
                             answer.finish_s = round(now - t0, 4)
                         if got_text:
                             answer.chunks += 1
+                            answer.arrived(piece)
                             if answer.t_first is None:
                                 answer.t_first, answer.ttft_s = now, round(now - t0, 4)
                             answer.t_last = now
@@ -279,17 +304,44 @@ def _snippet(text: str, n: int = 120) -> str:
     return text if len(text) <= n else text[:n] + "…"
 
 
+def _reads(r: requests.Response):
+    """The body as it arrives, whatever its framing: each HTTP chunk of a chunked body; of a close-delimited
+    (HTTP/1.0-style) or Content-Length body, what one read of the socket gives. (iter_content would read such a
+    body to its end before handing over a byte.) urllib3's errors come out as requests' own, as from iter_content."""
+    raw = r.raw
+    if raw.chunked and raw.supports_chunked_reads():
+        yield from r.iter_content(chunk_size=None)
+        return
+    try:
+        while data := raw.read1(_READ_MAX, decode_content=True):
+            yield data
+    except urllib3.exceptions.ReadTimeoutError as e:
+        raise requests.exceptions.ReadTimeout(e) from None
+    except urllib3.exceptions.DecodeError as e:
+        raise requests.exceptions.ContentDecodingError(e) from None
+    except (urllib3.exceptions.ProtocolError, urllib3.exceptions.SSLError) as e:
+        raise requests.exceptions.ConnectionError(e) from None
+
+
 def _sse_lines(r: requests.Response):
-    """The stream's lines as they arrive: chunk_size=None hands over each HTTP chunk when it lands (a server
-    streaming SSE sends chunked; an unchunked body is read to its end first, timings then lost)."""
-    pending = b""
-    for chunk in r.iter_content(chunk_size=None):
-        pending += chunk
+    """(piece, arrived, line) for each line of the stream: `arrived` the perf_counter of the read that completed
+    it; `piece` the arrival it came in, a read that found its bytes already waiting continuing the one before."""
+    pending, piece = b"", 0
+    reads = _reads(r)
+    while True:
+        asked = time.perf_counter()
+        data = next(reads, None)
+        arrived = time.perf_counter()
+        if data is None:
+            break
+        if arrived - asked > _WAITED_S:
+            piece += 1
+        pending += data
         *lines, pending = pending.split(b"\n")
         for line in lines:
-            yield line.rstrip(b"\r").decode("utf-8", "replace")
+            yield piece, arrived, line.rstrip(b"\r").decode("utf-8", "replace")
     if pending:
-        yield pending.rstrip(b"\r").decode("utf-8", "replace")
+        yield piece, time.perf_counter(), pending.rstrip(b"\r").decode("utf-8", "replace")
 
 
 def _error_detail(r: requests.Response) -> str:

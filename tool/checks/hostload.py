@@ -10,12 +10,16 @@ Three views, because each misleads alone:
 - /proc/stat: the share of all CPUs' time that was not idle between two snapshots. Over a window in
   which neither the server nor the baseline works, that is the load other programs put on this host.
 Where a file is missing (not Linux, PSI disabled) its figures are None, and nothing is judged on them.
+This host's load can slow only what runs on it: runs_here() says whether an endpoint does.
 """
 from __future__ import annotations
 
+import ipaddress
 import os
+import socket
 import time
 from pathlib import Path
+from urllib.parse import urlsplit
 
 PSI_CPU = Path("/proc/pressure/cpu")
 STAT = Path("/proc/stat")
@@ -88,3 +92,27 @@ def idle_window(seconds: float, sleep=time.sleep) -> dict:
     sleep(seconds)
     b = snapshot()
     return {**public(b), **between(a, b)}
+
+
+def runs_here(url: str) -> bool:
+    """Whether the server at `url` runs on this machine, where this machine's load can slow it: its host is a
+    loopback address or one this machine holds (it can bind it). A name that does not resolve counts as here, so a
+    doubt makes a busy host's verdict "inconclusive", never a pass."""
+    host = urlsplit(url).hostname
+    if not host:
+        return True
+    try:
+        found = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError):
+        return True
+    for family, _, _, _, sockaddr in found:
+        ip = ipaddress.ip_address(sockaddr[0].split("%", 1)[0])
+        if ip.is_loopback or ip.is_unspecified:
+            return True
+        try:
+            with socket.socket(family, socket.SOCK_DGRAM) as s:
+                s.bind((sockaddr[0], 0, *sockaddr[2:]))       # EADDRNOTAVAIL: another machine's address
+            return True
+        except OSError:
+            continue
+    return False

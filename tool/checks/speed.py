@@ -19,7 +19,9 @@ The verdict is "inconclusive", neither pass nor fail, when (thresholds: gate.DEF
 the evidence as inconclusive_when):
 - the host is busy: other programs used more than speed_idle_busy_max (25 %) of the CPUs in an idle window, or tasks
   waited for a CPU more than speed_pressure_max (20 %) of the timed rounds' time (median round). On this 2-core box
-  one CPU hog already exceeds both; a quiet box reads a few per cent;
+  one CPU hog already exceeds both; a quiet box reads a few per cent. Judged only where this host's load can slow
+  what is timed: an endpoint on this machine (hostload.runs_here), or a baseline run here; for a server on another
+  machine the load is recorded (host_idle_windows, judged: false) and the rounds decide;
 - a side's rounds spread more than speed_spread_max (20 %) and the spread could flip the verdict (some server round
   on each side of the floor, or the rounds of the two sides interleaved): a rate known to ±10 % cannot carry a floor
   or a ratio finer than that (the issue that prompted this saw 11.7 and 16.7 tok/s for the same baseline, 40 %),
@@ -27,6 +29,10 @@ the evidence as inconclusive_when):
 - the two sides' rounds overlap: faster/slower is claimed only when every server round beats (or loses
   to) every baseline round. With 3 rounds each, two equally fast programs give such a split by chance
   with probability 2/20 -- the extreme of a Mann-Whitney rank test, p = 0.05 each way.
+- a round's stream cannot time a decode: one arrival carried more than half of its text chunks (a server or proxy
+  held them back: a stream buffered to its end arrives in one piece, and its first-to-last span times nothing), or
+  the server's usage disagrees with the streamed text counted again by its tokenizer (USAGE_SLACK). Streams are read
+  as they arrive whatever their framing (chunked, Content-Length, or close-delimited as HTTP/1.0 servers send them).
 A baseline that cannot run on this machine is reported as not run, and the floor alone decides.
 """
 from __future__ import annotations
@@ -44,11 +50,16 @@ PROMPT = "Write a 600-word story about a lighthouse keeper who finds a message i
 MESSAGES = [{"role": "user", "content": PROMPT}]
 
 RATIO_RULE = "every server round beats every baseline round (or loses to every one)"
+# (factor, tokens): the usage and the streamed text's own count disagree when the larger exceeds factor × the smaller
+# + tokens (tool.checks.speed._usage_disagrees says why this much room)
+USAGE_SLACK = (2.0, 8)
 
 
 def thresholds(limits: dict) -> dict:
     return {"spread_max": limits["speed_spread_max"], "idle_cpu_busy_max": limits["speed_idle_busy_max"],
-            "round_cpu_pressure_some_max": limits["speed_pressure_max"], "ratio": RATIO_RULE}
+            "round_cpu_pressure_some_max": limits["speed_pressure_max"], "ratio": RATIO_RULE,
+            "stream_one_piece": "one arrival carried more than half of a round's text chunks",
+            "usage_vs_streamed": f"the larger count > {USAGE_SLACK[0]:g} x the smaller + {USAGE_SLACK[1]} tokens"}
 
 
 def _round(ctx: GateContext, max_tokens: int, window: float | None, label: str) -> dict:
@@ -70,13 +81,37 @@ def _round(ctx: GateContext, max_tokens: int, window: float | None, label: str) 
     r = {"decode_tps": None, "completion_tokens": n, "completion_tokens_source": source, "ttft_s": a.ttft_s,
          "finish_reason": a.finish_reason, "chunks": a.chunks, "cut_at_window": a.cut_at_deadline,
          "cpu_pressure_some": host["cpu_pressure_some"], "cpu_busy": host["cpu_busy"], "loadavg": host["loadavg"]}
-    timed = time_stream(a, n)
-    if timed is None:
+    r.update(pieces=a.pieces, largest_piece=a.largest_piece)
+    timed, lost = time_stream(a, n), a.timings_lost()     # a stream in one piece has no span at all to time
+    if timed is None and lost is None:
         r["decode_error"] = f"too little was streamed to time decode ({n} tokens in {a.chunks} chunks)"
+        return r
+    if timed is not None:
+        r["decode_span_s"] = round(a.t_last - a.t_first, 4)
+    untimed = lost or (_usage_disagrees(ctx, a, n) if source == "usage.completion_tokens" else None)
+    if untimed:
+        # a figure that cannot be trusted is kept for the record, never judged
+        r.update(untimed=untimed, decode_error=untimed, untimed_decode_tps=round(timed[0], 3) if timed else None)
     else:
         r["decode_tps"] = round(timed[0], 3)
-        r["decode_span_s"] = round(a.t_last - a.t_first, 4)
     return r
+
+
+def _usage_disagrees(ctx: GateContext, a: Answer, n: int) -> str | None:
+    """Why the server's usage cannot count what it streamed, or None. The streamed text is counted again by the
+    server's own tokenizer; decoding and re-tokenizing moves a count a little (a random model's byte soup by up
+    to 1.7x, seen on the engine's tiny checkpoints), so only a gap beyond USAGE_SLACK says the usage is not this
+    stream's (a proxy's, a cached answer's, a miscount): the rate would then be wrong by that factor."""
+    counter = ctx.token_counter()
+    try:
+        counted = counter.count_text(a.reasoning + a.content)
+    except ClientError:
+        return None          # no second opinion to be had: the usage stands, as before this check
+    factor, extra = USAGE_SLACK
+    if max(n, counted) <= factor * min(n, counted) + extra:
+        return None
+    return (f"the usage says {n} completion tokens, but the streamed text counts {counted} by {counter.text_source} "
+            f"({a.chunks} text chunks): the usage is not this stream's, so decode cannot be counted")
 
 
 def _baseline_round(ctx: GateContext, base, tokens: int) -> dict:
@@ -135,6 +170,11 @@ def run(ctx: GateContext) -> dict:
             except bl.BaselineError as e:
                 figures["baseline"] = {"label": bl.label_of(ctx.baseline), "status": "failed", "reason": str(e)}
                 return fail(f"the baseline ({bl.label_of(ctx.baseline)}) failed to start: {e}", **figures)
+        # this host's load can slow only what runs on it: the server, when its endpoint is here, or the baseline
+        host["judged"] = hostload.runs_here(ctx.client.base) or base is not None
+        if not host["judged"]:
+            host["not_judged"] = (f"{ctx.client.base} runs on another machine, which this host's load cannot slow, "
+                                  "and no baseline runs here: the load is recorded, not judged")
         if busy := _busy(host, ctx.limits):
             # found out first, cheaply: on an oversubscribed box a decode can run 100x slower (llama.cpp's
             # spinning threads, seen here at 0.5 tok/s), so one windowed round is kept for the record and
@@ -148,7 +188,8 @@ def run(ctx: GateContext) -> dict:
                 figures["baseline"].update(status="not run", reason="the host was busy before the rounds")
                 figures["baseline"].pop("rounds", None)
             figures = _summary(figures, [r], None, host)
-            shown = f"; decode {figures['decode_tps']:.1f} tok/s (one round) is not judged" if figures["decode_tps"] else ""
+            shown = f"; decode {figures['decode_tps']:.1f} tok/s (one round) is not judged" if figures["decode_tps"] else \
+                f"; and {r['untimed']}" if "untimed" in r else ""
             return inconclusive(f"host busy: {busy}{shown}", **figures)
         return _rounds(ctx, base, floor, rounds, figures, host, idle_s)
     except ClientError as e:
@@ -169,6 +210,8 @@ def _rounds(ctx, base, floor, rounds, figures, host, idle_s) -> dict:
         server_rounds.append(r)
         if r["decode_tps"] is None:
             figures["decode_error"] = r["decode_error"]
+            if "untimed" in r:
+                figures["untimed"] = r["untimed"]
             break
         if n is None:
             n = r["completion_tokens"]
@@ -198,6 +241,8 @@ def _rounds(ctx, base, floor, rounds, figures, host, idle_s) -> dict:
         figures["prefill_error"] = str(e)
     host["after"] = hostload.idle_window(idle_s)
     figures = _summary(figures, server_rounds, base_rounds, host)
+    if "untimed" in figures:      # before any figure is judged: one round that lied leaves the others suspect
+        return inconclusive(f"round {len(server_rounds)}: {figures['untimed']}", **figures)
     if figures["decode_tps"] is None:
         return fail(figures["decode_error"], **figures)
     tps = figures["decode_tps"]
@@ -262,6 +307,8 @@ def _summary(figures: dict, server_rounds: list[dict], base_rounds: list[dict] |
 
 
 def _busy(host: dict, limits: dict) -> str | None:
+    if not host.get("judged", True):
+        return None
     why = []
     idle_max, pressure_max = limits["speed_idle_busy_max"], limits["speed_pressure_max"]
     for when in ("before", "after"):

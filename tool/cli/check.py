@@ -1,8 +1,9 @@
 """`tool check RECIPE --endpoint URL`: the six acceptance gates against any OpenAI-compatible server.
 
 Data on stdout (the results table, or the evidence JSON with --json -); progress on stderr.
-Exit 0 iff every gate the recipe expects passed, else 1 (Exit.FAILED): a failed gate, or an
-inconclusive one (the speed gate on a busy host), which the table and the verdict line name.
+Exit 0 iff every gate the recipe expects passed; 1 (Exit.FAILED) when one failed; 75 (Exit.INCONCLUSIVE)
+when none failed but one could not decide (the speed gate on a busy host, or a stream whose timings were
+lost): the table and the verdict line name it and say why.
 """
 from __future__ import annotations
 
@@ -95,6 +96,20 @@ def results_table(evidence: dict) -> Table:
     return t
 
 
+def verdict_line(evidence: dict) -> str:
+    """`verdict: …` as `tool check` and `tool up` print it: how many expected gates passed, which were undecided."""
+    expected = evidence["expected_gates"]
+    passed = [g for g in expected if evidence["gates"][g]["passed"]]
+    undecided = evidence.get("inconclusive_gates") or []
+    more = f"; inconclusive: {', '.join(undecided)}" if undecided else ""
+    return f"verdict: {evidence['verdict']} ({len(passed)}/{len(expected)} expected gates passed{more})"
+
+
+def verdict_exit(evidence: dict) -> Exit:
+    """The verdict's exit code: a failure outweighs an undecided gate, and an undecided one is never a pass."""
+    return {"pass": Exit.OK, "inconclusive": Exit.INCONCLUSIVE}.get(evidence["verdict"], Exit.FAILED)
+
+
 def _baseline(recipe) -> dict | None:
     """The recipe's decode baseline with Kiln's paths filled in: $KILN_DECODE_BASELINE (the check unit's, as
     nix/lib compiled it), else the plan compiled here for KILN_* or the defaults. A broken
@@ -158,8 +173,9 @@ def check(recipe, endpoint, served_name, gates, json_path, record, evidence_dir,
           api_key, baseline_kind, llama_server, baseline_gguf, no_baseline):
     """Run the acceptance gates of RECIPE (an id or a file) against the server at --endpoint.
 
-    Exit 0 when every expected gate passed; 1 when one failed, or was inconclusive (the speed gate on a
-    busy host or with rounds that disagree: the table says which, the evidence says why).
+    Exit 0 when every expected gate passed; 1 when one failed; 75 when none failed but one was
+    inconclusive (the speed gate on a busy host, with rounds that disagree, or on a stream whose timings
+    were lost: the table says which, the evidence says why).
     """
     from tool.checks.runner import run_checks
     from tool.recipes import load
@@ -193,13 +209,9 @@ def check(recipe, endpoint, served_name, gates, json_path, record, evidence_dir,
         with out.capture() as table:
             out.print(results_table(evidence))
         click.echo("\n".join(line.rstrip() for line in table.get().splitlines()))
-        expected = evidence["expected_gates"]
-        passed = [g for g in expected if evidence["gates"][g]["passed"]]
-        undecided = evidence.get("inconclusive_gates") or []
-        more = f"; inconclusive: {', '.join(undecided)}" if undecided else ""
-        click.echo(f"verdict: {evidence['verdict']} ({len(passed)}/{len(expected)} expected gates passed{more})")
+        click.echo(verdict_line(evidence))
         click.echo(f"evidence: {evidence['evidence_files'][0]}")
         if record:
             click.echo(f"recorded a proof line in {r.path}")
     if evidence["verdict"] != "pass":
-        click.get_current_context().exit(int(Exit.FAILED))
+        click.get_current_context().exit(int(verdict_exit(evidence)))

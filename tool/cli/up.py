@@ -55,12 +55,13 @@ def up(recipe, runner, once, json_path, port, gates, load_timeout, engine_bin, s
 
     Exit codes: 0 every expected gate passed, 1 preflight no-go / a gate failed / a step failed, 3 bad recipe,
     4 a program is missing, 5 not writable, 6 filesystem refused, 7 unreachable, 8 integrity (hash or digest
-    mismatch, tampered store), 130 interrupted (the server this run started is stopped).
+    mismatch, tampered store), 75 inconclusive (no gate failed, but one could not decide, e.g. the speed gate
+    on a busy host: the last line names it and why), 130 interrupted (the server this run started is stopped).
     """
     import os
     if engine_bin:                       # every step of this run (prepare, verify, serve) uses it
         os.environ["KILN_ENGINE_BIN"] = str(engine_bin)
-    from tool.cli.check import RichReporter, results_table
+    from tool.cli.check import RichReporter, results_table, verdict_line
     from tool.fetch import Progress
     from tool.recipes import load as load_recipe
     from tool.state import Dirs
@@ -86,6 +87,7 @@ def up(recipe, runner, once, json_path, port, gates, load_timeout, engine_bin, s
     if report.checks:
         out.print(results_table(report.checks))
         files = report.checks.get("evidence_files") or []
+        out.print(verdict_line(report.checks), markup=False)
         out.print(f"evidence: {', '.join(files)}", markup=False)
     if report.engine:
         out.print("engine: " + ", ".join(f"{k}={v}" for k, v in report.engine.items()), markup=False)
@@ -99,8 +101,19 @@ def up(recipe, runner, once, json_path, port, gates, load_timeout, engine_bin, s
             tail = "" if "last log lines" in reason or not report.log else \
                 "; last log lines: " + " | ".join(log_tail(report.log, 20))
             raise KilnError(f"load: {reason}{tail}", Exit.FAILED)
-        failed = (report.checks or {}).get("failed_gates") or []
-        raise KilnError(f"{r.id}: gate{'s' if len(failed) > 1 else ''} {', '.join(failed)} failed", Exit.FAILED)
+        raise verdict_error(r.id, report.checks or {}, report.verdict)
+
+
+def verdict_error(rid: str, checks: dict, verdict: str) -> KilnError:
+    """The one line a verdict other than pass ends with: the failed gates (exit 1), else the undecided ones,
+    each with its reason (exit 75: nothing failed, so a demo that ends here has done its job)."""
+    failed, undecided = checks.get("failed_gates") or [], checks.get("inconclusive_gates") or []
+    if failed:
+        return KilnError(f"{rid}: gate{'s' if len(failed) > 1 else ''} {', '.join(failed)} failed", Exit.FAILED)
+    if undecided:
+        why = "; ".join(f"{g}: {checks['gates'][g]['reason'].removeprefix('inconclusive: ')}" for g in undecided)
+        return KilnError(f"{rid}: inconclusive, nothing failed: {why}", Exit.INCONCLUSIVE)
+    return KilnError(f"{rid}: verdict {verdict}", Exit.FAILED)
 
 
 @click.command("down")
