@@ -186,6 +186,23 @@ def test_zero_copy_on_names_what_blocks_it_and_auto_stays_off(store, kw, why, ca
         prov.close()
 
 
+def test_cpu_experts_auto_never_switches_zero_copy_off(store, caplog):
+    """--cpu-experts auto may not switch off a faster path it does not replace: where the lane is all that blocks
+    zero-copy decode, the lane goes (and says so); --cpu-experts on keeps it, as asked."""
+    with caplog.at_level(logging.INFO, logger="engine.tiers"):
+        prov = _tiered(store, cpu_experts="auto", lane_rates="pcie=10,cpu=10,disk=5", mode="auto")
+    try:
+        assert prov.zero_copy is not None and prov.lane is None and prov.cpu_experts == "off"
+        assert any("CPU expert lane (auto): off" in r.message for r in caplog.records)
+    finally:
+        prov.close()
+    prov = _tiered(store, cpu_experts="on", lane_rates="pcie=10,cpu=10,disk=5", mode="auto")
+    try:
+        assert prov.zero_copy is None and prov.lane is not None
+    finally:
+        prov.close()
+
+
 def test_a_moved_slot_is_reused_only_after_its_table_update(store):
     """The promotions' bookkeeping: a record written back keeps its GPU slot, and one copied up its RAM slot, until
     the table update that moves it has been made (on a CPU device at once, at the next step); the freed GPU slots
