@@ -104,7 +104,7 @@ def choose(logits: torch.Tensor, temperatures: list[float], top_ps: list[float],
 class GreedyPicks:
     """choose()'s answer for a batch whose rows are all greedy, with the host read deferred: the argmax
     (`best`) stays on the logits' device, where it can feed the next decode step before the host has seen it
-    (engine.llm: decode ahead), and travels to the host beside each row's finiteness without a wait."""
+    (engine.decode_ahead), and travels to the host beside each row's finiteness without a wait."""
 
     def __init__(self, logits: torch.Tensor):
         self.logits = logits
