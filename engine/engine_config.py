@@ -53,9 +53,9 @@ class EngineConfig:
     policy: str = "lru"                 # expert-cache eviction policy
     experts: str = "auto"               # auto | resident | tiered: where a GPU's experts live (tiers.choose_placement)
     cuda_graphs: bool = True            # decode steps replay CUDA graphs where device and provider allow
-    chunk_size: int = 512               # prefill tokens per scheduler turn (engine.llm)
+    chunk_size: int = 512               # prefill tokens per scheduler turn (engine.scheduler)
     max_queue: int | None = None        # requests waiting for a KV slot before new ones are refused; None: 4 x max_batch
-    decode_ahead: bool = True           # greedy steps launch before the last one's tokens are read (engine.llm)
+    decode_ahead: bool = True           # steps launch before the last one's tokens are read (engine.decode_ahead)
     prefix_cache: bool = True           # a prompt's prefill starts after the prefix a KV slot holds (engine.prefix_cache)
     # auto | on | off: RAM-tier experts computed on the CPU lane (tiers.lanes). Off by default: the lane is tested
     # on the H200 (same tokens as the resident engine, eager and graphed) but its speed is not measured there yet.

@@ -20,7 +20,8 @@ context = click.option("--ctx", "max_context", type=click.IntRange(min=2), defau
                             "capped by the model's).")
 max_batch = click.option("--max-batch", type=click.IntRange(min=1), default=EngineConfig.max_batch,
                          show_default=True, help="Streams decoded together; more requests wait their turn.")
-chunk_size = click.option("--chunk-size", type=click.IntRange(min=1), default=EngineConfig.chunk_size, show_default=True,
+chunk_size = click.option("--chunk-size", type=click.IntRange(min=1), default=EngineConfig.chunk_size,
+                          show_default=True,
                           help="Prefill tokens per scheduler turn (a recipe's serve.chunk_size): a long prompt is "
                                "prefilled in chunks between the running streams' decode steps (on CUDA, with no "
                                "stream decoding, 4 chunks a turn).")

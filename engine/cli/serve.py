@@ -128,7 +128,7 @@ def serve(model_dir, store_dir, host, port, served_name, max_body_bytes, drain_s
         from engine.llm import LLM
         return LLM.load(model_dir, store_dir, config)
 
-    from engine.server.app import sampling_defaults
+    from engine.server.endpoints import sampling_defaults
     app = create_app(loader=load, served_name=served_name or model_dir.resolve().name, api_key=api_key,
                      defaults=sampling_defaults(model_dir, temperature, top_p),
                      fingerprint=fp, max_body_bytes=max_body_bytes)

@@ -7,8 +7,9 @@ kernel for the 8-bit one (the tied vocabulary) and a slower one than this for th
 already loaded, so these kernels share torch's OpenMP threads instead of starting a second team.
 
 `lib()` is None where no compiler or no x86-64 is found or the build fails (logged once): callers then keep
-torch's kernels. KILN_NATIVE_KERNELS=0 turns them off; KILN_NATIVE_CACHE names the cache directory (default
-$CACHE_DIRECTORY/native under systemd, else $XDG_CACHE_HOME/kiln/native or ~/.cache/kiln/native, else a temp one).
+torch's kernels. Whether a model uses them is one switch, EngineConfig.native_kernels (`--no-native-kernels`);
+KILN_NATIVE_CACHE names the cache directory (default $CACHE_DIRECTORY/native under systemd, else
+$XDG_CACHE_HOME/kiln/native or ~/.cache/kiln/native, else a temp one).
 """
 from __future__ import annotations
 
@@ -52,12 +53,9 @@ MAX_TOP_K = 64        # experts a moe_tail call computes (its bookkeeping array)
 MAX_K = 8192          # inputs an int4 GEMV takes (native_cpu.cpp's stack buffers): wider ones stay on torch's kernel
 
 
-def enabled() -> bool:
-    return os.environ.get("KILN_NATIVE_KERNELS", "1") not in ("0", "off", "false", "no")
-
-
-# Whether the one-token int4 GEMVs (engine.kernels.quant_cpu) may take the native kernel: a model sets it for its
-# own forward passes (EngineConfig.native_kernels), so a model loaded with the knob off runs torch's kernels only.
+# How a model's EngineConfig.native_kernels reaches the one-token int4 GEMVs (engine.kernels.quant_cpu) it calls
+# through its dense weights and its expert provider: the model sets it around its own forward passes, so a model
+# loaded with the knob off runs torch's kernels only. Not a switch of its own: nothing else sets it.
 _allowed = contextvars.ContextVar("kiln_native_allowed", default=True)
 
 
@@ -121,7 +119,7 @@ def build(cxx: str, arch: list[str] = ARCH) -> Path:
 @functools.cache
 def lib() -> ctypes.CDLL | None:
     """The loaded kernels, or None (see the module docstring)."""
-    if not enabled() or platform.machine() not in ("x86_64", "AMD64"):
+    if platform.machine() not in ("x86_64", "AMD64"):
         return None
     cxx = compiler()
     if cxx is None:

@@ -135,7 +135,7 @@ def test_malformed_tool_call_stays_content(body):
 
 
 def test_streamed_tool_call_delta_has_openais_shape():
-    from engine.server.app import delta_of
+    from engine.server.endpoints import delta_of
     (p,) = [p for p in pieces_whole(HERMES, tools=True) if p.kind == "tool_call"]
     d = delta_of(p, 1)
     assert d == {"tool_calls": [{"index": 1, "id": p.call.id, "type": "function",

@@ -46,11 +46,11 @@ def test_a_bad_scheduler_knob_is_refused_by_name(knobs, message):
 
 
 def test_the_scheduler_takes_its_knobs_from_the_config(tiny_checkpoint):
-    ck = tiny_checkpoint("qwen3_moe", layers=2)
-    with LLM.load(ck, config=EngineConfig(max_context=32, max_batch=2, chunk_size=4, max_queue=1)) as llm:
-        assert (llm.chunk_size, llm.max_queue, llm.max_batch) == (4, 1, 2)
-    with LLM.load(ck, max_context=32, max_batch=3) as llm:
-        assert (llm.chunk_size, llm.max_queue) == (EngineConfig.chunk_size, 4 * 3)     # the defaults
+    """chunk_size from the config, max_queue left to its default: 4 x max_batch (tests/engine/test_llm.py gives
+    one and sees it refuse)."""
+    with LLM.load(tiny_checkpoint("qwen3_moe", layers=2), config=EngineConfig(max_context=32, max_batch=2,
+                                                                            chunk_size=4)) as llm:
+        assert (llm.chunk_size, llm.max_queue, llm.max_batch) == (4, 8, 2)
 
 
 def test_a_bad_cpu_layout_is_a_usage_error_at_construction():

@@ -518,7 +518,7 @@ def test_serve_stops_when_the_store_refuses_o_direct(qwen_dir, tmp_path):
 def test_requests_without_temperature_take_the_servers_default(qwen, tmp_path):
     """A request naming no temperature/top_p gets the server's default: the flag, else the model's
     generation_config.json, else OpenAI's 1.0 (vLLM takes the model's generation config the same way)."""
-    from engine.server.app import sampling_defaults
+    from engine.server.endpoints import sampling_defaults
     assert sampling_defaults(None) == {"temperature": 1.0, "top_p": 1.0}
     (tmp_path / "generation_config.json").write_text('{"temperature": 0.6, "top_p": 0.95}')
     assert sampling_defaults(tmp_path) == {"temperature": 0.6, "top_p": 0.95}

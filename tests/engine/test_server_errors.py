@@ -101,7 +101,7 @@ def test_a_json_body_without_content_type_says_so(served):
 
 def test_anything_unexpected_is_a_500_json_error_with_a_request_id_in_the_log(served, monkeypatch, caplog):
     """The bug is injected (a test double: there is no known real one left to provoke)."""
-    import engine.server.app as app_module
+    import engine.server.endpoints as app_module
 
     def broken(*a, **kw):
         raise KeyError("a bug")
