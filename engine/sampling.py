@@ -7,7 +7,7 @@ cumulative distribution at one uniform number from a counter-based hash of (the 
 token being drawn): an exact draw from softmax(z) restricted to the kept tokens, whose randomness depends on
 nothing but the request's own seed and position, so a seeded request draws the same tokens alone or in any batch,
 and no generator state has to travel with it (a step launched ahead draws from the ids still on the GPU,
-engine.llm's decode ahead). Every op is a fixed-shape tensor op: no host read inside. (Per-token noise, as
+engine.decode_ahead). Every op is a fixed-shape tensor op: no host read inside. (Per-token noise, as
 Gumbel-max needs, cost 12 ms a draw over SmolLM2's 49,152 logits on the CPU; one number a row costs nothing.)
 
 Numerically safe at every value the API lets through: a temperature too small to divide by is greedy, top-p and
@@ -208,7 +208,7 @@ def _fast_greedy(logits: torch.Tensor) -> list[int] | None:
 
 class Picks:
     """sample()'s answer with the host read deferred: the ids (`best`) stay on the logits' device, where they can
-    feed the next decode step before the host has seen them (engine.llm: decode ahead), and travel to the host
+    feed the next decode step before the host has seen them (engine.decode_ahead), and travel to the host
     beside each row's finiteness without a wait."""
 
     def __init__(self, logits: torch.Tensor, rows: list[RowSpec], *, penalties: Penalties | None = None,
