@@ -375,20 +375,24 @@ def _hogs(n: int) -> list[subprocess.Popen]:
     return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
 
 
-def test_a_busy_host_makes_the_speed_gate_inconclusive_not_pass_or_fail(recipe):
-    """A real CPU hog (one spinning process per CPU, plus one): the gate must say "inconclusive: host busy",
-    with the thresholds it used, and the run's verdict is inconclusive, not pass and not fail."""
+def _speed_on_a_busy_host(recipe, url: str, **limits) -> dict:
+    """The speed gate's evidence, taken while a real CPU hog (one spinning process per CPU, plus one) loads this host."""
     import os
     hogs = _hogs((os.cpu_count() or 1) + 1)
     try:
         time.sleep(0.5)
-        with OpenAIServer(token_delay_s=0.01) as s:
-            e = run_gates(recipe, s.url, gates=["speed"], speed_max_tokens=11, seed=7, poll_interval_s=0.05,
-                          speed_idle_window_s=0.5)
+        return run_gates(recipe, url, gates=["speed"], speed_max_tokens=11, seed=7, speed_idle_window_s=0.5, **limits)
     finally:
         for h in hogs:
             h.kill()
             h.wait()
+
+
+def test_a_busy_host_makes_the_speed_gate_inconclusive_not_pass_or_fail(recipe):
+    """A real CPU hog (one spinning process per CPU, plus one): the gate must say "inconclusive: host busy",
+    with the thresholds it used, and the run's verdict is inconclusive, not pass and not fail."""
+    with OpenAIServer(token_delay_s=0.01) as s:
+        e = _speed_on_a_busy_host(recipe, s.url, poll_interval_s=0.05)
     sp = e["gates"]["speed"]
     assert sp["inconclusive"] and not sp["passed"], sp["reason"]
     assert sp["reason"].startswith("inconclusive: host busy: other programs kept "), sp["reason"]
@@ -438,17 +442,8 @@ def test_rounds_that_overlap_the_baselines_are_within_the_noise(recipe, tmp_path
 
 def test_a_busy_host_never_turns_a_failing_baseline_into_a_failed_gate(recipe, tmp_path):
     """The demo on a box shared with a compiler: transformers timed out, which says the host, not the server."""
-    import os
-    hogs = _hogs((os.cpu_count() or 1) + 1)
-    try:
-        time.sleep(0.5)
-        with OpenAIServer(token_delay_s=0.01) as s:
-            e = run_gates(recipe, s.url, gates=["speed"], speed_max_tokens=11, seed=7, speed_idle_window_s=0.5,
-                          baseline=baseline_for(tmp_path, "crash"))
-    finally:
-        for h in hogs:
-            h.kill()
-            h.wait()
+    with OpenAIServer(token_delay_s=0.01) as s:
+        e = _speed_on_a_busy_host(recipe, s.url, baseline=baseline_for(tmp_path, "crash"))
     sp = e["gates"]["speed"]
     # busy before the rounds: found out first, one round kept, the baseline (and the long prefill) not run
     assert sp["inconclusive"] and not sp["passed"] and e["failed_gates"] == [], sp["reason"]
@@ -513,7 +508,6 @@ def test_a_busy_host_does_not_make_a_server_on_another_machine_inconclusive(reci
     """The same CPU hog as above, but the server listens on another host (a network namespace behind a veth pair, see
     tests/fixtures/netns.py): this machine's load cannot slow it, so the gate judges its rounds and the evidence
     still records the load it saw."""
-    import os
     from tests.fixtures.netns import OtherHost
     if why := OtherHost.unavailable():
         pytest.skip(why)
@@ -522,15 +516,7 @@ def test_a_busy_host_does_not_make_a_server_on_another_machine_inconclusive(reci
                          f"s = OpenAIServer(host={h.address!r}, token_delay_s=0.01).start(); "
                          "print(s.url, flush=True); time.sleep(300)")
         url = server.stdout.readline().strip()
-        hogs = _hogs((os.cpu_count() or 1) + 1)
-        try:
-            time.sleep(0.5)
-            e = run_gates(recipe, url, gates=["speed"], speed_max_tokens=11, seed=7, poll_interval_s=0.05,
-                          speed_idle_window_s=0.5)
-        finally:
-            for hog in hogs:
-                hog.kill()
-                hog.wait()
+        e = _speed_on_a_busy_host(recipe, url, poll_interval_s=0.05)
     sp = e["gates"]["speed"]
     assert sp["passed"] and not sp.get("inconclusive"), sp["reason"]
     assert sp["host_idle_windows"]["before"]["cpu_busy"] > 0.25 and sp["host_idle_windows"]["judged"] is False

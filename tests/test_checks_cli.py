@@ -103,6 +103,17 @@ def test_failing_gate_exits_1_and_says_why(recipe_path, tmp_path):
     assert "✗ chat: finish_reason is 'length'" in r.stderr
 
 
+def test_an_inconclusive_gate_exits_75_and_says_why(recipe_path, tmp_path):
+    """Nothing failed, but the speed gate could not decide (the stream arrived in one piece): its own exit code."""
+    with OpenAIServer(faults={"buffered_stream"}) as s:
+        r = CliRunner().invoke(cli, ["check", str(recipe_path), "--endpoint", s.url, "--gates", "load,speed",
+                                     "--no-baseline", "--evidence-dir", str(tmp_path / "ev")])
+    assert r.exit_code == 75, r.output
+    assert re.search(r"speed\s+inconclusive\s+inconclusive: round 1: all of the stream's \d+", r.stdout), r.stdout
+    assert "? speed: inconclusive: round 1: all of the stream's" in r.stderr
+    assert "verdict: inconclusive (1/2 expected gates passed; inconclusive: speed)" in r.stdout
+
+
 def test_unreachable_endpoint_is_a_failed_load_gate_not_a_traceback(recipe_path, tmp_path, capsys):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -281,16 +281,16 @@ def test_nixpkgs_dependent_files_parse(path):
 def test_the_runnables_container_cli_reaches_tool_ups_plan(monkeypatch, tmp_path):
     """`nix run .#glm-5.3-flash` exports KILN_DOCKER_BIN=<nixpkgs' docker>; tool up compiles its plan with it
     (not /usr/bin/docker, which NixOS does not have). Without it the default stays `tool plan`'s."""
-    from tool.plan import compile_plan
+    from tool.plan import compile_plan, plan_options
     from tool.recipes import load
     from tool.state import Dirs
 
     recipe = load("glm-5.3-flash")
     monkeypatch.delenv("KILN_DOCKER_BIN", raising=False)
-    plain = compile_plan(recipe, Dirs.resolve(state_dir=tmp_path).plan_options())
+    plain = compile_plan(recipe, plan_options(Dirs.resolve(state_dir=tmp_path)))
     assert plain["steps"]["serve"]["argv"][0] == "/usr/bin/docker"
     monkeypatch.setenv("KILN_DOCKER_BIN", "/nix/store/0000000000000000000000000000dock-docker-28/bin/docker")
-    nixed = compile_plan(recipe, Dirs.resolve(state_dir=tmp_path).plan_options())
+    nixed = compile_plan(recipe, plan_options(Dirs.resolve(state_dir=tmp_path)))
     assert {nixed["steps"][s]["argv"][0] for s in ("prepare", "verify", "serve")} == \
         {"/nix/store/0000000000000000000000000000dock-docker-28/bin/docker"}
     assert "/usr/bin/docker" not in json.dumps(nixed["units"])

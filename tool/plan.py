@@ -10,7 +10,9 @@ import pwd
 import shlex
 
 from tool import nixeval
+from tool.programs import program
 from tool.recipe_file import Recipe
+from tool.state import Dirs
 
 STEP_ORDER = ("fetch", "prepare", "verify", "serve", "check")
 SERVICE_USER = "kiln"
@@ -23,6 +25,15 @@ def service_ids(user: str = SERVICE_USER) -> tuple[int, int]:
         return pw.pw_uid, pw.pw_gid
     except KeyError:
         return os.getuid(), os.getgid()
+
+
+def plan_options(dirs: Dirs) -> dict:
+    """The nix/lib options that put the plan's paths in `dirs`, and its programs (tool.programs) beside this Python.
+    The container CLI only where $KILN_DOCKER_BIN names one (`nix run .#<id>` sets nixpkgs' docker);
+    otherwise nix/lib's default stays, as `tool plan` prints it."""
+    docker = os.environ.get("KILN_DOCKER_BIN")
+    return {"stateDir": str(dirs.state), "modelsDir": str(dirs.models), "storeDir": str(dirs.stores),
+            "engineBin": program("engine"), "toolBin": program("tool"), **({"dockerBin": docker} if docker else {})}
 
 
 def compile_plan(recipe: Recipe, options: dict | None = None) -> dict:

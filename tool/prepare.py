@@ -31,9 +31,11 @@ from pathlib import Path
 
 from tool.errors import (Exit, IntegrityError, KilnError, MissingDependency, NotWritable, child_exit, last_line,
                          raise_if_interrupted)
-from tool.plan import compile_plan
+from tool.pids import pid_alive
+from tool.plan import compile_plan, plan_options
+from tool.programs import child_env
 from tool import store_marker
-from tool.state import Dirs, pid_alive
+from tool.state import Dirs
 from tool.store_verify import StoreReport, verify_store
 
 STAGING_PREFIX = ".staging-"
@@ -223,7 +225,7 @@ def prepare(recipe, dirs: Dirs, force: bool = False, log=None, plan: dict | None
     """Skip, build-verify-publish, or refuse; see the module docstring. `plan`: the caller's, compiled
     for `dirs` (tool up has one); the staging plan is always compiled here."""
     t0 = time.monotonic()
-    plan = plan or compile_plan(recipe, dirs.plan_options())
+    plan = plan or compile_plan(recipe, plan_options(dirs))
     step = plan["steps"].get("prepare")
     final = Path(plan["paths"]["store"]) if plan["paths"].get("store") else None
     if step is None or final is None:
@@ -250,9 +252,9 @@ def prepare(recipe, dirs: Dirs, force: bool = False, log=None, plan: dict | None
         raise KilnError(f"{final}: cannot verify the published store: {report.detail}", report.exit_code or Exit.FAILED)
 
     staging_root = dirs.stores / f"{STAGING_PREFIX}{os.getpid()}"
-    staged_plan = compile_plan(recipe, {**dirs.plan_options(), "storeDir": str(staging_root)})
+    staged_plan = compile_plan(recipe, {**plan_options(dirs), "storeDir": str(staging_root)})
     staged = Path(staged_plan["paths"]["store"])
-    env = {**os.environ, **{k: str(v) for k, v in (staged_plan["steps"]["prepare"].get("env") or {}).items()}}
+    env = child_env(staged_plan["steps"]["prepare"].get("env"))
     container = f"kiln-{recipe.id}-prepare" if plan["runtime"] == "container" else None
     weights = Path(plan["paths"]["weights"])
     if not weights.is_dir():

@@ -1,18 +1,15 @@
-"""Kiln's shared state on disk: where its directories are (Dirs) and what a started server leaves behind
-(RunRecord, pid_alive). Every command reads them from here; the runners write the records.
+"""Where Kiln's directories are (Dirs): the state directory and its children, from flags, the environment or the
+default. Every command resolves them here.
 
 nix/lib resolves the same directories for the units (stateDir and its children): the default below is
-this language's one copy of it.
+this language's one copy of it. What lives in them is each owner's: run records (tool.run_record), weights
+(tool.weights), stores (tool.prepare), evidence (tool.checks.evidence).
 """
 from __future__ import annotations
 
-import json
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-
-from tool.atomic import write_json
-from tool.programs import program
 
 DEFAULT_STATE_DIR = Path("/var/lib/kiln")
 
@@ -41,79 +38,8 @@ class Dirs:
                    stores=pick(store_dir, "KILN_STORE_DIR", "stores"),
                    evidence=pick(evidence_dir, "KILN_EVIDENCE_DIR", "evidence"), run=state / "run")
 
-    def plan_options(self) -> dict:
-        """The nix/lib options that put the plan's paths here, and its programs beside this Python.
-        The container CLI only where $KILN_DOCKER_BIN names one (`nix run .#<id>` sets nixpkgs' docker);
-        otherwise nix/lib's default stays, as `tool plan` prints it."""
-        docker = os.environ.get("KILN_DOCKER_BIN")
-        return {"stateDir": str(self.state), "modelsDir": str(self.models), "storeDir": str(self.stores),
-                "engineBin": program("engine"), "toolBin": program("tool"), **({"dockerBin": docker} if docker else {})}
-
     def env(self) -> dict[str, str]:
-        """KILN_* for child processes (a unit's `tool fetch` reads the same)."""
+        """The same directories as the KILN_* variables resolve() reads (what a child, e.g. a unit's `tool fetch`,
+        resolves them from)."""
         return {"KILN_STATE_DIR": str(self.state), "KILN_MODELS_DIR": str(self.models),
                 "KILN_STORE_DIR": str(self.stores), "KILN_EVIDENCE_DIR": str(self.evidence)}
-
-
-@dataclass
-class RunRecord:
-    """What `tool up` started, so `tool down` / `tool status` can find it: <state>/run/<id>.json."""
-    id: str
-    runner: str                     # foreground | systemd
-    runtime: str                    # native | container
-    endpoint: str                   # http://127.0.0.1:PORT/v1
-    port: int
-    pid: int | None = None          # the child (foreground): its own process group and session
-    unit: str | None = None         # systemd
-    container: str | None = None    # docker's --name, for `docker stop`
-    docker: str | None = None       # the docker client the argv names
-    relay_pid: int | None = None    # the loopback relay into a container's netns (see tool.runners.relay)
-    log: str | None = None
-    started_at: str | None = None
-    recipe_path: str | None = None
-    extra: dict = field(default_factory=dict)
-
-    @staticmethod
-    def path(run_dir: Path, rid: str) -> Path:
-        return Path(run_dir) / f"{rid}.json"
-
-    def save(self, run_dir: Path) -> Path:
-        return write_json(self.path(run_dir, self.id), asdict(self))
-
-    @classmethod
-    def load(cls, run_dir: Path, rid: str) -> "RunRecord | None":
-        try:
-            data = json.loads(cls.path(run_dir, rid).read_text())
-        except (OSError, ValueError):
-            return None
-        known = {k: data[k] for k in cls.__dataclass_fields__ if k in data}
-        return cls(**known)
-
-    @classmethod
-    def all(cls, run_dir: Path) -> list["RunRecord"]:
-        out = []
-        for p in sorted(Path(run_dir).glob("*.json")) if Path(run_dir).is_dir() else []:
-            r = cls.load(run_dir, p.stem)
-            if r is not None:
-                out.append(r)
-        return out
-
-    def forget(self, run_dir: Path) -> None:
-        self.path(run_dir, self.id).unlink(missing_ok=True)
-
-
-def pid_alive(pid: int | None) -> bool:
-    """Running and not a zombie (a detached child whose parent never reaped it still has a pid)."""
-    if not pid:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return True
-    return state not in ("Z", "X")

@@ -7,7 +7,6 @@ also has its manifests checked against the sha256 its marker recorded then (tool
 """
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 from dataclasses import dataclass
@@ -15,6 +14,7 @@ from pathlib import Path
 
 from tool import store_marker
 from tool.errors import Exit, KilnError, child_exit, last_line
+from tool.programs import child_env
 
 
 def verify_exit(returncode: int) -> Exit:
@@ -40,11 +40,6 @@ def stores_dir(option=None) -> Path:
     return Dirs.resolve(store_dir=option).stores
 
 
-def engine_bin() -> str:
-    from tool.programs import program
-    return program("engine")
-
-
 
 def docker_reachable(docker: str) -> str | None:
     """None when a docker engine answers, else why not."""
@@ -62,9 +57,10 @@ def verify_store(recipe, models: Path, stores: Path, plan: dict | None = None) -
     """Run the plan's verify step on the published store; `plan`, when the caller has compiled it
     for these directories already, saves an evaluation."""
     if plan is None:
-        from tool.plan import compile_plan
+        from tool.plan import compile_plan, plan_options
+        from tool.state import Dirs
         try:
-            plan = compile_plan(recipe, {"modelsDir": str(models), "storeDir": str(stores), "engineBin": engine_bin()})
+            plan = compile_plan(recipe, plan_options(Dirs.resolve(models_dir=models, store_dir=stores)))
         except KilnError as e:
             return StoreReport("not run", f"cannot compile the plan: {e.message}")
     step = plan["steps"].get("verify")
@@ -79,7 +75,7 @@ def verify_store(recipe, models: Path, stores: Path, plan: dict | None = None) -
     if problems:
         more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
         return StoreReport("failed", problems[0] + more, Exit.INTEGRITY)
-    env = {**os.environ, **{k: str(v) for k, v in (step.get("env") or {}).items()}}
+    env = child_env(step.get("env"))
     for argv in step["commands"]:
         if plan["runtime"] == "container":
             why = docker_reachable(argv[0])

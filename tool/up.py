@@ -18,8 +18,10 @@ import requests
 
 from tool.errors import Exit, IntegrityError, KilnError, NetworkError, last_line
 from tool.images import present_by_digest, short
-from tool.plan import compile_plan
-from tool.state import Dirs, RunRecord, pid_alive
+from tool.pids import pid_alive
+from tool.plan import compile_plan, plan_options
+from tool.run_record import RunRecord
+from tool.state import Dirs
 
 STEPS = ("preflight", "pull", "fetch", "prepare", "verify", "serve", "checks")
 
@@ -39,7 +41,6 @@ class Options:
     gates: list[str] | None = None
     load_timeout_s: float | None = None
     stop_timeout_s: float = 30.0
-    engine_bin: str | None = None       # the serve step's program (default: the `engine` beside this Python)
 
 
 @dataclass
@@ -65,8 +66,7 @@ class Up:
         self.recipe, self.dirs, self.opts, self.say = recipe, dirs, opts, say
         self.reporter, self.progress = reporter, progress
         self.report = Report(recipe.id, opts.runner)
-        self.plan_options = {**dirs.plan_options(), **({"port": opts.port} if opts.port else {}),
-                             **({"engineBin": opts.engine_bin} if opts.engine_bin else {})}
+        self.plan_options = {**plan_options(dirs), **({"port": opts.port} if opts.port else {})}
         self.plan: dict | None = None
         self.server = None
 

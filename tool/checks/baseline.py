@@ -23,6 +23,7 @@ from pathlib import Path
 
 from tool.checks.stream_timing import time_stream
 from tool.errors import last_line
+from tool.programs import child_env
 
 # engine's exit codes for "not here": 3 bad/missing model/checkpoint/store, 4 missing dependency
 _NOT_HERE_EXITS = {3: "its model is not on this machine", 4: "a dependency is missing here"}
@@ -45,9 +46,9 @@ def resolve(recipe, dirs=None) -> dict | None:
     defaults, as the check unit's environment sets them). None when the recipe names none."""
     if not (recipe.get("checks") or {}).get("decode_baseline"):
         return None
-    from tool.plan import compile_plan
+    from tool.plan import compile_plan, plan_options
     from tool.state import Dirs
-    return from_plan(compile_plan(recipe, (dirs or Dirs.resolve()).plan_options()))
+    return from_plan(compile_plan(recipe, plan_options(dirs or Dirs.resolve())))
 
 
 def label_of(baseline: dict) -> str:
@@ -78,7 +79,7 @@ class CommandBaseline:
     def measure(self, messages: list[dict], tokens: int, sampling: dict) -> dict:
         argv = [*self.spec["argv"], "--messages", json.dumps(messages), "--tokens", str(tokens),
                 "--temperature", str(float(sampling.get("temperature", 0.0)))]
-        env = {**os.environ, **{k: str(v) for k, v in (self.spec.get("env") or {}).items()}}
+        env = child_env(self.spec.get("env"))
         timeout = float(self.spec.get("timeoutSeconds") or 600)
         try:
             out = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env,

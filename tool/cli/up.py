@@ -58,9 +58,9 @@ def up(recipe, runner, once, json_path, port, gates, load_timeout, engine_bin, s
     mismatch, tampered store), 75 inconclusive (no gate failed, but one could not decide, e.g. the speed gate
     on a busy host: the last line names it and why), 130 interrupted (the server this run started is stopped).
     """
-    import os
+    from tool import programs
     if engine_bin:                       # every step of this run (prepare, verify, serve) uses it
-        os.environ["KILN_ENGINE_BIN"] = str(engine_bin)
+        programs.use("engine", engine_bin)
     from tool.cli.check import RichReporter, results_table, verdict_line
     from tool.fetch import Progress
     from tool.recipes import load as load_recipe
@@ -70,8 +70,7 @@ def up(recipe, runner, once, json_path, port, gates, load_timeout, engine_bin, s
     err = Console(stderr=True, highlight=False, soft_wrap=True)
     r = load_recipe(recipe)
     run = Up(r, Dirs.resolve(state_dir, models_dir, store_dir),
-             Options(runner=runner, once=once, port=port, gates=gates, load_timeout_s=load_timeout,
-                     engine_bin=engine_bin),
+             Options(runner=runner, once=once, port=port, gates=gates, load_timeout_s=load_timeout),
              say=lambda line: err.print(line, markup=False), reporter=RichReporter(err), progress=Progress())
     signal.signal(signal.SIGTERM, interrupt)       # `kill`/a unit stop: stop the server as Ctrl-C would
     try:
@@ -123,7 +122,8 @@ def verdict_error(rid: str, checks: dict, verdict: str) -> KilnError:
 def down(recipe, timeout, state_dir, models_dir, store_dir):
     """Stop RECIPE's server started by `tool up` (SIGTERM, then SIGKILL; a container: docker stop)."""
     from tool.runners import foreground, systemd
-    from tool.state import Dirs, RunRecord
+    from tool.run_record import RunRecord
+    from tool.state import Dirs
 
     dirs = Dirs.resolve(state_dir, models_dir, store_dir)
     rid = recipe if RunRecord.load(dirs.run, recipe) else _recipe_id(recipe)
@@ -155,7 +155,9 @@ def _health(endpoint: str) -> str:
 @options.dirs
 def status(as_json, state_dir, models_dir, store_dir):
     """List the servers `tool up` started: runner, pid (alive?), endpoint, and whether /health answers."""
-    from tool.state import Dirs, RunRecord, pid_alive
+    from tool.pids import pid_alive
+    from tool.run_record import RunRecord
+    from tool.state import Dirs
 
     dirs = Dirs.resolve(state_dir, models_dir, store_dir)
     rows = []

@@ -23,7 +23,10 @@ from pathlib import Path
 from tool.checks.liveness import exit_reason, log_tail
 from tool.cpulist import parse_cpulist
 from tool.errors import KilnError, MissingDependency
-from tool.state import Dirs, RunRecord, pid_alive
+from tool.pids import pid_alive
+from tool.programs import child_env
+from tool.run_record import RunRecord
+from tool.state import Dirs
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 TAIL = 20
@@ -215,7 +218,7 @@ def start(plan: dict, dirs: Dirs, recipe_path: str | None = None, detach: bool =
     limits = limits_for(plan, rid)
     dirs.run.mkdir(parents=True, exist_ok=True)
     log_path = dirs.run / f"{rid}.log"
-    env = {**os.environ, **{k: str(v) for k, v in (step.get("env") or {}).items()}, **dirs.env()}
+    env = child_env(step.get("env"), dirs.env())
     container = docker = None
     if plan["runtime"] == "container":
         docker, container = argv[0], f"kiln-{rid}"

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from tool.errors import KilnError, MissingDependency, last_line
 from tool.materialise import materialise
-from tool.state import RunRecord
+from tool.run_record import RunRecord
 
 BOOTED_MARK = Path("/run/systemd/system")
 
