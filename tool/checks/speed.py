@@ -42,7 +42,7 @@ import statistics
 
 from tool.checks import baseline as bl
 from tool.checks import filler, hostload
-from tool.checks.client import ClientError
+from tool.checks.client import Answer, ClientError
 from tool.checks.gate import GateContext, fail, inconclusive, ok
 from tool.checks.stream_timing import time_stream
 
