@@ -7,6 +7,10 @@
 // q8_gemv: int8 codes [out, in] with an fp32 scale per 32 inputs (a GGUF Q8_0 matrix, its fp16 scales
 //   widened): y = Σ_b d_b · Σ q·x, in fp32.
 // int4_ffn: one quantized expert (gate|up and down int4pack operands) on one token, as quant_ffn computes it.
+// ggml_matmul: y [M, N] = x [M, K] · Wᵀ for W [N, K] in any GGML type engine.quant.ggml lists (a GGUF's blocks as
+//   the file holds them): each weight block dequantized once (as gguf.quants.dequantize computes it) into fp32 and
+//   dotted with every row of x, fp32 throughout. ggml_ffn: one expert on one token from three such matrices, each
+//   in its own type.
 // add_rms_norm, attn_decode: the rest of a one-token decode layer (residual add + RMSNorm; rotary, KV write
 //   and attention over the cache), in the torch forms' operation order where it is elementwise (built with
 //   -ffp-contract=off, so a*b + c*d is not fused into an FMA unless written so).
@@ -221,6 +225,211 @@ void int4_gemv(const float* x_in, int K, const uint8_t* packed, const uint16_t* 
     for (int nb = 0; nb < tiles; ++nb) {
         int4_tile(x, xs, K, g, packed + (size_t)nb * K * 32, sz, N, nb * 64, y + nb * 64);
         for (int r = nb * 64; r < nb * 64 + 64; ++r) y[r] = bf16_round(y[r]);
+    }
+}
+
+// ---------------------------------------------------------------- GGML block types (engine.quant.ggml)
+
+inline float fp16_to_float(uint16_t h) {    // exact, subnormals included
+    const uint32_t sign = uint32_t(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+    uint32_t u;
+    if (exp == 0) {
+        if (man == 0) {
+            u = sign;
+        } else {                                 // subnormal: renormalise
+            int e = -1;
+            uint32_t m = man;
+            do { m <<= 1; ++e; } while (!(m & 0x400u));
+            u = sign | uint32_t(127 - 15 - e) << 23 | (m & 0x3ffu) << 13;
+        }
+    } else if (exp == 31) {
+        u = sign | 0x7f800000u | man << 13;
+    } else {
+        u = sign | (exp + 112u) << 23 | man << 13;
+    }
+    float v;
+    std::memcpy(&v, &u, 4);
+    return v;
+}
+
+inline float f16_at(const uint8_t* p) { uint16_t h; std::memcpy(&h, p, 2); return fp16_to_float(h); }
+
+constexpr int8_t IQ4_NL_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+struct GgmlType { int block, size; };
+
+// GGML type id -> (weights, bytes) a block; {0, 0}: a type Kiln has no kernel for.
+inline GgmlType ggml_type(int t) {
+    switch (t) {
+        case 0: return {1, 4};     case 1: return {1, 2};     case 30: return {1, 2};
+        case 2: return {32, 18};   case 3: return {32, 20};   case 6: return {32, 22};
+        case 7: return {32, 24};   case 8: return {32, 34};   case 10: return {256, 84};
+        case 11: return {256, 110}; case 12: return {256, 144}; case 13: return {256, 176};
+        case 14: return {256, 210}; case 20: return {32, 18};  case 23: return {256, 136};
+        default: return {0, 0};
+    }
+}
+
+// q4_k / q5_k: sub-block j's 6-bit scale and min (ggml's get_scale_min_k4).
+inline void scale_min_k4(int j, const uint8_t* q, int& sc, int& m) {
+    if (j < 4) {
+        sc = q[j] & 63;
+        m = q[j + 4] & 63;
+    } else {
+        sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+        m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+
+// One block of type t (t's block weights; float types: n weights) → o, as gguf.quants.dequantize computes it.
+void dequant_block(int t, const uint8_t* b, float* o, int n) {
+    switch (t) {
+        case 0: std::memcpy(o, b, 4 * (size_t)n); return;
+        case 1: for (int i = 0; i < n; ++i) o[i] = f16_at(b + 2 * i); return;
+        case 30: for (int i = 0; i < n; ++i) { uint16_t h; std::memcpy(&h, b + 2 * i, 2); o[i] = bf16_to_float(h); } return;
+        case 2: {                                     // q4_0
+            const float d = f16_at(b);
+            for (int j = 0; j < 16; ++j) {
+                o[j] = d * float((b[2 + j] & 15) - 8);
+                o[j + 16] = d * float((b[2 + j] >> 4) - 8);
+            }
+            return;
+        }
+        case 3: {                                     // q4_1
+            const float d = f16_at(b), m = f16_at(b + 2);
+            for (int j = 0; j < 16; ++j) {
+                o[j] = d * float(b[4 + j] & 15) + m;
+                o[j + 16] = d * float(b[4 + j] >> 4) + m;
+            }
+            return;
+        }
+        case 6: case 7: {                             // q5_0, q5_1
+            const bool one = t == 7;
+            const float d = f16_at(b), m = one ? f16_at(b + 2) : 0.f;
+            uint32_t qh;
+            std::memcpy(&qh, b + (one ? 4 : 2), 4);
+            const uint8_t* qs = b + (one ? 8 : 6);
+            for (int j = 0; j < 16; ++j) {
+                const int lo = (qs[j] & 15) | ((qh >> j) & 1) << 4, hi = (qs[j] >> 4) | ((qh >> (j + 16)) & 1) << 4;
+                if (one) {
+                    o[j] = d * float(lo) + m;
+                    o[j + 16] = d * float(hi) + m;
+                } else {
+                    o[j] = d * float(lo - 16);
+                    o[j + 16] = d * float(hi - 16);
+                }
+            }
+            return;
+        }
+        case 8: {                                     // q8_0
+            const float d = f16_at(b);
+            for (int j = 0; j < 32; ++j) o[j] = float(int8_t(b[2 + j])) * d;
+            return;
+        }
+        case 10: {                                    // q2_k: scales 16 | qs 64 | d | dmin
+            const float d = f16_at(b + 80), dmin = f16_at(b + 82);
+            for (int i = 0; i < 256; ++i) {
+                const int s = i / 16, h = i / 128, sh = (i % 128) / 32, j = i % 32;
+                const float dl = d * float(b[s] & 15), ml = dmin * float(b[s] >> 4);
+                o[i] = dl * float((b[16 + h * 32 + j] >> (2 * sh)) & 3) - ml;
+            }
+            return;
+        }
+        case 11: {                                    // q3_k: hmask 32 | qs 64 | scales 12 | d
+            const float d = f16_at(b + 108);
+            const uint8_t* sc = b + 96;
+            for (int i = 0; i < 256; ++i) {
+                const int s = i / 16;
+                const int lo = s < 8 ? sc[s] & 15 : sc[s - 8] >> 4;
+                const int hi = (sc[8 + s % 4] >> (2 * (s / 4))) & 3;
+                const float dl = d * float(int8_t(uint8_t(lo | hi << 4)) - 32);
+                const int h = i / 128, sh = (i % 128) / 32, j = i % 32;
+                const int ql = (b[32 + h * 32 + j] >> (2 * sh)) & 3;
+                const int bit = (b[j] >> (i / 32)) & 1;
+                o[i] = dl * float(ql - (bit ? 0 : 4));
+            }
+            return;
+        }
+        case 12: case 13: {                           // q4_k, q5_k: d | dmin | scales 12 | (qh 32 |) qs 128
+            const bool five = t == 13;
+            const float d = f16_at(b), dmin = f16_at(b + 2);
+            const uint8_t* qs = b + (five ? 48 : 16);
+            for (int j = 0; j < 8; ++j) {
+                int sc, m;
+                scale_min_k4(j, b + 4, sc, m);
+                const float ds = d * float(sc), dm = dmin * float(m);
+                for (int r = 0; r < 32; ++r) {
+                    int q = (qs[(j / 2) * 32 + r] >> (4 * (j % 2))) & 15;
+                    if (five) q |= ((b[16 + r] >> j) & 1) << 4;
+                    o[32 * j + r] = ds * float(q) - dm;
+                }
+            }
+            return;
+        }
+        case 14: {                                    // q6_k: ql 128 | qh 64 | scales 16 (int8) | d
+            const float d = f16_at(b + 208);
+            for (int i = 0; i < 256; ++i) {
+                const int h = i / 128, r = i % 128;
+                const int ql = (b[h * 64 + r % 64] >> (4 * (r / 64))) & 15;
+                const int qh = (b[128 + h * 32 + r % 32] >> (2 * (r / 32))) & 3;
+                o[i] = (d * float(int8_t(b[192 + i / 16]))) * float((ql | qh << 4) - 32);
+            }
+            return;
+        }
+        case 20: {                                    // iq4_nl
+            const float d = f16_at(b);
+            for (int j = 0; j < 16; ++j) {
+                o[j] = d * float(IQ4_NL_VALUES[b[2 + j] & 15]);
+                o[j + 16] = d * float(IQ4_NL_VALUES[b[2 + j] >> 4]);
+            }
+            return;
+        }
+        case 23: {                                    // iq4_xs: d | scales_h u16 | scales_l 4 | qs 128
+            const float d = f16_at(b);
+            uint16_t sh;
+            std::memcpy(&sh, b + 2, 2);
+            for (int j = 0; j < 8; ++j) {
+                const int ls = (b[4 + j / 2] >> (4 * (j % 2))) & 15, hs = (sh >> (2 * j)) & 3;
+                const float dl = d * float(int8_t(uint8_t(ls | hs << 4)) - 32);
+                const uint8_t* qs = b + 8 + 16 * j;
+                for (int r = 0; r < 16; ++r) {
+                    o[32 * j + r] = dl * float(IQ4_NL_VALUES[qs[r] & 15]);
+                    o[32 * j + 16 + r] = dl * float(IQ4_NL_VALUES[qs[r] >> 4]);
+                }
+            }
+            return;
+        }
+    }
+}
+
+constexpr int GGML_ROWS = 32;        // rows of x a dequantized block is dotted with before the next chunk of x
+
+// y [M, N] = x [M, K] · Wᵀ, W [N, K] in GGML type t (rows of K/block·size bytes, K a multiple of the block).
+void ggml_mm(int t, const float* x, int M, int K, const uint8_t* w, int N, float* y, int threads) {
+    const GgmlType gt = ggml_type(t);
+    const int per = gt.block == 1 ? 256 : gt.block;            // float types: 256 weights a step
+    const size_t row_bytes = (size_t)K / gt.block * gt.size, step_bytes = (size_t)per / gt.block * gt.size;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int n = 0; n < N; ++n) {
+        const uint8_t* row = w + (size_t)n * row_bytes;
+        if (!(n & 3)) _mm_prefetch((const char*)row + PREFETCH, _MM_HINT_T0);
+        for (int m0 = 0; m0 < M; m0 += GGML_ROWS) {
+            const int mc = M - m0 < GGML_ROWS ? M - m0 : GGML_ROWS;
+            float acc[GGML_ROWS] = {0};
+            float buf[256];
+            for (int k0 = 0, s = 0; k0 < K; k0 += per, ++s) {
+                const int nk = K - k0 < per ? K - k0 : per;
+                dequant_block(t, row + s * step_bytes, buf, nk);
+                for (int m = 0; m < mc; ++m) {
+                    const float* xr = x + (size_t)(m0 + m) * K + k0;
+                    float d = 0.f;
+#pragma omp simd reduction(+ : d)
+                    for (int i = 0; i < nk; ++i) d += buf[i] * xr[i];
+                    acc[m] += d;
+                }
+            }
+            for (int m = 0; m < mc; ++m) y[(size_t)(m0 + m) * N + n] = acc[m];
+        }
     }
 }
 
@@ -449,6 +658,25 @@ void q8_gemv(const float* x, int K, const int8_t* q, const float* d, int N, floa
 #endif
         }
     }
+}
+
+// GGML types (engine.quant.ggml): 1 where type t has a kernel here, else 0.
+int ggml_supported(int t) { return ggml_type(t).block != 0; }
+
+// y [M, N] = x [M, K] · Wᵀ, W [N, K] a GGUF matrix of GGML type t, as the file holds its blocks (K whole blocks).
+void ggml_matmul(int t, const float* x, int M, int K, const uint8_t* w, int N, float* y, int threads) {
+    ggml_mm(t, x, M, K, w, N, y, threads);
+}
+
+// One expert on one token from three GGUF matrices, each in its own type: gate, up [I, H], down [H, I];
+// y [H] = down(silu(gate x) * up x). scratch: 3I floats.
+void ggml_ffn(const float* x, int H, int I, const uint8_t* gate, int gt, const uint8_t* up, int ut,
+              const uint8_t* down, int dt, float* scratch, float* y, int threads) {
+    float *g = scratch, *u = scratch + I, *h = scratch + 2 * I;
+    ggml_mm(gt, x, 1, H, gate, I, g, threads);
+    ggml_mm(ut, x, 1, H, up, I, u, threads);
+    for (int i = 0; i < I; ++i) h[i] = (g[i] / (1.0f + std::exp(-g[i]))) * u[i];
+    ggml_mm(dt, h, 1, I, down, H, y, threads);
 }
 
 }  // extern "C"

@@ -1,0 +1,198 @@
+"""Every GGML type a standard GGUF uses (engine.quant.ggml): each kernel — the CPU native one
+(engine.kernels.native.ggml_matmul / ggml_ffn) and the Triton one (engine.kernels.quant_triton, run by Triton's
+interpreter on CPU tensors here, TRITON_INTERPRET=1; on CUDA the same tests run on the device: the integrator runs
+them on the H200, they skip without CUDA) — against the gguf package's own dequantization followed by a matmul, on
+random blocks holding the edge cases: a zero scale, the extreme codes (all bits clear, all set), and rows that are
+not a multiple of 256 where the type allows it (32-weight blocks: 96 and 160 inputs). Expert records whose three
+matrices each keep their own type, the manifest's per-layer types and verify-store's check of them are here too.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+if not CUDA:            # before anything imports triton: the interpreter is chosen when kernels are defined
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from engine.kernels import native  # noqa: E402
+from engine.quant import ggml  # noqa: E402
+from engine.quant.records import QuantLayout, mixed_scheme  # noqa: E402
+
+gguf = pytest.importorskip("gguf")
+
+QUANTIZED = [n for n in ggml.TYPES if n not in ggml.FLOAT_TYPES]
+# Where each type keeps its fp16 scales (d, dmin, m): random bytes there could be inf or NaN.
+FP16_AT = {"q4_0": (0,), "q4_1": (0, 2), "q5_0": (0,), "q5_1": (0, 2), "q8_0": (0,), "q2_k": (80, 82),
+           "q3_k": (108,), "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,), "iq4_nl": (0,), "iq4_xs": (0,)}
+
+
+def random_blocks(name: str, out: int, inp: int, gen: torch.Generator) -> torch.Tensor:
+    """uint8 [out, row bytes] of type `name`: random codes and sub-scales, small finite fp16 scales; block 0 has a
+    zero scale, block 1 every code bit clear, block 2 every code bit set (the extreme codes)."""
+    t = ggml.ggml_type(name)
+    if name in ggml.FLOAT_TYPES:
+        w = torch.randn(out, inp, generator=gen)
+        w[0, :3] = torch.tensor([0.0, 65504.0, -2.0 ** -20])
+        dt = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}[name]
+        return w.to(dt).contiguous().view(torch.uint8).reshape(out, -1)
+    nb = out * inp // t.block
+    b = torch.randint(0, 256, (nb, t.size), dtype=torch.uint8, generator=gen)
+    b[1], b[2] = 0, 255
+    for at in FP16_AT[name]:
+        d = ((torch.rand(nb, generator=gen) * 0.02 + 0.001) * torch.where(torch.rand(nb, generator=gen) < 0.2, -1, 1))
+        b[:, at:at + 2] = d.to(torch.float16).view(torch.uint8).reshape(nb, 2)
+    b[0, FP16_AT[name][0]:FP16_AT[name][0] + 2] = 0
+    return b.reshape(out, -1)
+
+
+def gguf_dense(name: str, blocks: torch.Tensor, out: int, inp: int) -> torch.Tensor:
+    """The oracle: gguf.quants.dequantize of the blocks, as float64 for the matmul."""
+    raw = blocks.numpy().reshape(out, -1)
+    w = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(ggml.ggml_type(name).code))
+    return torch.from_numpy(np.asarray(w, dtype=np.float32).reshape(out, inp)).double()
+
+
+def inputs_for(name: str) -> list[int]:
+    """Row lengths: two super-blocks for the 256-weight types, rows not a multiple of 256 for the others."""
+    return [512] if ggml.ggml_type(name).block == 256 else [96, 160]
+
+
+def matmul_bound(x: torch.Tensor, w: torch.Tensor, rel: float = 1e-5):
+    """(x·wᵀ in float64, the bound on fp32 summation error of each output: rel·(|x|·|w|ᵀ))."""
+    return x.double() @ w.t(), rel * (x.double().abs() @ w.abs().t()) + 1e-30
+
+
+def close(got: torch.Tensor, want_bound):
+    want, bound = want_bound
+    err = (got.double() - want).abs()
+    assert bool((err <= bound).all()), f"off by {float((err / bound).max()):.1f}x the fp32 bound"
+
+
+def test_every_type_is_known_and_sized_as_gguf_says():
+    for name, t in ggml.TYPES.items():
+        qt = gguf.GGMLQuantizationType(t.code)
+        assert qt.name.lower() == name and gguf.GGML_QUANT_SIZES[qt] == (t.block, t.size)
+    with pytest.raises(ggml.UnknownType, match="IQ2_XXS"):
+        ggml.ggml_type("IQ2_XXS")
+
+
+@pytest.mark.skipif(native.lib() is None, reason="no C++ compiler: the native kernels are not built")
+@pytest.mark.parametrize("name", list(ggml.TYPES))
+def test_native_matmul_is_gguf_dequantize_then_matmul(name):
+    gen = torch.Generator().manual_seed(ggml.ggml_type(name).code)
+    assert native.ggml_supported(ggml.ggml_type(name).code)
+    for inp in inputs_for(name):
+        out = 48
+        blocks = random_blocks(name, out, inp, gen)
+        want_w = gguf_dense(name, blocks, out, inp)
+        for m in (1, 3):
+            x = torch.randn(m, inp, generator=gen)
+            got = native.ggml_matmul(ggml.ggml_type(name).code, x, blocks, out)
+            close(got, matmul_bound(x, want_w))
+
+
+# A record per standard mix: llama-quantize's Q4_K_M (Q6_K down), a row not a multiple of 256 (Q5_0 / Q8_0
+# fallbacks), the dynamic quants' IQ4_XS with Q5_K, and the rest of the types, so each type goes through an FFN.
+MIXES = [("q4_k", "q4_k", "q6_k"), ("q2_k", "q3_k", "q5_k"), ("iq4_xs", "iq4_xs", "q5_k"), ("f16", "bf16", "f32"),
+         ("q4_0", "q4_1", "q5_0"), ("q5_1", "q8_0", "iq4_nl")]
+
+
+def mixed_record(types, hidden: int, inter: int, gen: torch.Generator, layout: QuantLayout | None = None):
+    """(layout, record, gate, up, down as gguf dequantizes them) for an expert whose matrices have `types`."""
+    lay = layout or QuantLayout(hidden, inter, mixed_scheme(types))
+    blocks = [random_blocks(t, o, i, gen) for t, (o, i) in zip(types, ((inter, hidden), (inter, hidden), (hidden, inter)))]
+    rec = lay.pack_blocks(*blocks, types=types)
+    dense = [gguf_dense(t, b, o, i) for t, b, (o, i) in
+             zip(types, blocks, ((inter, hidden), (inter, hidden), (hidden, inter)))]
+    return lay, rec, dense
+
+
+def ffn64(x: torch.Tensor, gate, up, down) -> torch.Tensor:
+    x = x.double()
+    return torch.nn.functional.silu(x @ gate.t()) * (x @ up.t()) @ down.t()
+
+
+def shape_of(types) -> tuple[int, int]:
+    """(hidden, intermediate): 256-weight types need whole super-blocks; the others get a 96-wide expert FFN."""
+    sup = any(ggml.ggml_type(t).block == 256 for t in types)
+    return (256, 512) if sup else (128, 96)
+
+
+@pytest.mark.parametrize("types", MIXES, ids=["/".join(m) for m in MIXES])
+def test_a_record_keeps_each_matrix_in_its_own_type(types):
+    gen = torch.Generator().manual_seed(7)
+    h, i = shape_of(types)
+    lay, rec, dense = mixed_record(types, h, i, gen)
+    assert rec.numel() == lay.record_bytes and lay.record_bytes % 4096 == 0
+    assert lay.record_types(rec) == types
+    for got, want in zip(lay.dequantize(rec), dense):
+        assert torch.equal(got.double(), want)          # the plain path is gguf's dequantization itself
+
+
+@pytest.mark.skipif(native.lib() is None, reason="no C++ compiler: the native kernels are not built")
+@pytest.mark.parametrize("types", MIXES, ids=["/".join(m) for m in MIXES])
+def test_native_expert_ffn_on_a_mixed_record(types):
+    from engine.kernels.quant_cpu import quant_ffn
+    gen = torch.Generator().manual_seed(8)
+    h, i = shape_of(types)
+    lay, rec, (g, u, d) = mixed_record(types, h, i, gen)
+    for m in (1, 4):                                    # one token: ggml_ffn; more: three ggml_matmul calls
+        x = torch.randn(m, h, generator=gen) * 0.5
+        want = ffn64(x, g, u, d)
+        got = quant_ffn(lay, rec, x)
+        torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
+
+
+def test_a_record_in_a_wider_layout_and_a_type_too_wide_for_it():
+    """A layer whose down is Q4_K in a store sized for Q6_K downs: the record says so in its header."""
+    gen = torch.Generator().manual_seed(9)
+    wide = QuantLayout(256, 512, mixed_scheme(("q4_k", "q4_k", "q6_k")))
+    lay, rec, dense = mixed_record(("q4_k", "q4_k", "q4_k"), 256, 512, gen, layout=wide)
+    assert lay.record_types(rec) == ("q4_k", "q4_k", "q4_k")
+    for got, want in zip(lay.dequantize(rec), dense):
+        assert torch.equal(got.double(), want)
+    narrow = QuantLayout(256, 512, mixed_scheme(("q4_k", "q4_k", "q4_k")))
+    with pytest.raises(ValueError, match="down: a q6_k matrix .* does not fit"):
+        mixed_record(("q4_k", "q4_k", "q6_k"), 256, 512, gen, layout=narrow)
+    with pytest.raises(ValueError, match="not whole q4_k blocks"):
+        QuantLayout(256, 96, mixed_scheme(("q4_k", "q4_k", "q4_k")))       # down's row of 96
+
+
+def test_expert_layout_keeps_the_one_type_schemes_and_sizes_mixed_ones_for_the_widest():
+    from engine.quant.tensors import expert_layout
+    assert expert_layout(256, 512, [("Q4_K",) * 3, ("q4_k",) * 3]).quant == "q4_k"
+    lay = expert_layout(256, 512, [("q4_k", "q4_k", "q6_k"), ("q4_k", "q4_k", "q4_k")])
+    assert lay.quant == "ggml:q4_k,q4_k,q6_k" and lay.record_bytes % 4096 == 0
+    assert expert_layout(2048, 1408, [("q4_k", "q4_k", "q5_0")]).quant == "ggml:q4_k,q4_k,q5_0"   # GLM-4.5-Air's width
+    with pytest.raises(ValueError, match="1408 weights is not whole q6_k blocks"):
+        expert_layout(2048, 1408, [("q4_k", "q4_k", "q6_k")])
+
+
+@pytest.mark.parametrize("name", list(ggml.TYPES))
+def test_weight_keeps_blocks_on_the_cpu_and_computes_as_gguf(name, caplog):
+    from engine.quant.tensors import weight
+    gen = torch.Generator().manual_seed(10)
+    inp = 256 if ggml.ggml_type(name).block == 256 else 96
+    blocks = random_blocks(name, 64, inp, gen)
+    want = gguf_dense(name, blocks, 64, inp)
+    p = weight(f"blk.0.attn_q.weight", name.upper(), [64, inp], blocks.numpy())
+    x = torch.randn(2, inp, generator=gen)
+    got = p(x)
+    if name in ("q4_1", "q4_k"):            # torch's int4 operand: bf16 edges (engine.projection.Int4Projection)
+        torch.testing.assert_close(got.double(), x.double() @ want.t(), rtol=0.02, atol=0.02 * float(got.abs().max()))
+    else:
+        close(got, matmul_bound(x, want))
+    t = weight("blk.0.attn_norm.weight", name, [64, inp], blocks, linear=False)
+    assert t.dtype == torch.float32 and torch.equal(t.double(), want)
+    with pytest.raises(ValueError, match="blk.0.x.weight: .* bytes, its type and shape need"):
+        weight("blk.0.x.weight", name, [64, inp], blocks.reshape(-1)[:-1])
+
+
+def test_weight_names_a_type_kiln_lacks():
+    from engine.quant.tensors import weight
+    with pytest.raises(ValueError, match="output.weight: GGML type IQ2_XXS is not one Kiln reads"):
+        weight("output.weight", "IQ2_XXS", [8, 256], np.zeros(8 * 66, np.uint8))
