@@ -196,3 +196,192 @@ def test_weight_names_a_type_kiln_lacks():
     from engine.quant.tensors import weight
     with pytest.raises(ValueError, match="output.weight: GGML type IQ2_XXS is not one Kiln reads"):
         weight("output.weight", "IQ2_XXS", [8, 256], np.zeros(8 * 66, np.uint8))
+
+
+# ------------------------------------------------------------------ a GGUF whose experts mix types: pack, verify, serve
+
+# Per MoE layer of the tiny Mixtral (hidden = intermediate = 256): a Q4_K_M layer (Q6_K down), a plain Q4_K one,
+# and one of the 32-weight fallbacks.
+LAYER_TYPES = [("q4_k", "q4_k", "q6_k"), ("q4_k", "q4_k", "q4_k"), ("q5_0", "q8_0", "iq4_nl")]
+
+
+def write_mixed_gguf(path, ck, layer_types, gen) -> dict:
+    """A GGUF with `ck`'s shape of experts in `layer_types` (random blocks) → {(layer, kind): dequantized [E, out, in]}."""
+    w = gguf.GGUFWriter(str(path), "mixtral")
+    dense = {}
+    for l, types in zip(ck.moe_layers, layer_types):
+        for kind, t, (o, i) in zip(("ffn_gate", "ffn_up", "ffn_down"), types,
+                                   ((ck.moe_intermediate, ck.hidden),) * 2 + ((ck.hidden, ck.moe_intermediate),)):
+            blocks = [random_blocks(t, o, i, gen) for _ in range(ck.n_experts)]
+            raw = np.stack([b.numpy() for b in blocks])
+            qt = gguf.GGMLQuantizationType(ggml.ggml_type(t).code)
+            w.add_tensor(f"blk.{l}.{kind}_exps.weight", raw, raw_dtype=qt)
+            dense[(l, kind)] = torch.stack([gguf_dense(t, b, o, i).float() for b in blocks])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dense
+
+
+@pytest.fixture(scope="module")
+def mixed(tiny_checkpoint, tmp_path_factory):
+    """(checkpoint dir whose experts ARE the GGUF's dequantized ones, the GGUF, a store packed from it)."""
+    import shutil
+    from safetensors.torch import load_file, save_file
+    from engine.checkpoint import Checkpoint
+    from engine.cli import main
+    src = tiny_checkpoint("mixtral", hidden=256, layers=3, experts=4)
+    tmp = tmp_path_factory.mktemp("mixed")
+    ck_dir = tmp / "ck"
+    shutil.copytree(src, ck_dir)
+    ck = Checkpoint(ck_dir)
+    g = tmp / "mixed.gguf"
+    dense = write_mixed_gguf(g, ck, LAYER_TYPES, torch.Generator().manual_seed(20))
+    for f in ck_dir.glob("*.safetensors"):
+        tensors = load_file(f)
+        for l in ck.moe_layers:
+            for which, kind in enumerate(("ffn_gate", "ffn_up", "ffn_down")):
+                for e in range(ck.n_experts):
+                    key = ck.expert_key(l, e, which)
+                    if key in tensors:
+                        tensors[key] = dense[(l, kind)][e].to(tensors[key].dtype).contiguous()
+        save_file(tensors, f, metadata={"format": "pt"})
+    store = tmp / "store"
+    assert main(["pack-store", "-q", "--model", str(ck_dir), "--store", str(store), "--quant", "gguf",
+                 "--gguf", str(g), "--order", "cols"]) == 0
+    return ck_dir, g, store
+
+
+def test_pack_store_keeps_a_mixed_ggufs_blocks_and_the_manifest_its_types(mixed):
+    from engine.store import manifest as mf
+    ck_dir, g, store = mixed
+    m = mf.load(store)
+    assert m.quant == "ggml:q5_0,q8_0,q6_k"            # each region sized for its matrix's widest type
+    assert m.layer_types == [list(t) for t in LAYER_TYPES]
+    tensors = {t.name: t for t in gguf.GGUFReader(str(g)).tensors}
+    data = (store / "experts.bin").read_bytes()
+    lay = m.layout.quantized
+    for r in m.records:
+        rec = torch.frombuffer(bytearray(data[r.offset:r.offset + m.record_bytes]), dtype=torch.uint8)
+        assert lay.record_types(rec) == tuple(m.layer_types[m.moe_layers.index(r.layer)])
+        for name, kind in (("gate", "ffn_gate"), ("up", "ffn_up"), ("down", "ffn_down")):
+            want = np.asarray(tensors[f"blk.{r.layer}.{kind}_exps.weight"].data[r.expert]).tobytes()
+            assert lay.region(rec, name).numpy().tobytes()[:len(want)] == want       # byte for byte
+
+
+def test_verify_store_checks_each_records_types_against_the_manifest_and_the_gguf(mixed, tmp_path, capsys):
+    import json
+    import shutil
+    from engine.checkpoint import Checkpoint
+    from engine.cli import main
+    from engine.store import manifest as mf
+    from engine.store.manifest_file import write_with_sidecar
+    ck_dir, g, store = mixed
+    assert main(["verify-store", "-q", "--store", str(store), "--gguf", str(g), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["bad"] == []
+    # another quantization of the same model: layer 1's downs in Q6_K
+    other = tmp_path / "other.gguf"
+    write_mixed_gguf(other, Checkpoint(ck_dir),
+                     [LAYER_TYPES[0], LAYER_TYPES[0], LAYER_TYPES[2]], torch.Generator().manual_seed(21))
+    assert main(["verify-store", "-q", "--store", str(store), "--gguf", str(other)]) == 3
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "layer 1's records are q4_k/q4_k/q4_k" in err and "q4_k/q4_k/q6_k" in err
+    # a manifest (with its sidecar and the record's sha256 made to match) that lies about a record's types
+    bad = tmp_path / "bad"
+    shutil.copytree(store, bad)
+    raw = json.loads((bad / "manifest.json").read_text())
+    raw["layer_types"][1] = ["q4_k", "q4_k", "q6_k"]
+    write_with_sidecar(bad / "manifest.json", raw)
+    assert main(["verify-store", "-q", "--store", str(bad)]) == 8
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "layer 1 expert 0's record holds q4_k/q4_k/q4_k, the manifest says q4_k/q4_k/q6_k" in err
+    raw["layer_types"] = raw["layer_types"][:2]
+    write_with_sidecar(bad / "manifest.json", raw)
+    with pytest.raises(Exception, match="2 layer_types for 3 moe_layers"):
+        mf.load(bad)
+
+
+def test_a_store_of_mixed_records_serves_as_its_float_checkpoint(mixed):
+    """The records through the native per-type kernels (tiers: a RAM tier smaller than the store) against the
+    checkpoint whose experts are the GGUF's dequantized blocks, run by the plain float path."""
+    from engine.checkpoint import Checkpoint
+    from engine.loader import load_model
+    from engine.tiers import build_provider
+    ck_dir, g, store = mixed
+    ck = Checkpoint(ck_dir)
+    ids = torch.randint(0, 300, (7,), generator=torch.Generator().manual_seed(22))
+    ref = load_model(ck_dir, device="cpu", dtype="float32", max_context=32, max_batch=1)
+    tiered = load_model(ck_dir, provider=build_provider(ck, store, ram_slots=3, readers=1), device="cpu",
+                        dtype="float32", max_context=32, max_batch=1)
+    try:
+        with torch.inference_mode():
+            a, f = tiered.prefill(ids, 0), ref.prefill(ids, 0)
+            torch.testing.assert_close(a, f, rtol=1e-4, atol=1e-4 * float(f.abs().max()))
+            tok = int(f.argmax())
+            torch.testing.assert_close(tiered.decode_step([tok], [0], [7]), ref.decode_step([tok], [0], [7]),
+                                       rtol=1e-4, atol=1e-4 * float(f.abs().max()))
+    finally:
+        tiered.provider.close()
+
+
+# ------------------------------------------------------------------ the Triton kernels, per type
+
+DEV = torch.device("cuda" if CUDA else "cpu")
+# Each type through the kernels, arranged as records: a 32-weight-type expert 64 x 96 (96: rows not a multiple of
+# the kernels' 128-wide tiles, so the masks bite), a 256-weight one 256 x 256.
+TRITON_MIXES = MIXES + [("q6_k", "q2_k", "iq4_xs")]
+
+
+@pytest.mark.parametrize("types", TRITON_MIXES, ids=["/".join(m) for m in TRITON_MIXES])
+def test_triton_kernels_on_records_of_every_type(types):
+    """The decode GEMVs and the prefill grouped GEMM (weights element by element, each matrix's type read from its
+    record's header) against gguf's dequantization then a float64 matmul. On CUDA (the H200) this runs on the
+    device; without CUDA through Triton's interpreter."""
+    pytest.importorskip("triton", reason="triton is not installed (CUDA builds of torch carry it)")
+    from functools import partial
+
+    from engine.kernels.quant_triton import available, quant_grouped_moe, quant_slot_moe
+    if not available(DEV):
+        pytest.skip("no CUDA device and TRITON_INTERPRET is not 1")
+    if not CUDA:        # the interpreter runs each program in numpy: fewer, larger blocks (the masks still bite)
+        quant_slot_moe = partial(quant_slot_moe, block_i=64, block_h=128)
+        quant_grouped_moe = partial(quant_grouped_moe, block_n=128, block_k=128)
+    gen = torch.Generator().manual_seed(30)
+    h, i = (256, 256) if any(ggml.ggml_type(t).block == 256 for t in types) else (64, 96)
+    lay = QuantLayout(h, i, mixed_scheme(types))
+    made = [mixed_record(types, h, i, gen, layout=lay) for _ in range(3)]
+    arena = torch.stack([rec for _, rec, _ in made]).to(DEV)
+    for t, k in [(1, 2), (3, 2)]:
+        x = torch.randn(t, h, generator=gen)
+        slots = torch.randint(0, 3, (t, k), generator=gen)
+        w = torch.rand(t, k, generator=gen)
+        want = torch.zeros(t, h, dtype=torch.float64)
+        for a in range(t):
+            for b in range(k):
+                want[a] += float(w[a, b]) * ffn64(x[a:a + 1], *made[int(slots[a, b])][2])[0]
+        for name, fn in [("gemv", quant_slot_moe), ("grouped gemm", quant_grouped_moe)]:
+            got = fn(x.to(DEV), arena, slots.to(DEV), w.to(DEV), lay).double().cpu()
+            assert float((got - want).norm() / want.norm()) < 1e-5, (name, t, k)
+
+
+def test_triton_reads_each_records_own_types():
+    """A store sized for Q4_K_M layers (Q6_K downs) holding a layer whose downs are Q4_K: one launch over picks
+    of both kinds of record computes each with its own types."""
+    pytest.importorskip("triton", reason="triton is not installed (CUDA builds of torch carry it)")
+    from functools import partial
+
+    from engine.kernels.quant_triton import available, quant_slot_moe
+    if not available(DEV):
+        pytest.skip("no CUDA device and TRITON_INTERPRET is not 1")
+    if not CUDA:
+        quant_slot_moe = partial(quant_slot_moe, block_i=64, block_h=128)
+    gen = torch.Generator().manual_seed(31)
+    lay = QuantLayout(256, 256, mixed_scheme(("q4_k", "q4_k", "q6_k")))
+    made = [mixed_record(t, 256, 256, gen, layout=lay) for t in (("q4_k", "q4_k", "q6_k"), ("q4_k", "q4_k", "q4_k"))]
+    arena = torch.stack([rec for _, rec, _ in made]).to(DEV)
+    x = torch.randn(1, 256, generator=gen)
+    w = torch.tensor([[0.25, 0.75]])
+    want = 0.25 * ffn64(x, *made[0][2]) + 0.75 * ffn64(x, *made[1][2])
+    got = quant_slot_moe(x.to(DEV), arena, torch.tensor([[0, 1]]).to(DEV), w.to(DEV), lay).double().cpu()
+    assert float((got - want).norm() / want.norm()) < 1e-5
