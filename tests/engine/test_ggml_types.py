@@ -385,3 +385,15 @@ def test_triton_reads_each_records_own_types():
     want = 0.25 * ffn64(x, *made[0][2]) + 0.75 * ffn64(x, *made[1][2])
     got = quant_slot_moe(x.to(DEV), arena, torch.tensor([[0, 1]]).to(DEV), w.to(DEV), lay).double().cpu()
     assert float((got - want).norm() / want.norm()) < 1e-5
+
+
+def test_weight_off_the_cpu_is_dequantized_once_and_the_log_says_so(caplog):
+    """No device but the CPU keeps dense blocks (the Triton kernels are the experts'): elsewhere a quantized weight
+    is dequantized at load, in the model dtype, and logged by name. (The meta device stands in for CUDA here.)"""
+    import logging
+    from engine.quant.tensors import weight
+    blocks = random_blocks("q6_k", 8, 256, torch.Generator().manual_seed(40))
+    with caplog.at_level(logging.INFO, logger="engine.quant"):
+        p = weight("blk.3.attn_v.weight", "Q6_K", [8, 256], blocks, device="meta", dtype=torch.bfloat16)
+    assert p.weight.device.type == "meta" and p.weight.dtype == torch.bfloat16 and p.weight.shape == (8, 256)
+    assert "blk.3.attn_v.weight: no kernel keeps Q6_K blocks on meta here; dequantized at load" in caplog.text
