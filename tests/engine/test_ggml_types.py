@@ -333,6 +333,7 @@ DEV = torch.device("cuda" if CUDA else "cpu")
 TRITON_MIXES = MIXES + [("q6_k", "q2_k", "iq4_xs")]
 
 
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp")     # silu of a large negative gate: 0, as on a GPU
 @pytest.mark.parametrize("types", TRITON_MIXES, ids=["/".join(m) for m in TRITON_MIXES])
 def test_triton_kernels_on_records_of_every_type(types):
     """The decode GEMVs and the prefill grouped GEMM (weights element by element, each matrix's type read from its
@@ -352,7 +353,7 @@ def test_triton_kernels_on_records_of_every_type(types):
     lay = QuantLayout(h, i, mixed_scheme(types))
     made = [mixed_record(types, h, i, gen, layout=lay) for _ in range(3)]
     arena = torch.stack([rec for _, rec, _ in made]).to(DEV)
-    for t, k in [(1, 2), (3, 2)]:
+    for t, k in [(1, 2), (3, 2)] if CUDA or h < 256 else [(2, 2)]:      # the interpreter is slow: one shape of 256s
         x = torch.randn(t, h, generator=gen)
         slots = torch.randint(0, 3, (t, k), generator=gen)
         w = torch.rand(t, k, generator=gen)
@@ -365,6 +366,7 @@ def test_triton_kernels_on_records_of_every_type(types):
             assert float((got - want).norm() / want.norm()) < 1e-5, (name, t, k)
 
 
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp")
 def test_triton_reads_each_records_own_types():
     """A store sized for Q4_K_M layers (Q6_K downs) holding a layer whose downs are Q4_K: one launch over picks
     of both kinds of record computes each with its own types."""
