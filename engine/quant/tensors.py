@@ -73,7 +73,7 @@ def native_kernel(ggml_type: str | int) -> bool:
 
 
 def weight(name: str, ggml_type: str | int, shape: Sequence[int], raw, *, device: str | torch.device = "cpu",
-           dtype: torch.dtype = torch.float32, linear: bool = True):
+           dtype: torch.dtype = torch.float32, linear: bool = True, rows: bool = False):
     """One GGUF tensor → what the engine computes with.
 
     name: the tensor's name (for messages); ggml_type: its GGML type, by name ("Q4_K") or code (GGUFReader's
@@ -83,7 +83,9 @@ def weight(name: str, ggml_type: str | int, shape: Sequence[int], raw, *, device
     where 64 rows tile it), Q8_0 as codes and scales (Q8Projection), every other quantized type as a
     BlockProjection — and float types become a Projection in `dtype`. Elsewhere (another device, or no native
     kernel here) the blocks are dequantized once to `dtype`, and the log says so; the result is then a
-    Projection for linear=True, else a tensor (norms, biases, routers, embeddings: linear=False).
+    Projection for linear=True, else a tensor (norms, biases, routers: linear=False).
+    rows=True (with linear=True): the vocabulary, whose kept blocks also serve the embedding's lookups — the result
+    has .rows(ids) (Q8Projection or BlockProjection; a float type's Projection: index its .weight's transpose).
     ValueError (its message names the tensor) for a type Kiln lacks or bytes that disagree with the shape."""
     try:
         t = ggml.ggml_type(ggml_type)
@@ -104,7 +106,7 @@ def weight(name: str, ggml_type: str | int, shape: Sequence[int], raw, *, device
         w = blocks.view(FLOAT_DTYPES[t.name]).reshape(shape).to(device=device, dtype=dtype)
         return Projection(w) if linear and is_matrix else w
     if linear and is_matrix and device.type == "cpu":
-        if t.name in ("q4_1", "q4_k") and out % INT4PACK_N == 0:
+        if t.name in ("q4_1", "q4_k") and out % INT4PACK_N == 0 and not rows:     # torch's int4 operand: no rows
             return Int4Projection([(t.name, blocks)])
         if t.name == "q8_0":
             q8 = blocks.view(out * inp // 32, 34)

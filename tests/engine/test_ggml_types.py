@@ -186,6 +186,11 @@ def test_weight_keeps_blocks_on_the_cpu_and_computes_as_gguf(name, caplog):
         torch.testing.assert_close(got.double(), x.double() @ want.t(), rtol=0.02, atol=0.02 * float(got.abs().max()))
     else:
         close(got, matmul_bound(x, want))
+    if name not in ggml.FLOAT_TYPES:       # the vocabulary: its kept blocks also give the embedding's rows
+        vocab = weight("token_embd.weight", name, [64, inp], blocks, rows=True)
+        ids = torch.tensor([[0, 63, 2]])
+        assert torch.equal(vocab.rows(ids).double(), want[ids])
+        close(vocab(x), matmul_bound(x, want))
     t = weight("blk.0.attn_norm.weight", name, [64, inp], blocks, linear=False)
     assert t.dtype == torch.float32 and torch.equal(t.double(), want)
     with pytest.raises(ValueError, match="blk.0.x.weight: .* bytes, its type and shape need"):
