@@ -281,125 +281,16 @@ inline void scale_min_k4(int j, const uint8_t* q, int& sc, int& m) {
     }
 }
 
-// One block of type t (t's block weights; float types: n weights) → o, as gguf.quants.dequantize computes it.
-void dequant_block(int t, const uint8_t* b, float* o, int n) {
-    switch (t) {
-        case 0: std::memcpy(o, b, 4 * (size_t)n); return;
-        case 1: for (int i = 0; i < n; ++i) o[i] = f16_at(b + 2 * i); return;
-        case 30: for (int i = 0; i < n; ++i) { uint16_t h; std::memcpy(&h, b + 2 * i, 2); o[i] = bf16_to_float(h); } return;
-        case 2: {                                     // q4_0
-            const float d = f16_at(b);
-            for (int j = 0; j < 16; ++j) {
-                o[j] = d * float((b[2 + j] & 15) - 8);
-                o[j + 16] = d * float((b[2 + j] >> 4) - 8);
-            }
-            return;
-        }
-        case 3: {                                     // q4_1
-            const float d = f16_at(b), m = f16_at(b + 2);
-            for (int j = 0; j < 16; ++j) {
-                o[j] = d * float(b[4 + j] & 15) + m;
-                o[j + 16] = d * float(b[4 + j] >> 4) + m;
-            }
-            return;
-        }
-        case 6: case 7: {                             // q5_0, q5_1
-            const bool one = t == 7;
-            const float d = f16_at(b), m = one ? f16_at(b + 2) : 0.f;
-            uint32_t qh;
-            std::memcpy(&qh, b + (one ? 4 : 2), 4);
-            const uint8_t* qs = b + (one ? 8 : 6);
-            for (int j = 0; j < 16; ++j) {
-                const int lo = (qs[j] & 15) | ((qh >> j) & 1) << 4, hi = (qs[j] >> 4) | ((qh >> (j + 16)) & 1) << 4;
-                if (one) {
-                    o[j] = d * float(lo) + m;
-                    o[j + 16] = d * float(hi) + m;
-                } else {
-                    o[j] = d * float(lo - 16);
-                    o[j + 16] = d * float(hi - 16);
-                }
-            }
-            return;
-        }
-        case 8: {                                     // q8_0
-            const float d = f16_at(b);
-            for (int j = 0; j < 32; ++j) o[j] = float(int8_t(b[2 + j])) * d;
-            return;
-        }
-        case 10: {                                    // q2_k: scales 16 | qs 64 | d | dmin
-            const float d = f16_at(b + 80), dmin = f16_at(b + 82);
-            for (int i = 0; i < 256; ++i) {
-                const int s = i / 16, h = i / 128, sh = (i % 128) / 32, j = i % 32;
-                const float dl = d * float(b[s] & 15), ml = dmin * float(b[s] >> 4);
-                o[i] = dl * float((b[16 + h * 32 + j] >> (2 * sh)) & 3) - ml;
-            }
-            return;
-        }
-        case 11: {                                    // q3_k: hmask 32 | qs 64 | scales 12 | d
-            const float d = f16_at(b + 108);
-            const uint8_t* sc = b + 96;
-            for (int i = 0; i < 256; ++i) {
-                const int s = i / 16;
-                const int lo = s < 8 ? sc[s] & 15 : sc[s - 8] >> 4;
-                const int hi = (sc[8 + s % 4] >> (2 * (s / 4))) & 3;
-                const float dl = d * float(int8_t(uint8_t(lo | hi << 4)) - 32);
-                const int h = i / 128, sh = (i % 128) / 32, j = i % 32;
-                const int ql = (b[32 + h * 32 + j] >> (2 * sh)) & 3;
-                const int bit = (b[j] >> (i / 32)) & 1;
-                o[i] = dl * float(ql - (bit ? 0 : 4));
-            }
-            return;
-        }
-        case 12: case 13: {                           // q4_k, q5_k: d | dmin | scales 12 | (qh 32 |) qs 128
-            const bool five = t == 13;
-            const float d = f16_at(b), dmin = f16_at(b + 2);
-            const uint8_t* qs = b + (five ? 48 : 16);
-            for (int j = 0; j < 8; ++j) {
-                int sc, m;
-                scale_min_k4(j, b + 4, sc, m);
-                const float ds = d * float(sc), dm = dmin * float(m);
-                for (int r = 0; r < 32; ++r) {
-                    int q = (qs[(j / 2) * 32 + r] >> (4 * (j % 2))) & 15;
-                    if (five) q |= ((b[16 + r] >> j) & 1) << 4;
-                    o[32 * j + r] = ds * float(q) - dm;
-                }
-            }
-            return;
-        }
-        case 14: {                                    // q6_k: ql 128 | qh 64 | scales 16 (int8) | d
-            const float d = f16_at(b + 208);
-            for (int i = 0; i < 256; ++i) {
-                const int h = i / 128, r = i % 128;
-                const int ql = (b[h * 64 + r % 64] >> (4 * (r / 64))) & 15;
-                const int qh = (b[128 + h * 32 + r % 32] >> (2 * (r / 32))) & 3;
-                o[i] = (d * float(int8_t(b[192 + i / 16]))) * float((ql | qh << 4) - 32);
-            }
-            return;
-        }
-        case 20: {                                    // iq4_nl
-            const float d = f16_at(b);
-            for (int j = 0; j < 16; ++j) {
-                o[j] = d * float(IQ4_NL_VALUES[b[2 + j] & 15]);
-                o[j + 16] = d * float(IQ4_NL_VALUES[b[2 + j] >> 4]);
-            }
-            return;
-        }
-        case 23: {                                    // iq4_xs: d | scales_h u16 | scales_l 4 | qs 128
-            const float d = f16_at(b);
-            uint16_t sh;
-            std::memcpy(&sh, b + 2, 2);
-            for (int j = 0; j < 8; ++j) {
-                const int ls = (b[4 + j / 2] >> (4 * (j % 2))) & 15, hs = (sh >> (2 * j)) & 3;
-                const float dl = d * float(int8_t(uint8_t(ls | hs << 4)) - 32);
-                const uint8_t* qs = b + 8 + 16 * j;
-                for (int r = 0; r < 16; ++r) {
-                    o[32 * j + r] = dl * float(IQ4_NL_VALUES[qs[r] & 15]);
-                    o[32 * j + 16 + r] = dl * float(IQ4_NL_VALUES[qs[r] >> 4]);
-                }
-            }
-            return;
-        }
+// Weight i of a float-type row (f32, f16, bf16) at b.
+inline float float_at(int t, const uint8_t* b, int i) {
+    if (t == 0) {
+        float v;
+        std::memcpy(&v, b + 4 * (size_t)i, 4);
+        return v;
     }
+    uint16_t h;
+    std::memcpy(&h, b + 2 * (size_t)i, 2);
+    return t == 1 ? fp16_to_float(h) : bf16_to_float(h);
 }
 
 // A quantized block as int8 codes and a (scale, min) per sub-block of `sub` weights: w = sc[s]·q - mn[s]. Unpacking
@@ -624,11 +515,7 @@ inline float dot_float(int t, const uint8_t* b, const float* x, int n) {
     }
     tail = hsum(acc);
 #endif
-    for (; i < n; ++i) {
-        float w;
-        dequant_block(t, b + (size_t)i * (t == 0 ? 4 : 2), &w, 1);
-        tail += w * x[i];
-    }
+    for (; i < n; ++i) tail += float_at(t, b, i) * x[i];
     return tail;
 }
 

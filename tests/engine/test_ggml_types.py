@@ -95,6 +95,20 @@ def test_native_matmul_is_gguf_dequantize_then_matmul(name):
             close(got, matmul_bound(x, want_w))
 
 
+@pytest.mark.skipif(native.lib() is None, reason="no C++ compiler: the native kernels are not built")
+def test_the_plain_cpp_path_computes_every_type_too(tmp_path, monkeypatch):
+    """The source built without AVX2 (-march=x86-64: the scalar loops a CPU without it runs) against gguf."""
+    monkeypatch.setenv("KILN_NATIVE_CACHE", str(tmp_path))
+    so = native.load(native.build(native.compiler(), ["-march=x86-64"]))
+    gen = torch.Generator().manual_seed(41)
+    for name in ggml.TYPES:
+        inp = 256 if ggml.ggml_type(name).block == 256 else 96
+        blocks, x = random_blocks(name, 16, inp, gen), torch.randn(2, inp, generator=gen)
+        y = torch.empty(2, 16)
+        so.ggml_matmul(ggml.ggml_type(name).code, x.data_ptr(), 2, inp, blocks.data_ptr(), 16, y.data_ptr(), 1)
+        close(y, matmul_bound(x, gguf_dense(name, blocks, 16, inp)))
+
+
 # A record per standard mix: llama-quantize's Q4_K_M (Q6_K down), a row not a multiple of 256 (Q5_0 / Q8_0
 # fallbacks), the dynamic quants' IQ4_XS with Q5_K, and the rest of the types, so each type goes through an FFN.
 MIXES = [("q4_k", "q4_k", "q6_k"), ("q2_k", "q3_k", "q5_k"), ("iq4_xs", "iq4_xs", "q5_k"), ("f16", "bf16", "f32"),
