@@ -68,8 +68,9 @@ def _sigterm_as_interrupt():
                    "transposed: a CPU one-token GEMV reads it about twice as fast). Serve cols stores on the CPU.")
 @click.option("--quant", type=click.Choice(QUANT_FLAGS), default=None,
               help="Record scheme: float32 / bf16 (float records, as --dtype), int8 / int4 (weight-only, group-wise "
-                   "along the input, quantized at pack time), gguf (the --gguf file's own Q8_0/Q4_1/Q4_K expert "
-                   "blocks, kept as they are) [default: the checkpoint's dtype].")
+                   "along the input, quantized at pack time), gguf (the --gguf file's own expert "
+                   "blocks, kept as they are, each matrix in its own GGML type: F32, F16, BF16, Q4_0, Q4_1, Q5_0, "
+                   "Q5_1, Q8_0, Q2_K … Q6_K, IQ4_NL, IQ4_XS) [default: the checkpoint's dtype].")
 @click.option("--gguf", "gguf_file", default=None, type=click.Path(dir_okay=False),
               help="With --quant gguf: the GGUF file holding this checkpoint's experts.")
 @click.option("--readers", type=click.IntRange(1, 256), default=None, help="Threads for the verifying re-read.")
@@ -123,15 +124,19 @@ def pack_store(model_dir, store_dir, dtype, order, quant, gguf_file, readers, qu
 @click.option("--store", "store_dir", required=True, type=click.Path(file_okay=False), help="Store directory.")
 @click.option("--model", "model_dir", default=None, type=click.Path(file_okay=False),
               help="Also check the store was packed from this checkpoint (config hash).")
+@click.option("--gguf", "gguf_path", default=None, type=click.Path(dir_okay=False),
+              help="Also check each layer's record types (gate, up, down) against this GGUF's expert tensors.")
 @click.option("--readers", type=click.IntRange(1, 256), default=None, help="Reader threads [default: CPUs, 2..8].")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-def verify_store(store_dir, model_dir, readers, quiet, as_json):
+def verify_store(store_dir, model_dir, gguf_path, readers, quiet, as_json):
     """Re-read every store record with O_DIRECT and check its sha256; exit 8 naming each bad record.
 
     The manifest is checked first and believed only then: its own sha256 (manifest.sha256), every field's
     type and range, and every record exactly where the layer-major order puts it (offset = index x
-    record_bytes). A manifest that fails any of it is exit 8 with the reason."""
+    record_bytes). A manifest that fails any of it is exit 8 with the reason. A store of per-matrix GGML types
+    (quant ggml:G,U,D) has each record's header checked against the manifest's types for its layer (exit 8),
+    and with --gguf against the file's expert tensors (exit 3)."""
     from engine.store import manifest as mf
     from engine.store.verify import verify_store as verify
 
@@ -142,10 +147,13 @@ def verify_store(store_dir, model_dir, readers, quiet, as_json):
             mf.check_matches(m, Checkpoint(model_dir), store_dir)
         except CheckpointError as e:
             raise EngineError(str(e), Exit.BAD_MODEL) from None
+    if gguf_path:
+        from engine.store.verify import check_gguf_types
+        check_gguf_types(store_dir, m, gguf_path)
     with _progress(m.total_bytes, ["verify"], quiet) as advance:
         r = verify(store_dir, readers=readers, progress=(lambda n: advance("verify", n)) if advance else None)
     if as_json:
-        click.echo(json.dumps({"store": str(r.store), "quant": layout.quant, "records": r.records, "bytes": r.bytes, "seconds": r.seconds,
+        click.echo(json.dumps({"store": str(r.store), "quant": m.quant, "records": r.records, "bytes": r.bytes, "seconds": r.seconds,
                                "gbps": r.gbps, "bad": [b.__dict__ for b in r.bad]}))
     else:
         for b in r.bad:

@@ -6,7 +6,8 @@ triton_moe  — slot-indexed Triton kernels for CUDA (their interpreter runs the
 triton_common — the Triton pieces both slot kernels share (record_ptr, swiglu, sum_picks, GEMV_MAX_PAIRS)
 quant_cpu   — the CPU expert FFN on quantized records (torch's int4 kernel, else dequantize per call)
 native      — the engine's own C++ kernels for a one-sequence CPU decode step (4-bit and 8-bit GEMVs, the whole
-              quantized expert, a layer's attention half, norms, routing), built with g++ at first use
+              quantized expert, a layer's attention half, norms, routing, and a matmul and expert FFN for every
+              GGML type a GGUF holds), built with g++ at first use
 quant_triton — dequant-fused Triton GEMV (decode) and grouped GEMM (prefill) on quantized records
 """
 from __future__ import annotations

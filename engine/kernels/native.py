@@ -1,6 +1,8 @@
 """The engine's own CPU kernels (native_cpu.cpp beside this file): built once per machine with the system's g++
 (-O3 -march=native -fopenmp) into a cache directory keyed by the source's hash, and called through ctypes.
 
+ggml_matmul / ggml_ffn: matrices in any GGML type a GGUF file holds (engine.quant.ggml), blocks as the file has them.
+
 Why: a one-token decode step on the CPU is GEMVs over 4-bit and 8-bit weights, and torch has no fast CPU
 kernel for the 8-bit one (the tied vocabulary) and a slower one than this for the 4-bit one at one token
 (bench/results/native_cpu_kernels.json). The .so links libgomp.so.1, which resolves to the libgomp torch has
@@ -44,6 +46,9 @@ SIGNATURES = {
     "attn_block": [_P, _P, _I, _P, _P, _I, _P, _P, _I, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _P, _P, _F, _P,
                    _P, _P, _P, _I],
     "router_topk": [_P, _I, _P, _I, _I, _I, _P, _P],
+    "ggml_supported": [_I],
+    "ggml_matmul": [_I, _P, _I, _I, _P, _I, _P, _I],
+    "ggml_ffn": [_P, _I, _I, _P, _I, _P, _I, _P, _I, _P, _P, _I],
     "moe_tail": [_P, _I, _P, _P, _P, _I, _I, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, _I, _P,
                  _P, _P, _F, _P, _I],
 }
@@ -139,6 +144,7 @@ def load(path: Path) -> ctypes.CDLL:
     for name, args in SIGNATURES.items():
         fn = getattr(so, name)
         fn.argtypes, fn.restype = args, None
+    so.ggml_supported.restype = _I
     return so
 
 
@@ -297,4 +303,29 @@ def q8_gemv(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, out: torch.Tensor
     n, k = q.shape
     y = torch.empty(n, dtype=torch.float32) if out is None else out
     lib().q8_gemv(_ptr(x), k, _ptr(q), _ptr(d), n, _ptr(y), torch.get_num_threads())
+    return y
+
+
+def ggml_supported(code: int) -> bool:
+    """The native kernels are built and have a kernel for GGML type `code` (engine.quant.ggml)."""
+    return lib() is not None and bool(lib().ggml_supported(code))
+
+
+def ggml_matmul(code: int, x: torch.Tensor, w: torch.Tensor, out_features: int) -> torch.Tensor:
+    """x fp32 [M, K] (contiguous) · Wᵀ → fp32 [M, N]; W [N, K] a GGUF matrix of GGML type `code`, its blocks as the
+    file holds them (uint8, contiguous, N rows of K/block·size bytes): each block dequantized once, in fp32."""
+    m, k = x.shape
+    y = torch.empty(m, out_features, dtype=torch.float32)
+    lib().ggml_matmul(code, _ptr(x), m, k, _ptr(w), out_features, _ptr(y), torch.get_num_threads())
+    return y
+
+
+def ggml_ffn(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, codes: tuple[int, int, int],
+             intermediate: int) -> torch.Tensor:
+    """One expert on one token: x fp32 [H] contiguous; gate, up [I, H] and down [H, I] GGUF matrices (uint8 views
+    of a record, contiguous) of GGML types `codes` → y fp32 [H] = down(silu(gate x)·(up x))."""
+    h = x.numel()
+    scratch, y = torch.empty(3 * intermediate), torch.empty(h)
+    lib().ggml_ffn(_ptr(x), h, intermediate, _ptr(gate), codes[0], _ptr(up), codes[1], _ptr(down), codes[2],
+                   _ptr(scratch), _ptr(y), torch.get_num_threads())
     return y

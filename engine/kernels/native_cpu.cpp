@@ -7,6 +7,10 @@
 // q8_gemv: int8 codes [out, in] with an fp32 scale per 32 inputs (a GGUF Q8_0 matrix, its fp16 scales
 //   widened): y = Σ_b d_b · Σ q·x, in fp32.
 // int4_ffn: one quantized expert (gate|up and down int4pack operands) on one token, as quant_ffn computes it.
+// ggml_matmul: y [M, N] = x [M, K] · Wᵀ for W [N, K] in any GGML type engine.quant.ggml lists (a GGUF's blocks as
+//   the file holds them): each block unpacked once into int8 codes and a (scale, min) per sub-block, then for every
+//   row of x Σ_s scale·(Σ q·x) - min·(Σ x), fp32 throughout (gguf's dequantization factored, another rounding). ggml_ffn: one expert on one token from three such matrices, each
+//   in its own type.
 // add_rms_norm, attn_decode: the rest of a one-token decode layer (residual add + RMSNorm; rotary, KV write
 //   and attention over the cache), in the torch forms' operation order where it is elementwise (built with
 //   -ffp-contract=off, so a*b + c*d is not fused into an FMA unless written so).
@@ -222,6 +226,344 @@ void int4_gemv(const float* x_in, int K, const uint8_t* packed, const uint16_t* 
         int4_tile(x, xs, K, g, packed + (size_t)nb * K * 32, sz, N, nb * 64, y + nb * 64);
         for (int r = nb * 64; r < nb * 64 + 64; ++r) y[r] = bf16_round(y[r]);
     }
+}
+
+// ---------------------------------------------------------------- GGML block types (engine.quant.ggml)
+
+inline float fp16_to_float(uint16_t h) {    // exact, subnormals included
+    const uint32_t sign = uint32_t(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+    uint32_t u;
+    if (exp == 0) {
+        if (man == 0) {
+            u = sign;
+        } else {                                 // subnormal: renormalise
+            int e = -1;
+            uint32_t m = man;
+            do { m <<= 1; ++e; } while (!(m & 0x400u));
+            u = sign | uint32_t(127 - 15 - e) << 23 | (m & 0x3ffu) << 13;
+        }
+    } else if (exp == 31) {
+        u = sign | 0x7f800000u | man << 13;
+    } else {
+        u = sign | (exp + 112u) << 23 | man << 13;
+    }
+    float v;
+    std::memcpy(&v, &u, 4);
+    return v;
+}
+
+inline float f16_at(const uint8_t* p) { uint16_t h; std::memcpy(&h, p, 2); return fp16_to_float(h); }
+
+constexpr int8_t IQ4_NL_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+struct GgmlType { int block, size; };
+
+// GGML type id -> (weights, bytes) a block; {0, 0}: a type Kiln has no kernel for.
+inline GgmlType ggml_type(int t) {
+    switch (t) {
+        case 0: return {1, 4};     case 1: return {1, 2};     case 30: return {1, 2};
+        case 2: return {32, 18};   case 3: return {32, 20};   case 6: return {32, 22};
+        case 7: return {32, 24};   case 8: return {32, 34};   case 10: return {256, 84};
+        case 11: return {256, 110}; case 12: return {256, 144}; case 13: return {256, 176};
+        case 14: return {256, 210}; case 20: return {32, 18};  case 23: return {256, 136};
+        default: return {0, 0};
+    }
+}
+
+// q4_k / q5_k: sub-block j's 6-bit scale and min (ggml's get_scale_min_k4).
+inline void scale_min_k4(int j, const uint8_t* q, int& sc, int& m) {
+    if (j < 4) {
+        sc = q[j] & 63;
+        m = q[j + 4] & 63;
+    } else {
+        sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+        m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+
+// Weight i of a float-type row (f32, f16, bf16) at b.
+inline float float_at(int t, const uint8_t* b, int i) {
+    if (t == 0) {
+        float v;
+        std::memcpy(&v, b + 4 * (size_t)i, 4);
+        return v;
+    }
+    uint16_t h;
+    std::memcpy(&h, b + 2 * (size_t)i, 2);
+    return t == 1 ? fp16_to_float(h) : bf16_to_float(h);
+}
+
+// A quantized block as int8 codes and a (scale, min) per sub-block of `sub` weights: w = sc[s]·q - mn[s]. Unpacking
+// is byte work the compiler vectorizes; the dot product then costs what the int4 kernel's does (convert, FMA).
+struct Unpacked {
+    int8_t q[256];
+    float sc[16], mn[16];
+    int sub;
+};
+
+// 16 bytes of IQ4 nibbles → 32 code-book values (low nibbles first), by a table shuffle where there is SSSE3.
+inline void iq4_codes(const uint8_t* b, int8_t* q) {
+#if defined(__SSSE3__)
+    const __m128i table = _mm_loadu_si128((const __m128i*)IQ4_NL_VALUES), low = _mm_set1_epi8(15);
+    const __m128i v = _mm_loadu_si128((const __m128i*)b);
+    _mm_storeu_si128((__m128i*)q, _mm_shuffle_epi8(table, _mm_and_si128(v, low)));
+    _mm_storeu_si128((__m128i*)(q + 16), _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(v, 4), low)));
+#else
+    for (int r = 0; r < 16; ++r) {
+        q[r] = IQ4_NL_VALUES[b[r] & 15];
+        q[r + 16] = IQ4_NL_VALUES[b[r] >> 4];
+    }
+#endif
+}
+
+// 16 bytes → their low nibbles - off at lo[0..16), their high nibbles - off at hi[0..16).
+inline void nibbles16(const uint8_t* b, int8_t* lo, int8_t* hi, int off) {
+#if defined(__SSE2__)
+    const __m128i v = _mm_loadu_si128((const __m128i*)b), low = _mm_set1_epi8(15), o = _mm_set1_epi8((char)off);
+    _mm_storeu_si128((__m128i*)lo, _mm_sub_epi8(_mm_and_si128(v, low), o));
+    _mm_storeu_si128((__m128i*)hi, _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(v, 4), low), o));
+#else
+    for (int r = 0; r < 16; ++r) {
+        lo[r] = int8_t((b[r] & 15) - off);
+        hi[r] = int8_t((b[r] >> 4) - off);
+    }
+#endif
+}
+
+inline void unpack_block(int t, const uint8_t* b, Unpacked& u) {
+    int8_t* q = u.q;
+    u.sub = 32;
+    u.mn[0] = 0.f;
+    switch (t) {
+        case 2:                                       // q4_0
+            u.sc[0] = f16_at(b);
+            nibbles16(b + 2, q, q + 16, 8);
+            return;
+        case 20:                                      // iq4_nl
+            u.sc[0] = f16_at(b);
+            iq4_codes(b + 2, q);
+            return;
+        case 3:                                       // q4_1: w = d·q + m
+            u.sc[0] = f16_at(b);
+            u.mn[0] = -f16_at(b + 2);
+            nibbles16(b + 4, q, q + 16, 0);
+            return;
+        case 6: case 7: {                             // q5_0, q5_1
+            const bool one = t == 7;
+            u.sc[0] = f16_at(b);
+            if (one) u.mn[0] = -f16_at(b + 2);
+            uint32_t qh;
+            std::memcpy(&qh, b + (one ? 4 : 2), 4);
+            const uint8_t* qs = b + (one ? 8 : 6);
+            const int off = one ? 0 : 16;
+            for (int j = 0; j < 16; ++j) {
+                q[j] = int8_t(((qs[j] & 15) | ((qh >> j) & 1) << 4) - off);
+                q[j + 16] = int8_t(((qs[j] >> 4) | ((qh >> (j + 16)) & 1) << 4) - off);
+            }
+            return;
+        }
+        case 8:                                       // q8_0
+            u.sc[0] = f16_at(b);
+            std::memcpy(q, b + 2, 32);
+            return;
+        case 10: {                                    // q2_k
+            const float d = f16_at(b + 80), dmin = f16_at(b + 82);
+            u.sub = 16;
+            for (int s = 0; s < 16; ++s) {
+                u.sc[s] = d * float(b[s] & 15);
+                u.mn[s] = dmin * float(b[s] >> 4);
+            }
+            for (int h = 0; h < 2; ++h)
+                for (int sh = 0; sh < 4; ++sh)
+                    for (int j = 0; j < 32; ++j) q[h * 128 + sh * 32 + j] = int8_t((b[16 + h * 32 + j] >> (2 * sh)) & 3);
+            return;
+        }
+        case 11: {                                    // q3_k
+            const float d = f16_at(b + 108);
+            const uint8_t* sc = b + 96;
+            u.sub = 16;
+            for (int s = 0; s < 16; ++s) {
+                const int lo = (sc[s % 8] >> (4 * (s / 8))) & 15, hi = (sc[8 + s % 4] >> (2 * (s / 4))) & 3;
+                u.sc[s] = d * float((lo | hi << 4) - 32);
+                u.mn[s] = 0.f;
+            }
+            for (int h = 0; h < 2; ++h)
+                for (int sh = 0; sh < 4; ++sh)
+                    for (int j = 0; j < 32; ++j) {
+                        const int ql = (b[32 + h * 32 + j] >> (2 * sh)) & 3, bit = (b[j] >> (h * 4 + sh)) & 1;
+                        q[h * 128 + sh * 32 + j] = int8_t(ql - (bit ? 0 : 4));
+                    }
+            return;
+        }
+        case 12: case 13: {                           // q4_k, q5_k
+            const bool five = t == 13;
+            const float d = f16_at(b), dmin = f16_at(b + 2);
+            for (int j = 0; j < 8; ++j) {
+                int sc, m;
+                scale_min_k4(j, b + 4, sc, m);
+                u.sc[j] = d * float(sc);
+                u.mn[j] = dmin * float(m);
+            }
+            const uint8_t* qs = b + (five ? 48 : 16);
+            for (int c = 0; c < 4; ++c) {
+                nibbles16(qs + 32 * c, q + 64 * c, q + 64 * c + 32, 0);
+                nibbles16(qs + 32 * c + 16, q + 64 * c + 16, q + 64 * c + 48, 0);
+            }
+            if (five)
+                for (int j = 0; j < 8; ++j)
+                    for (int r = 0; r < 32; ++r) q[32 * j + r] = int8_t(q[32 * j + r] | ((b[16 + r] >> j) & 1) << 4);
+            return;
+        }
+        case 14: {                                    // q6_k (ggml's dequantize_row_q6_K order)
+            const float d = f16_at(b + 208);
+            u.sub = 16;
+            for (int s = 0; s < 16; ++s) {
+                u.sc[s] = d * float(int8_t(b[192 + s]));
+                u.mn[s] = 0.f;
+            }
+            for (int h = 0; h < 2; ++h) {
+                const uint8_t *ql = b + 64 * h, *qh = b + 128 + 32 * h;
+                int8_t* o = q + 128 * h;
+                for (int l = 0; l < 32; ++l) {
+                    o[l] = int8_t(((ql[l] & 15) | ((qh[l] >> 0) & 3) << 4) - 32);
+                    o[l + 32] = int8_t(((ql[l + 32] & 15) | ((qh[l] >> 2) & 3) << 4) - 32);
+                    o[l + 64] = int8_t(((ql[l] >> 4) | ((qh[l] >> 4) & 3) << 4) - 32);
+                    o[l + 96] = int8_t(((ql[l + 32] >> 4) | ((qh[l] >> 6) & 3) << 4) - 32);
+                }
+            }
+            return;
+        }
+        case 23: {                                    // iq4_xs
+            const float d = f16_at(b);
+            uint16_t sh;
+            std::memcpy(&sh, b + 2, 2);
+            for (int j = 0; j < 8; ++j) {
+                const int ls = (b[4 + j / 2] >> (4 * (j % 2))) & 15, hs = (sh >> (2 * j)) & 3;
+                u.sc[j] = d * float((ls | hs << 4) - 32);
+                u.mn[j] = 0.f;
+                iq4_codes(b + 8 + 16 * j, q + 32 * j);
+            }
+            return;
+        }
+    }
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+inline float hsum(__m256 a) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#endif
+
+// Σ_i w_i·x_i over one unpacked block of `n` weights, Σ_s sc[s]·(Σ q·x) - mn[s]·xs[s] (xs: x's sums per 16): the
+// scaled products into acc (summed once a row, not once a block), the mins' part into mins.
+#if defined(__AVX2__) && defined(__FMA__)
+using Acc = __m256;
+inline Acc acc_zero() { return _mm256_setzero_ps(); }
+inline float acc_sum(Acc a) { return hsum(a); }
+#else
+using Acc = float;
+inline Acc acc_zero() { return 0.f; }
+inline float acc_sum(Acc a) { return a; }
+#endif
+
+inline void dot_unpacked(const Unpacked& u, const float* x, const float* xs16, int n, Acc& acc, float& mins) {
+    const int per16 = u.sub / 16;
+    for (int s = 0; s * u.sub < n; ++s) {
+#if defined(__AVX2__) && defined(__FMA__)
+        __m256 v = _mm256_setzero_ps();
+        for (int i = s * u.sub; i < (s + 1) * u.sub; i += 8) {
+            const __m128i q8 = _mm_loadl_epi64((const __m128i*)(u.q + i));
+            v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q8)), _mm256_loadu_ps(x + i), v);
+        }
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(u.sc[s]), v, acc);
+#else
+        float v = 0.f;
+        for (int i = s * u.sub; i < (s + 1) * u.sub; ++i) v += float(u.q[i]) * x[i];
+        acc += u.sc[s] * v;
+#endif
+        if (u.mn[s] != 0.f) mins += u.mn[s] * (per16 == 2 ? xs16[2 * s] + xs16[2 * s + 1] : xs16[s]);
+    }
+}
+
+inline bool is_float_type(int t) { return t == 0 || t == 1 || t == 30; }
+
+// Σ w·x over n float-type weights (f32, f16, bf16) at b.
+inline float dot_float(int t, const uint8_t* b, const float* x, int n) {
+    int i = 0;
+    float tail = 0.f;
+#if defined(__AVX2__) && defined(__FMA__)
+    __m256 acc = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) {
+        __m256 w;
+        if (t == 0) {
+            w = _mm256_loadu_ps((const float*)b + i);
+        } else if (t == 30) {
+            w = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(b + 2 * i))), 16));
+        } else {
+#if defined(__F16C__)
+            w = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(b + 2 * i)));
+#else
+            float tmp[8];
+            for (int j = 0; j < 8; ++j) tmp[j] = f16_at(b + 2 * (i + j));
+            w = _mm256_loadu_ps(tmp);
+#endif
+        }
+        acc = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + i), acc);
+    }
+    tail = hsum(acc);
+#endif
+    for (; i < n; ++i) tail += float_at(t, b, i) * x[i];
+    return tail;
+}
+
+constexpr int GGML_ROWS = 16;        // rows of x an unpacked block is dotted with before the next chunk of x
+
+// y [M, N] = x [M, K] · Wᵀ, W [N, K] in GGML type t (rows of K/block·size bytes, K a multiple of the block).
+void ggml_mm(int t, const float* x, int M, int K, const uint8_t* w, int N, float* y, int threads) {
+    const GgmlType gt = ggml_type(t);
+    const size_t row_bytes = (size_t)K / gt.block * gt.size;
+    if (is_float_type(t)) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+        for (int n = 0; n < N; ++n)
+            for (int m = 0; m < M; ++m) y[(size_t)m * N + n] = dot_float(t, w + (size_t)n * row_bytes, x + (size_t)m * K, K);
+        return;
+    }
+    // x's sums per 16 inputs, for the blocks' mins (K is whole blocks, so a multiple of 32)
+    float* xs16 = new float[(size_t)M * (K / 16)];
+    for (int m = 0; m < M; ++m)
+        for (int g = 0; g < K / 16; ++g) {
+            float s = 0.f;
+            for (int i = 0; i < 16; ++i) s += x[(size_t)m * K + 16 * g + i];
+            xs16[(size_t)m * (K / 16) + g] = s;
+        }
+    const int blocks = K / gt.block;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int n = 0; n < N; ++n) {
+        const uint8_t* row = w + (size_t)n * row_bytes;
+        _mm_prefetch((const char*)row + PREFETCH, _MM_HINT_T0);
+        Unpacked u;
+        for (int m0 = 0; m0 < M; m0 += GGML_ROWS) {
+            const int mc = M - m0 < GGML_ROWS ? M - m0 : GGML_ROWS;
+            Acc acc[GGML_ROWS];
+            float mins[GGML_ROWS];
+            for (int m = 0; m < mc; ++m) {
+                acc[m] = acc_zero();
+                mins[m] = 0.f;
+            }
+            for (int bi = 0; bi < blocks; ++bi) {
+                unpack_block(t, row + (size_t)bi * gt.size, u);
+                const int k0 = bi * gt.block;
+                for (int m = 0; m < mc; ++m)
+                    dot_unpacked(u, x + (size_t)(m0 + m) * K + k0, xs16 + (size_t)(m0 + m) * (K / 16) + k0 / 16,
+                                 gt.block, acc[m], mins[m]);
+            }
+            for (int m = 0; m < mc; ++m) y[(size_t)(m0 + m) * N + n] = acc_sum(acc[m]) - mins[m];
+        }
+    }
+    delete[] xs16;
 }
 
 }  // namespace
@@ -449,6 +791,25 @@ void q8_gemv(const float* x, int K, const int8_t* q, const float* d, int N, floa
 #endif
         }
     }
+}
+
+// GGML types (engine.quant.ggml): 1 where type t has a kernel here, else 0.
+int ggml_supported(int t) { return ggml_type(t).block != 0; }
+
+// y [M, N] = x [M, K] · Wᵀ, W [N, K] a GGUF matrix of GGML type t, as the file holds its blocks (K whole blocks).
+void ggml_matmul(int t, const float* x, int M, int K, const uint8_t* w, int N, float* y, int threads) {
+    ggml_mm(t, x, M, K, w, N, y, threads);
+}
+
+// One expert on one token from three GGUF matrices, each in its own type: gate, up [I, H], down [H, I];
+// y [H] = down(silu(gate x) * up x). scratch: 3I floats.
+void ggml_ffn(const float* x, int H, int I, const uint8_t* gate, int gt, const uint8_t* up, int ut,
+              const uint8_t* down, int dt, float* scratch, float* y, int threads) {
+    float *g = scratch, *u = scratch + I, *h = scratch + 2 * I;
+    ggml_mm(gt, x, 1, H, gate, I, g, threads);
+    ggml_mm(ut, x, 1, H, up, I, u, threads);
+    for (int i = 0; i < I; ++i) h[i] = (g[i] / (1.0f + std::exp(-g[i]))) * u[i];
+    ggml_mm(dt, h, 1, I, down, H, y, threads);
 }
 
 }  // extern "C"

@@ -6,7 +6,8 @@ torch.ops.aten._weight_int4pack_mm_for_cpu call and down another: the fastest of
 activations against a dequantize-per-call fp32 GEMV, torch's float32-activation int4 path and its int8
 kernel). That kernel takes bf16 activations and returns bf16, so x, h and y are rounded to bf16 at the
 kernel's edges (llama.cpp rounds activations further, to 8 bits, for its Q4 dot products); accumulation is
-fp32. Every other record (8-bit schemes, rows order) is dequantized per call and computed as expert_ffn
+fp32. Records of per-matrix GGML types (ggml: layouts) go to the native per-type kernels (ggml_ffn here).
+Every other record (8-bit schemes, rows order) is dequantized per call and computed as expert_ffn
 does: correct everywhere, and the baseline the measurement compares against. One float32 token (a decode step)
 goes to engine.kernels.native instead where it is built: the same function, faster at one row.
 """
@@ -16,7 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels import native
-from engine.quant.records import QuantLayout, group_size, int4pack_operands
+from engine.quant import ggml
+from engine.quant.records import QuantLayout, group_size, int4pack_operands, matrix_bytes
 
 
 def int4_mm(x: torch.Tensor, packed: torch.Tensor, group: int, sz: torch.Tensor) -> torch.Tensor:
@@ -58,8 +60,31 @@ def quant_ffn(layout: QuantLayout, rec: torch.Tensor, x: torch.Tensor) -> torch.
         gu = int4_linear(layout, rec, "gate_up", x).float()
         h = F.silu(gu[:, :i]) * gu[:, i:]
         return int4_linear(layout, rec, "down", h).to(x.dtype)
+    if layout.mixed and rec.device.type == "cpu":
+        y = ggml_ffn(layout, rec, x)
+        if y is not None:
+            return y
     gate, up, down = (m.to(device=x.device, dtype=x.dtype) for m in layout.dequantize(rec))
     return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
+
+
+def ggml_ffn(layout: QuantLayout, rec: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
+    """A ggml: record (each matrix in its own GGML type, named by the record's header) through the native
+    per-type kernels, in fp32: one token in one ggml_ffn call, more as three ggml_matmul calls. None where the
+    kernels are not built or lack one of the record's types."""
+    types = layout.record_types(rec)
+    codes = tuple(ggml.ggml_type(t).code for t in types)
+    if not (native.allowed() and all(native.ggml_supported(c) for c in codes)):
+        return None
+    rec = rec.reshape(-1).view(torch.uint8)
+    mats = [layout.region(rec, n)[:matrix_bytes(t, o, k)] for t, (n, (_, _, o, k)) in zip(types, layout.regions.items())]
+    h, i = layout.hidden, layout.intermediate
+    xf = x.float().contiguous()
+    if x.shape[0] == 1:
+        return native.ggml_ffn(xf.view(-1), *mats, codes, i).view(1, h).to(x.dtype)
+    g = native.ggml_matmul(codes[0], xf, mats[0], i)
+    u = native.ggml_matmul(codes[1], xf, mats[1], i)
+    return native.ggml_matmul(codes[2], (F.silu(g) * u).contiguous(), mats[2], h).to(x.dtype)
 
 
 def quant_ffn_reference(layout: QuantLayout, rec: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

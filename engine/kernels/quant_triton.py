@@ -30,6 +30,7 @@ from engine.quant.records import GGUF_BLOCK, QuantLayout, group_size
 triton, tl = import_triton()
 
 FMT = {"int8": 0, "int4": 1, "q8_0": 2, "q4_1": 3, "q4_k": 4}
+MIXED_FMT = 5          # a ggml: record: each matrix's GGML type read from the record's header (_ggml_weights)
 
 
 def available(device: torch.device) -> bool:
@@ -52,11 +53,140 @@ if triton is not None:
         return tl.load(p.to(tl.pointer_type(tl.float16))).to(tl.float32)
 
     @triton.jit
-    def _weights(mat, rows, ks, m, OUT: tl.constexpr, IN: tl.constexpr, FMT: tl.constexpr, G: tl.constexpr):
-        """fp32 W[rows, ks] of one rows-form matrix starting at byte pointer `mat` (masked by m)."""
+    def _record_types(rec, FMT: tl.constexpr):
+        """(gate, up, down) GGML type codes of a ggml: record (its header's bytes 4..6), else zeros (unused)."""
+        if FMT == 5:
+            return tl.load(rec + 4).to(tl.int32), tl.load(rec + 5).to(tl.int32), tl.load(rec + 6).to(tl.int32)
+        return 0, 0, 0
+
+    @triton.jit
+    def _byte(p, m):
+        return tl.load(p, mask=m, other=0).to(tl.int32)
+
+    @triton.jit
+    def _iq4_value(q):
+        """IQ4_NL's non-linear code book (engine.quant.ggml.IQ4_NL_VALUES) at codes q (0..15)."""
+        lo = tl.where(q < 4, tl.where(q < 2, tl.where(q == 0, -127, -104), tl.where(q == 2, -83, -65)),
+                      tl.where(q < 6, tl.where(q == 4, -49, -35), tl.where(q == 6, -22, -10)))
+        hi = tl.where(q < 12, tl.where(q < 10, tl.where(q == 8, 1, 13), tl.where(q == 10, 25, 38)),
+                      tl.where(q < 14, tl.where(q == 12, 53, 69), tl.where(q == 14, 89, 113)))
+        return tl.where(q < 8, lo, hi).to(tl.float32)
+
+    @triton.jit
+    def _ggml_weights(mat, r, k, m, IN: tl.constexpr, T):
+        """fp32 W[r, k] of a GGUF matrix of GGML type T (a runtime code, one per program: the branch is uniform)
+        starting at byte pointer `mat`, element by element as gguf.quants.dequantize computes it (the block
+        layouts: engine.quant.ggml)."""
+        w = (r * 0 + k * 0).to(tl.float32)
+        if T == 0:        # f32
+            w = tl.load((mat + (r * IN + k) * 4).to(tl.pointer_type(tl.float32)), mask=m, other=0.0)
+        elif T == 1:      # f16
+            w = tl.load((mat + (r * IN + k) * 2).to(tl.pointer_type(tl.float16)), mask=m, other=0.0).to(tl.float32)
+        elif T == 30:     # bf16
+            w = tl.load((mat + (r * IN + k) * 2).to(tl.pointer_type(tl.bfloat16)), mask=m, other=0.0).to(tl.float32)
+        elif (T == 2) | (T == 20):     # q4_0, iq4_nl: d | 16 bytes (weight i < 16 the low nibble of byte i)
+            blk = mat + r * (IN // 32 * 18) + (k // 32) * 18
+            i = k % 32
+            d = tl.load(blk.to(tl.pointer_type(tl.float16)), mask=m, other=0.0).to(tl.float32)
+            q = (_byte(blk + 2 + i % 16, m) >> ((i // 16) * 4)) & 15
+            if T == 2:
+                w = d * (q - 8).to(tl.float32)
+            else:
+                w = d * _iq4_value(q)
+        elif T == 3:      # q4_1
+            blk = mat + r * (IN // 32 * 20) + (k // 32) * 20
+            i = k % 32
+            d = tl.load(blk.to(tl.pointer_type(tl.float16)), mask=m, other=0.0).to(tl.float32)
+            mn = tl.load((blk + 2).to(tl.pointer_type(tl.float16)), mask=m, other=0.0).to(tl.float32)
+            w = d * ((_byte(blk + 4 + i % 16, m) >> ((i // 16) * 4)) & 15).to(tl.float32) + mn
+        elif (T == 6) | (T == 7):      # q5_0 (d | qh | qs), q5_1 (d | m | qh | qs)
+            size = tl.where(T == 6, 22, 24)
+            blk = mat + r * (IN // 32 * size) + (k // 32) * size
+            i = k % 32
+            d = tl.load(blk.to(tl.pointer_type(tl.float16)), mask=m, other=0.0).to(tl.float32)
+            qh_at = tl.where(T == 6, 2, 4)
+            hb = (_byte(blk + qh_at + i // 8, m) >> (i % 8)) & 1
+            lo = (_byte(blk + qh_at + 4 + i % 16, m) >> ((i // 16) * 4)) & 15
+            q = lo | (hb << 4)
+            if T == 6:
+                w = d * (q - 16).to(tl.float32)
+            else:
+                mn = tl.load((blk + 2).to(tl.pointer_type(tl.float16)), mask=m, other=0.0).to(tl.float32)
+                w = d * q.to(tl.float32) + mn
+        elif T == 8:      # q8_0
+            blk = mat + r * (IN // 32 * 34) + (k // 32) * 34
+            d = tl.load(blk.to(tl.pointer_type(tl.float16)), mask=m, other=0.0).to(tl.float32)
+            w = tl.load((blk + 2 + k % 32).to(tl.pointer_type(tl.int8)), mask=m, other=0).to(tl.float32) * d
+        elif T == 10:     # q2_k: scales 16 | qs 64 | d | dmin
+            blk = mat + r * (IN // 256 * 84) + (k // 256) * 84
+            i = k % 256
+            d = tl.load((blk + 80).to(tl.pointer_type(tl.float16)), mask=m, other=0.0).to(tl.float32)
+            dmin = tl.load((blk + 82).to(tl.pointer_type(tl.float16)), mask=m, other=0.0).to(tl.float32)
+            sc = _byte(blk + i // 16, m)
+            q = (_byte(blk + 16 + (i // 128) * 32 + i % 32, m) >> (2 * ((i % 128) // 32))) & 3
+            w = (d * (sc & 15).to(tl.float32)) * q.to(tl.float32) - dmin * (sc >> 4).to(tl.float32)
+        elif T == 11:     # q3_k: hmask 32 | qs 64 | scales 12 | d
+            blk = mat + r * (IN // 256 * 110) + (k // 256) * 110
+            i = k % 256
+            s = i // 16
+            d = tl.load((blk + 108).to(tl.pointer_type(tl.float16)), mask=m, other=0.0).to(tl.float32)
+            lo = (_byte(blk + 96 + s % 8, m) >> (4 * (s // 8))) & 15
+            hi = (_byte(blk + 104 + s % 4, m) >> (2 * (s // 4))) & 3
+            sc = ((lo | (hi << 4)) - 32).to(tl.float32)
+            ql = (_byte(blk + 32 + (i // 128) * 32 + i % 32, m) >> (2 * ((i % 128) // 32))) & 3
+            bit = (_byte(blk + i % 32, m) >> (i // 32)) & 1
+            w = (d * sc) * (ql - 4 * (1 - bit)).to(tl.float32)
+        elif (T == 12) | (T == 13):    # q4_k, q5_k: d | dmin | scales 12 | (qh 32 |) qs 128
+            size = tl.where(T == 12, 144, 176)
+            blk = mat + r * (IN // 256 * size) + (k // 256) * size
+            i = k % 256
+            j = i // 32
+            d = tl.load(blk.to(tl.pointer_type(tl.float16)), mask=m, other=0.0).to(tl.float32)
+            dmin = tl.load((blk + 2).to(tl.pointer_type(tl.float16)), mask=m, other=0.0).to(tl.float32)
+            lo4 = j < 4
+            s_j = _byte(blk + 4 + j, m)
+            s_j4 = _byte(blk + 8 + j, m)
+            s_jm4 = _byte(blk + 4 + tl.where(lo4, 0, j - 4), m)
+            sc = tl.where(lo4, s_j & 63, (s_j4 & 15) | ((s_jm4 >> 6) << 4))
+            mn = tl.where(lo4, s_j4 & 63, (s_j4 >> 4) | ((s_j >> 6) << 4))
+            qs_at = tl.where(T == 12, 16, 48)
+            q = (_byte(blk + qs_at + (j // 2) * 32 + i % 32, m) >> ((j % 2) * 4)) & 15
+            if T == 13:
+                q = q | (((_byte(blk + 16 + i % 32, m) >> j) & 1) << 4)
+            w = (d * sc.to(tl.float32)) * q.to(tl.float32) - dmin * mn.to(tl.float32)
+        elif T == 14:     # q6_k: ql 128 | qh 64 | scales 16 (int8) | d
+            blk = mat + r * (IN // 256 * 210) + (k // 256) * 210
+            i = k % 256
+            h = i // 128
+            rr = i % 128
+            d = tl.load((blk + 208).to(tl.pointer_type(tl.float16)), mask=m, other=0.0).to(tl.float32)
+            ql = (_byte(blk + h * 64 + rr % 64, m) >> (4 * (rr // 64))) & 15
+            qh = (_byte(blk + 128 + h * 32 + rr % 32, m) >> (2 * (rr // 32))) & 3
+            sc = tl.load((blk + 192 + i // 16).to(tl.pointer_type(tl.int8)), mask=m, other=0).to(tl.float32)
+            w = (d * sc) * ((ql | (qh << 4)) - 32).to(tl.float32)
+        elif T == 23:     # iq4_xs: d | scales_h u16 | scales_l 4 | qs 128 (per 32 weights: 16 bytes as iq4_nl)
+            blk = mat + r * (IN // 256 * 136) + (k // 256) * 136
+            i = k % 256
+            j = i // 32
+            rr = i % 32
+            d = tl.load(blk.to(tl.pointer_type(tl.float16)), mask=m, other=0.0).to(tl.float32)
+            sh = _byte(blk + 2, m) | (_byte(blk + 3, m) << 8)
+            ls = (_byte(blk + 4 + j // 2, m) >> (4 * (j % 2))) & 15
+            hs = (sh >> (2 * j)) & 3
+            dl = d * ((ls | (hs << 4)) - 32).to(tl.float32)
+            q = (_byte(blk + 8 + 16 * j + rr % 16, m) >> (4 * (rr // 16))) & 15
+            w = dl * _iq4_value(q)
+        return w
+
+    @triton.jit
+    def _weights(mat, rows, ks, m, OUT: tl.constexpr, IN: tl.constexpr, FMT: tl.constexpr, G: tl.constexpr, T):
+        """fp32 W[rows, ks] of one rows-form matrix starting at byte pointer `mat` (masked by m); T: its GGML type
+        code where FMT is MIXED_FMT (read from the record's header), else unused."""
         r = rows[:, None].to(tl.int64)
         k = ks[None, :]
-        if FMT == 0:      # int8: q [OUT, IN] int8 | s fp16 [OUT, IN/G]
+        if FMT == 5:
+            w = _ggml_weights(mat, r, k, m, IN, T)
+        elif FMT == 0:      # int8: q [OUT, IN] int8 | s fp16 [OUT, IN/G]
             q = tl.load((mat + r * IN + k).to(tl.pointer_type(tl.int8)), mask=m, other=0).to(tl.float32)
             s = tl.load((mat + OUT * IN + (r * (IN // G) + k // G) * 2).to(tl.pointer_type(tl.float16)),
                         mask=m, other=0.0).to(tl.float32)
@@ -134,6 +264,7 @@ if triton is not None:
         p = tl.program_id(0)
         t = p // K
         rec = record_ptr(arena_ptr, slot_ptr, table_ptr, log_ptr, p, SLOT_OFF, REC, TABLE, LOG)
+        tg, tu, td = _record_types(rec, FMT)
         rows = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
         rmask = rows < I
         out_ty = h_ptr.dtype.element_ty
@@ -144,9 +275,9 @@ if triton is not None:
             cmask = cols < H
             xv = tl.load(x_ptr + t * H + cols, mask=cmask, other=0.0).to(tl.float32)
             m = rmask[:, None] & cmask[None, :]
-            g = _weights(rec + GATE, rows, cols, m, I, H, FMT, G).to(out_ty).to(tl.float32)
+            g = _weights(rec + GATE, rows, cols, m, I, H, FMT, G, tg).to(out_ty).to(tl.float32)
             acc_g += tl.sum(g * xv[None, :], axis=1)
-            u = _weights(rec + UP, rows, cols, m, I, H, FMT, G).to(out_ty).to(tl.float32)
+            u = _weights(rec + UP, rows, cols, m, I, H, FMT, G, tu).to(out_ty).to(tl.float32)
             acc_u += tl.sum(u * xv[None, :], axis=1)
         tl.store(h_ptr + p * I + rows, swiglu(acc_g, acc_u, out_ty), mask=rmask)
 
@@ -156,6 +287,7 @@ if triton is not None:
                    BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr):
         p = tl.program_id(0)
         rec = record_ptr(arena_ptr, slot_ptr, table_ptr, slot_ptr, p, SLOT_OFF, REC, TABLE, False)
+        tg, tu, td = _record_types(rec, FMT)
         rows = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         rmask = rows < H
         out_ty = h_ptr.dtype.element_ty
@@ -164,7 +296,7 @@ if triton is not None:
             cols = i0 + tl.arange(0, BLOCK_I)
             cmask = cols < I
             hv = tl.load(h_ptr + p * I + cols, mask=cmask, other=0.0).to(tl.float32)
-            d = _weights(rec + DOWN, rows, cols, rmask[:, None] & cmask[None, :], H, I, FMT, G)
+            d = _weights(rec + DOWN, rows, cols, rmask[:, None] & cmask[None, :], H, I, FMT, G, td)
             acc += tl.sum(d.to(out_ty).to(tl.float32) * hv[None, :], axis=1)
         acc = acc.to(out_ty).to(tl.float32)          # the expert output in the model dtype, then weighted
         w = tl.load(w_ptr + p).to(tl.float32)
@@ -247,6 +379,7 @@ if triton is not None:
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         pm = tl.program_id(0)
         rec = arena_ptr + tl.load(block_slot_ptr + pm).to(tl.int64) * REC
+        tg, tu, td = _record_types(rec, FMT)
         pairs = tl.load(pair_ptr + pm * BLOCK_M + tl.arange(0, BLOCK_M))     # -1: padding
         pmask = pairs >= 0
         toks = tl.where(pmask, pairs // K, 0)
@@ -264,8 +397,8 @@ if triton is not None:
                 u = _weights_tile(rec + UP, rows, rmask, k0, I, H, FMT, G, BLOCK_N, BLOCK_K).to(out_ty)
             else:
                 m = rmask[:, None] & kmask[None, :]
-                g = _weights(rec + GATE, rows, ks, m, I, H, FMT, G).to(out_ty)
-                u = _weights(rec + UP, rows, ks, m, I, H, FMT, G).to(out_ty)
+                g = _weights(rec + GATE, rows, ks, m, I, H, FMT, G, tg).to(out_ty)
+                u = _weights(rec + UP, rows, ks, m, I, H, FMT, G, tu).to(out_ty)
             if IEEE:
                 acc_g += tl.dot(xt, tl.trans(g), input_precision="ieee")
                 acc_u += tl.dot(xt, tl.trans(u), input_precision="ieee")
@@ -282,6 +415,7 @@ if triton is not None:
                    VEC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         pm = tl.program_id(0)
         rec = arena_ptr + tl.load(block_slot_ptr + pm).to(tl.int64) * REC
+        tg, tu, td = _record_types(rec, FMT)
         pairs = tl.load(pair_ptr + pm * BLOCK_M + tl.arange(0, BLOCK_M))
         pmask = pairs >= 0
         prow = tl.where(pmask, pairs, 0).to(tl.int64)
@@ -296,7 +430,7 @@ if triton is not None:
             if VEC:
                 d = _weights_tile(rec + DOWN, rows, rmask, k0, H, I, FMT, G, BLOCK_N, BLOCK_K).to(out_ty)
             else:
-                d = _weights(rec + DOWN, rows, ks, rmask[:, None] & kmask[None, :], H, I, FMT, G).to(out_ty)
+                d = _weights(rec + DOWN, rows, ks, rmask[:, None] & kmask[None, :], H, I, FMT, G, td).to(out_ty)
             if IEEE:
                 acc += tl.dot(ht, tl.trans(d), input_precision="ieee")
             else:
@@ -309,7 +443,12 @@ if triton is not None:
 def _params(layout: QuantLayout) -> dict:
     assert layout.order == "rows", "the Triton kernels read rows-order quantized records"
     reg = layout.regions
-    return dict(GATE=reg["gate"][0], UP=reg["up"][0], FMT=FMT[layout.scheme])
+    return dict(GATE=reg["gate"][0], UP=reg["up"][0], FMT=MIXED_FMT if layout.mixed else FMT[layout.scheme])
+
+
+def _group(inp: int, layout: QuantLayout) -> int:
+    """The G the kernels take: the scheme's group; 1 (unused) for a ggml: record, whose blocks say their own."""
+    return 1 if layout.mixed else group_size(inp, layout.scheme)
 
 
 def span(groups: int, most: int = 64) -> int:
@@ -356,11 +495,11 @@ def quant_slot_moe(x: torch.Tensor, arena: torch.Tensor, slots: torch.Tensor, to
         return sum_picks(y, t, k, x.dtype)
     _gate_up_gemv[(p, triton.cdiv(idim, block_i))](
         x.contiguous(), arena, slot_flat, h, slot_offset, tab, lg, K=k, H=hdim, I=idim, LOG=use_log, **where,
-        GATE=prm["GATE"], UP=prm["UP"], FMT=prm["FMT"], G=group_size(hdim, layout.scheme), BLOCK_I=block_i,
+        GATE=prm["GATE"], UP=prm["UP"], FMT=prm["FMT"], G=_group(hdim, layout), BLOCK_I=block_i,
         BLOCK_H=128)
     _down_gemv[(p, triton.cdiv(hdim, block_h))](
         h, arena, slot_flat, w_flat, y, slot_offset, tab, H=hdim, I=idim, **where,
-        DOWN=layout.regions["down"][0], FMT=prm["FMT"], G=group_size(idim, layout.scheme), BLOCK_H=block_h,
+        DOWN=layout.regions["down"][0], FMT=prm["FMT"], G=_group(idim, layout), BLOCK_H=block_h,
         BLOCK_I=128)
     return sum_picks(y, t, k, x.dtype)
 
@@ -430,7 +569,7 @@ def quant_grouped_moe(x: torch.Tensor, arena: torch.Tensor, slots: torch.Tensor,
     prm = _params(layout)
     ieee = x.dtype == torch.float32            # no TF32 for fp32 models: keep the reference's precision
     rec = layout.record_bytes
-    gh, gi = group_size(hdim, layout.scheme), group_size(idim, layout.scheme)
+    gh, gi = _group(hdim, layout), _group(idim, layout)
     vec = o["vec"] and layout.scheme in ("int8", "int4")
     bn, bk = o.get("block_n", tile_n), o.get("block_k", tile_k)
     bk_up = -(-bk // gh) * gh if vec else bk         # a tile covers whole groups

@@ -14,41 +14,51 @@ import numpy as np
 import torch
 
 from engine.errors import EngineError, Exit
+from engine.quant import ggml
 
-GGUF_TYPES = {"Q8_0": "q8_0", "Q4_1": "q4_1", "Q4_K": "q4_k"}    # GGML type name -> engine.quant scheme
+# GGML types whose one-type record schemes (and the dense Int4Projection) predate per-matrix types: name -> scheme.
+GGUF_TYPES = {"Q8_0": "q8_0", "Q4_1": "q4_1", "Q4_K": "q4_k"}
 # config.json of a checkpoint engine.convert made without its experts: the sha256 of the GGUF they stay in
 GGUF_SHA256_KEY = "kiln_source_gguf_sha256"
 _KINDS = ("ffn_gate", "ffn_up", "ffn_down")
 
 
+def read_gguf(path: Path):
+    """gguf's reader over `path`; one-line EngineErrors for a missing package, file or a file that is not GGUF."""
+    try:
+        from gguf import GGUFReader
+    except ImportError:
+        raise EngineError("the `gguf` package is required for --quant gguf: pip install gguf", Exit.MISSING_DEP) from None
+    try:
+        return GGUFReader(str(path))
+    except FileNotFoundError:
+        raise EngineError(f"{path}: no such file", Exit.BAD_MODEL) from None
+    except (ValueError, OSError) as e:
+        raise EngineError(f"{path}: not a readable GGUF file ({e})", Exit.BAD_MODEL) from None
+
+
 class GgufExperts:
-    """The expert tensors of one GGUF, checked against the checkpoint's expert shape and count."""
+    """The expert tensors of one GGUF, checked against the checkpoint's expert shape and count. Each of a layer's
+    three matrices may have its own GGML type (engine.quant.ggml), and layers may differ (a Q4_K_M's Q6_K downs)."""
 
     def __init__(self, path: str | Path, *, layers: list[int], experts: int, hidden: int, intermediate: int):
-        try:
-            from gguf import GGUFReader
-        except ImportError:
-            raise EngineError("the `gguf` package is required for --quant gguf: pip install gguf", Exit.MISSING_DEP) from None
         self.path = Path(path)
-        try:
-            reader = GGUFReader(str(self.path))
-        except FileNotFoundError:
-            raise EngineError(f"{self.path}: no such file", Exit.BAD_MODEL) from None
-        except (ValueError, OSError) as e:
-            raise EngineError(f"{self.path}: not a readable GGUF file ({e})", Exit.BAD_MODEL) from None
+        reader = read_gguf(self.path)
         by_name = {t.name: t for t in reader.tensors}
-        self.experts, self._tensors, types = experts, {}, set()
+        self.experts, self._tensors = experts, {}
+        self.layer_types: dict[int, tuple[str, str, str]] = {}     # layer -> (gate, up, down) GGML type names
         shapes = {"ffn_gate": (intermediate, hidden), "ffn_up": (intermediate, hidden), "ffn_down": (hidden, intermediate)}
         for l in layers:
+            types = []
             for kind in _KINDS:
                 t = by_name.get(f"blk.{l}.{kind}_exps.weight") or by_name.get(f"blk.{l}.{kind}.weight")
                 if t is None:
                     raise EngineError(f"{self.path}: no blk.{l}.{kind}_exps.weight or blk.{l}.{kind}.weight "
                                       f"(the checkpoint's MoE layer {l})", Exit.BAD_MODEL)
-                kind_name = t.tensor_type.name
-                if kind_name not in GGUF_TYPES:
-                    raise EngineError(f"{self.path}: {t.name} is {kind_name}; expert records keep Q8_0, Q4_1 or "
-                                      f"Q4_K blocks", Exit.BAD_MODEL)
+                try:
+                    typ = ggml.ggml_type(int(t.tensor_type))
+                except ggml.UnknownType as e:
+                    raise EngineError(f"{self.path}: {t.name}: {e}", Exit.BAD_MODEL) from None
                 stacked = t.name.endswith("_exps.weight")
                 out, inp = shapes[kind]
                 ne = [int(n) for n in t.shape]          # ggml order: [in, out(, experts)]
@@ -56,12 +66,9 @@ class GgufExperts:
                 if ne != want:
                     raise EngineError(f"{self.path}: {t.name} has shape {ne}, the checkpoint's experts need "
                                       f"{want} (ggml order)", Exit.BAD_MODEL)
-                types.add(kind_name)
+                types.append(typ.name)
                 self._tensors[(l, kind)] = (t.data, stacked)
-        if len(types) != 1:
-            raise EngineError(f"{self.path}: expert tensors mix {', '.join(sorted(types))}; a store holds one "
-                              f"scheme (all Q8_0, all Q4_1 or all Q4_K)", Exit.BAD_MODEL)
-        self.scheme = GGUF_TYPES[types.pop()]
+            self.layer_types[l] = tuple(types)  # type: ignore[assignment]
         # An upcycled dense GGUF: every expert of a layer is the same MLP, so one record serves them all.
         self.shared_across_experts = not any(stacked for _, stacked in self._tensors.values())
 
@@ -71,5 +78,6 @@ class GgufExperts:
         for kind in _KINDS:
             data, stacked = self._tensors[(layer, kind)]
             rows = data[expert] if stacked else data
-            out.append(torch.from_numpy(np.array(rows, dtype=np.uint8, copy=True)))
+            raw = np.array(rows, copy=True)         # F16/F32 tensors are read as floats: their bytes are the blocks
+            out.append(torch.from_numpy(raw.view(np.uint8).reshape(len(rows), -1)))
         return tuple(out)  # type: ignore[return-value]

@@ -21,6 +21,14 @@ kernels read; for GGUF schemes the file's blocks unchanged). `cols` is the CPU k
 the operand torch.ops.aten._weight_int4pack_mm_for_cpu reads; the 4-bit codes are the same, q4_1's and
 q4_k's fp16-derived scales are rounded to bf16 (int4's already are). For the 8-bit schemes cols == rows.
 
+ggml:G,U,D  a GGUF's own blocks, each matrix in its own GGML type (engine.quant.ggml: every standard type), for
+        files whose experts mix types (llama-quantize's Q4_K_M keeps ffn_down_exps in Q6_K in half the layers;
+        rows not a multiple of 256 fall back to Q5_0 or Q8_0). G, U, D name the record's CAPACITY: each region is
+        sized for that type, the widest its matrix has in the store, and every record carries its own three
+        types in a 64-byte header (RecordHeader) before them, so one slot size serves every layer and a kernel
+        learns a record's types from the record itself (no per-layer table beside the slot). Both orders hold
+        the same bytes: the CPU's native kernel reads the blocks as they are (engine.kernels.native.ggml_gemv).
+
 Group size: 32 for int8 and int4 (GROUP, chosen by measurement: bench/quant_accuracy.py), so the manifest's
 scheme fixes it and needs no field for it. GGUF schemes keep their block sizes (32; q4_k 256 with
 32-wide sub-blocks).
@@ -31,6 +39,8 @@ from dataclasses import dataclass
 from functools import cached_property
 
 import torch
+
+from engine.quant import ggml
 
 ALIGN = 4096
 MATRIX_ALIGN = 64
@@ -45,6 +55,31 @@ FOUR_BIT = ("int4", "q4_1", "q4_k")
 # weight (Q4_1's, Q8_0's 8.5 for int8) against 4.25 (8.125) at 128.
 GROUP = {"int8": 32, "int4": 32}
 INT4PACK_N = 64        # torch's CPU int4pack tiles 64 output rows together
+MIXED = "ggml:"        # scheme prefix of per-matrix-typed GGUF records: "ggml:q4_k,q4_k,q6_k"
+HEADER = 64            # bytes before a ggml: record's matrices: MAGIC, then the three GGML type codes
+MAGIC = b"KGGM"
+
+
+def mixed_scheme(types) -> str:
+    """The scheme of records whose regions fit `types` (gate, up, down names)."""
+    return MIXED + ",".join(ggml.ggml_type(t).name for t in types)
+
+
+def mixed_types(scheme: str) -> tuple[str, str, str] | None:
+    """(gate, up, down) type names of a ggml: scheme, else None."""
+    if not scheme.startswith(MIXED):
+        return None
+    names = scheme[len(MIXED):].split(",")
+    if len(names) != 3:
+        raise ValueError(f"quant scheme {scheme!r} names {len(names)} types, not gate,up,down")
+    return tuple(ggml.ggml_type(n).name for n in names)  # type: ignore[return-value]
+
+
+def is_scheme(scheme: str) -> bool:
+    try:
+        return scheme in SCHEMES or mixed_types(scheme) is not None
+    except ValueError:
+        return False
 
 
 def _up(n: int, a: int) -> int:
@@ -69,6 +104,8 @@ def matrix_bytes(scheme: str, out: int, inp: int, group: int | None = None) -> i
     if scheme in GGUF_BLOCK:
         per, size = GGUF_BLOCK[scheme]
         return out * (inp // per) * size
+    if scheme in ggml.TYPES:
+        return ggml.matrix_bytes(scheme, out, inp)
     ng = inp // (group or group_size(inp, scheme))
     if scheme == "int8":
         return out * inp + out * ng * 2
@@ -164,6 +201,8 @@ def dequantize_matrix(scheme: str, buf: torch.Tensor, out: int, inp: int, group:
         q = torch.stack([codes & 15, codes >> 4], -1).reshape(out, inp // g, g).float()
         sz = buf[out * inp // 2:].view(torch.bfloat16).reshape(out, inp // g, 2).float()
         return ((q - 8) * sz[..., :1] + sz[..., 1:]).reshape(out, inp)
+    if scheme not in GGUF_BLOCK:       # the other GGML types: gguf's own dequantization (on the CPU)
+        return ggml.dequantize(scheme, buf, out, inp).to(buf.device)
     per, size = GGUF_BLOCK[scheme]
     blocks = buf.reshape(out * inp // per, size)
     if scheme == "q8_0":
@@ -253,8 +292,12 @@ class QuantLayout:
     order: str = "rows"
 
     def __post_init__(self):
-        assert self.scheme in SCHEMES, f"quant scheme {self.scheme!r} is not one of {SCHEMES}"
+        assert is_scheme(self.scheme), f"quant scheme {self.scheme!r} is not one of {SCHEMES} or {MIXED}G,U,D"
         assert self.order in ("rows", "cols"), f"record order {self.order!r}"
+        if self.mixed:
+            for t, inp in zip(self.capacity, (self.hidden, self.hidden, self.intermediate)):
+                ggml.row_bytes(t, inp)          # ValueError: not whole blocks
+            return
         for inp in (self.hidden, self.intermediate):
             if self.scheme in GGUF_BLOCK:
                 per = GGUF_BLOCK[self.scheme][0]
@@ -264,6 +307,16 @@ class QuantLayout:
         if self.cpu_int4:
             assert self.hidden % INT4PACK_N == 0 and 2 * self.intermediate % INT4PACK_N == 0, \
                 f"the CPU int4 layout tiles {INT4PACK_N} output rows: hidden and 2 x intermediate must be multiples"
+
+    @property
+    def mixed(self) -> bool:
+        """Records of per-matrix GGML types behind a header (a ggml: scheme)."""
+        return self.scheme.startswith(MIXED)
+
+    @property
+    def capacity(self) -> tuple[str, str, str]:
+        """The types each region is sized for (gate, up, down); a one-type scheme's three times."""
+        return mixed_types(self.scheme) or (self.scheme,) * 3
 
     @property
     def cpu_int4(self) -> bool:
@@ -278,9 +331,9 @@ class QuantLayout:
             shapes = {"gate_up": (2 * i, h), "down": (h, i)}
         else:
             shapes = {"gate": (i, h), "up": (i, h), "down": (h, i)}
-        out, off = {}, 0
-        for name, (o, n) in shapes.items():
-            size = self._cols_bytes(o, n) if self.cpu_int4 else matrix_bytes(self.scheme, o, n)
+        out, off = {}, HEADER if self.mixed else 0
+        for (name, (o, n)), t in zip(shapes.items(), self.capacity):
+            size = self._cols_bytes(o, n) if self.cpu_int4 else matrix_bytes(t, o, n)
             out[name] = (off, size, o, n)
             off = _up(off + size, MATRIX_ALIGN)
         return out
@@ -308,17 +361,37 @@ class QuantLayout:
         enc = quantize_int8 if self.scheme == "int8" else quantize_int4
         return self._assemble([enc(gate), enc(up), enc(down)])
 
-    def pack_blocks(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-        """GGUF blocks (uint8 [out, row bytes] as the file holds them) into one record, bytes unchanged in rows."""
-        assert self.scheme in GGUF_BLOCK, f"{self.scheme} records are quantized from floats (pack)"
+    def pack_blocks(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
+                    types: tuple[str, str, str] | None = None) -> torch.Tensor:
+        """GGUF blocks (uint8 [out, row bytes] as the file holds them) into one record, bytes unchanged in rows.
+        types: each matrix's GGML type (a ggml: layout; None: its capacity), each no wider than its region."""
+        assert self.scheme in GGUF_BLOCK or self.mixed, f"{self.scheme} records are quantized from floats (pack)"
+        types = tuple(ggml.ggml_type(t).name for t in types) if types is not None else self.capacity
+        if not self.mixed and types != self.capacity:
+            raise ValueError(f"{'/'.join(types)} blocks in a {self.scheme} record (a ggml: layout keeps types per matrix)")
         h, i = self.hidden, self.intermediate
         mats = []
-        for name, m, (o, n) in (("gate", gate, (i, h)), ("up", up, (i, h)), ("down", down, (h, i))):
-            want = matrix_bytes(self.scheme, o, n)
+        for name, m, t, (o, n) in zip(("gate", "up", "down"), (gate, up, down), types, ((i, h), (i, h), (h, i))):
+            want = matrix_bytes(t, o, n)
             if m.dtype != torch.uint8 or m.numel() != want:
-                raise ValueError(f"{name}: {m.numel()} bytes of {m.dtype}, a [{o}x{n}] {self.scheme} matrix is {want}")
+                raise ValueError(f"{name}: {m.numel()} bytes of {m.dtype}, a [{o}x{n}] {t} matrix is {want}")
+            if self.mixed and want > self.regions[name][1]:
+                raise ValueError(f"{name}: a {t} matrix ({want} bytes) does not fit this layout's {self.capacity} "
+                                 f"region ({self.regions[name][1]} bytes)")
             mats.append(m.reshape(-1))
-        return self._assemble(mats)
+        if not self.mixed:
+            return self._assemble(mats)
+        rec = torch.zeros(self.record_bytes, dtype=torch.uint8)
+        rec[:HEADER] = torch.tensor(list(header_bytes(types)), dtype=torch.uint8)
+        for (off, _, _, _), m in zip(self.regions.values(), mats):
+            rec[off:off + m.numel()] = m
+        return rec
+
+    def record_types(self, rec: torch.Tensor) -> tuple[str, str, str]:
+        """(gate, up, down) GGML types of one record: its header's (a ggml: layout), else the scheme's."""
+        if not self.mixed:
+            return self.capacity
+        return read_header(bytes(rec.reshape(-1)[:HEADER].view(torch.uint8).cpu().numpy()))
 
     def _assemble(self, rows_form: list[torch.Tensor]) -> torch.Tensor:
         """Three rows-form matrices → the record in this layout's order."""
@@ -346,5 +419,18 @@ class QuantLayout:
             mats = [dequantize_int4pack(self.region(rec, n), o, k, group_size(k, self.scheme))
                     for n, (_, _, o, k) in self.regions.items()]
             return mats[0][:i], mats[0][i:], mats[1]
-        return tuple(dequantize_matrix(self.scheme, self.region(rec, n), o, k)  # type: ignore[return-value]
-                     for n, (_, _, o, k) in self.regions.items())
+        types = self.record_types(rec)
+        return tuple(dequantize_matrix(t, self.region(rec, n)[:matrix_bytes(t, o, k)], o, k)  # type: ignore[return-value]
+                     for t, (n, (_, _, o, k)) in zip(types, self.regions.items()))
+
+
+def header_bytes(types) -> bytes:
+    """A ggml: record's header: MAGIC, the three GGML type codes, zeros to HEADER bytes."""
+    return (MAGIC + bytes(ggml.ggml_type(t).code for t in types)).ljust(HEADER, b"\0")
+
+
+def read_header(head: bytes) -> tuple[str, str, str]:
+    """The (gate, up, down) type names a ggml: record's header holds; ValueError when it is not one."""
+    if head[:4] != MAGIC:
+        raise ValueError(f"no ggml record header (starts {head[:4]!r}, not {MAGIC!r})")
+    return tuple(ggml.ggml_type(c).name for c in head[4:7])  # type: ignore[return-value]

@@ -12,6 +12,7 @@ import torch
 from engine.errors import EngineError, Exit
 from engine.quant.gguf import GGUF_SHA256_KEY, GgufExperts
 from engine.quant.records import QuantLayout
+from engine.quant.tensors import expert_layout
 
 if TYPE_CHECKING:                   # the checkpoint hands out its layouts; no import of the layer above
     from engine.experts.layout import ExpertLayout
@@ -44,21 +45,21 @@ def record_source(ck, *, dtype: torch.dtype | None = None, order: str = "rows", 
     src = GgufExperts(gguf, layers=ck.moe_layers, experts=ck.n_experts, hidden=ck.hidden,
                       intermediate=ck.moe_intermediate)
     try:
-        layout = ck.layout(order=order, quant=src.scheme)
+        layout = expert_layout(ck.hidden, ck.moe_intermediate, src.layer_types.values(), order=order)
     except (AssertionError, ValueError) as e:
-        raise EngineError(f"{src.path}: its {src.scheme} experts cannot be {order} records ({e})", Exit.BAD_MODEL) from None
+        raise EngineError(f"{src.path}: its experts cannot be {order} records ({e})", Exit.BAD_MODEL) from None
     if ck.has_experts:
         check_gguf_matches(ck, src, layout)
     else:
         check_gguf_is_the_source(ck, src.path)
     if not src.shared_across_experts:
-        return layout, lambda l, e: layout.quantized.pack_blocks(*src.blocks(l, e))
+        return layout, lambda l, e: layout.quantized.pack_blocks(*src.blocks(l, e), types=src.layer_types[l])
     last: dict = {}
 
     def make_shared(l, e):          # the same record for every expert of layer l: pack it once per layer
         if l not in last:
             last.clear()
-            last[l] = layout.quantized.pack_blocks(*src.blocks(l, 0))
+            last[l] = layout.quantized.pack_blocks(*src.blocks(l, 0), types=src.layer_types[l])
         return last[l].clone()
     return layout, make_shared
 
@@ -81,7 +82,7 @@ def check_gguf_matches(ck, src, layout: ExpertLayout) -> None:
     engine.convert made from this file): a GGUF of another model is refused by name."""
     rows = QuantLayout(layout.hidden, layout.intermediate, layout.quant, "rows")
     for l, e in {(ck.moe_layers[0], 0), (ck.moe_layers[-1], ck.n_experts - 1)}:
-        got = rows.dequantize(rows.pack_blocks(*src.blocks(l, e)))
+        got = rows.dequantize(rows.pack_blocks(*src.blocks(l, e), types=src.layer_types[l]))
         for name, g, w in zip(("gate", "up", "down"), got, ck.expert(l, e)):
             w = w.float()
             rel = float((g - w).norm() / w.norm().clamp_min(1e-30))

@@ -3,8 +3,11 @@
 Records are laid out layer-major (layer l's experts 0..E-1, then the next MoE layer), each
 exactly ExpertLayout.pack(gate, up, down) in the store dtype and record order (rows or cols,
 engine.experts; a manifest without "order" is rows), padded to 4 KiB. "quant" names the record
-scheme: "none" (float records in "dtype"; a manifest without it) or one of engine.quant.records.SCHEMES,
-whose records are bytes (dtype "uint8") with their scales inside.
+scheme: "none" (float records in "dtype"; a manifest without it), one of engine.quant.records.SCHEMES, or a
+"ggml:G,U,D" layout of per-matrix GGML types; quantized records are bytes (dtype "uint8") with their scales
+inside. A ggml: store also records each record's layout, "layer_types": one [gate, up, down] triple of GGML
+type names per MoE layer (a layer's experts are one GGUF tensor each, so its records share their types), which
+each record's own header repeats and verify-store checks (engine.store.verify).
 
 manifest.sha256 beside it holds the manifest's own sha256 (engine.store.manifest_file): a manifest is
 checked against it, then field by field, then record by record (each exactly where the layer-major order
@@ -25,7 +28,8 @@ import torch
 from engine.errors import EngineError, Exit
 from engine.experts.layout import ALIGN, DTYPES, ORDERS, ExpertLayout
 from engine.store import manifest_file
-from engine.quant.records import SCHEMES
+from engine.quant import ggml
+from engine.quant.records import MIXED, SCHEMES, is_scheme, matrix_bytes
 
 QUANTS = ("none", *SCHEMES)
 QUANT_DTYPE = "uint8"           # the dtype of a quantized store's records: bytes
@@ -60,6 +64,7 @@ class Manifest:
     format_version: int = FORMAT_VERSION
     order: str = "rows"
     quant: str = "none"
+    layer_types: list | None = None     # ggml: stores: [[gate, up, down] GGML type names] per moe_layers entry
     sha256: str = ""                # of manifest.json as read (not a field of it): what tool prepare records
     _index: dict = field(default_factory=dict, repr=False, compare=False)
 
@@ -71,6 +76,13 @@ class Manifest:
         dtype = torch.uint8 if self.quant != "none" else DTYPES[self.dtype]
         return ExpertLayout(self.hidden, self.intermediate, dtype, self.order, self.quant)
 
+    def record_types(self, layer: int) -> tuple[str, str, str] | None:
+        """(gate, up, down) GGML types of `layer`'s records: the manifest's layer_types, a GGUF one-type scheme's
+        three, else None (float, int8, int4 records)."""
+        if self.layer_types is not None:
+            return tuple(self.layer_types[self.moe_layers.index(layer)])  # type: ignore[return-value]
+        return (self.quant,) * 3 if self.quant in ggml.TYPES else None
+
     def record(self, layer: int, expert: int) -> Record:
         return self.records[self._index[(layer, expert)]]
 
@@ -78,6 +90,8 @@ class Manifest:
         d = asdict(self)
         d.pop("_index")
         d.pop("sha256")
+        if d["layer_types"] is None:        # one-type stores: the manifest as before
+            d.pop("layer_types")
         d["records"] = [[r.layer, r.expert, r.offset, r.sha256] for r in self.records]
         return {"format_version": d.pop("format_version"), **d}
 
@@ -133,6 +147,25 @@ def _layers(v):
     return None
 
 
+def _quant(v):
+    if type(v) is not str:
+        return f"{type(v).__name__} {_short(v)}, not a string"
+    if len(v) > 64 or (v != "none" and not is_scheme(v)):
+        return f"{v[:64]!r} is not one of {', '.join(QUANTS)} or {MIXED}G,U,D (GGML types)"
+    return None
+
+
+def _layer_types(v):
+    if v is None:
+        return None
+    if type(v) is not list or len(v) > 1 << 16:
+        return f"{_short(v)}, not a list of [gate, up, down] type triples"
+    for row in v:
+        if type(row) is not list or len(row) != 3 or any(type(t) is not str or t not in ggml.TYPES for t in row):
+            return f"holds {_short(row)}, not [gate, up, down] GGML type names"
+    return None
+
+
 def _short(v) -> str:
     r = repr(v)
     return r if len(r) <= 40 else r[:37] + "..."
@@ -148,13 +181,15 @@ FIELDS = {
     "intermediate": _int(1, 1 << 20),
     "dtype": _str(choices=[*sorted(DTYPES), QUANT_DTYPE]),
     "order": _str(choices=ORDERS),
-    "quant": _str(choices=QUANTS),
+    "quant": _quant,
+    "layer_types": _layer_types,
     "record_bytes": _int(ALIGN, 1 << 40),
     "total_bytes": _int(0, 1 << 62),
     "records": lambda v: None if type(v) is list else f"{type(v).__name__}, not a list",
     "created": _str(limit=64),
 }
-OPTIONAL = {"order": "rows", "quant": "none"}   # manifests from before record orders / quantized records
+# manifests from before record orders / quantized records / per-matrix GGML types
+OPTIONAL = {"order": "rows", "quant": "none", "layer_types": None}
 
 
 def _garbled(path: Path, why: str) -> EngineError:
@@ -252,6 +287,7 @@ def load(store_dir: str | os.PathLike, *, check_size: bool = True) -> Manifest:
         layout = m.layout               # a layout refuses combinations no single field shows (its asserts)
     except (AssertionError, ValueError) as e:
         raise _garbled(path, f"no record layout for these fields ({e})") from None
+    _check_layer_types(path, m, layout)
     if m.record_bytes != layout.record_bytes:
         raise _garbled(path, f"record_bytes {m.record_bytes} != {layout.record_bytes} for its shape")
     if m.total_bytes != len(m.records) * m.record_bytes:
@@ -259,6 +295,25 @@ def load(store_dir: str | os.PathLike, *, check_size: bool = True) -> Manifest:
     if size is not None and size != m.total_bytes:
         raise EngineError(f"{data}: {size} bytes, the manifest says {m.total_bytes}", Exit.INTEGRITY)
     return m
+
+
+def _check_layer_types(path: Path, m: Manifest, layout: ExpertLayout) -> None:
+    """layer_types: present exactly for ggml: layouts, one triple a MoE layer, each type fitting its region."""
+    q = layout.quantized
+    if (m.layer_types is not None) != bool(q and q.mixed):
+        raise _garbled(path, f"layer_types goes with a {MIXED}G,U,D quant and only with it (quant {m.quant!r})")
+    if m.layer_types is None:
+        return
+    if len(m.layer_types) != len(m.moe_layers):
+        raise _garbled(path, f"{len(m.layer_types)} layer_types for {len(m.moe_layers)} moe_layers")
+    for l, types in zip(m.moe_layers, m.layer_types):
+        for t, (name, (_, size, o, i)) in zip(types, q.regions.items()):
+            try:
+                fits = matrix_bytes(t, o, i) <= size
+            except ValueError as e:
+                raise _garbled(path, f"layer {l}'s {name} type {t}: {e}") from None
+            if not fits:
+                raise _garbled(path, f"layer {l}'s {name} type {t} does not fit the {m.quant} record's region")
 
 
 def check_order(m: Manifest, device, store_dir) -> None:

@@ -97,15 +97,24 @@ def pack_store(model_dir: str | os.PathLike, store_dir: str | os.PathLike, *, dt
         sampled = _compare_sample(layout, plan, data, sample, make)
 
         publish_store(staging, store_dir, config_hash=ck.config_hash(), arch=ck.arch, layout=layout,
-                      experts=ck.n_experts, plan=plan, digests=digests)
+                      experts=ck.n_experts, plan=plan, digests=digests, layer_types=_layer_types(ck, layout, make))
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return PackResult(store_dir, len(plan), total, t_write, t_verify, sampled)
 
 
+def _layer_types(ck: Checkpoint, layout, make) -> list[list[str]] | None:
+    """A ggml: store's per-layer record types for its manifest, as the records made say them (their headers)."""
+    q = layout.quantized
+    if not (q and q.mixed):
+        return None
+    return [list(q.record_types(make(l, 0))) for l in ck.moe_layers]
+
+
 def publish_store(staging: Path, store_dir: Path, *, config_hash: str, arch: str, layout, experts: int,
-                  plan: list[tuple[int, int, int]], digests: list[str]) -> mf.Manifest:
+                  plan: list[tuple[int, int, int]], digests: list[str],
+                  layer_types: list[list[str]] | None = None) -> mf.Manifest:
     """The last step of every store build (pack-store, engine synth): the manifest and its sha256 sidecar
     into the verified staging dir, fsync, then publish by rename."""
     m = mf.Manifest(config_hash=config_hash, arch=arch, moe_layers=sorted({l for l, _, _ in plan}),
@@ -114,7 +123,7 @@ def publish_store(staging: Path, store_dir: Path, *, config_hash: str, arch: str
                     total_bytes=len(plan) * layout.record_bytes,
                     records=[mf.Record(l, e, o, d) for (l, e, o), d in zip(plan, digests)],
                     created=datetime.now(timezone.utc).isoformat(timespec="seconds"), order=layout.order,
-                    quant=layout.quant)
+                    quant=layout.quant, layer_types=layer_types)
     m.sha256 = manifest_file.write_with_sidecar(staging / mf.MANIFEST, m.to_json())
     _fsync_dir(staging)
     _publish(staging, store_dir)

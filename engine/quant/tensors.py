@@ -1,0 +1,152 @@
+"""A GGUF tensor as the engine holds it: the one place a GGUF model loader turns a tensor of any GGML type
+(engine.quant.ggml) into what the engine computes with.
+
+  weight(name, ggml_type, shape, raw, device=, dtype=, linear=)  a dense weight: on the CPU a linear weight keeps
+        its blocks (a projection computed by that type's kernel); anything else is dequantized once, here, and the
+        log says so where blocks were given up for want of a kernel
+  expert_layout(hidden, intermediate, types, order=)            the record layout a store of routed experts needs
+        for each MoE layer's (gate, up, down) types
+  expert_record(layout, gate, up, down)                         one expert's record from its three matrices, each
+        (ggml_type, raw blocks) in its own type
+"""
+from __future__ import annotations
+
+import logging
+from typing import Iterable, Sequence
+
+import numpy as np
+import torch
+
+from engine.experts.layout import ExpertLayout
+from engine.dense_weights import Int4Projection, Projection, Q8Projection
+from engine.quant import ggml
+from engine.quant.records import GGUF_BLOCK, INT4PACK_N, QuantLayout, matrix_bytes, mixed_scheme
+
+log = logging.getLogger("engine.quant")
+
+FLOAT_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+
+
+def _raw_tensor(raw, nbytes: int, name: str) -> torch.Tensor:
+    """The tensor's bytes as a contiguous uint8 torch tensor (a copy: the reader's memory map may close)."""
+    if isinstance(raw, torch.Tensor):
+        t = raw.detach().reshape(-1).view(torch.uint8) if raw.dtype != torch.uint8 else raw.detach().reshape(-1)
+        t = t.cpu().clone()
+    else:
+        t = torch.from_numpy(np.array(np.asarray(raw).reshape(-1).view(np.uint8), copy=True))
+    if t.numel() != nbytes:
+        raise ValueError(f"{name}: {t.numel()} bytes, its type and shape need {nbytes}")
+    return t
+
+
+class BlockProjection:
+    """A dense weight [out, in] kept as a GGUF's own blocks of any GGML type, computed by the native CPU kernel
+    (engine.kernels.native.ggml_matmul: each block dequantized once into fp32 and dotted with every row of x, as
+    gguf's dequantization then a float32 matmul). CPU only."""
+
+    def __init__(self, ggml_type: str | int, blocks: torch.Tensor, out_features: int, in_features: int):
+        self.type = ggml.ggml_type(ggml_type)
+        self.out_features, self.in_features = out_features, in_features
+        self.blocks = blocks.reshape(out_features, -1).contiguous()
+        self.cpu = True
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        from engine.kernels import native        # the kernels build with g++ at first use: not at import
+        x2 = x.reshape(-1, self.in_features).float().contiguous()
+        y = native.ggml_matmul(self.type.code, x2, self.blocks, self.out_features)
+        return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` (any shape) dequantized, float32 [..., in]: an embedding's lookup."""
+        flat = ids.reshape(-1).cpu()
+        w = ggml.dequantize(self.type.name, self.blocks[flat], flat.numel(), self.in_features)
+        return w.view(*ids.shape, self.in_features)
+
+    def dequantized(self) -> torch.Tensor:
+        return ggml.dequantize(self.type.name, self.blocks, self.out_features, self.in_features)
+
+
+def native_kernel(ggml_type: str | int) -> bool:
+    """A native CPU kernel computes this type here (the kernels built, and this type among theirs)."""
+    from engine.kernels import native            # the kernels build with g++ at first use: not at import
+    return native.ggml_supported(ggml.ggml_type(ggml_type).code)
+
+
+def weight(name: str, ggml_type: str | int, shape: Sequence[int], raw, *, device: str | torch.device = "cpu",
+           dtype: torch.dtype = torch.float32, linear: bool = True, rows: bool = False):
+    """One GGUF tensor → what the engine computes with.
+
+    name: the tensor's name (for messages); ggml_type: its GGML type, by name ("Q4_K") or code (GGUFReader's
+    tensor_type); shape: torch order, [out, in] for a matrix (GGUFReader's `shape` is GGML order: reverse it);
+    raw: its bytes as the file holds them (GGUFReader's `data`, any dtype/shape; copied).
+    linear=True and a matrix: on the CPU its blocks are kept — Q4_1/Q4_K as torch's int4 operand (Int4Projection,
+    where 64 rows tile it), Q8_0 as codes and scales (Q8Projection), every other quantized type as a
+    BlockProjection — and float types become a Projection in `dtype`. Elsewhere (another device, or no native
+    kernel here) the blocks are dequantized once to `dtype`, and the log says so; the result is then a
+    Projection for linear=True, else a tensor (norms, biases, routers: linear=False).
+    rows=True (with linear=True): the vocabulary, whose kept blocks also serve the embedding's lookups — the result
+    has .rows(ids) (Q8Projection or BlockProjection; a float type's Projection: index its .weight's transpose).
+    ValueError (its message names the tensor) for a type Kiln lacks or bytes that disagree with the shape."""
+    try:
+        t = ggml.ggml_type(ggml_type)
+    except ggml.UnknownType as e:
+        raise ValueError(f"{name}: {e}") from None
+    shape = [int(n) for n in shape]
+    if not shape or any(n <= 0 for n in shape):
+        raise ValueError(f"{name}: shape {shape} is not a tensor's")
+    out, inp = int(np.prod(shape[:-1])), shape[-1]
+    try:
+        nbytes = matrix_bytes(t.name, out, inp)
+    except ValueError as e:
+        raise ValueError(f"{name}: {e}") from None
+    blocks = _raw_tensor(raw, nbytes, name).view(out, -1)
+    device = torch.device(device)
+    is_matrix = len(shape) == 2
+    if t.name in FLOAT_DTYPES:
+        w = blocks.view(FLOAT_DTYPES[t.name]).reshape(shape).to(device=device, dtype=dtype)
+        return Projection(w) if linear and is_matrix else w
+    if linear and is_matrix and device.type == "cpu":
+        if t.name in ("q4_1", "q4_k") and out % INT4PACK_N == 0 and not rows:     # torch's int4 operand: no rows
+            return Int4Projection([(t.name, blocks)])
+        if t.name == "q8_0":
+            q8 = blocks.view(out * inp // 32, 34)
+            d = q8[:, :2].contiguous().view(torch.float16).float().view(out, inp // 32)
+            return Q8Projection(q8[:, 2:].contiguous().view(torch.int8).view(out, inp), d)
+        if native_kernel(t.name):
+            return BlockProjection(t.name, blocks, out, inp)
+    if linear and is_matrix:
+        log.info("%s: no kernel keeps %s blocks on %s here; dequantized at load", name, t.name.upper(), device)
+    w = ggml.dequantize(t.name, blocks, out, inp).reshape(shape).to(device=device, dtype=dtype)
+    return Projection(w) if linear and is_matrix else w
+
+
+def expert_layout(hidden: int, intermediate: int, types: Iterable[Sequence[str | int]], *,
+                  order: str = "rows") -> ExpertLayout:
+    """The record layout for MoE layers whose (gate, up, down) GGML types are `types` (one triple a layer): one
+    GGUF scheme where every matrix of every layer is one of Q8_0, Q4_1, Q4_K alike (the kernels written for those),
+    else a ggml: layout whose regions fit the widest type each matrix has. ValueError (naming the type and the
+    width) where a type's block does not divide the row it would hold."""
+    triples = {tuple(ggml.ggml_type(t).name for t in tr) for tr in types}
+    if not triples:
+        raise ValueError("no MoE layer's expert types")
+    names = {n for tr in triples for n in tr}
+    if len(names) == 1 and (only := names.pop()) in GGUF_BLOCK:
+        return ExpertLayout(hidden, intermediate, torch.uint8, order, only)
+    shapes = ((intermediate, hidden), (intermediate, hidden), (hidden, intermediate))
+    widest = []
+    for j, (o, i) in enumerate(shapes):
+        kinds = sorted({tr[j] for tr in triples})
+        for k in kinds:
+            ggml.row_bytes(k, i)
+        widest.append(max(kinds, key=lambda k: matrix_bytes(k, o, i)))
+    return ExpertLayout(hidden, intermediate, torch.uint8, order, mixed_scheme(widest))
+
+
+def expert_record(layout: ExpertLayout | QuantLayout, gate: tuple, up: tuple, down: tuple) -> torch.Tensor:
+    """One record (uint8, record_bytes) from three (ggml_type, raw blocks [out, row bytes]) matrices."""
+    q = layout.quantized if isinstance(layout, ExpertLayout) else layout
+    mats, types = [], []
+    for t, raw in (gate, up, down):
+        types.append(ggml.ggml_type(t).name)
+        mats.append(raw if isinstance(raw, torch.Tensor) else torch.from_numpy(np.array(raw, dtype=np.uint8, copy=True)))
+    return q.pack_blocks(*mats, types=tuple(types))
