@@ -13,7 +13,7 @@ blocks (`<weight>.blocks_<scheme>`, uint8), which the CPU computes with directly
 fewer bytes a token than float32 for SmolLM2's attention; other devices dequantize them at load. With expert_weights off (`--no-expert-weights`) the
 experts are not written at all: a store packed from the GGUF's own blocks (`pack-store --quant gguf`) is
 then the only home of the routed experts, and config.json names the GGUF's sha256 (GGUF_SHA256_KEY) so
-pack-store can still refuse another model's GGUF (engine.quant.source). Everything is written to a staging directory beside
+pack-store can still refuse another model's GGUF (engine.store.source). Everything is written to a staging directory beside
 --out, hashed into kiln-files.json (engine.store.model_manifest: what `engine verify-model` and `engine
 serve` check) and renamed into place at the end, so an interrupted convert publishes nothing.
 """

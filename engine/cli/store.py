@@ -88,7 +88,7 @@ def pack_store(model_dir, store_dir, dtype, order, quant, gguf_file, readers, qu
     from engine.store.manifest import plan_offsets
     from engine.store.pack import pack_store as pack
 
-    from engine.quant.source import record_source
+    from engine.store.source import record_source
     if quant in FLOAT_QUANTS:
         if dtype and dtype != FLOAT_QUANTS[quant]:
             raise EngineError(f"--quant {quant} and --dtype {dtype} disagree; give one", Exit.USAGE)

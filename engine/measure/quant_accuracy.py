@@ -14,7 +14,7 @@ from engine.checkpoint import Checkpoint
 from engine.experts import ExpertLayout
 from engine.loader import load_model
 from engine.quant.records import dequantize_matrix, quantize_int4, quantize_int8
-from engine.quant.source import record_source
+from engine.store.source import record_source
 from engine.tiers.memory import InMemoryExperts
 
 GREEDY = 20                  # tokens decoded greedily per prompt

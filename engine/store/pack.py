@@ -62,7 +62,7 @@ def pack_store(model_dir: str | os.PathLike, store_dir: str | os.PathLike, *, dt
     cols for CPU serving). quant: "none" (float records in `dtype`), "int8"/"int4" (quantized here,
     deterministically), "gguf" (the `gguf` file's own expert blocks). progress(phase, n_bytes): phase
     'write' | 'verify'."""
-    from engine.quant.source import record_source
+    from engine.store.source import record_source
     ck = Checkpoint(model_dir)
     layout, make = record_source(ck, dtype=dtype, order=order, quant=quant, gguf=gguf)
     store_dir = Path(os.path.abspath(store_dir))

@@ -219,7 +219,7 @@ def test_attention_blocks_keep_the_ggufs_bytes_and_the_cpu_computes_what_they_ho
     from engine.dense_weights import Int4Projection, Projection
     from engine.quant.records import dequantize_matrix
     from engine.tiers.memory import InMemoryExperts
-    from engine.quant.source import record_source
+    from engine.store.source import record_source
 
     kept = tmp_path / "kept"
     r = subprocess.run([*ENGINE, "convert", "--gguf", str(gguf), "--out", str(kept), "--no-expert-weights",
@@ -272,7 +272,7 @@ def test_the_demo_model_decodes_natively_as_its_torch_forms_do(gguf, tmp_path, m
     from engine.kernels import native
     from engine.loader import load_model
     from engine.dense_weights import Q8Projection
-    from engine.quant.source import record_source
+    from engine.store.source import record_source
     from engine.tiers.memory import InMemoryExperts
     from tests.fixtures.decode import greedy
 

@@ -177,7 +177,7 @@ def test_a_record_in_a_wider_layout_and_a_type_too_wide_for_it():
 
 
 def test_expert_layout_keeps_the_one_type_schemes_and_sizes_mixed_ones_for_the_widest():
-    from engine.quant.tensors import expert_layout
+    from engine.gguf_tensors import expert_layout
     assert expert_layout(256, 512, [("Q4_K",) * 3, ("q4_k",) * 3]).quant == "q4_k"
     lay = expert_layout(256, 512, [("q4_k", "q4_k", "q6_k"), ("q4_k", "q4_k", "q4_k")])
     assert lay.quant == "ggml:q4_k,q4_k,q6_k" and lay.record_bytes % 4096 == 0
@@ -188,7 +188,7 @@ def test_expert_layout_keeps_the_one_type_schemes_and_sizes_mixed_ones_for_the_w
 
 @pytest.mark.parametrize("name", list(ggml.TYPES))
 def test_weight_keeps_blocks_on_the_cpu_and_computes_as_gguf(name, caplog):
-    from engine.quant.tensors import weight
+    from engine.gguf_tensors import weight
     gen = torch.Generator().manual_seed(10)
     inp = 256 if ggml.ggml_type(name).block == 256 else 96
     blocks = random_blocks(name, 64, inp, gen)
@@ -212,7 +212,7 @@ def test_weight_keeps_blocks_on_the_cpu_and_computes_as_gguf(name, caplog):
 
 
 def test_weight_names_a_type_kiln_lacks():
-    from engine.quant.tensors import weight
+    from engine.gguf_tensors import weight
     with pytest.raises(ValueError, match="output.weight: GGML type IQ2_XXS is not one Kiln reads"):
         weight("output.weight", "IQ2_XXS", [8, 256], np.zeros(8 * 66, np.uint8))
 
@@ -412,7 +412,7 @@ def test_weight_off_the_cpu_is_dequantized_once_and_the_log_says_so(caplog):
     """No device but the CPU keeps dense blocks (the Triton kernels are the experts'): elsewhere a quantized weight
     is dequantized at load, in the model dtype, and logged by name. (The meta device stands in for CUDA here.)"""
     import logging
-    from engine.quant.tensors import weight
+    from engine.gguf_tensors import weight
     blocks = random_blocks("q6_k", 8, 256, torch.Generator().manual_seed(40))
     with caplog.at_level(logging.INFO, logger="engine.quant"):
         p = weight("blk.3.attn_v.weight", "Q6_K", [8, 256], blocks, device="meta", dtype=torch.bfloat16)

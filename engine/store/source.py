@@ -12,7 +12,7 @@ import torch
 from engine.errors import EngineError, Exit
 from engine.quant.gguf import GGUF_SHA256_KEY, GgufExperts
 from engine.quant.records import QuantLayout
-from engine.quant.tensors import expert_layout
+from engine.gguf_tensors import expert_layout
 
 if TYPE_CHECKING:                   # the checkpoint hands out its layouts; no import of the layer above
     from engine.experts.layout import ExpertLayout
