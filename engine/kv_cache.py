@@ -1,4 +1,6 @@
-"""A KV cache allocated once: [layers, slots, max_len, kv_heads, head_dim] for keys and for values.
+"""A model's caches, allocated once and handed out one slot per sequence (SlotCaches: the interface the scheduler
+uses, whatever the layers keep); KVCache, the standard one: [layers, slots, max_len, kv_heads, head_dim] for keys
+and for values. (glm5_next declares its own: engine.models.glm5_next.Glm5Caches.)
 
 A slot holds one sequence. Slots are handed out lowest-first so the active batch is usually a
 contiguous range, which the attention reads as a view instead of a gather.
@@ -16,7 +18,7 @@ import mmap
 import torch
 
 
-def _untouched_zeros(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
+def untouched_zeros(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     numel = 1
@@ -27,20 +29,23 @@ def _untouched_zeros(shape: tuple[int, ...], dtype: torch.dtype, device) -> torc
     return torch.frombuffer(buf, dtype=dtype, count=numel).view(shape)   # the tensor keeps buf alive
 
 
-class KVCache:
-    def __init__(self, num_layers: int, slots: int, max_len: int, kv_heads: int, head_dim: int, *,
-                 dtype: torch.dtype, device: str | torch.device = "cpu"):
-        assert slots > 0 and max_len > 0, "the KV cache needs at least one slot and one position"
-        shape = (num_layers, slots, max_len, kv_heads, head_dim)
-        self.k = _untouched_zeros(shape, dtype, device)
-        self.v = _untouched_zeros(shape, dtype, device)
+class SlotCaches:
+    """What the scheduler (engine.llm) needs of a model's caches: `slots` sequences of up to `max_len` tokens,
+    a slot allocated when a sequence starts and released (reset for the next) when it finishes or is cancelled."""
+
+    def __init__(self, slots: int, max_len: int):
+        assert slots > 0 and max_len > 0, "the caches need at least one slot and one position"
         self.slots = slots
         self.max_len = max_len
         self._free = list(range(slots))
 
     @property
     def nbytes(self) -> int:
-        return 2 * self.k.numel() * self.k.element_size()
+        raise NotImplementedError
+
+    def reset(self, slot: int) -> None:
+        """Forget what the slot's sequence left behind; a cache whose reads stop at the sequence's length
+        (a KV cache) has nothing to do."""
 
     # --- slot allocation (the scheduler's thread only) ---
     def free_slots(self) -> int:
@@ -52,7 +57,21 @@ class KVCache:
 
     def release(self, slot: int) -> None:
         assert slot not in self._free, f"slot {slot} released twice"
+        self.reset(slot)
         self._free.append(slot)
+
+
+class KVCache(SlotCaches):
+    def __init__(self, num_layers: int, slots: int, max_len: int, kv_heads: int, head_dim: int, *,
+                 dtype: torch.dtype, device: str | torch.device = "cpu"):
+        super().__init__(slots, max_len)
+        shape = (num_layers, slots, max_len, kv_heads, head_dim)
+        self.k = untouched_zeros(shape, dtype, device)
+        self.v = untouched_zeros(shape, dtype, device)
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
 
     # --- per-layer access; `sel`/`idx` come from select(), made once per step, not per layer ---
     def write_prefill(self, layer: int, slot: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:

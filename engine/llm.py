@@ -165,7 +165,7 @@ class LLM:
         self.model_dir = Path(model_dir) if model_dir else None
         self.model_type: str = model.cfg.arch
         self.max_context: int = model.max_len
-        self.max_batch: int = model.kv.slots
+        self.max_batch: int = model.caches.slots
         self.chunk_size = chunk_size
         self.alone_chunk = chunk_size * (ALONE_CHUNKS if model.device.type == "cuda" else 1)
         self.max_queue = 4 * self.max_batch if max_queue is None else max_queue
@@ -324,7 +324,7 @@ class LLM:
                     if abort:
                         self._pending.clear()
                     new = None
-                    if not abort and self._prefilling is None and self._pending and self.model.kv.free_slots():
+                    if not abort and self._prefilling is None and self._pending and self.model.caches.free_slots():
                         new = self._pending.popleft()
                 if abort:
                     self._ahead = None
@@ -335,7 +335,7 @@ class LLM:
                 for r in [r for r in self._running() if r.cancelled]:
                     self._retire(r)
                 if new is not None:
-                    new.slot = self.model.kv.alloc()
+                    new.slot = self.model.caches.alloc()
                     self._prefilling = new
                 if self._prefilling is not None:
                     self._prefill_chunk(self._prefilling)
@@ -415,7 +415,7 @@ class LLM:
     def _chains(self, batch: list[_Request]) -> bool:
         """Whether the step after this one may launch before this one's tokens are read: the engine decodes ahead,
         every sequence is greedy and none ends by length at this step, and no stream is about to join."""
-        if not self._chain or self._prefilling is not None or (self._pending and self.model.kv.free_slots()):
+        if not self._chain or self._prefilling is not None or (self._pending and self.model.caches.free_slots()):
             return False
         return all(is_greedy(r.params.temperature) and r.generated + 1 < r.params.max_tokens
                    and r.length + 2 < self.max_context for r in batch)
@@ -477,7 +477,7 @@ class LLM:
             self._prefilling = None
         else:
             self._active.remove(r)
-        self.model.kv.release(r.slot)
+        self.model.caches.release(r.slot)
         r.slot = -1
         with self._cv:
             self._request_seconds += 0.2 * (time.monotonic() - r.submitted - self._request_seconds)

@@ -1,0 +1,158 @@
+"""glm5_next (GLM-5.3-Flash) on Kiln's engine against transformers' glm5_next, fp32 on the CPU, on a tiny random
+checkpoint written by transformers' save_pretrained (tests/fixtures/tiny_models.make_tiny_glm5_next: KDA and DSA
+layers, a full and a shared indexer, dense and MoE layers, 4 mHC streams, a vision tower left unread).
+
+The definition is a full UNCACHED forward of the same tokens (engine.models.glm5_next's docstring says where
+transformers' own cached decode departs from it): every cached step below is held to it, pool boundaries included.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from engine.checkpoint import CheckpointError
+from engine.loader import load_model
+
+PROMPT_LEN, STEPS = 40, 64          # 40 tokens: 10 pools of 4; index_topk 8 keeps 2 of them plus the tail
+ATOL = 1e-4
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    # Tiny shapes: on 2 shared cores a second intra-op thread costs more in synchronisation than it computes.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    from tests.fixtures.tiny_models import make_tiny_glm5_next
+    return make_tiny_glm5_next(tmp_path_factory.mktemp("glm5_next"))
+
+
+@pytest.fixture(scope="module")
+def reference(ckpt):
+    from transformers import Glm5NextForConditionalGeneration
+    return Glm5NextForConditionalGeneration.from_pretrained(ckpt, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def model(ckpt):
+    return load_model(ckpt, max_context=160, max_batch=4)
+
+
+@pytest.fixture(scope="module")
+def tokens():
+    return torch.randint(0, 384, (PROMPT_LEN + STEPS,), generator=torch.Generator().manual_seed(5))
+
+
+def _uncached(model, seq, slot: int = 3) -> torch.Tensor:
+    """Kiln's full forward of `seq` (a prefill from position 0 starts from empty states): logits at every position."""
+    return model.prefill(seq, slot, all_logits=True)
+
+
+def test_prefill_logits_equal_transformers_and_the_sparse_selection_matters(ckpt, model, reference, tokens, tmp_path):
+    with torch.inference_mode():
+        want = reference(tokens[None]).logits[0]
+        got = _uncached(model, tokens)
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+    # The same checkpoint with index_topk covering every position: other logits, so positions really were dropped.
+    dense = tmp_path / "dense"
+    shutil.copytree(ckpt, dense)
+    cfg = json.loads((dense / "config.json").read_text())
+    cfg["text_config"]["index_topk"] = 1024
+    (dense / "config.json").write_text(json.dumps(cfg))
+    with torch.inference_mode():
+        full = load_model(dense, max_context=160, max_batch=4).prefill(tokens, 0, all_logits=True)
+    assert (full - got)[PROMPT_LEN:].abs().max() > 1e-2
+
+
+def test_64_cached_decode_steps_equal_the_uncached_forward_at_every_position(model, reference, tokens):
+    with torch.inference_mode():
+        want = reference(tokens[None]).logits[0]
+        got = [model.prefill(tokens[:PROMPT_LEN], 1, all_logits=True)]
+        got += [model.decode_step([int(tokens[i])], [1], [i]) for i in range(PROMPT_LEN, len(tokens))]
+        got = torch.cat(got)
+        assert got.shape[0] == PROMPT_LEN + STEPS
+        torch.testing.assert_close(got, _uncached(model, tokens), atol=ATOL, rtol=0)
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+
+
+def test_greedy_tokens_equal_the_references_full_forward(model, reference, tokens):
+    """Each greedy token Kiln decodes is the argmax of transformers' uncached forward over the tokens so far."""
+    prompt = tokens[:PROMPT_LEN].tolist()
+    with torch.inference_mode():
+        logits = model.prefill(prompt, 0)
+        out = [int(logits.argmax())]
+        for i in range(STEPS - 1):
+            out.append(int(model.decode_step([out[-1]], [0], [PROMPT_LEN + i])[0].argmax()))
+        want = reference(torch.tensor([prompt + out])).logits[0, PROMPT_LEN - 1:-1].argmax(-1).tolist()
+    assert out == want
+    assert len(set(out)) > 3                      # not one token repeated: the comparison has something to compare
+
+
+def test_sequences_of_different_lengths_decode_in_one_batch_and_one_is_cancelled_half_way(model, tokens):
+    caches = model.caches
+    lengths = [9, PROMPT_LEN, 23]
+    prompts = [tokens[i:i + n].tolist() for i, n in enumerate(lengths)]
+    steps, cancel_at = 16, 8
+    with torch.inference_mode():
+        slots = [caches.alloc() for _ in prompts][::-1]         # [2, 1, 0]: not the order a slice would read
+        assert caches.free_slots() == 1
+        seqs = [list(p) for p in prompts]
+        logits = {b: [] for b in range(3)}
+        for b, s in enumerate(slots):
+            seqs[b].append(int(model.prefill(prompts[b], s).argmax()))
+        live = [0, 1, 2]
+        for i in range(steps):
+            if i == cancel_at:                   # sequence 1 cancelled; a new one takes its slot and goes on with them
+                caches.release(slots[1])
+                slots[1] = caches.alloc()
+                live_new = tokens[50:61].tolist()
+                seqs[1] = live_new + [int(model.prefill(live_new, slots[1]).argmax())]
+                logits[1] = []
+            out = model.decode_step([seqs[b][-1] for b in live], [slots[b] for b in live],
+                                    [len(seqs[b]) - 1 for b in live])
+            for j, b in enumerate(live):
+                logits[b].append(out[j])
+                seqs[b].append(int(out[j].argmax()))
+        for b in live:
+            caches.release(slots[b])
+        assert caches.free_slots() == 4
+        for b in live:
+            n = len(logits[b])
+            want = _uncached(model, seqs[b][:-1])[-n:]
+            torch.testing.assert_close(torch.stack(logits[b]), want, atol=ATOL, rtol=0)
+            assert [int(x) for x in want.argmax(-1)] == seqs[b][-n:]
+
+
+def test_a_released_slot_starts_its_next_sequence_from_empty_states(model, tokens):
+    caches = model.caches
+    with torch.inference_mode():
+        slot = caches.alloc()
+        model.prefill(tokens[:30], slot)
+        kda = caches.state[:, slot].abs().sum()
+        assert kda > 0
+        caches.release(slot)
+        assert caches.state[:, slot].abs().sum() == 0 and caches.conv[:, slot].abs().sum() == 0
+        again = caches.alloc()
+        got = model.prefill(tokens[30:50], again, all_logits=True)
+        caches.release(again)
+        torch.testing.assert_close(got, _uncached(model, tokens[30:50]), atol=0, rtol=0)
+
+
+def test_the_caches_hold_the_mla_latent_not_expanded_keys(model):
+    c, spec, cfg = model.caches, model.spec, model.cfg
+    dsa = spec.layer_types.count("indexed_attention")
+    full = sum(1 for t, i in zip(spec.layer_types, spec.indexer_types) if t == "indexed_attention" and i == "full")
+    assert c.latent.shape == (dsa, c.slots, c.max_len, spec.kv_lora_rank)
+    assert c.index.shape == (full, c.slots, c.max_len, 2 * spec.index_head_dim)
+    assert c.state.shape[2:] == (spec.linear_heads, spec.linear_head_dim, spec.linear_head_dim)
+    expanded = dsa * c.slots * c.max_len * cfg.num_heads * (spec.qk_nope_head_dim + spec.v_head_dim) * 4
+    assert c.latent.numel() * 4 < expanded / 3
