@@ -13,15 +13,16 @@ indexer's key and pool-gate score per token.
 
 Which reference is the definition: a full UNCACHED forward of the same tokens. Kiln's cached decode equals it at
 every position (tests/engine/test_glm5_next.py). transformers' own cached decode departs from its uncached forward
-where two candidate pools score exactly the same: the indexer's score is a weighted sum of ReLU'd dot products, so a
-pool that every indexer head scores below zero gets exactly 0.0 (common with few heads), and several pools tie.
-transformers (and llama.cpp's glm5-next, a `ggml_top_k` documented UNORDERED) pick among ties by torch.topk /
-ggml's order, which depends on how many candidate pools the row holds: a decode step's row has the pools completed
-so far, the uncached forward's row all of the sequence's pools. So the selection flips once the candidate count
-changes, first at the first pool completed after the prompt (the 44th token of a 40-token prompt with
-index_kpool 4), and the logits differ from there by O(1). Kiln breaks ties by the lower pool index (a stable sort),
-which does not depend on the row's length, so cached and uncached agree wherever scores tie and equal transformers
-wherever they do not.
+where candidate pools score exactly the same: the indexer's score is a weighted sum of ReLU'd dot products, so
+pools that every indexer head scores below zero get exactly 0.0 (common with few heads, or early in training), and
+tie. transformers (and llama.cpp's glm5-next, whose `ggml_top_k` is documented UNORDERED) choose among ties in
+torch.topk's (ggml's) order, which depends on how many candidate pools the row holds: a decode step's row has the
+pools completed so far, an uncached forward's row every pool of the sequence. So the choice flips when the
+candidate count changes, first at the first pool completed after the prompt (the 44th token of a 40-token prompt
+with index_kpool 4), and the logits differ from there by O(1); even transformers' uncached forward of a prefix
+differs from its forward of the whole sequence at those positions. Kiln breaks ties by the lower pool index (a
+stable sort), which does not depend on the row's length: cached and uncached agree wherever scores tie, and equal
+transformers wherever they do not.
 """
 from __future__ import annotations
 

@@ -156,3 +156,29 @@ def test_the_caches_hold_the_mla_latent_not_expanded_keys(model):
     assert c.state.shape[2:] == (spec.linear_heads, spec.linear_head_dim, spec.linear_head_dim)
     expanded = dsa * c.slots * c.max_len * cfg.num_heads * (spec.qk_nope_head_dim + spec.v_head_dim) * 4
     assert c.latent.numel() * 4 < expanded / 3
+
+
+def test_pools_that_tie_exactly_are_chosen_the_same_cached_and_uncached(ckpt, tokens, tmp_path):
+    """Indexer weights of zero: every pool scores exactly 0.0 (as pools do that every head scores below zero).
+    Kiln takes the lower pools, whatever the row's length, so its cached decode equals its uncached forward;
+    transformers' choice among the ties follows torch.topk's order for the row's length, so even its uncached forward
+    of a prefix differs from that of the whole sequence (the divergence engine.models.glm5_next's docstring names)."""
+    from safetensors.torch import load_file, save_file
+    from transformers import Glm5NextForConditionalGeneration
+
+    tied = tmp_path / "tied"
+    shutil.copytree(ckpt, tied)
+    weights = load_file(tied / "model.safetensors")
+    for name in weights:
+        if name.endswith("indexer.weights_proj.weight"):
+            weights[name].zero_()
+    save_file(weights, tied / "model.safetensors", metadata={"format": "pt"})
+    model = load_model(tied, max_context=160, max_batch=2)
+    with torch.inference_mode():
+        uncached = _uncached(model, tokens, slot=0)
+        cached = [model.prefill(tokens[:PROMPT_LEN], 1, all_logits=True)]
+        cached += [model.decode_step([int(tokens[i])], [1], [i]) for i in range(PROMPT_LEN, len(tokens))]
+        torch.testing.assert_close(torch.cat(cached), uncached, atol=ATOL, rtol=0)
+        ref = Glm5NextForConditionalGeneration.from_pretrained(tied, dtype=torch.float32).eval()
+        whole, prefix = ref(tokens[None]).logits[0], ref(tokens[None, :PROMPT_LEN + 4]).logits[0]
+    assert (whole[:PROMPT_LEN + 4] - prefix).abs().max() > 1e-2
