@@ -182,3 +182,87 @@ def test_pools_that_tie_exactly_are_chosen_the_same_cached_and_uncached(ckpt, to
         ref = Glm5NextForConditionalGeneration.from_pretrained(tied, dtype=torch.float32).eval()
         whole, prefix = ref(tokens[None]).logits[0], ref(tokens[None, :PROMPT_LEN + 4]).logits[0]
     assert (whole[:PROMPT_LEN + 4] - prefix).abs().max() > 1e-2
+
+
+def _flat_copy(ckpt, dst):
+    """The published flat form of the same weights: top-level config (first_k_dense_replace, linear_attn_config,
+    mla_use_nope, index_topk_pattern), model.layers.* names, no vision tower."""
+    from safetensors.torch import load_file, save_file
+
+    dst.mkdir()
+    for f in ckpt.iterdir():
+        if f.name not in ("config.json", "model.safetensors"):
+            shutil.copy(f, dst / f.name)
+    nested = json.loads((ckpt / "config.json").read_text())
+    text = dict(nested["text_config"])
+    for key in ("mlp_layer_types", "indexer_types", "linear_head_dim", "linear_num_heads", "linear_conv_kernel_dim",
+                "linear_lower_bound", "model_type", "qk_rope_head_dim"):
+        text.pop(key)
+    text.update(model_type="glm5_next", first_k_dense_replace=1, mla_use_nope=True, index_topk_pattern="FFSFF",
+                linear_attn_config={"head_dim": 16, "num_heads": 2, "short_conv_kernel_size": 4, "safe_gate": True,
+                                    "gate_lower_bound": None}, dtype="float32")
+    (dst / "config.json").write_text(json.dumps(text))
+    weights = {k.replace("model.language_model.", "model."): v for k, v in load_file(ckpt / "model.safetensors").items()
+               if not k.startswith("model.visual.")}
+    save_file(weights, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
+
+
+def test_the_published_flat_form_is_the_same_model(ckpt, model, tokens, tmp_path):
+    flat = load_model(_flat_copy(ckpt, tmp_path / "flat"), max_context=160, max_batch=1)
+    assert flat.spec == model.spec
+    with torch.inference_mode():
+        torch.testing.assert_close(flat.prefill(tokens[:48], 0, all_logits=True), _uncached(model, tokens[:48]),
+                                   atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("quant", [None, "int8"])
+def test_packed_routed_experts_serve_the_same_model(ckpt, model, tokens, tmp_path, quant):
+    """pack-store takes the MoE layers' routed experts only (the shared expert and the dense layer stay with the
+    non-expert weights); verify-store re-reads every record; the model served from the store is the same model."""
+    from engine.cli import main
+    from engine.store import manifest
+
+    store = tmp_path / "store"
+    args = ["pack-store", "--model", str(ckpt), "--store", str(store), "-q"] + (["--quant", quant] if quant else [])
+    assert main(args) == 0
+    m = manifest.load(store)
+    assert m.arch == "glm5_next" and m.moe_layers == [1, 2, 3, 4]
+    assert main(["verify-store", "--store", str(store), "--model", str(ckpt), "-q"]) == 0
+    served = load_model(ckpt, store_dir=store, max_context=160, max_batch=1)
+    with torch.inference_mode():
+        got = served.prefill(tokens[:48], 0, all_logits=True)
+        want = _uncached(model, tokens[:48])
+    if quant is None:
+        torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+    else:                                      # int8 records: close, and the same greedy token almost everywhere
+        assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.9
+
+
+def test_synth_writes_the_glm_5_3_flash_shape_and_slices_keep_its_schedule(tmp_path):
+    from engine.models.glm5_next import Glm5Spec
+    from engine.synth import moe_layers, synth_config, synthesize
+
+    full = synth_config("glm5_next")
+    spec = Glm5Spec.from_config(full, "glm-5.3-flash")
+    assert (full["num_hidden_layers"], full["n_routed_experts"], full["n_shared_experts"], full["num_experts_per_tok"],
+            full["hidden_size"], full["moe_intermediate_size"], full["vocab_size"]) == (45, 288, 1, 8, 4096, 2048, 154880)
+    assert moe_layers(full) == list(range(3, 45))
+    assert spec.layer_types.count("indexed_attention") == 11 and spec.layer_types[3] == "indexed_attention"
+    sliced = synth_config("glm5_next", num_hidden_layers=9)
+    assert sliced["layer_types"] == full["layer_types"][:9] and moe_layers(sliced) == list(range(3, 9))
+
+    tiny = dict(hidden_size=64, n_routed_experts=8, moe_intermediate_size=32, num_hidden_layers=5, vocab_size=256,
+                num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=16,
+                v_head_dim=16, index_head_dim=16, index_n_heads=4, index_topk=8, index_kpool=4, intermediate_size=128,
+                hc_mult=2, num_experts_per_tok=2,
+                linear_attn_config={"head_dim": 16, "num_heads": 2, "short_conv_kernel_size": 4, "gate_lower_bound": -5.0})
+    res = synthesize(tmp_path / "model", tmp_path / "store", arch="glm5_next", device="cpu", quant="int4", **tiny)
+    assert res["layers"] == 5
+    from engine.cli import main
+    assert main(["verify-model", "--model", str(tmp_path / "model")]) == 0
+    assert main(["verify-store", "--store", str(tmp_path / "store"), "--model", str(tmp_path / "model"), "-q"]) == 0
+    served = load_model(tmp_path / "model", store_dir=tmp_path / "store", max_context=64, max_batch=1)
+    assert served.cfg.moe_layers == (3, 4) and served.spec.layer_types[3] == "indexed_attention"
+    with torch.inference_mode():
+        assert torch.isfinite(served.prefill(list(range(20)), 0, all_logits=True)).all()
