@@ -14,6 +14,7 @@ import torch
 from safetensors import safe_open
 
 from engine.experts import ExpertLayout
+from engine.glm5_next_config import Glm5Spec, SpecError
 
 # model_type -> (mlp prefix, gate/up/down names, keys of the expert count, key of the expert FFN width).
 # Published configs and transformers 5's save_pretrained name the expert count differently.
@@ -63,6 +64,11 @@ class Checkpoint:
         n_key = next((k for k in n_keys if self.config.get(k)), None)
         if n_key is None or i_key not in self.config:
             raise CheckpointError(f"{cfg_path}: {self.arch} config lacks {n_keys[0]} or {i_key}")
+        if self.arch == "glm5_next":        # its own schedule and fields, refused by name before anything is read
+            try:
+                Glm5Spec.from_config(self.config)
+            except SpecError as e:
+                raise CheckpointError(f"{cfg_path}: {e}") from None
         self.n_experts = int(self.config[n_key])
         self.hidden = int(self.config["hidden_size"])
         self.moe_intermediate = int(self.config[i_key])

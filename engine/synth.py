@@ -21,6 +21,7 @@ import torch
 
 from engine.errors import EngineError, Exit
 from engine.experts import ExpertLayout
+from engine.glm5_next_config import Glm5Spec, tensor_shapes
 from engine.store import manifest as mf
 from engine.store.odirect import aligned_buffer, open_direct, probe, pwrite_full
 from engine.store import model_manifest
@@ -96,59 +97,21 @@ def non_expert_tensors(cfg: dict, gen: torch.Generator, std: float, device) -> d
 
 
 def glm5_next_tensors(cfg: dict, gen: torch.Generator, std: float, device) -> dict[str, torch.Tensor]:
-    """Every non-expert tensor of a glm5_next checkpoint in the published names (engine.models.glm5_next reads
-    them); the ones transformers keeps in fp32 (router, correction bias, KDA decay, mHC base/scale) in fp32."""
-    h, v, n, lin = cfg["hidden_size"], cfg["vocab_size"], cfg["num_hidden_layers"], cfg["linear_attn_config"]
-    heads, lh, ld, hc = cfg["num_attention_heads"], lin["num_heads"], lin["head_dim"], cfg["hc_mult"]
-    qkv, ihd = lh * ld, cfg["index_head_dim"]
-    e, shared_i = cfg["n_routed_experts"], cfg["moe_intermediate_size"] * cfg["n_shared_experts"]
-
-    def rnd(*shape, dtype=torch.bfloat16):
-        return (torch.randn(shape, generator=gen, device=device, dtype=torch.float32) * std).to(dtype).cpu()
-
-    def ones(k, dtype=torch.bfloat16):
-        return torch.ones(k, dtype=dtype)
-    t = {"model.embed_tokens.weight": rnd(v, h), "lm_head.weight": rnd(v, h), "model.norm.weight": ones(h)}
-    moe = set(moe_layers(cfg))
-    for l in range(n):
-        p = f"model.layers.{l}"
-        t.update({f"{p}.input_layernorm.weight": ones(h), f"{p}.post_attention_layernorm.weight": ones(h)})
-        for which in ("attn", "ffn"):
-            t.update({f"{p}.hc_{which}_fn": rnd((2 + hc) * hc, hc * h), f"{p}.hc_{which}_base": rnd((2 + hc) * hc, dtype=torch.float32),
-                      f"{p}.hc_{which}_scale": ones(3, torch.float32)})
-        a = f"{p}.self_attn"
-        if cfg["layer_types"][l] == "linear_attention":
-            t.update({f"{a}.{x}_proj.weight": rnd(qkv, h) for x in "qkv"})
-            t.update({f"{a}.{x}_conv1d.weight": rnd(qkv, 1, lin["short_conv_kernel_size"], dtype=torch.float32) for x in "qkv"})
-            t.update({f"{a}.f_a_proj.weight": rnd(ld, h), f"{a}.f_b_proj.weight": rnd(qkv, ld),
-                      f"{a}.dt_bias": rnd(qkv, dtype=torch.float32), f"{a}.A_log": rnd(lh, dtype=torch.float32),
-                      f"{a}.b_proj.weight": rnd(lh, h), f"{a}.g_a_proj.weight": rnd(ld, h),
-                      f"{a}.g_b_proj.weight": rnd(qkv, ld), f"{a}.o_norm.weight": ones(ld),
-                      f"{a}.o_proj.weight": rnd(h, qkv)})
+    """Every non-expert tensor of a glm5_next checkpoint in the published names and shapes the model reads
+    (engine.glm5_next_config.tensor_shapes); the ones transformers keeps in fp32 in fp32, norms at one."""
+    spec = Glm5Spec.from_config(cfg)
+    shapes = tensor_shapes(spec, layers=cfg["num_hidden_layers"], hidden=cfg["hidden_size"], vocab=cfg["vocab_size"],
+                           heads=cfg["num_attention_heads"], intermediate=cfg["intermediate_size"],
+                           moe_layers=moe_layers(cfg), experts=cfg["n_routed_experts"],
+                           shared_intermediate=cfg["moe_intermediate_size"] * cfg["n_shared_experts"])
+    out = {}
+    for name, (shape, fp32) in shapes.items():
+        dtype = torch.float32 if fp32 else torch.bfloat16
+        if name.endswith(("norm.weight", "_scale")):
+            out[name] = torch.ones(shape, dtype=dtype)
         else:
-            nope, vd, r, qr = cfg["qk_nope_head_dim"], cfg["v_head_dim"], cfg["kv_lora_rank"], cfg["q_lora_rank"]
-            t.update({f"{a}.q_a_proj.weight": rnd(qr, h), f"{a}.q_a_layernorm.weight": ones(qr),
-                      f"{a}.q_b_proj.weight": rnd(heads * nope, qr), f"{a}.kv_a_proj_with_mqa.weight": rnd(r, h),
-                      f"{a}.kv_a_layernorm.weight": ones(r), f"{a}.kv_b_proj.weight": rnd(heads * (nope + vd), r),
-                      f"{a}.o_proj.weight": rnd(h, heads * vd)})
-            i = f"{a}.indexer"
-            t.update({f"{i}.wq_b.weight": rnd(cfg["index_n_heads"] * ihd, qr), f"{i}.wk.weight": rnd(ihd, h),
-                      f"{i}.k_norm.weight": ones(ihd), f"{i}.k_norm.bias": rnd(ihd),
-                      f"{i}.weights_proj.weight": rnd(cfg["index_n_heads"], h),
-                      f"{i}.index_kpool_compress_ape": rnd(cfg["index_kpool"], ihd, dtype=torch.float32),
-                      f"{i}.index_kpool_compress_gate": rnd(ihd, h)})
-        m = f"{p}.mlp"
-        if l in moe:
-            t.update({f"{m}.gate.weight": rnd(e, h, dtype=torch.float32),
-                      f"{m}.gate.e_score_correction_bias": rnd(e, dtype=torch.float32),
-                      f"{m}.shared_experts.gate_proj.weight": rnd(shared_i, h),
-                      f"{m}.shared_experts.up_proj.weight": rnd(shared_i, h),
-                      f"{m}.shared_experts.down_proj.weight": rnd(h, shared_i)})
-        else:
-            i_ = cfg["intermediate_size"]
-            t.update({f"{m}.gate_proj.weight": rnd(i_, h), f"{m}.up_proj.weight": rnd(i_, h),
-                      f"{m}.down_proj.weight": rnd(h, i_)})
-    return t
+            out[name] = (torch.randn(shape, generator=gen, device=device, dtype=torch.float32) * std).to(dtype).cpu()
+    return out
 
 
 def synth_store(cfg: dict, store_dir: Path, config_hash: str, gen: torch.Generator, std: float, device,

@@ -35,114 +35,12 @@ from torch import nn
 from engine.checkpoint import CheckpointError
 from engine.config import ModelConfig
 from engine.experts import ExpertProvider
+from engine.glm5_next_config import DSA, KDA, Glm5Spec, SpecError, tensor_shapes
 from engine.kv_cache import SlotCaches, untouched_zeros
 from engine.models.common import MLP, WeightSource, rms_norm, sigmoid_grouped_topk
 from engine.projection import Projection
 
-KDA, DSA = "linear_attention", "indexed_attention"
 KDA_CHUNK = 64          # transformers' chunk_kimi_delta_attention chunk size
-
-
-def _bad(where: str, msg: str) -> CheckpointError:
-    return CheckpointError(f"{where}: {msg}")
-
-
-@dataclass(frozen=True)
-class Glm5Spec:
-    """The glm5_next fields beyond ModelConfig, read from the transformers-5 nested config (text_config) or the
-    published flat one (linear_attn_config, mla_use_nope, first_k_dense_replace, index_topk_pattern), with
-    Glm5NextTextConfig's defaults and rules."""
-
-    layer_types: tuple[str, ...]
-    indexer_types: tuple[str, ...]
-    hc_mult: int
-    hc_eps: float
-    hc_sinkhorn_iters: int
-    linear_heads: int
-    linear_head_dim: int
-    conv_kernel: int
-    lower_bound: float | None
-    q_lora_rank: int
-    kv_lora_rank: int
-    qk_nope_head_dim: int
-    v_head_dim: int
-    index_topk: int
-    index_kpool: int
-    index_heads: int
-    index_head_dim: int
-    swiglu_limit: float
-
-    @classmethod
-    def from_config(cls, c: dict, where: str) -> "Glm5Spec":
-        n = c["num_hidden_layers"]
-        layer_types = c.get("layer_types") or [KDA if i % 4 != 3 else DSA for i in range(n)]
-        layer_types = [DSA if t == "full_attention" else t for t in layer_types]
-        indexer_types = c.get("indexer_types")
-        if indexer_types is None:
-            pattern = c.get("index_topk_pattern")
-            if pattern is not None:
-                indexer_types = [{"F": "full", "S": "shared"}.get(ch, ch) for ch in pattern]
-            else:
-                freq, offset = max(c.get("index_topk_freq", 1), 1), c.get("index_skip_topk_offset", 2)
-                indexer_types = ["full" if (max(i - offset + 1, 0) % freq) == 0 else "shared" for i in range(n)]
-        lin = c.get("linear_attn_config") or {}
-        lower = lin.get("gate_lower_bound", c.get("linear_lower_bound", -5.0))
-        if lin and lin.get("safe_gate", True) and lower is None:
-            lower = -5.0
-        rope = int(c.get("qk_rope_head_dim", 0) or 0)
-        if c.get("mla_use_nope") is False:
-            raise _bad(where, "mla_use_nope false (RoPE MLA heads) is not implemented: glm5_next's DSA layers are NoPE")
-        spec = cls(
-            layer_types=tuple(layer_types), indexer_types=tuple(indexer_types),
-            hc_mult=int(c.get("hc_mult", 4)), hc_eps=float(c.get("hc_eps", 1e-6)),
-            hc_sinkhorn_iters=int(c.get("hc_sinkhorn_iters", 20)),
-            linear_heads=int(lin.get("num_heads", c.get("linear_num_heads", 64))),
-            linear_head_dim=int(lin.get("head_dim", c.get("linear_head_dim", 128))),
-            conv_kernel=int(lin.get("short_conv_kernel_size", c.get("linear_conv_kernel_dim", 4))),
-            lower_bound=None if lower is None else float(lower),
-            q_lora_rank=int(c.get("q_lora_rank") or 0), kv_lora_rank=int(c.get("kv_lora_rank", 512)),
-            qk_nope_head_dim=int(c.get("qk_nope_head_dim", 256)), v_head_dim=int(c.get("v_head_dim", 256)),
-            index_topk=int(c.get("index_topk", 2048)), index_kpool=int(c.get("index_kpool", 16)),
-            index_heads=int(c.get("index_n_heads", 32)), index_head_dim=int(c.get("index_head_dim", 128)),
-            swiglu_limit=float(c.get("swiglu_limit", 10.0)))
-        # Values the reference allows but Kiln does not implement, each refused by name.
-        unsupported = {
-            "qk_rope_head_dim": (rope, 0), "attention_bias": (bool(c.get("attention_bias", False)), False),
-            "index_kpool_always_select_tail": (bool(c.get("index_kpool_always_select_tail", True)), True),
-            "hidden_act": (c.get("hidden_act", "silu"), "silu"),
-        }
-        for key, (got, want) in unsupported.items():
-            if got != want:
-                raise _bad(where, f"{key} {got!r} is not implemented for glm5_next (only {want!r})")
-        spec.check(c, where)
-        return spec
-
-    def check(self, c: dict, where: str) -> None:
-        n = c["num_hidden_layers"]
-        for key, value in (("layer_types", self.layer_types), ("indexer_types", self.indexer_types)):
-            if len(value) != n:
-                raise _bad(where, f"{key} has {len(value)} entries, num_hidden_layers is {n}")
-        if bad := sorted(set(self.layer_types) - {KDA, DSA}):
-            raise _bad(where, f"layer_types value {bad[0]!r} is not one of {KDA!r}, {DSA!r}")
-        if bad := sorted(set(self.indexer_types) - {"full", "shared"}):
-            raise _bad(where, f"indexer_types value {bad[0]!r} is not 'full' or 'shared'")
-        for i, (kind, idx) in enumerate(zip(self.layer_types, self.indexer_types)):
-            # transformers hands a shared layer the selection of the layer just before it, and only a full DSA one
-            if kind == DSA and idx == "shared" and (i == 0 or self.layer_types[i - 1] != DSA
-                                                    or self.indexer_types[i - 1] != "full"):
-                raise _bad(where, f"indexer_types[{i}] 'shared' needs a full DSA layer at {i - 1}")
-        if self.q_lora_rank <= 0:
-            raise _bad(where, "q_lora_rank must be a positive integer (DSA layers need the q LoRA)")
-        if self.index_kpool < 1 or self.index_topk % self.index_kpool:
-            raise _bad(where, f"index_topk {self.index_topk} must be a multiple of index_kpool {self.index_kpool} >= 1")
-        for key in ("hc_mult", "hc_sinkhorn_iters", "linear_heads", "linear_head_dim", "conv_kernel", "kv_lora_rank",
-                    "qk_nope_head_dim", "v_head_dim", "index_heads", "index_head_dim"):
-            if getattr(self, key) < 1:
-                raise _bad(where, f"{key} {getattr(self, key)} must be positive")
-
-    @property
-    def qkv_dim(self) -> int:
-        return self.linear_heads * self.linear_head_dim
 
 
 # ---------------------------------------------------------------- caches
@@ -477,6 +375,27 @@ class Layer(nn.Module):
         return HyperConnection.merge(post, comb, out, streams), masks
 
 
+class ShapeChecked:
+    """The model's weights, each checked against the shape the config gives it (a mis-shaped tensor is named
+    here, in one line, not found by a failing matmul at the first request)."""
+
+    def __init__(self, w: WeightSource, shapes: dict):
+        self.w, self.shapes = w, shapes
+        self.device, self.dtype = w.device, w.dtype
+
+    def _check(self, name: str, t: torch.Tensor | None) -> torch.Tensor | None:
+        want = self.shapes[name][0]
+        if t is not None and tuple(t.shape) != want:
+            raise CheckpointError(f"tensor {name} has shape {list(t.shape)}; the config makes it {list(want)}")
+        return t
+
+    def get(self, name: str, *, fp32: bool = False) -> torch.Tensor:
+        return self._check(name, self.w.get(name, fp32=fp32))
+
+    def maybe(self, name: str) -> torch.Tensor | None:
+        return self._check(name, self.w.maybe(name))
+
+
 class Glm5Next(nn.Module):
     """The model: prefill (one sequence, many tokens, from any start) and decode_step (one token for each of
     many sequences), the interface engine.llm drives every architecture through."""
@@ -487,6 +406,10 @@ class Glm5Next(nn.Module):
         # **_kernels: the fused/native kernel switches other models take; glm5_next has torch forms only (issue 28)
         self.cfg, self.spec, self.provider, self.caches = cfg, caches.spec, provider, caches
         self.device, self.dtype = torch.device(device), dtype
+        w = ShapeChecked(w, tensor_shapes(caches.spec, layers=cfg.num_layers, hidden=cfg.hidden, vocab=cfg.vocab_size,
+                                          heads=cfg.num_heads, intermediate=cfg.intermediate, moe_layers=cfg.moe_layers,
+                                          experts=cfg.n_experts,
+                                          shared_intermediate=cfg.moe_intermediate * cfg.n_shared_experts))
         self.embed = w.get("model.embed_tokens.weight")
         self.norm = w.get("model.norm.weight")
         head = w.maybe("lm_head.weight")
@@ -498,7 +421,11 @@ class Glm5Next(nn.Module):
     def caches_for(config: dict, cfg: ModelConfig, slots: int, max_len: int, *, dtype, device,
                    where: str = "config") -> Glm5Caches:
         """The caches this model declares (engine.loader allocates them before reading any weight)."""
-        return Glm5Caches(Glm5Spec.from_config(config, where), slots, max_len, dtype=dtype, device=device)
+        try:
+            spec = Glm5Spec.from_config(config)
+        except SpecError as e:
+            raise CheckpointError(f"{where}: {e}") from None
+        return Glm5Caches(spec, slots, max_len, dtype=dtype, device=device)
 
     @property
     def kv(self) -> Glm5Caches:

@@ -240,11 +240,11 @@ def test_packed_routed_experts_serve_the_same_model(ckpt, model, tokens, tmp_pat
 
 
 def test_synth_writes_the_glm_5_3_flash_shape_and_slices_keep_its_schedule(tmp_path):
-    from engine.models.glm5_next import Glm5Spec
+    from engine.glm5_next_config import Glm5Spec
     from engine.synth import moe_layers, synth_config, synthesize
 
     full = synth_config("glm5_next")
-    spec = Glm5Spec.from_config(full, "glm-5.3-flash")
+    spec = Glm5Spec.from_config(full)
     assert (full["num_hidden_layers"], full["n_routed_experts"], full["n_shared_experts"], full["num_experts_per_tok"],
             full["hidden_size"], full["moe_intermediate_size"], full["vocab_size"]) == (45, 288, 1, 8, 4096, 2048, 154880)
     assert moe_layers(full) == list(range(3, 45))
@@ -266,3 +266,47 @@ def test_synth_writes_the_glm_5_3_flash_shape_and_slices_keep_its_schedule(tmp_p
     assert served.cfg.moe_layers == (3, 4) and served.spec.layer_types[3] == "indexed_attention"
     with torch.inference_mode():
         assert torch.isfinite(served.prefill(list(range(20)), 0, all_logits=True)).all()
+
+
+
+def _edited(ckpt, dst, edit_config=None, edit_weights=None):
+    from safetensors.torch import load_file, save_file
+    shutil.copytree(ckpt, dst)
+    if edit_config:
+        cfg = json.loads((dst / "config.json").read_text())
+        edit_config(cfg["text_config"])
+        (dst / "config.json").write_text(json.dumps(cfg))
+    if edit_weights:
+        weights = load_file(dst / "model.safetensors")
+        edit_weights(weights)
+        save_file(weights, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
+
+
+@pytest.mark.parametrize("edit_config, edit_weights, words", [
+    (lambda c: c.update(layer_types=c["layer_types"][:4]), None, ["layer_types has 4 entries", "num_hidden_layers is 5"]),
+    (lambda c: c.update(mlp_layer_types=c["mlp_layer_types"] + ["sparse"]), None,
+     ["mlp_layer_types has 6 entries", "num_hidden_layers is 5"]),
+    (lambda c: c.update(index_kpool_always_select_tail=False), None, ["index_kpool_always_select_tail False"]),
+    (lambda c: c.update(indexer_types=["full", "shared", "full", "full", "full"]), None,
+     ["indexer_types[1] 'shared'", "full DSA layer at 0"]),
+    (lambda c: c.update(index_topk=10), None, ["index_topk 10", "index_kpool 4"]),
+    (None, lambda w: w.pop("model.language_model.layers.1.self_attn.indexer.wk.weight"),
+     ["tensor model.layers.1.self_attn.indexer.wk.weight missing"]),
+    (None, lambda w: w.update({"model.language_model.layers.3.self_attn.q_conv1d.weight": torch.zeros(32, 1, 3)}),
+     ["tensor model.layers.3.self_attn.q_conv1d.weight has shape [32, 1, 3]", "[32, 1, 4]"]),
+], ids=["schedule-length", "mlp-schedule-length", "no-tail", "shared-after-kda", "topk-pools", "missing", "mis-shaped"])
+def test_bad_input_is_one_line_naming_the_field_exit_bad_model_and_nothing_published(
+        ckpt, tmp_path, capsys, edit_config, edit_weights, words):
+    from engine.cli import main
+
+    bad = _edited(ckpt, tmp_path / "bad", edit_config, edit_weights)
+    capsys.readouterr()
+    assert main(["generate", "--model", str(bad), "--prompt", "hi", "--max-tokens", "1"]) == 3      # BAD_MODEL
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err and len(err.splitlines()) == 1, err
+    for w in words:
+        assert w in err
+    if edit_config:                    # a config the engine cannot serve: pack-store refuses it before writing
+        assert main(["pack-store", "--model", str(bad), "--store", str(tmp_path / "store"), "-q"]) == 3
+        assert not (tmp_path / "store").exists() and not list(tmp_path.glob(".store*"))
