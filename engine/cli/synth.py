@@ -20,11 +20,11 @@ from engine.synth import EXPERT_KEYS, SHAPES, synthesize
                    "3 dense then 42 MoE, 288 routed experts + 1 shared, top-8).")
 @click.option("--layers", type=int, default=None,
               help="Decoder layers (default: the shape's, 48 or 45); a slice keeps the shape's layer schedule.")
-@click.option("--hidden", type=int, default=None, help="Hidden size (default 2048).")
-@click.option("--experts", type=int, default=None, help="Routed experts per layer (default 128).")
-@click.option("--top-k", "top_k", type=int, default=None, help="Experts per token (default 8).")
-@click.option("--moe-intermediate", type=int, default=None, help="Expert FFN width (default 768).")
-@click.option("--vocab", type=int, default=None, help="Vocabulary size (default 151936).")
+@click.option("--hidden", type=int, default=None, help="Hidden size (default: the shape's, 2048 or 4096).")
+@click.option("--experts", type=int, default=None, help="Routed experts per layer (default: the shape's, 128 or 288).")
+@click.option("--top-k", "top_k", type=int, default=None, help="Experts per token (default 8 for both shapes).")
+@click.option("--moe-intermediate", type=int, default=None, help="Expert FFN width (default: the shape's, 768 or 2048).")
+@click.option("--vocab", type=int, default=None, help="Vocabulary size (default: the shape's, 151936 or 154880).")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--device", default=None, help="Where to draw the random weights (default: cuda if present).")
 @click.option("--quant", type=click.Choice(["none", "int8", "int4"]), default="none", show_default=True,
