@@ -39,15 +39,15 @@ def cpu_logits(ckpt, tokens):
 
 
 def test_cuda_fp32_equals_the_cpu_forward(ckpt, tokens, cpu_logits):
-    tf32 = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
+    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False     # the KDA conv runs on cuDNN
     try:
         model = load_model(ckpt, device="cuda", dtype="float32", max_context=128, max_batch=2, cuda_graphs=True)
         assert model.graphs is None                      # eager decode: no graph capture of these caches yet
         with torch.inference_mode():
             got = _cached(model, tokens)
     finally:
-        torch.backends.cuda.matmul.allow_tf32 = tf32
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
     torch.testing.assert_close(got, cpu_logits, atol=2e-4, rtol=0)
 
 
@@ -55,9 +55,12 @@ def test_cuda_bf16_tracks_the_cpu_fp32_forward(ckpt, tokens, cpu_logits):
     model = load_model(ckpt, device="cuda", dtype="bfloat16", max_context=128, max_batch=2)
     with torch.inference_mode():
         got = _cached(model, tokens)
+    # A random tiny model has flat logits, and bf16 flips near-tied indexer pools at a few positions (O(1) there):
+    # judged over all positions. CPU bf16 against the same fp32 forward: top-1 0.89, mean KL 0.015.
     agree = (got.argmax(-1) == cpu_logits.argmax(-1)).float().mean().item()
-    assert agree >= 0.9, agree
-    assert (got - cpu_logits).abs().max() < 0.5
+    kl = torch.nn.functional.kl_div(got.log_softmax(-1), cpu_logits.log_softmax(-1), log_target=True,
+                                    reduction="none").sum(-1).mean().item()
+    assert agree >= 0.8 and kl < 0.05, (agree, kl)
 
 
 def test_cuda_batched_decode_equals_each_alone(ckpt, tokens):
