@@ -86,3 +86,15 @@ def test_glm_template_renders_tool_calls(served):
             if m.get("tool_calls") else m for m in TOOL_TURN]
     text = llm.tokenizer.apply_chat_template(msgs, tools=WEATHER_TOOL, add_generation_prompt=True, tokenize=False)
     assert "<arg_key>city</arg_key><arg_value>Paris</arg_value>" in text
+
+
+def test_an_image_in_a_message_is_refused_in_one_line(served):
+    body = {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "What is in this picture?"},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}]}], "max_tokens": 4}
+    r = served.client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    # a checkpoint with a vision tower still serves text (its tower is left unread); images get one line
+    assert "\n" not in err["message"] and "only text content parts" in err["message"], err
+    assert err["param"] == "messages.0.content"
