@@ -90,7 +90,10 @@ class ClampedMLP(MLP):
 
 
 class Glm5MoeBlock(nn.Module):
-    """Routed experts through the provider (as every architecture) plus the shared expert; routing as GLM-4.5."""
+    """Routed experts through the provider (as every architecture) plus the shared expert; routing as GLM-4.5.
+    Not yet the reference: the providers compute one plain SwiGLU for every architecture, so the routed experts'
+    gate and up are not clamped at swiglu_limit (the shared expert's and the dense layers' are). The two agree
+    wherever a routed expert's |gate·x| and |up·x| stay within the limit, as at every position the tests compare."""
 
     def __init__(self, model: "Glm5Next", w: WeightSource, layer: int):
         super().__init__()
