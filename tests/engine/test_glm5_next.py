@@ -30,9 +30,8 @@ def one_thread():
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    from tests.fixtures.tiny_models import make_tiny_glm5_next
-    return make_tiny_glm5_next(tmp_path_factory.mktemp("glm5_next"))
+def ckpt(tiny_checkpoint):
+    return tiny_checkpoint("glm5_next")
 
 
 @pytest.fixture(scope="module")

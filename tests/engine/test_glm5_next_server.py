@@ -20,9 +20,8 @@ HI = [{"role": "user", "content": "Name three primary colors, comma separated."}
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    from tests.fixtures.tiny_models import make_tiny_glm5_next
-    ckpt = make_tiny_glm5_next(tmp_path_factory.mktemp("glm5_next"))
+def served(tiny_checkpoint):
+    ckpt = tiny_checkpoint("glm5_next")         # the checkpoint tests/engine/test_glm5_next.py holds to transformers
     # chunk_size 16: a 40-token prompt is prefilled in three chunks (prefill from a start > 0)
     # threads=1: tiny shapes, 2 shared cores (a second compute thread costs more than it computes here)
     with LLM.load(ckpt, max_context=512, max_batch=3, chunk_size=16, threads=1) as llm, \
