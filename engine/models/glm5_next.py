@@ -342,13 +342,16 @@ class SparseAttention(nn.Module):
             rows = slice(s.row, s.row + s.length)
             cache = self.caches.latent[self.row, s.slot]
             cache[s.start:s.end] = latent[rows]
-            kv = self.kv_b(cache[:s.end]).view(s.end, self.heads, self.nope + self.vd)
-            k, v = kv.split([self.nope, self.vd], dim=-1)
             mask = self.indexer.select(h, q_resid, s) if self.indexer is not None else shared[i]
-            o = F.scaled_dot_product_attention(q[rows].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                               attn_mask=mask, scale=self.scale)
-            out[rows] = o.transpose(0, 1).reshape(s.length, -1)
             masks.append(mask)
+            # Expand only the keys some query of the segment attends (a decode step: index_topk + the tail, not
+            # the whole context); the others would weigh exactly zero.
+            used = mask.any(0).nonzero().squeeze(1)
+            kv = self.kv_b(cache[used]).view(used.shape[0], self.heads, self.nope + self.vd)
+            k, v = kv.split([self.nope, self.vd], dim=-1)
+            o = F.scaled_dot_product_attention(q[rows].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                               attn_mask=mask[:, used], scale=self.scale)
+            out[rows] = o.transpose(0, 1).reshape(s.length, -1)
         return self.o(out), masks
 
 
