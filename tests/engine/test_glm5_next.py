@@ -335,3 +335,11 @@ def test_bf16_int8_int4_track_the_fp32_reference_over_1040_teacher_forced_positi
         kl = torch.nn.functional.kl_div(x.log_softmax(-1), ref.log_softmax(-1), log_target=True,
                                         reduction="none").sum(-1).mean().item()
         assert top1 >= bounds[name][0] and kl <= bounds[name][1], (name, top1, kl)
+
+
+def test_a_prefill_in_chunks_that_split_pools_equals_one_prefill(model, tokens):
+    """The scheduler prefills long prompts in chunks (prefill from start > 0): chunks of 7 split pools of 4 and
+    carry the KDA states, the conv window, the latent and the indexer keys across."""
+    with torch.inference_mode():
+        got = torch.cat([model.prefill(tokens[i:i + 7], 2, start=i, all_logits=True) for i in range(0, 70, 7)])
+        torch.testing.assert_close(got, _uncached(model, tokens[:70]), atol=ATOL, rtol=0)
