@@ -165,9 +165,9 @@ def _l2norm(x: torch.Tensor) -> torch.Tensor:
 
 
 def kda_recurrent(q, k, v, g, beta, state):
-    """The gated delta rule token by token. q, k [T, Hh, dk] (l2-normed, q scaled), v [T, Hh, dv], g [T, Hh, dk]
+    """The gated delta rule token by token. q, k [T, (B,) Hh, dk] (l2-normed, q scaled), v [T, (B,) Hh, dv], g [T, (B,) Hh, dk]
     (log decay), beta [T, Hh], state [Hh, dk, dv] fp32 → (out [T, Hh, dv], state)."""
-    out = torch.empty(q.shape[0], q.shape[1], v.shape[-1], dtype=torch.float32, device=q.device)
+    out = torch.empty(v.shape, dtype=torch.float32, device=q.device)        # leading dims past T: a batch (decode)
     for i in range(q.shape[0]):
         state = state * g[i].exp()[..., None]
         kv_mem = (state * k[i][..., None]).sum(dim=-2)
@@ -240,8 +240,32 @@ class LinearAttention(nn.Module):
     def forward(self, h: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
         mixed = self.qkv(h).float()                                   # [N, 3·qkv]; the conv runs in fp32
         g, beta = self.forget_gate(h), torch.sigmoid(self.b(h).float())
+        if all(s.length == 1 and s.start > 0 for s in segments):
+            core = self._decode(mixed, g, beta, segments)
+        else:
+            core = self._segments(mixed, g, beta, segments)
+        gate = self.g_b(self.g_a(h)).view(h.shape[0], self.heads, self.hd)
+        out = core * torch.rsqrt(core.pow(2).mean(-1, keepdim=True) + self.eps) * self.o_norm
+        out = (out * torch.sigmoid(gate.float())).to(h.dtype)
+        return self.o(out.reshape(h.shape[0], -1))
+
+    def _qk(self, y: torch.Tensor, n: int):
+        q, k, v = (t.reshape(n, self.heads, self.hd) for t in y.split(y.shape[1] // 3, dim=1))
+        return _l2norm(q) * self.hd ** -0.5, _l2norm(k), v
+
+    def _decode(self, mixed, g, beta, segments: list[Segment]) -> torch.Tensor:
+        """One token for each sequence, all at once: their conv windows and states gathered by slot."""
+        idx = torch.tensor([s.slot for s in segments], device=mixed.device)
+        x = torch.cat([self.caches.conv[self.row, idx], mixed.unsqueeze(-1)], dim=-1)    # [B, C, kernel]
+        self.caches.conv[self.row, idx] = x[..., 1:]
+        q, k, v = self._qk(F.silu((x * self.conv).sum(-1)), len(segments))
+        core, state = kda_recurrent(q[None], k[None], v[None], g[None], beta[None], self.caches.state[self.row, idx])
+        self.caches.state[self.row, idx] = state
+        return core[0]
+
+    def _segments(self, mixed, g, beta, segments: list[Segment]) -> torch.Tensor:
         kernel = self.conv.shape[1]
-        core = torch.empty(h.shape[0], self.heads, self.hd, dtype=torch.float32, device=h.device)
+        core = torch.empty(mixed.shape[0], self.heads, self.hd, dtype=torch.float32, device=mixed.device)
         for s in segments:
             rows = slice(s.row, s.row + s.length)
             conv_state = self.caches.conv[self.row, s.slot]          # the previous kernel-1 inputs (zeros at start)
@@ -252,15 +276,11 @@ class LinearAttention(nn.Module):
             x = torch.cat([conv_state, mixed[rows].t()], dim=1)
             conv_state.copy_(x[:, -(kernel - 1):])
             y = F.silu(F.conv1d(x[None], self.conv[:, None], groups=x.shape[0])[0]).t()
-            q, k, v = (t.reshape(s.length, self.heads, self.hd) for t in y.split(y.shape[1] // 3, dim=1))
-            q, k = _l2norm(q) * self.hd ** -0.5, _l2norm(k)
+            q, k, v = self._qk(y, s.length)
             run = kda_recurrent if s.length == 1 else kda_chunked
             core[rows], new = run(q, k, v, g[rows], beta[rows], state)
             state.copy_(new)
-        gate = self.g_b(self.g_a(h)).view(h.shape[0], self.heads, self.hd)
-        out = core * torch.rsqrt(core.pow(2).mean(-1, keepdim=True) + self.eps) * self.o_norm
-        out = (out * torch.sigmoid(gate.float())).to(h.dtype)
-        return self.o(out.reshape(h.shape[0], -1))
+        return core
 
 
 class Indexer:
