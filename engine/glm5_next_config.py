@@ -139,7 +139,8 @@ def tensor_shapes(spec: Glm5Spec, *, layers: int, hidden: int, vocab: int, heads
         else:
             nope, vd = s.qk_nope_head_dim, s.v_head_dim
             t |= {f"{a}.q_a_proj.weight": ((qr, hidden), False), f"{a}.q_a_layernorm.weight": ((qr,), False),
-                  f"{a}.q_b_proj.weight": ((heads * nope, qr), False), f"{a}.kv_a_proj_with_mqa.weight": ((r, hidden), False),
+                  f"{a}.q_b_proj.weight": ((heads * nope, qr), False),
+                  f"{a}.kv_a_proj_with_mqa.weight": ((r, hidden), False),
                   f"{a}.kv_a_layernorm.weight": ((r,), False), f"{a}.kv_b_proj.weight": ((heads * (nope + vd), r), False),
                   f"{a}.o_proj.weight": ((hidden, heads * vd), False)}
             if s.indexer_types[l] == "full":

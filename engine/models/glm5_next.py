@@ -165,9 +165,10 @@ def _l2norm(x: torch.Tensor) -> torch.Tensor:
 
 
 def kda_recurrent(q, k, v, g, beta, state):
-    """The gated delta rule token by token. q, k [T, (B,) Hh, dk] (l2-normed, q scaled), v [T, (B,) Hh, dv], g [T, (B,) Hh, dk]
-    (log decay), beta [T, Hh], state [Hh, dk, dv] fp32 → (out [T, Hh, dv], state)."""
-    out = torch.empty(v.shape, dtype=torch.float32, device=q.device)        # leading dims past T: a batch (decode)
+    """The gated delta rule token by token. q, k [T, *B, Hh, dk] (l2-normed, q scaled), v [T, *B, Hh, dv],
+    g [T, *B, Hh, dk] (log decay), beta [T, *B, Hh], state [*B, Hh, dk, dv] fp32 → (out [T, *B, Hh, dv], state);
+    *B: no dims (one sequence) or a batch of sequences, one token each (decode)."""
+    out = torch.empty(v.shape, dtype=torch.float32, device=q.device)
     for i in range(q.shape[0]):
         state = state * g[i].exp()[..., None]
         kv_mem = (state * k[i][..., None]).sum(dim=-2)
@@ -292,7 +293,8 @@ class Indexer:
     def __init__(self, model: "Glm5Next", w: WeightSource, prefix: str, layer: int):
         s = model.spec
         self.caches, self.row = model.caches, model.caches.row["idx", layer]
-        self.heads, self.hd, self.kpool, self.pools = s.index_heads, s.index_head_dim, s.index_kpool, s.index_topk // s.index_kpool
+        self.heads, self.hd, self.kpool = s.index_heads, s.index_head_dim, s.index_kpool
+        self.pools = s.index_topk // s.index_kpool
         self.wq_b, self.wk = Projection(w.get(f"{prefix}.wq_b.weight")), Projection(w.get(f"{prefix}.wk.weight"))
         self.k_norm = (w.get(f"{prefix}.k_norm.weight"), w.get(f"{prefix}.k_norm.bias"))
         self.weights = Projection(w.get(f"{prefix}.weights_proj.weight"))
