@@ -456,10 +456,6 @@ class Glm5Next(nn.Module):
         return Glm5Caches(spec, slots, max_len, dtype=dtype, device=device)
 
     @property
-    def kv(self) -> Glm5Caches:
-        return self.caches
-
-    @property
     def max_len(self) -> int:
         return self.caches.max_len
 
