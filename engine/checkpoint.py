@@ -14,6 +14,7 @@ import torch
 from safetensors import safe_open
 
 from engine.experts.layout import ExpertLayout
+from engine.glm5_next_config import Glm5Spec, SpecError
 
 # model_type -> (mlp prefix, gate/up/down names, keys of the expert count, key of the expert FFN width).
 # Published configs and transformers 5's save_pretrained name the expert count differently.
@@ -23,7 +24,21 @@ ARCHS = {
     "glm4_moe": ("mlp", ("gate_proj", "up_proj", "down_proj"), ("n_routed_experts", "num_local_experts"),
                  "moe_intermediate_size"),
     "mixtral": ("block_sparse_moe", ("w1", "w3", "w2"), ("num_local_experts",), "intermediate_size"),
+    "glm5_next": ("mlp", ("gate_proj", "up_proj", "down_proj"), ("n_routed_experts", "num_local_experts"),
+                  "moe_intermediate_size"),
 }
+# transformers 5 saves a multimodal model's text weights under model.language_model.* and its text config nested
+# (text_config); the published flat form has them at model.* and top level. Read both as the flat form.
+_NESTED_TEXT = "model.language_model."
+_VISION = ("model.visual.",)           # a vision tower: not part of the text model, left unread
+
+
+def _flat_config(config: dict) -> dict:
+    text = config.get("text_config")
+    if not isinstance(text, dict):
+        return config
+    rest = {k: v for k, v in config.items() if k not in ("text_config", "vision_config")}
+    return {**rest, **{k: v for k, v in text.items() if k != "model_type"}, "model_type": config.get("model_type")}
 
 
 class CheckpointError(Exception):
@@ -40,6 +55,7 @@ class Checkpoint:
             raise CheckpointError(f"{cfg_path}: missing (not a Hugging Face checkpoint directory)") from None
         except json.JSONDecodeError as e:
             raise CheckpointError(f"{cfg_path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+        self.config = _flat_config(self.config)
         self.arch = self.config.get("model_type", "")
         if self.arch not in ARCHS:
             raise CheckpointError(f"{cfg_path}: model_type {self.arch!r} is not supported "
@@ -48,17 +64,26 @@ class Checkpoint:
         n_key = next((k for k in n_keys if self.config.get(k)), None)
         if n_key is None or i_key not in self.config:
             raise CheckpointError(f"{cfg_path}: {self.arch} config lacks {n_keys[0]} or {i_key}")
+        if self.arch == "glm5_next":        # its own schedule and fields, refused by name before anything is read
+            try:
+                Glm5Spec.from_config(self.config)
+            except SpecError as e:
+                raise CheckpointError(f"{cfg_path}: {e}") from None
         self.n_experts = int(self.config[n_key])
         self.hidden = int(self.config["hidden_size"])
         self.moe_intermediate = int(self.config[i_key])
         self.num_layers = int(self.config["num_hidden_layers"])
+        self._stored: dict[str, str] = {}       # the model's name -> the file's, where they differ
         self._files = self._index()
+        self.has_vision = any(k.startswith(_VISION) for k in self._files)
+        if self.has_vision:
+            self._files = {k: v for k, v in self._files.items() if not k.startswith(_VISION)}
 
     def _index(self) -> dict[str, Path]:
         idx = self.dir / "model.safetensors.index.json"
         if idx.exists():
             weight_map = json.loads(idx.read_text())["weight_map"]
-            return {k: self.dir / v for k, v in weight_map.items()}
+            return {self._name(k): self.dir / v for k, v in weight_map.items()}
         files = sorted(self.dir.glob("*.safetensors"))
         if not files:
             raise CheckpointError(f"{self.dir}: no *.safetensors files")
@@ -66,12 +91,21 @@ class Checkpoint:
         for f in files:
             with safe_open(f, "pt") as h:
                 for k in h.keys():
-                    out[k] = f
+                    out[self._name(k)] = f
         return out
+
+    def _name(self, stored: str) -> str:
+        if not stored.startswith(_NESTED_TEXT):
+            return stored
+        name = "model." + stored[len(_NESTED_TEXT):]
+        self._stored[name] = stored
+        return name
 
     @cached_property
     def moe_layers(self) -> list[int]:
         """Layers with routed experts (GLM's first_k_dense_replace / Qwen's mlp_only_layers are dense)."""
+        if types := self.config.get("mlp_layer_types"):      # glm5_next's schedule: "dense" | "sparse" per layer
+            return [l for l, t in enumerate(types) if t == "sparse"]
         first_dense = int(self.config.get("first_k_dense_replace", 0) or 0)
         mlp_only = set(self.config.get("mlp_only_layers", []) or [])
         step = int(self.config.get("decoder_sparse_step", 1) or 1)
@@ -124,7 +158,7 @@ class Checkpoint:
         except KeyError:
             raise CheckpointError(f"{self.dir}: tensor {name} missing") from None
         with safe_open(path, "pt") as h:
-            return h.get_tensor(name)
+            return h.get_tensor(self._stored.get(name, name))
 
     def expert(self, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(gate [I,H], up [I,H], down [H,I]) of one routed expert, as stored in the checkpoint."""

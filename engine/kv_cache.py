@@ -1,4 +1,6 @@
-"""A KV cache allocated once: [layers, slots, max_len, kv_heads, head_dim] for keys and for values.
+"""A model's caches, allocated once and handed out one slot per sequence (SlotCaches: the interface the scheduler
+uses, whatever the layers keep); KVCache, the standard one: [layers, slots, max_len, kv_heads, head_dim] for keys
+and for values. (glm5_next declares its own: engine.models.glm5_next.Glm5Caches.)
 
 A slot holds one sequence. Slots are handed out lowest-first so the active batch is usually a
 contiguous range, which the attention reads as a view instead of a gather.
@@ -16,7 +18,7 @@ import mmap
 import torch
 
 
-def _untouched_zeros(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
+def untouched_zeros(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     numel = 1
@@ -27,24 +29,32 @@ def _untouched_zeros(shape: tuple[int, ...], dtype: torch.dtype, device) -> torc
     return torch.frombuffer(buf, dtype=dtype, count=numel).view(shape)   # the tensor keeps buf alive
 
 
-class KVCache:
-    # A slot's whole state is its positions' keys and values, so a prefix another slot computed can be copied in
-    # (engine.prefix_cache); a cache with state beyond its positions (a recurrent one) cannot.
-    reusable_prefix = True
+class SlotCaches:
+    """What the scheduler (engine.scheduler) needs of a model's caches: `slots` sequences of up to `max_len`
+    tokens, a slot allocated when a sequence starts and released (reset for the next) when it finishes or is
+    cancelled."""
 
-    def __init__(self, num_layers: int, slots: int, max_len: int, kv_heads: int, head_dim: int, *,
-                 dtype: torch.dtype, device: str | torch.device = "cpu"):
-        assert slots > 0 and max_len > 0, "the KV cache needs at least one slot and one position"
-        shape = (num_layers, slots, max_len, kv_heads, head_dim)
-        self.k = _untouched_zeros(shape, dtype, device)
-        self.v = _untouched_zeros(shape, dtype, device)
+    # Whether a slot's whole state is its positions' keys and values, so that a prefix another slot computed can be
+    # copied in (engine.prefix_cache); a cache with state beyond its positions (a recurrent one) cannot.
+    reusable_prefix = False
+
+    def __init__(self, slots: int, max_len: int):
+        assert slots > 0 and max_len > 0, "the caches need at least one slot and one position"
         self.slots = slots
         self.max_len = max_len
         self._free = list(range(slots))
 
     @property
     def nbytes(self) -> int:
-        return 2 * self.k.numel() * self.k.element_size()
+        raise NotImplementedError
+
+    def reset(self, slot: int) -> None:
+        """Forget what the slot's sequence left behind; a cache whose reads stop at the sequence's length
+        (a KV cache) has nothing to do."""
+
+    def copy_prefix(self, src: int, dst: int, n: int) -> None:
+        """Positions 0..n of slot `src` into slot `dst` (only where reusable_prefix)."""
+        raise NotImplementedError(f"{type(self).__name__} holds state beyond its positions: no prefix to copy")
 
     # --- slot allocation (the scheduler's thread only) ---
     def free_slots(self) -> int:
@@ -63,7 +73,23 @@ class KVCache:
 
     def release(self, slot: int) -> None:
         assert slot not in self._free, f"slot {slot} released twice"
+        self.reset(slot)
         self._free.append(slot)
+
+
+class KVCache(SlotCaches):
+    reusable_prefix = True
+
+    def __init__(self, num_layers: int, slots: int, max_len: int, kv_heads: int, head_dim: int, *,
+                 dtype: torch.dtype, device: str | torch.device = "cpu"):
+        super().__init__(slots, max_len)
+        shape = (num_layers, slots, max_len, kv_heads, head_dim)
+        self.k = untouched_zeros(shape, dtype, device)
+        self.v = untouched_zeros(shape, dtype, device)
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
 
     def copy_prefix(self, src: int, dst: int, n: int) -> None:
         """Positions 0..n of slot `src` into slot `dst`, every layer (a prefix computed once, reused)."""

@@ -14,7 +14,6 @@ from engine.checkpoint import Checkpoint, CheckpointError
 from engine.model_config import ModelConfig
 from engine.experts.layout import DTYPES
 from engine.experts.provider import ExpertProvider
-from engine.kv_cache import KVCache
 from engine.models import model_class
 from engine.models.common import MoEModel, layer_ahead_predictor
 from engine.dense_weights import BLOCK_SCHEMES, BLOCKS_SUFFIX
@@ -108,10 +107,12 @@ def load_model(model_dir: str | Path, provider: ExpertProvider | None = None, *,
         raise CheckpointError(f"{ckpt.dir}: expert provider holds [{lay.intermediate}x{lay.hidden}] experts, "
                               f"the checkpoint [{cfg.moe_intermediate}x{cfg.hidden}]")
 
-    kv = KVCache(cfg.num_layers, max_batch, max_context, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=device)
+    cls = model_class(cfg.arch)
+    caches = cls.caches_for(ckpt.config, cfg, max_batch, max_context, dtype=dtype, device=device,
+                            where=str(ckpt.dir / "config.json"))
     weights = CheckpointWeights(ckpt, cfg.num_layers, device, dtype)
-    model = model_class(cfg.arch)(cfg, weights, provider, kv, device=device, dtype=dtype,
-                                     fused_kernels=config.fused_kernels, native_kernels=config.native_kernels)
+    model = cls(cfg, weights, provider, caches, device=device, dtype=dtype,
+                fused_kernels=config.fused_kernels, native_kernels=config.native_kernels)
     if unused := weights.unused():
         raise CheckpointError(f"{ckpt.dir}: {len(unused)} tensors are not part of the {cfg.arch} model "
                               f"(unsupported variant?), e.g. {unused[0]}")

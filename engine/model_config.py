@@ -16,7 +16,7 @@ from engine.checkpoint import Checkpoint, CheckpointError
 # Routing families. "softmax": softmax over all experts, top-k, optionally renormalised (Qwen3-MoE; Mixtral
 # always renormalises, which equals a softmax over the top-k logits). "sigmoid_grouped": GLM-4.5's sigmoid
 # scores with a selection-only correction bias, group-limited top-k and a routed scaling factor.
-ROUTING = {"qwen3_moe": "softmax", "mixtral": "softmax", "glm4_moe": "sigmoid_grouped"}
+ROUTING = {"qwen3_moe": "softmax", "mixtral": "softmax", "glm4_moe": "sigmoid_grouped", "glm5_next": "sigmoid_grouped"}
 
 # transformers' per-architecture defaults for keys a published config.json may omit.
 _DEFAULTS = {
@@ -26,6 +26,9 @@ _DEFAULTS = {
                     attention_bias=False, rms_norm_eps=1e-5),
     "glm4_moe": dict(rope_theta=10000.0, partial_rotary_factor=0.5, norm_topk_prob=True, use_qk_norm=False,
                      attention_bias=False, rms_norm_eps=1e-5),
+    # NoPE attention: the rope keys only satisfy the shared checks (engine.models.glm5_next reads its own fields)
+    "glm5_next": dict(rope_theta=10000.0, partial_rotary_factor=1.0, norm_topk_prob=True, use_qk_norm=False,
+                      attention_bias=False, rms_norm_eps=1e-5, max_position_embeddings=1048576),
 }
 
 
@@ -108,8 +111,9 @@ class ModelConfig:
             eos |= _ids(json.loads(gen_cfg.read_text()).get("eos_token_id"))
 
         top_k = c["num_experts_per_tok"]
-        n_group = int(c.get("n_group", 1) or 1) if arch == "glm4_moe" else 1
-        topk_group = int(c.get("topk_group", 1) or 1) if arch == "glm4_moe" else 1
+        grouped = ROUTING[arch] == "sigmoid_grouped"
+        n_group = int(c.get("n_group", 1) or 1) if grouped else 1
+        topk_group = int(c.get("topk_group", 1) or 1) if grouped else 1
         cfg = cls(
             arch=arch,
             vocab_size=c["vocab_size"],
@@ -121,7 +125,7 @@ class ModelConfig:
             rms_eps=float(c.get("rms_norm_eps", d["rms_norm_eps"])),
             rope_theta=theta,
             rotary_dim=rotary_dim,
-            max_position_embeddings=int(c.get("max_position_embeddings", 4096)),
+            max_position_embeddings=int(c.get("max_position_embeddings", d.get("max_position_embeddings", 4096))),
             sliding_window=int(window) if window else None,
             tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
             use_qk_norm=bool(c.get("use_qk_norm", d["use_qk_norm"])),
@@ -136,7 +140,7 @@ class ModelConfig:
             routed_scaling_factor=float(c.get("routed_scaling_factor", 1.0) or 1.0),
             n_group=n_group,
             topk_group=topk_group,
-            n_shared_experts=int(c.get("n_shared_experts", 0) or 0) if arch == "glm4_moe" else 0,
+            n_shared_experts=int(c.get("n_shared_experts", 0) or 0) if grouped else 0,
         )
         cfg.check(where)
         return cfg

@@ -22,7 +22,7 @@ and the rest is prefilled from there exactly as a later chunk of a chunked prefi
 """
 from __future__ import annotations
 
-from engine.kv_cache import KVCache
+from engine.kv_cache import SlotCaches
 
 BLOCK = 16          # tokens a block: small, since a hit's cost is a copy and a miss's the block's prefill
 
@@ -30,7 +30,7 @@ BLOCK = 16          # tokens a block: small, since a hit's cost is a copy and a 
 class PrefixCache:
     """The scheduler's slot allocation with prefix reuse (the scheduler's thread only)."""
 
-    def __init__(self, kv: KVCache, block: int = BLOCK):
+    def __init__(self, kv: SlotCaches, block: int = BLOCK):
         assert block > 0, "a prefix block holds at least one token"
         self.kv, self.block = kv, block
         self._tokens: dict[int, list[int]] = {}        # slot -> the tokens whose positions it holds

@@ -47,7 +47,7 @@ class Scheduler:
         the previous one's tokens are read, where the model allows it (model.decode_ahead_ok)."""
         self.model = model
         self.max_context: int = model.max_len
-        self.max_batch: int = model.kv.slots
+        self.max_batch: int = model.caches.slots
         self.chunk_size = config.chunk_size
         self.alone_chunk = config.chunk_size * (ALONE_CHUNKS if model.device.type == "cuda" else 1)
         self.max_queue = 4 * self.max_batch if config.max_queue is None else config.max_queue
@@ -70,7 +70,7 @@ class Scheduler:
         self._outbox: list[tuple[Callable[[object], None], object]] = []
         self._chain = config.decode_ahead and model.decode_ahead_ok   # decode ahead (engine.decode_ahead)
         self._ahead = DecodeAhead()
-        self._prefix = PrefixCache(model.kv) if config.prefix_cache and model.kv.reusable_prefix else None
+        self._prefix = PrefixCache(model.caches) if config.prefix_cache and model.caches.reusable_prefix else None
         self._penalties: Penalties | None = None       # made at the first request that asks for a penalty
         self._thread = threading.Thread(target=self._loop, name="engine-scheduler", daemon=True)
         self._thread.start()
@@ -140,7 +140,7 @@ class Scheduler:
                     if abort:
                         self._pending.clear()
                     new = None
-                    if not abort and self._prefilling is None and self._pending and self.model.kv.free_slots():
+                    if not abort and self._prefilling is None and self._pending and self.model.caches.free_slots():
                         new = self._pending.popleft()
                 if abort:
                     self._ahead.drop()
@@ -152,7 +152,7 @@ class Scheduler:
                     self._retire(r)
                 if new is not None:
                     if self._prefix is None:
-                        new.slot = self.model.kv.alloc()
+                        new.slot = self.model.caches.alloc()
                     else:
                         new.slot, new.length = self._prefix.admit(new.prompt)
                         with self._cv:
@@ -227,7 +227,7 @@ class Scheduler:
     def _chains(self, batch: list[Request]) -> bool:
         """Whether the step after this one may launch before this one's tokens are read: the engine decodes ahead,
         no sequence is penalised and none ends by length at this step, and no stream is about to join."""
-        if not self._chain or self._prefilling is not None or (self._pending and self.model.kv.free_slots()):
+        if not self._chain or self._prefilling is not None or (self._pending and self.model.caches.free_slots()):
             return False
         return may_chain(batch, self.max_context)
 
@@ -296,7 +296,7 @@ class Scheduler:
         else:
             self._active.remove(r)
         if self._prefix is None:
-            self.model.kv.release(r.slot)
+            self.model.caches.release(r.slot)
         else:                           # its positions stay for a later prompt to reuse, unless a step failed
             self._prefix.release(r.slot, None if failed else r.held())
         r.slot = -1

@@ -1,4 +1,4 @@
-"""`engine synth`: a random Qwen3-MoE checkpoint of a given shape, its routed experts written
+"""`engine synth`: a random Qwen3-MoE or GLM-5.3-Flash (glm5_next) checkpoint of a given shape, its routed experts written
 straight into a packed store (no expert tensors in safetensors: at 30B scale that would double
 the disk a benchmark needs). The store is built like pack-store's: staging dir, O_DIRECT writes,
 re-read and hashed, manifest, then published by rename. Weights are N(0, std) from a seed, so a
@@ -21,6 +21,7 @@ import torch
 
 from engine.errors import EngineError, Exit
 from engine.experts.layout import ExpertLayout
+from engine.glm5_next_config import Glm5Spec, tensor_shapes
 from engine.store import manifest as mf
 from engine.store.odirect import aligned_buffer, open_direct, probe, pwrite_full
 from engine.store import model_manifest
@@ -33,15 +34,49 @@ QWEN3_30B_A3B = dict(hidden_size=2048, num_experts=128, num_experts_per_tok=8, m
                      num_hidden_layers=48, intermediate_size=6144, rms_norm_eps=1e-6, max_position_embeddings=40960)
 
 
-def synth_config(**over) -> dict:
-    cfg = {**QWEN3_30B_A3B, **{k: v for k, v in over.items() if v is not None}}
+# GLM-5.3-Flash's shape (transformers' Glm5NextTextConfig defaults; the seed's store): 45 layers, the first 3 dense,
+# then 42 MoE layers of 288 routed experts + 1 shared, top-8; KDA layers with a DSA layer every 4th. Written in the
+# published flat form (first_k_dense_replace, linear_attn_config, mla_use_nope, model.layers.*); a --layers slice
+# keeps the schedule: transformers derives layer_types from num_hidden_layers the same way for every length.
+GLM_5_3_FLASH = dict(hidden_size=4096, n_routed_experts=288, n_shared_experts=1, num_experts_per_tok=8,
+                     moe_intermediate_size=2048, intermediate_size=12288, vocab_size=154880, num_hidden_layers=45,
+                     num_attention_heads=64, num_key_value_heads=64, kv_lora_rank=512, q_lora_rank=1536,
+                     qk_nope_head_dim=256, qk_rope_head_dim=0, v_head_dim=256, n_group=1, topk_group=1,
+                     routed_scaling_factor=2.5, norm_topk_prob=True, index_topk=2048, index_kpool=16,
+                     index_head_dim=128, index_n_heads=32, swiglu_limit=10.0, hc_mult=4, hc_eps=1e-6,
+                     hc_sinkhorn_iters=20, rms_norm_eps=1e-5, max_position_embeddings=1048576,
+                     linear_attn_config={"head_dim": 128, "num_heads": 64, "short_conv_kernel_size": 4,
+                                         "gate_lower_bound": -5.0, "safe_gate": True})
+SHAPES = {"qwen3-30b-a3b": ("qwen3_moe", QWEN3_30B_A3B), "glm-5.3-flash": ("glm5_next", GLM_5_3_FLASH)}
+# The CLI's shape options, by arch: the config key each sets.
+EXPERT_KEYS = {"qwen3_moe": "num_experts", "glm5_next": "n_routed_experts"}
+
+
+def synth_config(arch: str = "qwen3_moe", **over) -> dict:
+    over = {k: v for k, v in over.items() if v is not None}
+    if arch == "glm5_next":
+        cfg = {**GLM_5_3_FLASH, **over}
+        lin = cfg["linear_attn_config"]
+        n = cfg["num_hidden_layers"]
+        return {"architectures": ["Glm5NextForCausalLM"], "model_type": "glm5_next", "attention_bias": False,
+                "first_k_dense_replace": min(3, n), "mla_use_nope": True, "hidden_act": "silu",
+                "tie_word_embeddings": False, "dtype": "bfloat16", "bos_token_id": None, "eos_token_id": None,
+                "layer_types": ["linear_attention" if i % 4 != 3 else "indexed_attention" for i in range(n)],
+                **cfg, "linear_attn_config": dict(lin)}
+    cfg = {**QWEN3_30B_A3B, **over}
     return {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "attention_bias": False,
             "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True, "tie_word_embeddings": False,
             "rope_theta": 1000000.0, "hidden_act": "silu", "dtype": "bfloat16", "bos_token_id": None,
             "eos_token_id": None, "sliding_window": None, "use_sliding_window": False, **cfg}
 
 
+def moe_layers(cfg: dict) -> list[int]:
+    return list(range(cfg.get("first_k_dense_replace", 0), cfg["num_hidden_layers"]))
+
+
 def non_expert_tensors(cfg: dict, gen: torch.Generator, std: float, device) -> dict[str, torch.Tensor]:
+    if cfg["model_type"] == "glm5_next":
+        return glm5_next_tensors(cfg, gen, std, device)
     h, v, n = cfg["hidden_size"], cfg["vocab_size"], cfg["num_hidden_layers"]
     q, kv, e = cfg["num_attention_heads"] * cfg["head_dim"], cfg["num_key_value_heads"] * cfg["head_dim"], cfg["num_experts"]
 
@@ -61,12 +96,30 @@ def non_expert_tensors(cfg: dict, gen: torch.Generator, std: float, device) -> d
     return t
 
 
+def glm5_next_tensors(cfg: dict, gen: torch.Generator, std: float, device) -> dict[str, torch.Tensor]:
+    """Every non-expert tensor of a glm5_next checkpoint in the published names and shapes the model reads
+    (engine.glm5_next_config.tensor_shapes); the ones transformers keeps in fp32 in fp32, norms at one."""
+    spec = Glm5Spec.from_config(cfg)
+    shapes = tensor_shapes(spec, layers=cfg["num_hidden_layers"], hidden=cfg["hidden_size"], vocab=cfg["vocab_size"],
+                           heads=cfg["num_attention_heads"], intermediate=cfg["intermediate_size"],
+                           moe_layers=moe_layers(cfg), experts=cfg["n_routed_experts"],
+                           shared_intermediate=cfg["moe_intermediate_size"] * cfg["n_shared_experts"])
+    out = {}
+    for name, (shape, fp32) in shapes.items():
+        dtype = torch.float32 if fp32 else torch.bfloat16
+        if name.endswith(("norm.weight", "_scale")):
+            out[name] = torch.ones(shape, dtype=dtype)
+        else:
+            out[name] = (torch.randn(shape, generator=gen, device=device, dtype=torch.float32) * std).to(dtype).cpu()
+    return out
+
+
 def synth_store(cfg: dict, store_dir: Path, config_hash: str, gen: torch.Generator, std: float, device,
                 progress=None, quant: str = "none") -> tuple[int, float]:
     """Write every layer's random expert records; returns (bytes, GB/s of the write)."""
     bf16 = ExpertLayout(cfg["hidden_size"], cfg["moe_intermediate_size"], torch.bfloat16)
     layout = bf16 if quant == "none" else ExpertLayout(bf16.hidden, bf16.intermediate, torch.uint8, "rows", quant)
-    layers, e = list(range(cfg["num_hidden_layers"])), cfg["num_experts"]
+    layers, e = moe_layers(cfg), cfg[EXPERT_KEYS[cfg["model_type"]]]
     plan = mf.plan_offsets(layers, e, layout.record_bytes)
     total = len(plan) * layout.record_bytes
     store_dir = Path(os.path.abspath(store_dir))
@@ -107,7 +160,7 @@ def synth_store(cfg: dict, store_dir: Path, config_hash: str, gen: torch.Generat
         bad = [plan[i] for i, (a, b) in enumerate(zip(digests, reread)) if a != b]
         if bad:
             raise EngineError(f"{data}: layer {bad[0][0]} expert {bad[0][1]} reads back differently than written", Exit.INTEGRITY)
-        publish_store(staging, store_dir, config_hash=config_hash, arch="qwen3_moe", layout=layout, experts=e,
+        publish_store(staging, store_dir, config_hash=config_hash, arch=cfg["model_type"], layout=layout, experts=e,
                       plan=plan, digests=digests)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -119,13 +172,13 @@ def synth_store(cfg: dict, store_dir: Path, config_hash: str, gen: torch.Generat
 
 
 def synthesize(out: Path, store: Path, *, seed: int = 0, std: float = 0.02, device: str | None = None,
-               quant: str = "none", **shape) -> dict:
+               quant: str = "none", arch: str = "qwen3_moe", **shape) -> dict:
     """Checkpoint (config + non-expert safetensors) in `out`, experts in the store `store`."""
     from safetensors.torch import save_file
     from engine.checkpoint import Checkpoint
 
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    cfg = synth_config(**shape)
+    cfg = synth_config(arch, **shape)
     out = Path(os.path.abspath(out))
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.staging-"))

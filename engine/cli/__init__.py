@@ -34,7 +34,7 @@ SHORT_HELP = {
     "serve": "Serve a model over an OpenAI-compatible HTTP API.",
     "generate": "Generate from a prompt on the command line (greedy or sampled).",
     "convert": "Convert a dense GGUF model into a sparse-upcycled Mixtral checkpoint.",
-    "synth": "Synthesize a random checkpoint of a given MoE shape straight into a store.",
+    "synth": "Synthesize a random checkpoint of a given MoE shape (Qwen3-30B-A3B, GLM-5.3-Flash) straight into a store.",
     "simulate-cache": "Compare expert-cache eviction policies on a routing trace.",
     "reference-decode": "Time transformers' own generate on a model (the speed gate's baseline).",
 }
@@ -66,7 +66,8 @@ class LazyGroup(click.Group):
                     "3 bad model/checkpoint/store, 4 missing dependency, 6 filesystem refused (O_DIRECT, full, "
                     "read-only), 7 address in use or cannot be bound, 8 integrity (sha256 mismatch), 130 interrupted.")
 def cli():
-    """Kiln's MoE expert-offload engine."""
+    """Kiln's MoE expert-offload engine. Architectures: qwen3_moe, glm4_moe, mixtral and glm5_next
+    (GLM-5.3-Flash: KDA + DSA layers, mHC residual), each exact against transformers'."""
 
 
 def main(argv=None) -> int:

@@ -353,6 +353,16 @@ class MoEModel(nn.Module):
             log.info("decode attention: %d variants for %d KV buckets ready in %.1f s", n, len(buckets),
                      time.perf_counter() - t0)
 
+    @staticmethod
+    def caches_for(config: dict, cfg: ModelConfig, slots: int, max_len: int, *, dtype, device,
+                   where: str = "config") -> KVCache:
+        """The caches this model declares (engine.loader allocates them): one standard KV cache."""
+        return KVCache(cfg.num_layers, slots, max_len, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=device)
+
+    @property
+    def caches(self) -> KVCache:
+        return self.kv
+
     # per-architecture blocks
     def build_moe(self, w: WeightSource, layer: int) -> nn.Module:
         raise NotImplementedError

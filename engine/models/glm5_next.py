@@ -1,0 +1,485 @@
+"""GLM-5.3-Flash (transformers' glm5_next text model): mHC residual streams around every block, KDA linear
+attention and DSA (MLA + a pooled top-k indexer) layers in the config's order, dense MLP layers then MoE layers
+(sigmoid routing as GLM-4.5, a shared expert, SwiGLU clamped at swiglu_limit).
+
+Every layer reads and writes the residual as `hc_mult` streams: a hyper connection collapses them into the block's
+input (weights `pre`), expands the block's output back (`post`) and mixes the old streams in (`comb`, made doubly
+stochastic by Sinkhorn iterations); the model's output is the plain mean of the streams.
+
+Caches (Glm5Caches, one slot per sequence, allocated once from the recipe's context and batch): a KDA layer keeps a
+recurrent state and a conv state per sequence (constant size); a DSA layer keeps the MLA latent per token
+(kv_lora_rank: the normalised compressed KV, never the expanded K/V) and, where it runs its own indexer, the
+indexer's key and pool-gate score per token.
+
+Which reference is the definition: a full UNCACHED forward of the same tokens. Kiln's cached decode equals it at
+every position (tests/engine/test_glm5_next.py). transformers' own cached decode departs from its uncached forward
+where candidate pools score exactly the same: the indexer's score is a weighted sum of ReLU'd dot products, so
+pools that every indexer head scores below zero get exactly 0.0 (common with few heads, or early in training), and
+tie. transformers (and llama.cpp's glm5-next, whose `ggml_top_k` is documented UNORDERED) choose among ties in
+torch.topk's (ggml's) order, which depends on how many candidate pools the row holds: a decode step's row has the
+pools completed so far, an uncached forward's row every pool of the sequence. So the choice flips when the
+candidate count changes, first at the first pool completed after the prompt (the 44th token of a 40-token prompt
+with index_kpool 4), and the logits differ from there by O(1); even transformers' uncached forward of a prefix
+differs from its forward of the whole sequence at those positions. Kiln breaks ties by the lower pool index (a
+stable sort), which does not depend on the row's length: cached and uncached agree wherever scores tie, and equal
+transformers wherever they do not.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.checkpoint import CheckpointError
+from engine.config import ModelConfig
+from engine.experts import ExpertProvider
+from engine.glm5_next_config import DSA, KDA, Glm5Spec, SpecError, tensor_shapes
+from engine.kv_cache import SlotCaches, untouched_zeros
+from engine.models.common import MLP, WeightSource, rms_norm, sigmoid_grouped_topk
+from engine.projection import Projection
+
+KDA_CHUNK = 64          # transformers' chunk_kimi_delta_attention chunk size
+
+
+# ---------------------------------------------------------------- caches
+
+class Glm5Caches(SlotCaches):
+    """Each layer kind's own cache, slot per sequence: KDA recurrent [heads, dk, dv] + conv [3·qkv, kernel-1]
+    states (fp32, as transformers keeps them), the MLA latent [max_len, kv_lora_rank] and the indexer's key and
+    pool-gate score [max_len, 2·index_head_dim] per token (model dtype)."""
+
+    def __init__(self, spec: Glm5Spec, slots: int, max_len: int, *, dtype: torch.dtype, device):
+        super().__init__(slots, max_len)
+        self.spec = spec
+        kda = [i for i, t in enumerate(spec.layer_types) if t == KDA]
+        dsa = [i for i, t in enumerate(spec.layer_types) if t == DSA]
+        full = [i for i in dsa if spec.indexer_types[i] == "full"]
+        self.row = {l: j for ls in (kda, dsa) for j, l in enumerate(ls)} | {("idx", l): j for j, l in enumerate(full)}
+        hd = spec.linear_head_dim
+        self.state = torch.zeros(len(kda), slots, spec.linear_heads, hd, hd, dtype=torch.float32, device=device)
+        self.conv = torch.zeros(len(kda), slots, 3 * spec.qkv_dim, spec.conv_kernel - 1, dtype=torch.float32,
+                                device=device)
+        self.latent = untouched_zeros((len(dsa), slots, max_len, spec.kv_lora_rank), dtype, device)
+        self.index = untouched_zeros((len(full), slots, max_len, 2 * spec.index_head_dim), dtype, device)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.state, self.conv, self.latent, self.index))
+
+    def reset(self, slot: int) -> None:
+        # The recurrent states carry a sequence forward; the latent and indexer rows are read only up to its length.
+        self.state[:, slot].zero_()
+        self.conv[:, slot].zero_()
+
+
+# ---------------------------------------------------------------- blocks
+
+class ClampedMLP(MLP):
+    """Glm5NextTextMLP: SwiGLU with gate clamped from above and up clamped both ways at swiglu_limit."""
+
+    def __init__(self, w: WeightSource, prefix: str, limit: float):
+        super().__init__(w, prefix)
+        self.limit = limit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
+        return self.down(F.silu(gate) * up)
+
+
+class Glm5MoeBlock(nn.Module):
+    """Routed experts through the provider (as every architecture) plus the shared expert; routing as GLM-4.5.
+    Not yet the reference: the providers compute one plain SwiGLU for every architecture, so the routed experts'
+    gate and up are not clamped at swiglu_limit (the shared expert's and the dense layers' are). The two agree
+    wherever a routed expert's |gate·x| and |up·x| stay within the limit, as at every position the tests compare."""
+
+    def __init__(self, model: "Glm5Next", w: WeightSource, layer: int):
+        super().__init__()
+        p, c = f"model.layers.{layer}.mlp", model.cfg
+        self.layer, self.provider, self.cfg, self.top_k = layer, model.provider, c, c.top_k
+        self.gate = w.get(f"{p}.gate.weight", fp32=True)
+        self.bias = w.get(f"{p}.gate.e_score_correction_bias", fp32=True)
+        self.shared = ClampedMLP(w, f"{p}.shared_experts", model.spec.swiglu_limit)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        c = self.cfg
+        ids, weights = sigmoid_grouped_topk(F.linear(x.float(), self.gate), self.bias, top_k=c.top_k,
+                                            n_group=c.n_group, topk_group=c.topk_group, renormalize=c.norm_topk_prob,
+                                            scale=c.routed_scaling_factor, out_dtype=x.dtype)
+        return self.provider.forward(self.layer, x, ids, weights) + self.shared(x)
+
+
+class HyperConnection:
+    """mHC (Glm5NextTextHyperConnection): from the streams [N, hc, H] → (post [N, hc], comb [N, hc, hc], the
+    collapsed block input [N, H]); all weights in fp32."""
+
+    def __init__(self, w: WeightSource, prefix: str, spec: Glm5Spec, eps: float):
+        self.fn = w.get(f"{prefix}_fn", fp32=True)
+        self.base = w.get(f"{prefix}_base", fp32=True)
+        self.scale = w.get(f"{prefix}_scale", fp32=True)
+        self.hc, self.iters, self.hc_eps, self.eps = spec.hc_mult, spec.hc_sinkhorn_iters, spec.hc_eps, eps
+
+    def __call__(self, streams: torch.Tensor):
+        hc, n = self.hc, streams.shape[0]
+        flat = streams.reshape(n, -1).float()
+        flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + self.eps)
+        pre_w, post_w, comb_w = F.linear(flat, self.fn).split([hc, hc, hc * hc], dim=-1)
+        pre_b, post_b, comb_b = self.base.split([hc, hc, hc * hc])
+        pre_s, post_s, comb_s = self.scale.unbind(0)
+        pre = torch.sigmoid(pre_w * pre_s + pre_b) + self.hc_eps
+        post = 2 * torch.sigmoid(post_w * post_s + post_b)
+        comb = torch.softmax(comb_w.view(n, hc, hc) * comb_s + comb_b.view(hc, hc), dim=-1) + self.hc_eps
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + self.hc_eps)
+        for _ in range(self.iters - 1):
+            comb = comb / (comb.sum(dim=-1, keepdim=True) + self.hc_eps)
+            comb = comb / (comb.sum(dim=-2, keepdim=True) + self.hc_eps)
+        collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+        return post, comb, collapsed
+
+    @staticmethod
+    def merge(post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
+        """The block's output expanded by post plus the old streams mixed by comb: [N, hc, H]."""
+        dtype = streams.dtype
+        return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), streams)
+
+
+@dataclass
+class Segment:
+    """One sequence's run of tokens in a step: rows [row, row + length) of the step's tokens, at positions
+    start.. of cache slot `slot`."""
+
+    slot: int
+    start: int
+    row: int
+    length: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
+
+
+def _l2norm(x: torch.Tensor) -> torch.Tensor:
+    return x / torch.sqrt((x * x).sum(dim=-1, keepdim=True) + 1e-6)    # as FLA's (and transformers') l2norm
+
+
+def kda_recurrent(q, k, v, g, beta, state):
+    """The gated delta rule token by token. q, k [T, *B, Hh, dk] (l2-normed, q scaled), v [T, *B, Hh, dv],
+    g [T, *B, Hh, dk] (log decay), beta [T, *B, Hh], state [*B, Hh, dk, dv] fp32 → (out [T, *B, Hh, dv], state);
+    *B: no dims (one sequence) or a batch of sequences, one token each (decode)."""
+    out = torch.empty(v.shape, dtype=torch.float32, device=q.device)
+    for i in range(q.shape[0]):
+        state = state * g[i].exp()[..., None]
+        kv_mem = (state * k[i][..., None]).sum(dim=-2)
+        delta = (v[i] - kv_mem) * beta[i][..., None]
+        state = state + k[i].unsqueeze(-1) * delta.unsqueeze(-2)
+        out[i] = (state * q[i].unsqueeze(-1)).sum(dim=-2)
+    return out, state
+
+
+def kda_chunked(q, k, v, g, beta, state, chunk: int = KDA_CHUNK):
+    """The same function in transformers' chunked form (chunk_kimi_delta_attention), for prefill: the WY
+    representation within each chunk of `chunk` tokens, the recurrence across chunks. Shapes as kda_recurrent."""
+    q, k, v, g = (x.transpose(0, 1) for x in (q, k, v, g))           # [Hh, T, d]
+    beta = beta.transpose(0, 1)
+    heads, t, dk = k.shape
+    pad = (chunk - t % chunk) % chunk
+    q, k, v, g = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v, g))
+    beta = F.pad(beta, (0, pad))
+    v_beta, k_beta = v * beta.unsqueeze(-1), k * beta.unsqueeze(-1)
+    q, k, v, g, k_beta, v_beta = (x.reshape(heads, -1, chunk, x.shape[-1]) for x in (q, k, v, g, k_beta, v_beta))
+    g = g.cumsum(dim=-2)
+    mask = torch.triu(torch.ones(chunk, chunk, dtype=torch.bool, device=q.device), diagonal=0)
+    strict = torch.triu(torch.ones(chunk, chunk, dtype=torch.bool, device=q.device), diagonal=1)
+    decay = (g.unsqueeze(-2) - g.unsqueeze(-3)).masked_fill(strict[..., None], float("-inf")).exp()
+    attn = -(k_beta.unsqueeze(-2) * k.unsqueeze(-3) * decay).sum(dim=-1).masked_fill(mask, 0)
+    for i in range(1, chunk):
+        row, sub = attn[..., i, :i].clone(), attn[..., :i, :i].clone()
+        attn[..., i, :i] = row + (row.unsqueeze(-1) * sub).sum(-2)
+    attn = attn + torch.eye(chunk, dtype=attn.dtype, device=attn.device)
+    v = attn @ v_beta
+    k_cumdecay = attn @ (k_beta * g.exp())
+    out = torch.zeros_like(v)
+    for i in range(v.shape[1]):
+        q_i, k_i, g_i = q[:, i], k[:, i], g[:, i]
+        inter = (q_i * g_i.exp()) @ state
+        intra = (q_i.unsqueeze(-2) * k_i.unsqueeze(-3) * decay[:, i]).sum(dim=-1).masked_fill(strict, 0)
+        v_new = v[:, i] - k_cumdecay[:, i] @ state
+        out[:, i] = inter + intra @ v_new
+        state = state * g_i[:, -1].exp().unsqueeze(-1) + (k_i * (g_i[:, -1:] - g_i).exp()).transpose(-1, -2) @ v_new
+    out = out.reshape(heads, -1, out.shape[-1])[:, :t]
+    return out.transpose(0, 1), state
+
+
+class LinearAttention(nn.Module):
+    """KDA (Glm5NextTextLinearAttention): q/k/v projections through a short causal depthwise conv + SiLU, the
+    gated delta rule with a per-channel forget gate (bounded below by linear_lower_bound) and a sigmoid input gate,
+    then an RMSNorm gated by a low-rank projection."""
+
+    def __init__(self, model: "Glm5Next", w: WeightSource, layer: int):
+        super().__init__()
+        p, s = f"model.layers.{layer}.self_attn", model.spec
+        self.caches, self.row = model.caches, model.caches.row[layer]
+        self.heads, self.hd, self.eps, self.lower = s.linear_heads, s.linear_head_dim, model.cfg.rms_eps, s.lower_bound
+        self.qkv = Projection(torch.cat([w.get(f"{p}.{n}_proj.weight") for n in "qkv"]))
+        self.conv = torch.cat([w.get(f"{p}.{n}_conv1d.weight", fp32=True) for n in "qkv"]).squeeze(1)   # [C, K]
+        self.f_a, self.f_b = Projection(w.get(f"{p}.f_a_proj.weight")), Projection(w.get(f"{p}.f_b_proj.weight"))
+        self.dt_bias, self.a_log = w.get(f"{p}.dt_bias", fp32=True), w.get(f"{p}.A_log", fp32=True)
+        self.b = Projection(w.get(f"{p}.b_proj.weight"))
+        self.g_a, self.g_b = Projection(w.get(f"{p}.g_a_proj.weight")), Projection(w.get(f"{p}.g_b_proj.weight"))
+        self.o_norm = w.get(f"{p}.o_norm.weight", fp32=True)
+        self.o = Projection(w.get(f"{p}.o_proj.weight"))
+
+    def forget_gate(self, h: torch.Tensor) -> torch.Tensor:
+        g = (self.f_b(self.f_a(h)).float() + self.dt_bias).view(h.shape[0], self.heads, self.hd)
+        rate = self.a_log.exp().view(self.heads, 1)
+        if self.lower is not None:
+            return self.lower * torch.sigmoid(rate * g)
+        return -rate * torch.where(g > 20.0, g, torch.log1p(torch.exp(g)))
+
+    def forward(self, h: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
+        mixed = self.qkv(h).float()                                   # [N, 3·qkv]; the conv runs in fp32
+        g, beta = self.forget_gate(h), torch.sigmoid(self.b(h).float())
+        if all(s.length == 1 and s.start > 0 for s in segments):
+            core = self._decode(mixed, g, beta, segments)
+        else:
+            core = self._segments(mixed, g, beta, segments)
+        gate = self.g_b(self.g_a(h)).view(h.shape[0], self.heads, self.hd)
+        out = core * torch.rsqrt(core.pow(2).mean(-1, keepdim=True) + self.eps) * self.o_norm
+        out = (out * torch.sigmoid(gate.float())).to(h.dtype)
+        return self.o(out.reshape(h.shape[0], -1))
+
+    def _qk(self, y: torch.Tensor, n: int):
+        q, k, v = (t.reshape(n, self.heads, self.hd) for t in y.split(y.shape[1] // 3, dim=1))
+        return _l2norm(q) * self.hd ** -0.5, _l2norm(k), v
+
+    def _decode(self, mixed, g, beta, segments: list[Segment]) -> torch.Tensor:
+        """One token for each sequence, all at once: their conv windows and states gathered by slot."""
+        idx = torch.tensor([s.slot for s in segments], device=mixed.device)
+        x = torch.cat([self.caches.conv[self.row, idx], mixed.unsqueeze(-1)], dim=-1)    # [B, C, kernel]
+        self.caches.conv[self.row, idx] = x[..., 1:]
+        q, k, v = self._qk(F.silu((x * self.conv).sum(-1)), len(segments))
+        core, state = kda_recurrent(q[None], k[None], v[None], g[None], beta[None], self.caches.state[self.row, idx])
+        self.caches.state[self.row, idx] = state
+        return core[0]
+
+    def _segments(self, mixed, g, beta, segments: list[Segment]) -> torch.Tensor:
+        kernel = self.conv.shape[1]
+        core = torch.empty(mixed.shape[0], self.heads, self.hd, dtype=torch.float32, device=mixed.device)
+        for s in segments:
+            rows = slice(s.row, s.row + s.length)
+            conv_state = self.caches.conv[self.row, s.slot]          # the previous kernel-1 inputs (zeros at start)
+            state = self.caches.state[self.row, s.slot]
+            if s.start == 0:          # a sequence's first tokens: no past, whatever the slot held (a prefill's contract)
+                conv_state.zero_()
+                state.zero_()
+            x = torch.cat([conv_state, mixed[rows].t()], dim=1)
+            conv_state.copy_(x[:, -(kernel - 1):])
+            y = F.silu(F.conv1d(x[None], self.conv[:, None], groups=x.shape[0])[0]).t()
+            q, k, v = self._qk(y, s.length)
+            run = kda_recurrent if s.length == 1 else kda_chunked
+            core[rows], new = run(q, k, v, g[rows], beta[rows], state)
+            state.copy_(new)
+        return core
+
+
+class Indexer:
+    """The DSA indexer with k-pool compression (Glm5NextTextIndexer): each query scores the complete pools of
+    index_kpool consecutive tokens it can see (a pool's key: the per-channel softmax-weighted mean of its tokens'
+    keys), keeps the index_topk / index_kpool best, ties to the lower pool (the module docstring says why), and
+    always adds its own incomplete pool (the tail)."""
+
+    def __init__(self, model: "Glm5Next", w: WeightSource, prefix: str, layer: int):
+        s = model.spec
+        self.caches, self.row = model.caches, model.caches.row["idx", layer]
+        self.heads, self.hd, self.kpool = s.index_heads, s.index_head_dim, s.index_kpool
+        self.pools = s.index_topk // s.index_kpool
+        self.wq_b, self.wk = Projection(w.get(f"{prefix}.wq_b.weight")), Projection(w.get(f"{prefix}.wk.weight"))
+        self.k_norm = (w.get(f"{prefix}.k_norm.weight"), w.get(f"{prefix}.k_norm.bias"))
+        self.weights = Projection(w.get(f"{prefix}.weights_proj.weight"))
+        self.ape = w.get(f"{prefix}.index_kpool_compress_ape", fp32=True)
+        self.gate = Projection(w.get(f"{prefix}.index_kpool_compress_gate"))
+
+    def write(self, h: torch.Tensor, segments: list[Segment]) -> None:
+        k = F.layer_norm(self.wk(h), (self.hd,), *self.k_norm, eps=1e-6)
+        packed = torch.cat([k, self.gate(h)], dim=-1)
+        for s in segments:
+            self.caches.index[self.row, s.slot, s.start:s.end] = packed[s.row:s.row + s.length]
+
+    def select(self, h: torch.Tensor, q_resid: torch.Tensor, s: Segment) -> torch.Tensor:
+        """The keys each of the segment's queries attends: bool [T, end]."""
+        rows = slice(s.row, s.row + s.length)
+        kp, n_pools = self.kpool, s.end // self.kpool
+        positions = torch.arange(s.start, s.end, device=h.device)
+        keys = torch.arange(s.end, device=h.device)
+        mask = keys[None, :] >= (positions + 1)[:, None] // kp * kp     # the tail: the query's incomplete pool
+        mask &= keys[None, :] <= positions[:, None]
+        take = min(self.pools, n_pools)
+        if take:
+            packed = self.caches.index[self.row, s.slot, :n_pools * kp].view(n_pools, kp, 2 * self.hd)
+            k, gate = packed.split(self.hd, dim=-1)
+            prob = (gate.float() + self.ape).softmax(dim=1).to(k.dtype)
+            pool_keys = (prob * k).sum(dim=1)                                       # [P, hd]
+            q = self.wq_b(q_resid[rows]).view(s.length, self.heads, self.hd)
+            scores = F.relu(torch.matmul(q.float(), pool_keys.t().float()) * self.hd ** -0.5)   # [T, heads, P]
+            w = self.weights(h[rows]).float() * self.heads ** -0.5
+            score = torch.matmul(w.unsqueeze(-2), scores).squeeze(-2)               # [T, P]
+            pool_end = torch.arange(n_pools, device=h.device) * kp + kp - 1
+            visible = pool_end[None, :] <= positions[:, None]
+            score = score.masked_fill(~visible, float("-inf"))
+            order = torch.sort(score, dim=-1, descending=True, stable=True).indices[:, :take]
+            chosen = torch.zeros_like(visible).scatter_(1, order, True) & visible  # [T, P]
+            mask[:, :n_pools * kp] |= chosen.repeat_interleave(kp, dim=1)
+        return mask
+
+
+class SparseAttention(nn.Module):
+    """DSA (Glm5NextTextAttention): MLA with q and kv LoRA over NoPE heads; the latent is cached, each step expands
+    the keys and values it reads. A `full` layer selects its keys with its own indexer, a `shared` one reuses the
+    selection of the full layer before it."""
+
+    def __init__(self, model: "Glm5Next", w: WeightSource, layer: int):
+        super().__init__()
+        p, s, c = f"model.layers.{layer}.self_attn", model.spec, model.cfg
+        self.caches, self.row, self.eps = model.caches, model.caches.row[layer], c.rms_eps
+        self.heads, self.nope, self.vd, self.rank = c.num_heads, s.qk_nope_head_dim, s.v_head_dim, s.kv_lora_rank
+        self.q_a, self.q_norm = Projection(w.get(f"{p}.q_a_proj.weight")), w.get(f"{p}.q_a_layernorm.weight")
+        self.q_b = Projection(w.get(f"{p}.q_b_proj.weight"))
+        self.kv_a, self.kv_norm = Projection(w.get(f"{p}.kv_a_proj_with_mqa.weight")), w.get(f"{p}.kv_a_layernorm.weight")
+        self.kv_b = Projection(w.get(f"{p}.kv_b_proj.weight"))
+        self.o = Projection(w.get(f"{p}.o_proj.weight"))
+        self.scale = self.nope ** -0.5
+        self.indexer = Indexer(model, w, f"{p}.indexer", layer) if s.indexer_types[layer] == "full" else None
+
+    def forward(self, h: torch.Tensor, segments: list[Segment], shared: list | None):
+        """→ (output [N, H], each segment's key selection, for a shared layer after this one)."""
+        q_resid = rms_norm(self.q_a(h), self.q_norm, self.eps)
+        q = self.q_b(q_resid).view(h.shape[0], self.heads, self.nope)
+        latent = rms_norm(self.kv_a(h), self.kv_norm, self.eps)
+        if self.indexer is not None:
+            self.indexer.write(h, segments)
+        out, masks = torch.empty(h.shape[0], self.heads * self.vd, dtype=h.dtype, device=h.device), []
+        for i, s in enumerate(segments):
+            rows = slice(s.row, s.row + s.length)
+            cache = self.caches.latent[self.row, s.slot]
+            cache[s.start:s.end] = latent[rows]
+            mask = self.indexer.select(h, q_resid, s) if self.indexer is not None else shared[i]
+            masks.append(mask)
+            # Expand only the keys some query of the segment attends (a decode step: index_topk + the tail, not
+            # the whole context); the others would weigh exactly zero.
+            used = mask.any(0).nonzero().squeeze(1)
+            kv = self.kv_b(cache[used]).view(used.shape[0], self.heads, self.nope + self.vd)
+            k, v = kv.split([self.nope, self.vd], dim=-1)
+            o = F.scaled_dot_product_attention(q[rows].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                               attn_mask=mask[:, used], scale=self.scale)
+            out[rows] = o.transpose(0, 1).reshape(s.length, -1)
+        return self.o(out), masks
+
+
+class Layer(nn.Module):
+    def __init__(self, model: "Glm5Next", w: WeightSource, layer: int):
+        super().__init__()
+        p, s, c = f"model.layers.{layer}", model.spec, model.cfg
+        self.kind, self.eps = s.layer_types[layer], c.rms_eps
+        self.attn_hc, self.ffn_hc = (HyperConnection(w, f"{p}.hc_{n}", s, c.rms_eps) for n in ("attn", "ffn"))
+        self.input_norm = w.get(f"{p}.input_layernorm.weight")
+        self.post_norm = w.get(f"{p}.post_attention_layernorm.weight")
+        self.attn = LinearAttention(model, w, layer) if self.kind == KDA else SparseAttention(model, w, layer)
+        self.mlp = (Glm5MoeBlock(model, w, layer) if layer in set(c.moe_layers)
+                    else ClampedMLP(w, f"{p}.mlp", s.swiglu_limit))
+
+    def forward(self, streams: torch.Tensor, segments: list[Segment], shared: list | None):
+        post, comb, h = self.attn_hc(streams)
+        h = rms_norm(h, self.input_norm, self.eps)
+        masks = None
+        if self.kind == KDA:
+            out = self.attn(h, segments)
+        else:
+            out, masks = self.attn(h, segments, shared)
+        streams = HyperConnection.merge(post, comb, out, streams)
+        post, comb, h = self.ffn_hc(streams)
+        out = self.mlp(rms_norm(h, self.post_norm, self.eps))
+        return HyperConnection.merge(post, comb, out, streams), masks
+
+
+class ShapeChecked:
+    """The model's weights, each checked against the shape the config gives it (a mis-shaped tensor is named
+    here, in one line, not found by a failing matmul at the first request)."""
+
+    def __init__(self, w: WeightSource, shapes: dict):
+        self.w, self.shapes = w, shapes
+        self.device, self.dtype = w.device, w.dtype
+
+    def _check(self, name: str, t: torch.Tensor | None) -> torch.Tensor | None:
+        want = self.shapes[name][0]
+        if t is not None and tuple(t.shape) != want:
+            raise CheckpointError(f"tensor {name} has shape {list(t.shape)}; the config makes it {list(want)}")
+        return t
+
+    def get(self, name: str, *, fp32: bool = False) -> torch.Tensor:
+        return self._check(name, self.w.get(name, fp32=fp32))
+
+    def maybe(self, name: str) -> torch.Tensor | None:
+        return self._check(name, self.w.maybe(name))
+
+
+class Glm5Next(nn.Module):
+    """The model: prefill (one sequence, many tokens, from any start) and decode_step (one token for each of
+    many sequences), the interface engine.llm drives every architecture through."""
+
+    def __init__(self, cfg: ModelConfig, w: WeightSource, provider: ExpertProvider, caches: Glm5Caches, *,
+                 device, dtype: torch.dtype, **_kernels):
+        super().__init__()
+        # **_kernels: the fused/native kernel switches other models take; glm5_next has torch forms only (issue 28)
+        self.cfg, self.spec, self.provider, self.caches = cfg, caches.spec, provider, caches
+        self.device, self.dtype = torch.device(device), dtype
+        w = ShapeChecked(w, tensor_shapes(caches.spec, layers=cfg.num_layers, hidden=cfg.hidden, vocab=cfg.vocab_size,
+                                          heads=cfg.num_heads, intermediate=cfg.intermediate, moe_layers=cfg.moe_layers,
+                                          experts=cfg.n_experts,
+                                          shared_intermediate=cfg.moe_intermediate * cfg.n_shared_experts))
+        self.embed = w.get("model.embed_tokens.weight")
+        self.norm = w.get("model.norm.weight")
+        head = w.maybe("lm_head.weight")
+        self.head = Projection(head if head is not None else self.embed)
+        self.layers = nn.ModuleList(Layer(self, w, l) for l in range(cfg.num_layers))
+        self.graphs = None              # no CUDA graph capture of these caches yet (engine.llm reads it)
+
+    @staticmethod
+    def caches_for(config: dict, cfg: ModelConfig, slots: int, max_len: int, *, dtype, device,
+                   where: str = "config") -> Glm5Caches:
+        """The caches this model declares (engine.loader allocates them before reading any weight)."""
+        try:
+            spec = Glm5Spec.from_config(config)
+        except SpecError as e:
+            raise CheckpointError(f"{where}: {e}") from None
+        return Glm5Caches(spec, slots, max_len, dtype=dtype, device=device)
+
+    @property
+    def max_len(self) -> int:
+        return self.caches.max_len
+
+    async_decode = decode_ahead_ok = False
+
+    def use_cuda_graphs(self) -> bool:
+        return False            # not captured yet: the DSA layers' per-sequence loop reads lengths on the host
+
+    def _run(self, ids: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
+        x = F.embedding(ids, self.embed)
+        streams = x.unsqueeze(1).expand(-1, self.spec.hc_mult, -1).contiguous()
+        masks = None
+        for layer in self.layers:
+            streams, masks = layer(streams, segments, masks)
+        return rms_norm(streams.mean(dim=1), self.norm, self.cfg.rms_eps)
+
+    def prefill(self, ids, slot: int, start: int = 0, all_logits: bool = False) -> torch.Tensor:
+        ids = torch.as_tensor(ids, dtype=torch.long, device=self.device).view(-1)
+        t = ids.shape[0]
+        assert t > 0 and start + t <= self.max_len, f"{start}+{t} tokens exceed the cache's {self.max_len}"
+        h = self._run(ids, [Segment(slot, start, 0, t)])
+        return self.head(h if all_logits else h[-1])
+
+    def decode_step(self, tokens, slots: list[int], positions: list[int]) -> torch.Tensor:
+        assert len(slots) == len(positions) and max(positions) < self.max_len, "decode position beyond the cache"
+        ids = torch.as_tensor(tokens, dtype=torch.long, device=self.device).view(-1)
+        return self.head(self._run(ids, [Segment(s, p, i, 1) for i, (s, p) in enumerate(zip(slots, positions))]))
