@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.checkpoint import Checkpoint
-from engine.experts import ExpertLayout
+from engine.experts.layout import ExpertLayout
 from engine.loader import load_model
 from engine.quant.records import dequantize_matrix, quantize_int4, quantize_int8
 from engine.store.source import record_source

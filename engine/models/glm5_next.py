@@ -33,12 +33,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.checkpoint import CheckpointError
-from engine.config import ModelConfig
-from engine.experts import ExpertProvider
+from engine.model_config import ModelConfig
+from engine.experts.provider import ExpertProvider
 from engine.glm5_next_config import DSA, KDA, Glm5Spec, SpecError, tensor_shapes
 from engine.kv_cache import SlotCaches, untouched_zeros
 from engine.models.common import MLP, WeightSource, rms_norm, sigmoid_grouped_topk
-from engine.projection import Projection
+from engine.dense_weights import Projection
 
 KDA_CHUNK = 64          # transformers' chunk_kimi_delta_attention chunk size
 

@@ -196,7 +196,7 @@ def test_weight_keeps_blocks_on_the_cpu_and_computes_as_gguf(name, caplog):
     p = weight(f"blk.0.attn_q.weight", name.upper(), [64, inp], blocks.numpy())
     x = torch.randn(2, inp, generator=gen)
     got = p(x)
-    if name in ("q4_1", "q4_k"):            # torch's int4 operand: bf16 edges (engine.projection.Int4Projection)
+    if name in ("q4_1", "q4_k"):            # torch's int4 operand: bf16 edges (engine.dense_weights.Int4Projection)
         torch.testing.assert_close(got.double(), x.double() @ want.t(), rtol=0.02, atol=0.02 * float(got.abs().max()))
     else:
         close(got, matmul_bound(x, want))
