@@ -33,26 +33,31 @@ class CheckpointError(Exception):
 class Checkpoint:
     def __init__(self, model_dir: str | Path):
         self.dir = Path(model_dir)
-        cfg_path = self.dir / "config.json"
+        cfg_path = self.config_path = self.dir / "config.json"
         try:
             self.config: dict = json.loads(cfg_path.read_text())
         except FileNotFoundError:
             raise CheckpointError(f"{cfg_path}: missing (not a Hugging Face checkpoint directory)") from None
         except json.JSONDecodeError as e:
             raise CheckpointError(f"{cfg_path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+        self._take_config(cfg_path)
+        self._files = self._index()
+
+    def _take_config(self, where) -> None:
+        """The expert shape and count from self.config (a config.json's keys; engine.gguf_model writes the same
+        keys from a GGUF's metadata), checked."""
         self.arch = self.config.get("model_type", "")
         if self.arch not in ARCHS:
-            raise CheckpointError(f"{cfg_path}: model_type {self.arch!r} is not supported "
+            raise CheckpointError(f"{where}: model_type {self.arch!r} is not supported "
                                   f"(supported: {', '.join(sorted(ARCHS))})")
         self._mlp, self._names, n_keys, i_key = ARCHS[self.arch]
         n_key = next((k for k in n_keys if self.config.get(k)), None)
         if n_key is None or i_key not in self.config:
-            raise CheckpointError(f"{cfg_path}: {self.arch} config lacks {n_keys[0]} or {i_key}")
+            raise CheckpointError(f"{where}: {self.arch} config lacks {n_keys[0]} or {i_key}")
         self.n_experts = int(self.config[n_key])
         self.hidden = int(self.config["hidden_size"])
         self.moe_intermediate = int(self.config[i_key])
         self.num_layers = int(self.config["num_hidden_layers"])
-        self._files = self._index()
 
     def _index(self) -> dict[str, Path]:
         idx = self.dir / "model.safetensors.index.json"

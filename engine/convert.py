@@ -31,6 +31,7 @@ from pathlib import Path
 
 from engine.errors import EngineError, Exit
 from engine.experts import DTYPES
+from engine.gguf_model import unpermute_qk, upcycle_router
 from engine.projection import BLOCK_SCHEMES, BLOCKS_SUFFIX
 from engine.quant.gguf import GGUF_TYPES
 from engine.store import model_manifest
@@ -115,13 +116,6 @@ def read_dense(reader, path: Path) -> DenseLlama:
         eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
         pad_token_id=_field(reader, "tokenizer.ggml.padding_token_id"),
     )
-
-
-def unpermute_qk(w, n_head: int):
-    """Undo llama.cpp's Q/K row permutation (convert_hf_to_gguf.py `permute`): it interleaves each head's
-    two rotary halves; transformers' rotate_half wants them as two contiguous halves again."""
-    rows = w.shape[0]
-    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 def mixtral_config(d: DenseLlama, experts: int, top_k: int, dtype: str) -> dict:
@@ -211,7 +205,6 @@ def write_checkpoint(reader, d: DenseLlama, out: Path, experts: int, seed: int, 
     from gguf import dequantize
 
     writer = ShardWriter(out)
-    gen = torch.Generator().manual_seed(seed)
     seen = set()
     for t in reader.tensors:
         base, _, suffix = t.name.rpartition(".")
@@ -257,9 +250,8 @@ def write_checkpoint(reader, d: DenseLlama, out: Path, experts: int, seed: int, 
         missing = [k for k in (*_BLOCK, *_MLP) if f"blk.{layer}.{k}.weight" not in seen]
         if missing:
             raise EngineError(f"GGUF layer {layer} lacks {', '.join(missing)}", Exit.BAD_MODEL)
-        # A seeded router spread by 1/sqrt(hidden): its choice never changes the output (identical experts,
-        # weights renormalised to 1), only which records are read, so it should pick varied experts.
-        router = torch.randn(experts, d.hidden, generator=gen) / d.hidden ** 0.5
+        # The seeded router a GGUF served as it is gets too (engine.gguf_model): the same model either way.
+        router = upcycle_router(layer, experts, d.hidden, seed)
         writer.add(f"model.layers.{layer}.block_sparse_moe.gate.weight", router.to(dtype))
     writer.finish()
 

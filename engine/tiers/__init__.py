@@ -31,8 +31,8 @@ GIB = 1 << 30
 
 
 def _as_checkpoint(checkpoint):
-    from engine.checkpoint import Checkpoint
-    return checkpoint if isinstance(checkpoint, Checkpoint) else Checkpoint(checkpoint)
+    from engine.model_source import open_checkpoint
+    return open_checkpoint(checkpoint)
 
 
 def in_memory(checkpoint, *, device="cpu", dtype: torch.dtype | None = None, order: str | None = None,

@@ -1,0 +1,82 @@
+"""A GGUF file alone is a model: config, tokenizer, chat template and every tensor from the file.
+
+The files are written from the tiny transformers checkpoints by the gguf package's GGUFWriter in llama.cpp's
+layout (tests/fixtures/tiny_gguf.py); Kiln's logits on the GGUF must equal Kiln's logits on the checkpoint the
+file was written from (which tests/engine/test_models.py holds equal to transformers), exactly for F32 files and
+within the quantization's error for quantized ones.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.checkpoint import Checkpoint
+from engine.gguf_model import GgufModel, load_tokenizer
+from engine.loader import load_model
+from tests.fixtures.tiny_gguf import write_gguf
+
+ARCHS = ["mixtral", "qwen3_moe", "glm4_moe"]
+PROMPT = [5, 17, 200, 42, 99, 7, 311, 64, 128, 3, 250, 19]
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tiny_checkpoint, tmp_path_factory):
+    """Factory: tiny_gguf(arch, qtype="F32") -> (checkpoint dir, GGUF path), cached for the module."""
+    cache: dict = {}
+
+    def make(arch: str, qtype: str = "F32"):
+        if (arch, qtype) not in cache:
+            ck = tiny_checkpoint(arch)
+            cache[arch, qtype] = ck, write_gguf(ck, tmp_path_factory.mktemp("gguf") / f"{arch}.{qtype}.gguf", qtype=qtype)
+        return cache[arch, qtype]
+    return make
+
+
+def _logits(model) -> torch.Tensor:
+    seq = torch.tensor(PROMPT)
+    with torch.inference_mode():
+        got = [model.prefill(seq[:6], slot=0, all_logits=True)]
+        got += [model.decode_step([int(seq[i])], [0], [i]) for i in range(6, len(PROMPT))]
+    return torch.cat(got)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_f32_gguf_computes_the_checkpoint_it_was_written_from(arch, tiny_gguf):
+    ck, path = tiny_gguf(arch)
+    g, c = GgufModel(path), Checkpoint(ck)
+    assert (g.arch, g.n_experts, g.hidden, g.moe_intermediate, g.moe_layers) == \
+        (c.arch, c.n_experts, c.hidden, c.moe_intermediate, c.moe_layers)
+    want = _logits(load_model(ck, max_context=64))
+    got = _logits(load_model(path, max_context=64))
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "glm4_moe"])
+def test_q8_0_gguf_reads_every_tensor_within_its_quantization_error(arch, tiny_gguf):
+    """Every tensor of the checkpoint, read from the Q8_0 file by its transformers name, is within 8-bit
+    blocks' error of the original (about 0.5%); the routers and norms, which llama-quantize leaves F32, exactly."""
+    ck, path = tiny_gguf(arch, "Q8_0")
+    g, c = GgufModel(path), Checkpoint(ck)
+    assert sorted(g.names()) == sorted(c.names())
+    for name in c.names():
+        got, want = g.tensor(name), c.tensor(name)
+        if want.dim() == 1 or name.endswith("gate.weight"):
+            assert torch.equal(got, want), name
+        else:
+            assert float((got - want).norm() / want.norm()) < 0.01, name
+    if arch == "mixtral":           # GLM's grouped sigmoid routing flips on such changes; Mixtral's barely
+        want, got = _logits(load_model(ck, max_context=64)), _logits(load_model(path, max_context=64))
+        assert float((got - want).norm() / want.norm()) < 0.05
+        assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_tokenizer_and_chat_template_come_from_the_file(arch, tiny_gguf):
+    from transformers import AutoTokenizer
+    ck, path = tiny_gguf(arch)
+    tok, ref = load_tokenizer(GgufModel(path)), AutoTokenizer.from_pretrained(ck)
+    msgs = [{"role": "user", "content": "What is 17 * 23? Reply with only the number."}]
+    ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert ids == ref.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert tok.eos_token == ref.eos_token and tok.decode(ids) == ref.decode(ids)
+    assert GgufModel(path).config["eos_token_id"] == [ref.eos_token_id]
