@@ -139,7 +139,12 @@ class GgufModel(Checkpoint):
         for part in self.parts:
             try:
                 reader = GGUFReader(str(part))
-            except (ValueError, OSError, IndexError) as e:
+            except ValueError as e:
+                if "reshape" in str(e):         # the reader maps a tensor whose bytes end past the file's end
+                    raise GgufError(f"{part}: truncated: the tensor data runs past the end of the file "
+                                    f"({part.stat().st_size} bytes)") from None
+                raise GgufError(f"{part}: not a readable GGUF file ({e})") from None
+            except (OSError, IndexError) as e:
                 raise GgufError(f"{part}: not a readable GGUF file ({e})") from None
             _check_extent(reader, part)
             if not self.fields:
@@ -342,6 +347,15 @@ class GgufModel(Checkpoint):
         """The GGML types the routed experts are stored in."""
         return {self.tensors[self._files[self.expert_key(l, 0, w)].gguf].tensor_type.name
                 for l in self.moe_layers for w in range(3)}
+
+    def record_quant(self) -> str:
+        """pack-store's default scheme for these experts: the file's own blocks where a record keeps them (one
+        type, one the records hold), else float records dequantized from them."""
+        types = self.expert_types()
+        if len(types) == 1 and (t := next(iter(types))) in GGUF_TYPES:
+            return "gguf"
+        log.info("GGUF: experts in %s are packed as float32 records (dequantized)", ", ".join(sorted(types)))
+        return "none"
 
     def config_hash(self) -> str:
         import hashlib

@@ -22,19 +22,12 @@ _KINDS = ("ffn_gate", "ffn_up", "ffn_down")
 class GgufExperts:
     """The expert tensors of one GGUF, checked against the checkpoint's expert shape and count."""
 
-    def __init__(self, path: str | Path, *, layers: list[int], experts: int, hidden: int, intermediate: int):
-        try:
-            from gguf import GGUFReader
-        except ImportError:
-            raise EngineError("the `gguf` package is required for --quant gguf: pip install gguf", Exit.MISSING_DEP) from None
+    def __init__(self, path: str | Path, *, layers: list[int], experts: int, hidden: int, intermediate: int,
+                 tensors: dict | None = None):
+        """tensors: the file's tensors by name where the caller has opened it already (a split set's parts
+        together: engine.gguf_model.GgufModel.tensors); else the file at `path` is read here."""
         self.path = Path(path)
-        try:
-            reader = GGUFReader(str(self.path))
-        except FileNotFoundError:
-            raise EngineError(f"{self.path}: no such file", Exit.BAD_MODEL) from None
-        except (ValueError, OSError) as e:
-            raise EngineError(f"{self.path}: not a readable GGUF file ({e})", Exit.BAD_MODEL) from None
-        by_name = {t.name: t for t in reader.tensors}
+        by_name = tensors if tensors is not None else self._read(self.path)
         self.experts, self._tensors, types = experts, {}, set()
         shapes = {"ffn_gate": (intermediate, hidden), "ffn_up": (intermediate, hidden), "ffn_down": (hidden, intermediate)}
         for l in layers:
@@ -62,6 +55,20 @@ class GgufExperts:
         self.scheme = GGUF_TYPES[types.pop()]
         # An upcycled dense GGUF: every expert of a layer is the same MLP, so one record serves them all.
         self.shared_across_experts = not any(stacked for _, stacked in self._tensors.values())
+
+    @staticmethod
+    def _read(path: Path) -> dict:
+        try:
+            from gguf import GGUFReader
+        except ImportError:
+            raise EngineError("the `gguf` package is required for --quant gguf: pip install gguf", Exit.MISSING_DEP) from None
+        try:
+            reader = GGUFReader(str(path))
+        except FileNotFoundError:
+            raise EngineError(f"{path}: no such file", Exit.BAD_MODEL) from None
+        except (ValueError, OSError) as e:
+            raise EngineError(f"{path}: not a readable GGUF file ({e})", Exit.BAD_MODEL) from None
+        return {t.name: t for t in reader.tensors}
 
     def blocks(self, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(gate, up, down) of one expert as the file's blocks: uint8 [out, row bytes] each (copies)."""

@@ -10,6 +10,7 @@ import torch
 
 from engine.errors import EngineError, Exit
 from engine.experts import ExpertLayout
+from engine.gguf_model import GgufModel
 
 QUANT_CHOICES = ("none", "int8", "int4", "gguf")
 # A GGUF whose experts are not the checkpoint's (another model, another size) dequantizes far from them;
@@ -22,9 +23,10 @@ def record_source(ck, *, dtype: torch.dtype | None = None, order: str = "rows", 
     """(layout, make) with make(layer, expert) -> that expert's whole record."""
     if quant not in QUANT_CHOICES:
         raise EngineError(f"--quant {quant!r} is not one of {', '.join(QUANT_CHOICES)}", Exit.USAGE)
-    if (quant == "gguf") != (gguf is not None):
-        raise EngineError("--gguf FILE goes with --quant gguf (the file's own expert blocks), and only with it",
-                          Exit.USAGE)
+    own = isinstance(ck, GgufModel)          # a GGUF model: --quant gguf packs its own blocks, no --gguf
+    if quant != "gguf" and gguf is not None or quant == "gguf" and (gguf is None) != own:
+        raise EngineError("--gguf FILE goes with --quant gguf (the file's own expert blocks), and only with it "
+                          "(and not with a GGUF --model, whose own blocks are packed)", Exit.USAGE)
     if quant in ("none", "int8", "int4"):
         if not ck.has_experts:
             raise EngineError(f"{ck.dir}: holds no expert weights (engine convert --no-expert-weights); pack its "
@@ -37,13 +39,15 @@ def record_source(ck, *, dtype: torch.dtype | None = None, order: str = "rows", 
         return layout, lambda l, e: layout.pack(*ck.expert(l, e))
 
     from engine.quant.gguf import GgufExperts
-    src = GgufExperts(gguf, layers=ck.moe_layers, experts=ck.n_experts, hidden=ck.hidden,
-                      intermediate=ck.moe_intermediate)
+    src = GgufExperts(ck.dir if own else gguf, layers=ck.moe_layers, experts=ck.n_experts, hidden=ck.hidden,
+                      intermediate=ck.moe_intermediate, tensors=ck.tensors if own else None)
     try:
         layout = ck.layout(order=order, quant=src.scheme)
     except (AssertionError, ValueError) as e:
         raise EngineError(f"{src.path}: its {src.scheme} experts cannot be {order} records ({e})", Exit.BAD_MODEL) from None
-    if ck.has_experts:
+    if own:
+        pass                # the blocks are the model's own: nothing to match
+    elif ck.has_experts:
         check_gguf_matches(ck, src, layout)
     else:
         check_gguf_is_the_source(ck, src.path)
