@@ -80,3 +80,22 @@ def test_tokenizer_and_chat_template_come_from_the_file(arch, tiny_gguf):
     assert ids == ref.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False)
     assert tok.eos_token == ref.eos_token and tok.decode(ids) == ref.decode(ids)
     assert GgufModel(path).config["eos_token_id"] == [ref.eos_token_id]
+
+
+def test_dense_llama_gguf_is_upcycled_as_engine_convert_does(tmp_path):
+    """A dense llama GGUF served as it is: the sparse-upcycled model `engine convert` writes (the same seeded
+    routers, so the same numbers), computing the dense model's function (transformers' LlamaForCausalLM)."""
+    from transformers import LlamaForCausalLM
+
+    from engine.convert import convert_gguf
+    from tests.fixtures.tiny_gguf import make_tiny_llama
+    ck = make_tiny_llama(tmp_path / "llama")
+    path = write_gguf(ck, tmp_path / "llama.gguf")
+    g = GgufModel(path)
+    assert (g.arch, g.n_experts, g.config["num_experts_per_tok"]) == ("mixtral", 8, 2)
+    converted = convert_gguf(path, tmp_path / "converted", experts=8, top_k=2, seed=0)
+    got = _logits(load_model(path, max_context=64))
+    torch.testing.assert_close(got, _logits(load_model(converted, max_context=64)), atol=0, rtol=0)
+    with torch.inference_mode():
+        dense = LlamaForCausalLM.from_pretrained(ck, dtype=torch.float32).eval()(torch.tensor([PROMPT])).logits[0]
+    torch.testing.assert_close(got, dense, atol=1e-4, rtol=0)
