@@ -348,6 +348,11 @@ class GgufModel(Checkpoint):
         return {self.tensors[self._files[self.expert_key(l, 0, w)].gguf].tensor_type.name
                 for l in self.moe_layers for w in range(3)}
 
+    def non_expert_elements(self) -> int:
+        """Values of every tensor the model holds outside the expert records (what it keeps in memory)."""
+        experts = {s.gguf for n, s in self._files.items() if self.is_routed_expert(n)}
+        return sum(int(t.n_elements) for name, t in self.tensors.items() if name not in experts)
+
     def record_quant(self) -> str:
         """pack-store's default scheme for these experts: the file's own blocks where a record keeps them (one
         type, one the records hold), else float records dequantized from them."""

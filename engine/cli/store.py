@@ -166,13 +166,23 @@ def _verify_gguf(path, as_json: bool) -> None:
     import time
     from engine.convert import file_sha256
     t0 = time.perf_counter()
+    from engine.quant.source import record_source
     m = GgufModel(path)                 # GgufError (exit 3) names what is wrong
     parts = [{"file": str(p), "bytes": p.stat().st_size, "sha256": file_sha256(p)} for p in m.parts]
+    quant = m.record_quant()
+    layout, _ = record_source(m, quant=quant, order="cols")          # the store pack-store makes by default
     dt = time.perf_counter() - t0
     total = sum(p["bytes"] for p in parts)
     if as_json:
         click.echo(json.dumps({"model": str(m.dir), "architecture": m.gguf_arch, "tensors": len(m.tensors),
-                               "bytes": total, "seconds": dt, "parts": parts, "bad": []}))
+                               "bytes": total, "seconds": dt, "parts": parts, "bad": [],
+                               "context": m.config["max_position_embeddings"], "moe_layers": len(m.moe_layers),
+                               "experts": m.n_experts, "experts_per_token": m.config["num_experts_per_tok"],
+                               "upcycled": m.upcycled, "expert_types": sorted(m.expert_types()),
+                               "non_expert_elements": m.non_expert_elements(),
+                               "store": {"quant": quant if quant == "gguf" else "float32",
+                                         "record_bytes": layout.record_bytes,
+                                         "records": len(m.moe_layers) * m.n_experts}}))
         return
     for p in parts:
         click.echo(f"{p['sha256']}  {p['file']}")

@@ -23,10 +23,13 @@ def record_source(ck, *, dtype: torch.dtype | None = None, order: str = "rows", 
     """(layout, make) with make(layer, expert) -> that expert's whole record."""
     if quant not in QUANT_CHOICES:
         raise EngineError(f"--quant {quant!r} is not one of {', '.join(QUANT_CHOICES)}", Exit.USAGE)
-    own = isinstance(ck, GgufModel)          # a GGUF model: --quant gguf packs its own blocks, no --gguf
-    if quant != "gguf" and gguf is not None or quant == "gguf" and (gguf is None) != own:
-        raise EngineError("--gguf FILE goes with --quant gguf (the file's own expert blocks), and only with it "
-                          "(and not with a GGUF --model, whose own blocks are packed)", Exit.USAGE)
+    own = isinstance(ck, GgufModel)          # a GGUF model: --quant gguf packs its own blocks
+    if own and gguf is not None and not os.path.samefile(gguf, ck.dir):
+        raise EngineError(f"--gguf {gguf}: a GGUF --model packs its own expert blocks ({ck.dir}); give no other "
+                          f"file", Exit.USAGE)
+    if quant != "gguf" and gguf is not None or quant == "gguf" and gguf is None and not own:
+        raise EngineError("--gguf FILE goes with --quant gguf (the file's own expert blocks), and only with it",
+                          Exit.USAGE)
     if quant in ("none", "int8", "int4"):
         if not ck.has_experts:
             raise EngineError(f"{ck.dir}: holds no expert weights (engine convert --no-expert-weights); pack its "
