@@ -84,7 +84,7 @@ def drain_on_exit(server, engine, drain_seconds: float):
     server.handle_exit = handle_exit
 
 
-@click.command(epilog="Exit codes: 2 usage (e.g. a bad --cpu-layout, an empty --api-key), 3 the model directory is missing or not a checkpoint, 6 the store's "
+@click.command(epilog="Exit codes: 2 usage (e.g. a bad --cpu-layout, an empty --api-key), 3 the model directory is missing or not a checkpoint, or the GGUF is not a model Kiln serves (named: truncated, a type or architecture Kiln lacks, a shape against its metadata, a split part missing, no tokenizer), 6 the store's "
                       "filesystem refuses O_DIRECT, 7 the address is in use or cannot be bound, 8 a converted model's "
                       "files (kiln-files.json) or the store's manifest fail their check. "
                       "/health answers 503 while the model loads, 500 with the reason if loading failed.")

@@ -99,3 +99,31 @@ def test_dense_llama_gguf_is_upcycled_as_engine_convert_does(tmp_path):
     with torch.inference_mode():
         dense = LlamaForCausalLM.from_pretrained(ck, dtype=torch.float32).eval()(torch.tensor([PROMPT])).logits[0]
     torch.testing.assert_close(got, dense, atol=1e-4, rtol=0)
+
+
+def test_a_real_q4_k_m_from_llama_quantize_loads(tiny_checkpoint, tmp_path):
+    """llama.cpp's own llama-quantize makes a Q4_K_M from an F32 file: K-quant blocks where rows are multiples of
+    256, its fallbacks (Q5_0/Q8_0 …) where they are not, Q6_K in places: a file that mixes types, as users have.
+    Kiln loads it alone and computes close to the F32 file."""
+    import os
+    import subprocess
+
+    from tests.fixtures.llama_server import llama_server_bin
+    server = llama_server_bin()
+    quantize = server.with_name("llama-quantize") if server else None
+    if quantize is None or not quantize.is_file():
+        why = "no llama-quantize beside llama-server (.kiln/cache/llama.cpp/bin); build it with `make llama-cpp`"
+        if os.environ.get("KILN_REQUIRE_LLAMA_CPP") == "1":
+            pytest.fail(why)
+        pytest.skip(why)
+    ck = tiny_checkpoint("qwen3_moe", layers=2, hidden=256)
+    f32 = write_gguf(ck, tmp_path / "f32.gguf")
+    q = tmp_path / "q4_k_m.gguf"
+    r = subprocess.run([str(quantize), str(f32), str(q), "Q4_K_M"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    g = GgufModel(q)
+    types = {t.tensor_type.name for t in g.tensors.values()}
+    assert "Q4_K" in types and len(types - {"F32"}) >= 2, types       # a mix, not one type
+    want, got = _logits(load_model(f32, max_context=64)), _logits(load_model(q, max_context=64))
+    assert float((got - want).norm() / want.norm()) < 0.25
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.5
