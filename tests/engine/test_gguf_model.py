@@ -107,12 +107,12 @@ def test_a_real_q4_k_m_from_llama_quantize_loads(tiny_checkpoint, tmp_path):
     Kiln loads it alone and computes close to the F32 file."""
     import os
     import subprocess
+    from pathlib import Path
 
-    from tests.fixtures.llama_server import llama_server_bin
-    server = llama_server_bin()
-    quantize = server.with_name("llama-quantize") if server else None
-    if quantize is None or not quantize.is_file():
-        why = "no llama-quantize beside llama-server (.kiln/cache/llama.cpp/bin); build it with `make llama-cpp`"
+    from tests.fixtures.llama_server import DEFAULT
+    quantize = Path(os.environ.get("KILN_LLAMA_QUANTIZE") or DEFAULT.with_name("llama-quantize"))
+    if not quantize.is_file():
+        why = f"no llama-quantize at {quantize} ($KILN_LLAMA_QUANTIZE); build it with `make llama-cpp`"
         if os.environ.get("KILN_REQUIRE_LLAMA_CPP") == "1":
             pytest.fail(why)
         pytest.skip(why)
