@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import importlib.util
 import json
 import os
 import re
@@ -33,7 +34,7 @@ from engine.errors import EngineError, Exit
 from engine.experts import DTYPES
 from engine.gguf_model import unpermute_qk, upcycle_router
 from engine.projection import BLOCK_SCHEMES, BLOCKS_SUFFIX
-from engine.quant.gguf import GGUF_TYPES
+from engine.quant.gguf import GGUF_TYPES, open_reader
 from engine.store import model_manifest
 
 GGUF_SHA256_KEY = "kiln_source_gguf_sha256"   # config.json: the GGUF a checkpoint without experts came from
@@ -280,20 +281,13 @@ def convert_gguf(gguf: Path, out: Path, experts: int, top_k: int, seed: int, dty
     """Convert and publish atomically; raises EngineError with a one-line reason. expert_weights=False:
     the routed experts are left out; attention_blocks: 4-bit attention weights are kept as the file's blocks
     (see the module docstring)."""
-    try:
-        from gguf import GGUFReader
-    except ImportError:
-        raise EngineError("the `gguf` package is required: pip install gguf", Exit.MISSING_DEP) from None
+    if importlib.util.find_spec("gguf") is None:        # exit 4 before any usage error
+        raise EngineError("the `gguf` package is required: pip install gguf", Exit.MISSING_DEP)
     if not 1 <= top_k <= experts:
         raise EngineError(f"--top-k {top_k} must be within 1..--experts {experts}", Exit.USAGE)
     if out.exists() and not force:
         raise EngineError(f"{out}: already exists (pass --force to replace it)", Exit.FAILED)
-    try:
-        reader = GGUFReader(str(gguf))
-    except FileNotFoundError:
-        raise EngineError(f"{gguf}: no such file", Exit.BAD_MODEL) from None
-    except (ValueError, OSError) as e:
-        raise EngineError(f"{gguf}: not a readable GGUF file ({e})", Exit.BAD_MODEL) from None
+    reader = open_reader(gguf)
     dense = read_dense(reader, gguf)
 
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -26,7 +26,7 @@ import torch
 from engine.checkpoint import Checkpoint, CheckpointError
 from engine.errors import EngineError, Exit
 from engine.projection import BLOCK_SCHEMES, BLOCKS_SUFFIX
-from engine.quant.gguf import GGUF_TYPES
+from engine.quant.gguf import GGUF_TYPES, open_reader
 
 log = logging.getLogger("engine.gguf")
 
@@ -127,25 +127,12 @@ class GgufModel(Checkpoint):
     """A GGUF file or split set, read as a Checkpoint of the architecture it maps to (module docstring)."""
 
     def __init__(self, path: str | os.PathLike):
-        try:
-            from gguf import GGUFReader
-        except ImportError:
-            raise EngineError("the `gguf` package is required to read GGUF files: pip install gguf",
-                              Exit.MISSING_DEP) from None
         self.dir = self.config_path = Path(path)
         self.parts = split_parts(self.dir)
         self.fields: dict = {}
         self.tensors: dict = {}
         for part in self.parts:
-            try:
-                reader = GGUFReader(str(part))
-            except ValueError as e:
-                if "reshape" in str(e):         # the reader maps a tensor whose bytes end past the file's end
-                    raise GgufError(f"{part}: truncated: the tensor data runs past the end of the file "
-                                    f"({part.stat().st_size} bytes)") from None
-                raise GgufError(f"{part}: not a readable GGUF file ({e})") from None
-            except (OSError, IndexError) as e:
-                raise GgufError(f"{part}: not a readable GGUF file ({e})") from None
+            reader = open_reader(part)
             _check_extent(reader, part)
             if not self.fields:
                 self.fields = reader.fields

@@ -19,6 +19,26 @@ GGUF_TYPES = {"Q8_0": "q8_0", "Q4_1": "q4_1", "Q4_K": "q4_k"}    # GGML type nam
 _KINDS = ("ffn_gate", "ffn_up", "ffn_down")
 
 
+def open_reader(path: str | Path):
+    """The gguf package's reader over `path` (a memory map); EngineError (exit BAD_MODEL) naming the file when it
+    is missing, truncated or no GGUF, MISSING_DEP when the package is."""
+    try:
+        from gguf import GGUFReader
+    except ImportError:
+        raise EngineError("the `gguf` package is required to read GGUF files: pip install gguf", Exit.MISSING_DEP) from None
+    try:
+        return GGUFReader(str(path))
+    except FileNotFoundError:
+        raise EngineError(f"{path}: no such file", Exit.BAD_MODEL) from None
+    except ValueError as e:
+        if "reshape" in str(e):             # the reader maps a tensor whose bytes end past the file's end
+            raise EngineError(f"{path}: truncated: the tensor data runs past the end of the file "
+                              f"({Path(path).stat().st_size} bytes)", Exit.BAD_MODEL) from None
+        raise EngineError(f"{path}: not a readable GGUF file ({e})", Exit.BAD_MODEL) from None
+    except (OSError, IndexError) as e:
+        raise EngineError(f"{path}: not a readable GGUF file ({e})", Exit.BAD_MODEL) from None
+
+
 class GgufExperts:
     """The expert tensors of one GGUF, checked against the checkpoint's expert shape and count."""
 
@@ -58,17 +78,7 @@ class GgufExperts:
 
     @staticmethod
     def _read(path: Path) -> dict:
-        try:
-            from gguf import GGUFReader
-        except ImportError:
-            raise EngineError("the `gguf` package is required for --quant gguf: pip install gguf", Exit.MISSING_DEP) from None
-        try:
-            reader = GGUFReader(str(path))
-        except FileNotFoundError:
-            raise EngineError(f"{path}: no such file", Exit.BAD_MODEL) from None
-        except (ValueError, OSError) as e:
-            raise EngineError(f"{path}: not a readable GGUF file ({e})", Exit.BAD_MODEL) from None
-        return {t.name: t for t in reader.tensors}
+        return {t.name: t for t in open_reader(path).tensors}
 
     def blocks(self, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(gate, up, down) of one expert as the file's blocks: uint8 [out, row bytes] each (copies)."""

@@ -7,20 +7,18 @@ The files are tiny GGUFs written in llama.cpp's layout by the gguf package (test
 from __future__ import annotations
 
 import os
-import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
 import numpy as np
 import pytest
 import torch
 
 from engine.cli import main
 from engine.loader import load_model
+from tests.fixtures.served import ready_engine
 from tests.fixtures.tiny_gguf import write_gguf
 
 ENGINE = str(Path(sys.executable).parent / "engine")     # the installed console script, as users run it
@@ -110,14 +108,7 @@ def test_engine_serve_serves_a_gguf_over_http(q8_gguf):
     p = subprocess.Popen([ENGINE, "serve", "--model", str(q8_gguf), "--port", "0", "--ctx", "256",
                           "--log-level", "warning"], stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
-        line = p.stderr.readline()
-        m = re.search(r"listening on (http://127\.0\.0\.1:\d+)", line)
-        assert m, line
-        with httpx.Client(base_url=m.group(1), timeout=60) as c:
-            deadline = time.monotonic() + 120
-            while (h := c.get("/health")).status_code != 200:
-                assert h.status_code == 503 and p.poll() is None and time.monotonic() < deadline, h.text
-                time.sleep(0.1)
+        with ready_engine(p) as c:
             assert [m["id"] for m in c.get("/v1/models").json()["data"]] == ["tiny-qwen.Q8_0"]
             a = c.post("/v1/chat/completions", json={
                 "model": "tiny-qwen.Q8_0", "messages": [{"role": "user", "content": "Name three primary colors."}],
