@@ -127,3 +127,14 @@ def test_a_real_q4_k_m_from_llama_quantize_loads(tiny_checkpoint, tmp_path):
     want, got = _logits(load_model(f32, max_context=64)), _logits(load_model(q, max_context=64))
     assert float((got - want).norm() / want.norm()) < 0.25
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.5
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on the H200 by the integrator)")
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_gguf_loads_on_cuda_and_computes_as_on_the_cpu(arch, tiny_gguf):
+    """The same file on the GPU (experts resident, float32 compute): the logits of the CPU, to within the GPU's
+    reduction order."""
+    _, path = tiny_gguf(arch, "Q8_0")
+    cpu = _logits(load_model(path, max_context=64))
+    gpu = _logits(load_model(path, max_context=64, device="cuda", dtype="float32")).cpu()
+    torch.testing.assert_close(gpu, cpu, atol=2e-3, rtol=0)
