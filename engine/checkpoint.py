@@ -110,6 +110,11 @@ class Checkpoint:
             return ExpertLayout(self.hidden, self.moe_intermediate, torch.uint8, order, quant)
         return ExpertLayout(self.hidden, self.moe_intermediate, dtype or self.dtype, order)
 
+    def record_quant(self) -> str:
+        """The record scheme pack-store and the in-memory provider make by default: a checkpoint's own dtype
+        ("none"); a GGUF's own blocks where a record keeps them (engine.gguf_model overrides it)."""
+        return "none"
+
     def names(self) -> list[str]:
         return list(self._files)
 

@@ -100,7 +100,7 @@ def pack_store(model_dir, store_dir, dtype, order, quant, gguf_file, readers, qu
         raise EngineError(f"--dtype {dtype} is for float records; --quant {quant} records are bytes", Exit.USAGE)
     try:
         ck = open_checkpoint(model_dir)
-        if quant is None and dtype is None and isinstance(ck, GgufModel):
+        if quant is None and dtype is None:
             scheme = ck.record_quant()
         layout, _ = record_source(ck, dtype=DTYPES[dtype] if dtype else None, order=order, quant=scheme,
                                   gguf=gguf_file)
