@@ -9,7 +9,8 @@ GgufModel is a Checkpoint: the loader, the providers and pack-store take it wher
 
 Every input is checked when the file is opened, before anything is served or published: a truncated file, a
 tensor whose type Kiln lacks, an architecture Kiln lacks, a shape that disagrees with the metadata, a split
-set with a part missing and a missing tokenizer are each one line (GgufError, exit BAD_MODEL).
+set with a part missing and a missing tokenizer are each one line, exit BAD_MODEL (GgufError; the reader's
+own failures as engine.quant.gguf.open_reader words them).
 """
 from __future__ import annotations
 
@@ -344,7 +345,7 @@ class GgufModel(Checkpoint):
         """pack-store's default scheme for these experts: the file's own blocks where a record keeps them (one
         type, one the records hold), else float records dequantized from them."""
         types = self.expert_types()
-        if len(types) == 1 and (t := next(iter(types))) in GGUF_TYPES:
+        if len(types) == 1 and next(iter(types)) in GGUF_TYPES:
             return "gguf"
         log.info("GGUF: experts in %s are packed as float32 records (dequantized)", ", ".join(sorted(types)))
         return "none"
