@@ -48,7 +48,7 @@ class CheckpointError(Exception):
 class Checkpoint:
     def __init__(self, model_dir: str | Path):
         self.dir = Path(model_dir)
-        cfg_path = self.dir / "config.json"
+        cfg_path = self.config_path = self.dir / "config.json"
         try:
             self.config: dict = json.loads(cfg_path.read_text())
         except FileNotFoundError:
@@ -56,28 +56,33 @@ class Checkpoint:
         except json.JSONDecodeError as e:
             raise CheckpointError(f"{cfg_path}: not valid JSON ({e.msg} at line {e.lineno})") from None
         self.config = _flat_config(self.config)
-        self.arch = self.config.get("model_type", "")
-        if self.arch not in ARCHS:
-            raise CheckpointError(f"{cfg_path}: model_type {self.arch!r} is not supported "
-                                  f"(supported: {', '.join(sorted(ARCHS))})")
-        self._mlp, self._names, n_keys, i_key = ARCHS[self.arch]
-        n_key = next((k for k in n_keys if self.config.get(k)), None)
-        if n_key is None or i_key not in self.config:
-            raise CheckpointError(f"{cfg_path}: {self.arch} config lacks {n_keys[0]} or {i_key}")
-        if self.arch == "glm5_next":        # its own schedule and fields, refused by name before anything is read
-            try:
-                Glm5Spec.from_config(self.config)
-            except SpecError as e:
-                raise CheckpointError(f"{cfg_path}: {e}") from None
-        self.n_experts = int(self.config[n_key])
-        self.hidden = int(self.config["hidden_size"])
-        self.moe_intermediate = int(self.config[i_key])
-        self.num_layers = int(self.config["num_hidden_layers"])
         self._stored: dict[str, str] = {}       # the model's name -> the file's, where they differ
+        self._take_config(cfg_path)
         self._files = self._index()
         self.has_vision = any(k.startswith(_VISION) for k in self._files)
         if self.has_vision:
             self._files = {k: v for k, v in self._files.items() if not k.startswith(_VISION)}
+
+    def _take_config(self, where) -> None:
+        """The expert shape and count from self.config (a config.json's keys; engine.gguf_model writes the same
+        keys from a GGUF's metadata), checked."""
+        self.arch = self.config.get("model_type", "")
+        if self.arch not in ARCHS:
+            raise CheckpointError(f"{where}: model_type {self.arch!r} is not supported "
+                                  f"(supported: {', '.join(sorted(ARCHS))})")
+        self._mlp, self._names, n_keys, i_key = ARCHS[self.arch]
+        n_key = next((k for k in n_keys if self.config.get(k)), None)
+        if n_key is None or i_key not in self.config:
+            raise CheckpointError(f"{where}: {self.arch} config lacks {n_keys[0]} or {i_key}")
+        if self.arch == "glm5_next":        # its own schedule and fields, refused by name before anything is read
+            try:
+                Glm5Spec.from_config(self.config)
+            except SpecError as e:
+                raise CheckpointError(f"{where}: {e}") from None
+        self.n_experts = int(self.config[n_key])
+        self.hidden = int(self.config["hidden_size"])
+        self.moe_intermediate = int(self.config[i_key])
+        self.num_layers = int(self.config["num_hidden_layers"])
 
     def _index(self) -> dict[str, Path]:
         idx = self.dir / "model.safetensors.index.json"
@@ -138,6 +143,11 @@ class Checkpoint:
         if quant != "none":
             return ExpertLayout(self.hidden, self.moe_intermediate, torch.uint8, order, quant)
         return ExpertLayout(self.hidden, self.moe_intermediate, dtype or self.dtype, order)
+
+    def record_quant(self) -> str:
+        """The record scheme pack-store and the in-memory provider make by default: a checkpoint's own dtype
+        ("none"); a GGUF's own blocks where a record keeps them (engine.gguf_model overrides it)."""
+        return "none"
 
     def names(self) -> list[str]:
         return list(self._files)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import importlib.util
 import json
 import os
 import re
@@ -32,7 +33,8 @@ from pathlib import Path
 from engine.errors import EngineError, Exit
 from engine.experts.layout import DTYPES
 from engine.dense_weights import BLOCK_SCHEMES, BLOCKS_SUFFIX
-from engine.quant.gguf import GGUF_SHA256_KEY, GGUF_TYPES
+from engine.gguf_model import unpermute_qk, upcycle_router
+from engine.quant.gguf import GGUF_SHA256_KEY, GGUF_TYPES, open_reader
 from engine.store import model_manifest
 
 SHARD_BYTES = 1 << 30           # shards of ≤ ~1 GiB: bounded memory while writing, a few files to read
@@ -114,13 +116,6 @@ def read_dense(reader, path: Path) -> DenseLlama:
         eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
         pad_token_id=_field(reader, "tokenizer.ggml.padding_token_id"),
     )
-
-
-def unpermute_qk(w, n_head: int):
-    """Undo llama.cpp's Q/K row permutation (convert_hf_to_gguf.py `permute`): it interleaves each head's
-    two rotary halves; transformers' rotate_half wants them as two contiguous halves again."""
-    rows = w.shape[0]
-    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 def mixtral_config(d: DenseLlama, experts: int, top_k: int, dtype: str) -> dict:
@@ -210,7 +205,6 @@ def write_checkpoint(reader, d: DenseLlama, out: Path, experts: int, seed: int, 
     from gguf import dequantize
 
     writer = ShardWriter(out)
-    gen = torch.Generator().manual_seed(seed)
     seen = set()
     for t in reader.tensors:
         base, _, suffix = t.name.rpartition(".")
@@ -256,9 +250,8 @@ def write_checkpoint(reader, d: DenseLlama, out: Path, experts: int, seed: int, 
         missing = [k for k in (*_BLOCK, *_MLP) if f"blk.{layer}.{k}.weight" not in seen]
         if missing:
             raise EngineError(f"GGUF layer {layer} lacks {', '.join(missing)}", Exit.BAD_MODEL)
-        # A seeded router spread by 1/sqrt(hidden): its choice never changes the output (identical experts,
-        # weights renormalised to 1), only which records are read, so it should pick varied experts.
-        router = torch.randn(experts, d.hidden, generator=gen) / d.hidden ** 0.5
+        # The seeded router a GGUF served as it is gets too (engine.gguf_model): the same model either way.
+        router = upcycle_router(layer, experts, d.hidden, seed)
         writer.add(f"model.layers.{layer}.block_sparse_moe.gate.weight", router.to(dtype))
     writer.finish()
 
@@ -287,20 +280,13 @@ def convert_gguf(gguf: Path, out: Path, experts: int, top_k: int, seed: int, dty
     """Convert and publish atomically; raises EngineError with a one-line reason. expert_weights=False:
     the routed experts are left out; attention_blocks: 4-bit attention weights are kept as the file's blocks
     (see the module docstring)."""
-    try:
-        from gguf import GGUFReader
-    except ImportError:
-        raise EngineError("the `gguf` package is required: pip install gguf", Exit.MISSING_DEP) from None
+    if importlib.util.find_spec("gguf") is None:        # exit 4 before any usage error
+        raise EngineError("the `gguf` package is required: pip install gguf", Exit.MISSING_DEP)
     if not 1 <= top_k <= experts:
         raise EngineError(f"--top-k {top_k} must be within 1..--experts {experts}", Exit.USAGE)
     if out.exists() and not force:
         raise EngineError(f"{out}: already exists (pass --force to replace it)", Exit.FAILED)
-    try:
-        reader = GGUFReader(str(gguf))
-    except FileNotFoundError:
-        raise EngineError(f"{gguf}: no such file", Exit.BAD_MODEL) from None
-    except (ValueError, OSError) as e:
-        raise EngineError(f"{gguf}: not a readable GGUF file ({e})", Exit.BAD_MODEL) from None
+    reader = open_reader(gguf)
     dense = read_dense(reader, gguf)
 
     out.parent.mkdir(parents=True, exist_ok=True)

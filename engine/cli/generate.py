@@ -11,8 +11,9 @@ from engine.errors import EngineError, Exit
 
 
 @click.command("generate")
-@click.option("--model", "model_dir", required=True, type=click.Path(file_okay=False),
-              help="Hugging Face checkpoint directory (config.json, safetensors, tokenizer).")
+@click.option("--model", "model_dir", required=True, type=click.Path(),
+              help="Hugging Face checkpoint directory (config.json, safetensors, tokenizer), or a GGUF file (or the "
+                   "first part of a split set).")
 @click.option("--store", "store_dir", type=click.Path(file_okay=False), default=None,
               help="Packed expert store (engine pack-store); without it all experts are held in memory.")
 @click.option("--prompt", required=True, help="The prompt text.")

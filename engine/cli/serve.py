@@ -13,6 +13,7 @@ import click
 
 from engine.cli import options
 from engine.errors import EngineError, Exit
+from engine.gguf_model import GgufModel, is_gguf
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -34,6 +35,26 @@ def bind(host: str, port: int) -> socket.socket:
 def fingerprint_of(model_dir: Path) -> str:
     """What identifies the weights served: the checkpoint's config (system_fingerprint derives from it)."""
     return hashlib.sha256((model_dir / "config.json").read_bytes()).hexdigest()
+
+
+def checkpoint_fingerprint(model_dir: Path) -> str:
+    """A checkpoint directory's fingerprint, its config.json read and parsed first (exit 3 when it is none)."""
+    if not model_dir.is_dir():
+        raise EngineError(f"{model_dir}: no such model directory", Exit.BAD_MODEL)
+    try:
+        fp = fingerprint_of(model_dir)
+        json.loads((model_dir / "config.json").read_text())
+    except FileNotFoundError:
+        raise EngineError(f"{model_dir}: no config.json (not a Hugging Face checkpoint)", Exit.BAD_MODEL) from None
+    except (OSError, ValueError) as e:
+        raise EngineError(f"{model_dir / 'config.json'}: unreadable ({e})", Exit.BAD_MODEL) from None
+    return fp
+
+
+def gguf_fingerprint(path: Path) -> str:
+    """A GGUF's fingerprint (the config its metadata makes), the file opened and checked whole first: a bad file
+    is one line and exit 3 before the server listens."""
+    return GgufModel(path).config_hash()
 
 
 def api_key_of(flag: str | None) -> str | None:
@@ -63,19 +84,21 @@ def drain_on_exit(server, engine, drain_seconds: float):
     server.handle_exit = handle_exit
 
 
-@click.command(epilog="Exit codes: 2 usage (e.g. a bad --cpu-layout, an empty --api-key), 3 the model directory is missing or not a checkpoint, 6 the store's "
+@click.command(epilog="Exit codes: 2 usage (e.g. a bad --cpu-layout, an empty --api-key), 3 the model directory is missing or not a checkpoint, or the GGUF is not a model Kiln serves (named: truncated, a type or architecture Kiln lacks, a shape against its metadata, a split part missing, no tokenizer), 6 the store's "
                       "filesystem refuses O_DIRECT, 7 the address is in use or cannot be bound, 8 a converted model's "
                       "files (kiln-files.json) or the store's manifest fail their check. "
                       "/health answers 503 while the model loads, 500 with the reason if loading failed.")
 @click.option("--model", "model_dir", required=True, type=click.Path(path_type=Path),
-              help="Hugging Face checkpoint directory (config.json, safetensors, tokenizer, chat template).")
+              help="Hugging Face checkpoint directory (config.json, safetensors, tokenizer, chat template), or a GGUF "
+                   "file (or the first part of a split set) holding all of them.")
 @click.option("--store", "store_dir", type=click.Path(path_type=Path), default=None,
               help="Packed expert store (engine pack-store); without it the experts are read from the checkpoint.")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (loopback unless told).")
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535))
 @options.device
 @options.dtype
-@click.option("--served-name", default=None, help="Model name in the API (default: the model directory's name).")
+@click.option("--served-name", default=None,
+              help="Model name in the API (default: the model directory's name, or the GGUF file's without .gguf).")
 @options.context
 @options.max_batch
 @options.chunk_size
@@ -101,18 +124,14 @@ def serve(model_dir, store_dir, host, port, served_name, max_body_bytes, drain_s
     /v1/chat/completions, /v1/completions, /tokenize, /health, /metrics.
     """
     api_key = api_key_of(api_key)
-    if not model_dir.is_dir():
-        raise EngineError(f"{model_dir}: no such model directory", Exit.BAD_MODEL)
-    try:
-        fp = fingerprint_of(model_dir)
-        json.loads((model_dir / "config.json").read_text())
-    except FileNotFoundError:
-        raise EngineError(f"{model_dir}: no config.json (not a Hugging Face checkpoint)", Exit.BAD_MODEL) from None
-    except (OSError, ValueError) as e:
-        raise EngineError(f"{model_dir / 'config.json'}: unreadable ({e})", Exit.BAD_MODEL) from None
+    if is_gguf(model_dir):
+        fp = gguf_fingerprint(model_dir)            # every check of the file, before listening (exit 3)
+    else:
+        fp = checkpoint_fingerprint(model_dir)
     config = options.engine_config(**knobs)     # a bad knob is a usage error now, not a failed load later
     from engine.store import manifest, model_manifest
-    model_manifest.check_for_serving(model_dir)     # files there at their sizes, nothing extra (exit 8)
+    if not is_gguf(model_dir):
+        model_manifest.check_for_serving(model_dir)     # files there at their sizes, nothing extra (exit 8)
     if store_dir is not None:
         from engine.store import odirect
         odirect.probe(store_dir)        # EngineError (exit 6) with the reason when refused
@@ -129,7 +148,8 @@ def serve(model_dir, store_dir, host, port, served_name, max_body_bytes, drain_s
         return LLM.load(model_dir, store_dir, config)
 
     from engine.server.endpoints import sampling_defaults
-    app = create_app(loader=load, served_name=served_name or model_dir.resolve().name, api_key=api_key,
+    app = create_app(loader=load, served_name=served_name or model_dir.resolve().name.removesuffix(".gguf"),
+                     api_key=api_key,
                      defaults=sampling_defaults(model_dir, temperature, top_p),
                      fingerprint=fp, max_body_bytes=max_body_bytes)
     bound = sock.getsockname()

@@ -8,6 +8,7 @@ from contextlib import contextmanager
 import click
 
 from engine.checkpoint import CheckpointError
+from engine.gguf_model import GgufModel, is_gguf
 from engine.errors import EngineError, Exit
 from engine.experts.layout import DTYPES
 
@@ -59,7 +60,8 @@ def _sigterm_as_interrupt():
 
 
 @click.command("pack-store")
-@click.option("--model", "model_dir", required=True, type=click.Path(file_okay=False), help="Hugging Face checkpoint directory.")
+@click.option("--model", "model_dir", required=True, type=click.Path(),
+              help="Hugging Face checkpoint directory, or a GGUF file (or the first part of a split set).")
 @click.option("--store", "store_dir", required=True, type=click.Path(file_okay=False),
               help="Store directory to create or replace (staged beside it, published by rename).")
 @click.option("--dtype", type=click.Choice(sorted(DTYPES)), default=None, help="Record dtype [default: the checkpoint's].")
@@ -70,7 +72,8 @@ def _sigterm_as_interrupt():
               help="Record scheme: float32 / bf16 (float records, as --dtype), int8 / int4 (weight-only, group-wise "
                    "along the input, quantized at pack time), gguf (the --gguf file's own expert "
                    "blocks, kept as they are, each matrix in its own GGML type: F32, F16, BF16, Q4_0, Q4_1, Q5_0, "
-                   "Q5_1, Q8_0, Q2_K … Q6_K, IQ4_NL, IQ4_XS) [default: the checkpoint's dtype].")
+                   "Q5_1, Q8_0, Q2_K … Q6_K, IQ4_NL, IQ4_XS; a GGUF --model's own) [default: the checkpoint's "
+                   "dtype; a GGUF --model: gguf].")
 @click.option("--gguf", "gguf_file", default=None, type=click.Path(dir_okay=False),
               help="With --quant gguf: the GGUF file holding this checkpoint's experts.")
 @click.option("--readers", type=click.IntRange(1, 256), default=None, help="Threads for the verifying re-read.")
@@ -84,7 +87,7 @@ def pack_store(model_dir, store_dir, dtype, order, quant, gguf_file, readers, qu
     with O_DIRECT and checks its sha256, byte-compares a sample with the checkpoint, then publishes
     by rename. An interrupted pack leaves the old store (or none) untouched.
     """
-    from engine.checkpoint import Checkpoint
+    from engine.model_source import open_checkpoint
     from engine.store.manifest import plan_offsets
     from engine.store.pack import pack_store as pack
 
@@ -97,7 +100,9 @@ def pack_store(model_dir, store_dir, dtype, order, quant, gguf_file, readers, qu
     if scheme != "none" and dtype:
         raise EngineError(f"--dtype {dtype} is for float records; --quant {quant} records are bytes", Exit.USAGE)
     try:
-        ck = Checkpoint(model_dir)
+        ck = open_checkpoint(model_dir)
+        if quant is None and dtype is None:
+            scheme = ck.record_quant()
         layout, _ = record_source(ck, dtype=DTYPES[dtype] if dtype else None, order=order, quant=scheme,
                                   gguf=gguf_file)
     except CheckpointError as e:
@@ -105,7 +110,7 @@ def pack_store(model_dir, store_dir, dtype, order, quant, gguf_file, readers, qu
     total = len(plan_offsets(ck.moe_layers, ck.n_experts, layout.record_bytes)) * layout.record_bytes
     try:
         with _sigterm_as_interrupt(), _progress(total, ["write", "verify"], quiet) as advance:
-            r = pack(model_dir, store_dir, dtype=None if layout.quantized else layout.dtype, order=order,
+            r = pack(ck, store_dir, dtype=None if layout.quantized else layout.dtype, order=order,
                      readers=readers, progress=advance, quant=scheme, gguf=gguf_file)
     except CheckpointError as e:
         raise EngineError(str(e), Exit.BAD_MODEL) from None
@@ -122,8 +127,8 @@ def pack_store(model_dir, store_dir, dtype, order, quant, gguf_file, readers, qu
 
 @click.command("verify-store")
 @click.option("--store", "store_dir", required=True, type=click.Path(file_okay=False), help="Store directory.")
-@click.option("--model", "model_dir", default=None, type=click.Path(file_okay=False),
-              help="Also check the store was packed from this checkpoint (config hash).")
+@click.option("--model", "model_dir", default=None, type=click.Path(),
+              help="Also check the store was packed from this checkpoint or GGUF (config hash).")
 @click.option("--gguf", "gguf_path", default=None, type=click.Path(dir_okay=False),
               help="Also check each layer's record types (gate, up, down) against this GGUF's expert tensors.")
 @click.option("--readers", type=click.IntRange(1, 256), default=None, help="Reader threads [default: CPUs, 2..8].")
@@ -142,9 +147,9 @@ def verify_store(store_dir, model_dir, gguf_path, readers, quiet, as_json):
 
     m = mf.load(store_dir)
     if model_dir:
-        from engine.checkpoint import Checkpoint
+        from engine.model_source import open_checkpoint
         try:
-            mf.check_matches(m, Checkpoint(model_dir), store_dir)
+            mf.check_matches(m, open_checkpoint(model_dir), store_dir)
         except CheckpointError as e:
             raise EngineError(str(e), Exit.BAD_MODEL) from None
     if gguf_path:
@@ -165,15 +170,49 @@ def verify_store(store_dir, model_dir, gguf_path, readers, quiet, as_json):
                           f"(first: {r.bad[0]})", Exit.INTEGRITY)
 
 
+def _verify_gguf(path, as_json: bool) -> None:
+    import time
+    from engine.convert import file_sha256
+    t0 = time.perf_counter()
+    from engine.quant.source import record_source
+    m = GgufModel(path)                 # GgufError (exit 3) names what is wrong
+    parts = [{"file": str(p), "bytes": p.stat().st_size, "sha256": file_sha256(p)} for p in m.parts]
+    quant = m.record_quant()
+    layout, _ = record_source(m, quant=quant, order="cols")          # the store pack-store makes by default
+    dt = time.perf_counter() - t0
+    total = sum(p["bytes"] for p in parts)
+    if as_json:
+        click.echo(json.dumps({"model": str(m.dir), "architecture": m.gguf_arch, "tensors": len(m.tensors),
+                               "bytes": total, "seconds": dt, "parts": parts, "bad": [],
+                               "context": m.config["max_position_embeddings"], "moe_layers": len(m.moe_layers),
+                               "experts": m.n_experts, "experts_per_token": m.config["num_experts_per_tok"],
+                               "upcycled": m.upcycled, "expert_types": sorted(m.expert_types()),
+                               "non_expert_elements": m.non_expert_elements(),
+                               "store": {"quant": quant if quant == "gguf" else "float32",
+                                         "record_bytes": layout.record_bytes,
+                                         "records": len(m.moe_layers) * m.n_experts}}))
+        return
+    for p in parts:
+        click.echo(f"{p['sha256']}  {p['file']}")
+    click.echo(f"verified {m.dir}: a {m.gguf_arch} model of {len(m.tensors)} tensors in {len(parts)} file(s) "
+               f"({total / 1e9:.3f} GB), {dt:.2f} s")
+
+
 @click.command("verify-model")
-@click.option("--model", "model_dir", required=True, type=click.Path(file_okay=False),
-              help="A model directory written by `engine convert` or `engine synth`.")
+@click.option("--model", "model_dir", required=True, type=click.Path(),
+              help="A model directory written by `engine convert` or `engine synth`, or a GGUF file.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def verify_model(model_dir, as_json):
     """Re-hash every file of a converted model against the manifest written with it (kiln-files.json);
-    exit 8 naming each file that is missing, extra, truncated or changed, or the manifest if it was edited."""
+    exit 8 naming each file that is missing, extra, truncated or changed, or the manifest if it was edited.
+    A GGUF file (or split set) is checked whole as a model (every part there, each tensor inside the file,
+    of a type Kiln reads and of the shape its metadata says, an architecture and a tokenizer Kiln reads;
+    exit 3 naming the first problem) and each part's sha256 is printed, to compare with a recipe's pin."""
     import time
     from engine.store import model_manifest as mm
+
+    if is_gguf(model_dir):
+        return _verify_gguf(model_dir, as_json)
 
     t0 = time.perf_counter()
     m = mm.load(model_dir)

@@ -23,17 +23,23 @@ GGUF_SHA256_KEY = "kiln_source_gguf_sha256"
 _KINDS = ("ffn_gate", "ffn_up", "ffn_down")
 
 
-def read_gguf(path: Path):
-    """gguf's reader over `path`; one-line EngineErrors for a missing package, file or a file that is not GGUF."""
+def open_reader(path: str | Path):
+    """The gguf package's reader over `path` (a memory map); EngineError (exit BAD_MODEL) naming the file when it
+    is missing, truncated or no GGUF, MISSING_DEP when the package is."""
     try:
         from gguf import GGUFReader
     except ImportError:
-        raise EngineError("the `gguf` package is required for --quant gguf: pip install gguf", Exit.MISSING_DEP) from None
+        raise EngineError("the `gguf` package is required to read GGUF files: pip install gguf", Exit.MISSING_DEP) from None
     try:
         return GGUFReader(str(path))
     except FileNotFoundError:
         raise EngineError(f"{path}: no such file", Exit.BAD_MODEL) from None
-    except (ValueError, OSError) as e:
+    except ValueError as e:
+        if "reshape" in str(e):             # the reader maps a tensor whose bytes end past the file's end
+            raise EngineError(f"{path}: truncated: the tensor data runs past the end of the file "
+                              f"({Path(path).stat().st_size} bytes)", Exit.BAD_MODEL) from None
+        raise EngineError(f"{path}: not a readable GGUF file ({e})", Exit.BAD_MODEL) from None
+    except (OSError, IndexError) as e:
         raise EngineError(f"{path}: not a readable GGUF file ({e})", Exit.BAD_MODEL) from None
 
 
@@ -41,10 +47,12 @@ class GgufExperts:
     """The expert tensors of one GGUF, checked against the checkpoint's expert shape and count. Each of a layer's
     three matrices may have its own GGML type (engine.quant.ggml), and layers may differ (a Q4_K_M's Q6_K downs)."""
 
-    def __init__(self, path: str | Path, *, layers: list[int], experts: int, hidden: int, intermediate: int):
+    def __init__(self, path: str | Path, *, layers: list[int], experts: int, hidden: int, intermediate: int,
+                 tensors: dict | None = None):
+        """tensors: the file's tensors by name where the caller has opened it already (a split set's parts
+        together: engine.gguf_model.GgufModel.tensors); else the file at `path` is read here."""
         self.path = Path(path)
-        reader = read_gguf(self.path)
-        by_name = {t.name: t for t in reader.tensors}
+        by_name = tensors if tensors is not None else self._read(self.path)
         self.experts, self._tensors = experts, {}
         self.layer_types: dict[int, tuple[str, str, str]] = {}     # layer -> (gate, up, down) GGML type names
         shapes = {"ffn_gate": (intermediate, hidden), "ffn_up": (intermediate, hidden), "ffn_down": (hidden, intermediate)}
@@ -71,6 +79,10 @@ class GgufExperts:
             self.layer_types[l] = tuple(types)  # type: ignore[assignment]
         # An upcycled dense GGUF: every expert of a layer is the same MLP, so one record serves them all.
         self.shared_across_experts = not any(stacked for _, stacked in self._tensors.values())
+
+    @staticmethod
+    def _read(path: Path) -> dict:
+        return {t.name: t for t in open_reader(path).tensors}
 
     def blocks(self, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(gate, up, down) of one expert as the file's blocks: uint8 [out, row bytes] each (copies)."""

@@ -27,6 +27,7 @@ from typing import Callable
 import torch
 
 from engine.checkpoint import Checkpoint
+from engine.model_source import open_checkpoint
 from engine.errors import EngineError, Exit
 from engine.store import manifest as mf
 from engine.store import manifest_file
@@ -63,7 +64,7 @@ def pack_store(model_dir: str | os.PathLike, store_dir: str | os.PathLike, *, dt
     deterministically), "gguf" (the `gguf` file's own expert blocks). progress(phase, n_bytes): phase
     'write' | 'verify'."""
     from engine.store.source import record_source
-    ck = Checkpoint(model_dir)
+    ck = open_checkpoint(model_dir)
     layout, make = record_source(ck, dtype=dtype, order=order, quant=quant, gguf=gguf)
     store_dir = Path(os.path.abspath(store_dir))
     parent = store_dir.parent

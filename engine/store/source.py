@@ -5,17 +5,16 @@ from __future__ import annotations
 
 import os
 import hashlib
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
 
 from engine.errors import EngineError, Exit
+from engine.experts.layout import ExpertLayout
+from engine.gguf_model import GgufModel
+from engine.gguf_tensors import expert_layout
 from engine.quant.gguf import GGUF_SHA256_KEY, GgufExperts
 from engine.quant.records import QuantLayout
-from engine.gguf_tensors import expert_layout
-
-if TYPE_CHECKING:                   # the checkpoint hands out its layouts; no import of the layer above
-    from engine.experts.layout import ExpertLayout
 
 QUANT_CHOICES = ("none", "int8", "int4", "gguf")
 # A GGUF whose experts are not the checkpoint's (another model, another size) dequantizes far from them;
@@ -28,7 +27,11 @@ def record_source(ck, *, dtype: torch.dtype | None = None, order: str = "rows", 
     """(layout, make) with make(layer, expert) -> that expert's whole record."""
     if quant not in QUANT_CHOICES:
         raise EngineError(f"--quant {quant!r} is not one of {', '.join(QUANT_CHOICES)}", Exit.USAGE)
-    if (quant == "gguf") != (gguf is not None):
+    own = isinstance(ck, GgufModel)          # a GGUF model: --quant gguf packs its own blocks
+    if own and gguf is not None and not os.path.samefile(gguf, ck.dir):
+        raise EngineError(f"--gguf {gguf}: a GGUF --model packs its own expert blocks ({ck.dir}); give no other "
+                          f"file", Exit.USAGE)
+    if quant != "gguf" and gguf is not None or quant == "gguf" and gguf is None and not own:
         raise EngineError("--gguf FILE goes with --quant gguf (the file's own expert blocks), and only with it",
                           Exit.USAGE)
     if quant in ("none", "int8", "int4"):
@@ -42,13 +45,15 @@ def record_source(ck, *, dtype: torch.dtype | None = None, order: str = "rows", 
                               Exit.BAD_MODEL) from None
         return layout, lambda l, e: layout.pack(*ck.expert(l, e))
 
-    src = GgufExperts(gguf, layers=ck.moe_layers, experts=ck.n_experts, hidden=ck.hidden,
-                      intermediate=ck.moe_intermediate)
+    src = GgufExperts(ck.dir if own else gguf, layers=ck.moe_layers, experts=ck.n_experts, hidden=ck.hidden,
+                      intermediate=ck.moe_intermediate, tensors=ck.tensors if own else None)
     try:
         layout = expert_layout(ck.hidden, ck.moe_intermediate, src.layer_types.values(), order=order)
     except (AssertionError, ValueError) as e:
         raise EngineError(f"{src.path}: its experts cannot be {order} records ({e})", Exit.BAD_MODEL) from None
-    if ck.has_experts:
+    if own:
+        pass                # the blocks are the model's own: nothing to match
+    elif ck.has_experts:
         check_gguf_matches(ck, src, layout)
     else:
         check_gguf_is_the_source(ck, src.path)

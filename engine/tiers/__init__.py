@@ -27,6 +27,7 @@ from engine.experts.layout import DTYPES, order_for
 from engine.experts.provider import ExpertProvider
 from engine.cpu_layout import parse_cpu_layout
 from engine.engine_config import EXPERTS, EngineConfig
+from engine.store.source import record_source
 from engine.tiers.memory import InMemoryExperts
 
 log = logging.getLogger("engine.tiers")
@@ -34,18 +35,21 @@ GIB = 1 << 30
 
 
 def _as_checkpoint(checkpoint):
-    from engine.checkpoint import Checkpoint
-    return checkpoint if isinstance(checkpoint, Checkpoint) else Checkpoint(checkpoint)
+    from engine.model_source import open_checkpoint
+    return open_checkpoint(checkpoint)
 
 
 def in_memory(checkpoint, *, device="cpu", dtype: torch.dtype | None = None, order: str | None = None,
               quant: str = "none") -> InMemoryExperts:
     """Every routed expert packed into memory (the reference provider, and small models), in record
-    `order` (default: the one the device computes fastest from); quant "int8"/"int4": quantized records."""
+    `order` (default: the one the device computes fastest from); quant "int8"/"int4": quantized records; a
+    GGUF model's experts stay the file's own blocks where a record keeps them (Checkpoint.record_quant)."""
     ck = _as_checkpoint(checkpoint)
-    layout = ck.layout(dtype, order or order_for(device), quant)
-    records = {l: torch.stack([layout.pack(*ck.expert(l, e)) for e in range(ck.n_experts)]).to(device)
-               for l in ck.moe_layers}
+    if quant == "none":
+        quant = ck.record_quant()
+    layout, make = record_source(ck, dtype=None if quant != "none" else dtype, order=order or order_for(device),
+                                 quant=quant)
+    records = {l: torch.stack([make(l, e) for e in range(ck.n_experts)]).to(device) for l in ck.moe_layers}
     return InMemoryExperts(layout, records)
 
 

@@ -31,7 +31,7 @@ TOOL_TURN = [
     {"role": "assistant", "content": None, "tool_calls": [
         {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
     {"role": "tool", "tool_call_id": "call_1", "content": '{"city":"Paris","temp_c":17,"sky":"overcast"}'}]
-from tests.fixtures.served import Served  # noqa: E402
+from tests.fixtures.served import Served, ready_engine  # noqa: E402
 
 HI = [{"role": "user", "content": "Name three primary colors, comma separated."}]
 
@@ -453,14 +453,7 @@ def test_serve_command_end_to_end(qwen_dir, tmp_path):
                      "--port", "0", "--ctx", "256", "--served-name", "cli-tiny", "--log-level", "warning",
                      env={"KILN_API_KEY": "k"})
     try:
-        line = p.stderr.readline()
-        m = re.search(r"listening on (http://127\.0\.0\.1:\d+)", line)
-        assert m, line
-        with httpx.Client(base_url=m.group(1), timeout=60) as c:
-            deadline = time.monotonic() + 120
-            while (h := c.get("/health")).status_code != 200:
-                assert h.status_code == 503 and p.poll() is None and time.monotonic() < deadline, h.text
-                time.sleep(0.1)
+        with ready_engine(p) as c:
             assert c.get("/v1/models").status_code == 401
             a = c.post("/v1/chat/completions", headers={"Authorization": "Bearer k"},
                        json={"model": "cli-tiny", "messages": HI, "max_tokens": 3, "ignore_eos": True}).json()

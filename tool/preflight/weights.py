@@ -13,6 +13,8 @@ MARKER = ".kiln-weights.json"   # written by tool fetch after it verified every 
 def pin_of(weights: dict) -> tuple[str, str]:
     if weights.get("source") == "huggingface":
         return weights["repo"], weights["revision"]
+    if weights.get("source") == "local":
+        return weights["path"], weights["sha256"]
     return weights.get("package", weights.get("source", "?")), weights.get("version", "")
 
 
@@ -32,7 +34,8 @@ def check_present(recipe: dict, models_dir: Path) -> CheckResult:
         return warned("weights.present", f"{where} holds {len(files)} files but no {MARKER}: unverified (tool verify checks them against {name}@{pin[:12]})")
     except (OSError, ValueError) as e:
         return warned("weights.present", f"{where / MARKER} is unreadable ({e}); tool fetch rewrites it")
-    got = (marker.get("repo") or marker.get("package"), marker.get("revision") or marker.get("version"))
+    got = (marker.get("repo") or marker.get("package") or marker.get("path"),
+           marker.get("revision") or marker.get("version") or marker.get("sha256"))
     if got != (name, pin):
         return warned("weights.present", f"{where} holds {got[0]}@{str(got[1])[:12]}, the recipe pins {name}@{pin[:12]} (tool fetch fetches the pin)")
     return passed("weights.present", f"{name}@{pin[:12]} fetched in {where} ({len(files)} files, marker {MARKER})")

@@ -1,0 +1,140 @@
+"""A GGUF file alone is a model: config, tokenizer, chat template and every tensor from the file.
+
+The files are written from the tiny transformers checkpoints by the gguf package's GGUFWriter in llama.cpp's
+layout (tests/fixtures/tiny_gguf.py); Kiln's logits on the GGUF must equal Kiln's logits on the checkpoint the
+file was written from (which tests/engine/test_models.py holds equal to transformers), exactly for F32 files and
+within the quantization's error for quantized ones.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.checkpoint import Checkpoint
+from engine.gguf_model import GgufModel, load_tokenizer
+from engine.loader import load_model
+from tests.fixtures.tiny_gguf import write_gguf
+
+ARCHS = ["mixtral", "qwen3_moe", "glm4_moe"]
+PROMPT = [5, 17, 200, 42, 99, 7, 311, 64, 128, 3, 250, 19]
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tiny_checkpoint, tmp_path_factory):
+    """Factory: tiny_gguf(arch, qtype="F32") -> (checkpoint dir, GGUF path), cached for the module."""
+    cache: dict = {}
+
+    def make(arch: str, qtype: str = "F32"):
+        if (arch, qtype) not in cache:
+            ck = tiny_checkpoint(arch)
+            cache[arch, qtype] = ck, write_gguf(ck, tmp_path_factory.mktemp("gguf") / f"{arch}.{qtype}.gguf", qtype=qtype)
+        return cache[arch, qtype]
+    return make
+
+
+def _logits(model) -> torch.Tensor:
+    seq = torch.tensor(PROMPT)
+    with torch.inference_mode():
+        got = [model.prefill(seq[:6], slot=0, all_logits=True)]
+        got += [model.decode_step([int(seq[i])], [0], [i]) for i in range(6, len(PROMPT))]
+    return torch.cat(got)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_f32_gguf_computes_the_checkpoint_it_was_written_from(arch, tiny_gguf):
+    ck, path = tiny_gguf(arch)
+    g, c = GgufModel(path), Checkpoint(ck)
+    assert (g.arch, g.n_experts, g.hidden, g.moe_intermediate, g.moe_layers) == \
+        (c.arch, c.n_experts, c.hidden, c.moe_intermediate, c.moe_layers)
+    want = _logits(load_model(ck, max_context=64))
+    got = _logits(load_model(path, max_context=64))
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "glm4_moe"])
+def test_q8_0_gguf_reads_every_tensor_within_its_quantization_error(arch, tiny_gguf):
+    """Every tensor of the checkpoint, read from the Q8_0 file by its transformers name, is within 8-bit
+    blocks' error of the original (about 0.5%); the routers and norms, which llama-quantize leaves F32, exactly."""
+    ck, path = tiny_gguf(arch, "Q8_0")
+    g, c = GgufModel(path), Checkpoint(ck)
+    assert sorted(g.names()) == sorted(c.names())
+    for name in c.names():
+        got, want = g.tensor(name), c.tensor(name)
+        if want.dim() == 1 or name.endswith("gate.weight"):
+            assert torch.equal(got, want), name
+        else:
+            assert float((got - want).norm() / want.norm()) < 0.01, name
+    if arch == "mixtral":           # GLM's grouped sigmoid routing flips on such changes; Mixtral's barely
+        want, got = _logits(load_model(ck, max_context=64)), _logits(load_model(path, max_context=64))
+        assert float((got - want).norm() / want.norm()) < 0.05
+        assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_tokenizer_and_chat_template_come_from_the_file(arch, tiny_gguf):
+    from transformers import AutoTokenizer
+    ck, path = tiny_gguf(arch)
+    tok, ref = load_tokenizer(GgufModel(path)), AutoTokenizer.from_pretrained(ck)
+    msgs = [{"role": "user", "content": "What is 17 * 23? Reply with only the number."}]
+    ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert ids == ref.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert tok.eos_token == ref.eos_token and tok.decode(ids) == ref.decode(ids)
+    assert GgufModel(path).config["eos_token_id"] == [ref.eos_token_id]
+
+
+def test_dense_llama_gguf_is_upcycled_as_engine_convert_does(tmp_path):
+    """A dense llama GGUF served as it is: the sparse-upcycled model `engine convert` writes (the same seeded
+    routers, so the same numbers), computing the dense model's function (transformers' LlamaForCausalLM)."""
+    from transformers import LlamaForCausalLM
+
+    from engine.convert import convert_gguf
+    from tests.fixtures.tiny_gguf import make_tiny_llama
+    ck = make_tiny_llama(tmp_path / "llama")
+    path = write_gguf(ck, tmp_path / "llama.gguf")
+    g = GgufModel(path)
+    assert (g.arch, g.n_experts, g.config["num_experts_per_tok"]) == ("mixtral", 8, 2)
+    converted = convert_gguf(path, tmp_path / "converted", experts=8, top_k=2, seed=0)
+    got = _logits(load_model(path, max_context=64))
+    torch.testing.assert_close(got, _logits(load_model(converted, max_context=64)), atol=0, rtol=0)
+    with torch.inference_mode():
+        dense = LlamaForCausalLM.from_pretrained(ck, dtype=torch.float32).eval()(torch.tensor([PROMPT])).logits[0]
+    torch.testing.assert_close(got, dense, atol=1e-4, rtol=0)
+
+
+def test_a_real_q4_k_m_from_llama_quantize_loads(tiny_checkpoint, tmp_path):
+    """llama.cpp's own llama-quantize makes a Q4_K_M from an F32 file: K-quant blocks where rows are multiples of
+    256, its fallbacks (Q5_0/Q8_0 …) where they are not, Q6_K in places: a file that mixes types, as users have.
+    Kiln loads it alone and computes close to the F32 file."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    from tests.fixtures.llama_server import DEFAULT
+    quantize = Path(os.environ.get("KILN_LLAMA_QUANTIZE") or DEFAULT.with_name("llama-quantize"))
+    if not quantize.is_file():
+        why = f"no llama-quantize at {quantize} ($KILN_LLAMA_QUANTIZE); build it with `make llama-cpp`"
+        if os.environ.get("KILN_REQUIRE_LLAMA_CPP") == "1":
+            pytest.fail(why)
+        pytest.skip(why)
+    ck = tiny_checkpoint("qwen3_moe", layers=2, hidden=256)
+    f32 = write_gguf(ck, tmp_path / "f32.gguf")
+    q = tmp_path / "q4_k_m.gguf"
+    r = subprocess.run([str(quantize), str(f32), str(q), "Q4_K_M"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    g = GgufModel(q)
+    types = {t.tensor_type.name for t in g.tensors.values()}
+    assert "Q4_K" in types and len(types - {"F32"}) >= 2, types       # a mix, not one type
+    want, got = _logits(load_model(f32, max_context=64)), _logits(load_model(q, max_context=64))
+    assert float((got - want).norm() / want.norm()) < 0.25
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.5
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on the H200 by the integrator)")
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_gguf_loads_on_cuda_and_computes_as_on_the_cpu(arch, tiny_gguf):
+    """The same file on the GPU (experts resident, float32 compute): the logits of the CPU, to within the GPU's
+    reduction order."""
+    _, path = tiny_gguf(arch, "Q8_0")
+    cpu = _logits(load_model(path, max_context=64))
+    gpu = _logits(load_model(path, max_context=64, device="cuda", dtype="float32")).cpu()
+    torch.testing.assert_close(gpu, cpu, atol=2e-3, rtol=0)
