@@ -2,7 +2,7 @@
 
 The file's metadata (llama.cpp's keys) becomes the config.json keys of the transformers architecture the engine
 computes (`llama` with experts → mixtral, a dense `llama` → a sparse-upcycled mixtral as `engine convert` makes
-it, `qwen3moe` → qwen3_moe, `glm4moe` → glm4_moe), so engine.config.ModelConfig reads it as it reads a
+it, `qwen3moe` → qwen3_moe, `glm4moe` → glm4_moe), so engine.model_config.ModelConfig reads it as it reads a
 checkpoint's. Its tensors are named back from llama.cpp's names to transformers' (Q/K rows un-permuted for
 `llama`, whose converter permutes them for its rotary layout) and read from the file's mmap when the model asks.
 GgufModel is a Checkpoint: the loader, the providers and pack-store take it where they take a directory.
@@ -26,7 +26,7 @@ import torch
 
 from engine.checkpoint import Checkpoint, CheckpointError
 from engine.errors import EngineError, Exit
-from engine.projection import BLOCK_SCHEMES, BLOCKS_SUFFIX
+from engine.dense_weights import BLOCK_SCHEMES, BLOCKS_SUFFIX
 from engine.quant.gguf import GGUF_TYPES, open_reader
 
 log = logging.getLogger("engine.gguf")
@@ -261,7 +261,7 @@ class GgufModel(Checkpoint):
         return files
 
     def _keep_attention_blocks(self, files: dict[str, _Source]) -> None:
-        """Attention weights in a 4-bit type the CPU kernel reads stay the file's blocks (engine.projection), as
+        """Attention weights in a 4-bit type the CPU kernel reads stay the file's blocks (engine.dense_weights), as
         `engine convert --attention-blocks` keeps them: q, k and v together (one projection) and only without
         biases; o alone."""
         for layer in range(self.num_layers):

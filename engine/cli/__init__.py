@@ -51,9 +51,11 @@ class LazyGroup(click.Group):
         try:
             return getattr(importlib.import_module(module), attr)
         except (ImportError, AttributeError) as e:
-            @click.command(name=name, help=f"(unavailable: {e})")
+            why = str(e)                # `e` is unbound once the except block ends; the command runs later
+
+            @click.command(name=name, help=f"(unavailable: {why})")
             def unavailable():
-                raise EngineError(f"`engine {name}` is unavailable here: {e}", Exit.MISSING_DEP)
+                raise EngineError(f"`engine {name}` is unavailable here: {why}", Exit.MISSING_DEP)
             return unavailable
 
     def format_commands(self, ctx, formatter):

@@ -174,7 +174,7 @@ def _verify_gguf(path, as_json: bool) -> None:
     import time
     from engine.convert import file_sha256
     t0 = time.perf_counter()
-    from engine.quant.source import record_source
+    from engine.store.source import record_source
     m = GgufModel(path)                 # GgufError (exit 3) names what is wrong
     parts = [{"file": str(p), "bytes": p.stat().st_size, "sha256": file_sha256(p)} for p in m.parts]
     quant = m.record_quant()
