@@ -14,11 +14,12 @@ from engine.checkpoint import Checkpoint, CheckpointError
 from engine.config import ModelConfig
 from engine.experts.layout import DTYPES
 from engine.experts.provider import ExpertProvider
-from engine.kv_cache import KVCache
 from engine.models import model_class
 from engine.models.common import MoEModel, layer_ahead_predictor
 from engine.projection import BLOCK_SCHEMES, BLOCKS_SUFFIX
 from engine.runtime import EngineConfig
+from engine.tiers import build_provider
+from engine.tiers.ram import trim_heap
 
 DEFAULT_MAX_CONTEXT = 4096      # the KV cache is preallocated: a 128k default would take tens of GB
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
@@ -97,7 +98,6 @@ def load_model(model_dir: str | Path, provider: ExpertProvider | None = None, *,
     if provider is None:
         # No store: every expert in memory (engine.tiers.in_memory); else the GPU ← RAM ← O_DIRECT store tiers.
         # The records are asked for in the compute dtype resolved above.
-        from engine.tiers import build_provider
         # On the CPU the RAM tier fills after the model is built: the model's load reads the float vocabulary
         # (113 MB for the demo) to hold it as 8-bit blocks, and that transient then comes before the tier's
         # records rather than on top of them (the server's peak RSS: bench/demo_memory.py).
@@ -108,15 +108,15 @@ def load_model(model_dir: str | Path, provider: ExpertProvider | None = None, *,
         raise CheckpointError(f"{ckpt.dir}: expert provider holds [{lay.intermediate}x{lay.hidden}] experts, "
                               f"the checkpoint [{cfg.moe_intermediate}x{cfg.hidden}]")
 
-    kv = KVCache(cfg.num_layers, max_batch, max_context, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=device)
+    cls = model_class(cfg.arch)
+    kv = cls.make_cache(cfg, max_batch, max_context, dtype=dtype, device=device)
     weights = CheckpointWeights(ckpt, cfg.num_layers, device, dtype)
-    model = model_class(cfg.arch)(cfg, weights, provider, kv, device=device, dtype=dtype,
-                                     fused_kernels=config.fused_kernels, native_kernels=config.native_kernels)
+    model = cls(cfg, weights, provider, kv, device=device, dtype=dtype, fused_kernels=config.fused_kernels,
+                native_kernels=config.native_kernels)
     if unused := weights.unused():
         raise CheckpointError(f"{ckpt.dir}: {len(unused)} tensors are not part of the {cfg.arch} model "
                               f"(unsupported variant?), e.g. {unused[0]}")
     if defer:
-        from engine.tiers.ram import trim_heap      # the tiers' modules: only where build_provider was imported
         trim_heap()         # the build's freed transients leave the heap before the tier's records come on top
         try:
             provider.preload()

@@ -13,6 +13,7 @@ import click
 
 from engine.cli import options
 from engine.errors import EngineError, Exit
+from engine.store import manifest, model_manifest, odirect
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -115,10 +116,8 @@ def serve(model_dir, store_dir, host, port, served_name, chunk_size, max_queue, 
     except (OSError, ValueError) as e:
         raise EngineError(f"{model_dir / 'config.json'}: unreadable ({e})", Exit.BAD_MODEL) from None
     config = options.engine_config(**knobs)     # a bad knob is a usage error now, not a failed load later
-    from engine.store import manifest, model_manifest
     model_manifest.check_for_serving(model_dir)     # files there at their sizes, nothing extra (exit 8)
     if store_dir is not None:
-        from engine.store import odirect
         odirect.probe(store_dir)        # EngineError (exit 6) with the reason when refused
         manifest.load(store_dir)        # its sha256, structure and size, before listening (exit 8)
 
@@ -126,13 +125,12 @@ def serve(model_dir, store_dir, host, port, served_name, chunk_size, max_queue, 
 
     import uvicorn
 
-    from engine.server.app import create_app
+    from engine.server.app import create_app, sampling_defaults      # the server stack: once the checks passed
 
     def load():
-        from engine.llm import LLM
+        from engine.llm import LLM         # the model stack (triton on CUDA): in the loading thread, once listening
         return LLM.load(model_dir, store_dir, config, chunk_size=chunk_size, max_queue=max_queue)
 
-    from engine.server.app import sampling_defaults
     app = create_app(loader=load, served_name=served_name or model_dir.resolve().name, api_key=api_key,
                      defaults=sampling_defaults(model_dir, temperature, top_p),
                      fingerprint=fp, max_body_bytes=max_body_bytes)

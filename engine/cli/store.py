@@ -7,9 +7,15 @@ from contextlib import contextmanager
 
 import click
 
-from engine.checkpoint import CheckpointError
+from engine.checkpoint import Checkpoint, CheckpointError
 from engine.errors import EngineError, Exit
 from engine.experts.layout import DTYPES
+from engine.quant.source import record_source
+from engine.store import manifest as mf
+from engine.store import model_manifest as mm
+from engine.store.manifest import plan_offsets
+from engine.store.pack import pack_store as pack
+from engine.store.verify import verify_store as verify
 
 FLOAT_QUANTS = {"float32": "float32", "bf16": "bfloat16"}       # --quant spellings of float records
 QUANT_FLAGS = ("float32", "bf16", "int8", "int4", "gguf")
@@ -83,11 +89,6 @@ def pack_store(model_dir, store_dir, dtype, order, quant, gguf_file, readers, qu
     with O_DIRECT and checks its sha256, byte-compares a sample with the checkpoint, then publishes
     by rename. An interrupted pack leaves the old store (or none) untouched.
     """
-    from engine.checkpoint import Checkpoint
-    from engine.store.manifest import plan_offsets
-    from engine.store.pack import pack_store as pack
-
-    from engine.quant.source import record_source
     if quant in FLOAT_QUANTS:
         if dtype and dtype != FLOAT_QUANTS[quant]:
             raise EngineError(f"--quant {quant} and --dtype {dtype} disagree; give one", Exit.USAGE)
@@ -132,12 +133,8 @@ def verify_store(store_dir, model_dir, readers, quiet, as_json):
     The manifest is checked first and believed only then: its own sha256 (manifest.sha256), every field's
     type and range, and every record exactly where the layer-major order puts it (offset = index x
     record_bytes). A manifest that fails any of it is exit 8 with the reason."""
-    from engine.store import manifest as mf
-    from engine.store.verify import verify_store as verify
-
     m = mf.load(store_dir)
     if model_dir:
-        from engine.checkpoint import Checkpoint
         try:
             mf.check_matches(m, Checkpoint(model_dir), store_dir)
         except CheckpointError as e:
@@ -145,7 +142,7 @@ def verify_store(store_dir, model_dir, readers, quiet, as_json):
     with _progress(m.total_bytes, ["verify"], quiet) as advance:
         r = verify(store_dir, readers=readers, progress=(lambda n: advance("verify", n)) if advance else None)
     if as_json:
-        click.echo(json.dumps({"store": str(r.store), "quant": layout.quant, "records": r.records, "bytes": r.bytes, "seconds": r.seconds,
+        click.echo(json.dumps({"store": str(r.store), "quant": m.quant, "records": r.records, "bytes": r.bytes, "seconds": r.seconds,
                                "gbps": r.gbps, "bad": [b.__dict__ for b in r.bad]}))
     else:
         for b in r.bad:
@@ -165,7 +162,6 @@ def verify_model(model_dir, as_json):
     """Re-hash every file of a converted model against the manifest written with it (kiln-files.json);
     exit 8 naming each file that is missing, extra, truncated or changed, or the manifest if it was edited."""
     import time
-    from engine.store import model_manifest as mm
 
     t0 = time.perf_counter()
     m = mm.load(model_dir)

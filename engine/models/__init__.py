@@ -2,15 +2,13 @@
 from __future__ import annotations
 
 from engine.models.common import MoEModel
+from engine.models.glm4_moe import Glm4Moe
+from engine.models.mixtral import Mixtral
+from engine.models.qwen3_moe import Qwen3Moe
+
+MODELS: dict[str, type[MoEModel]] = {"qwen3_moe": Qwen3Moe, "glm4_moe": Glm4Moe, "mixtral": Mixtral}
 
 
 def model_class(arch: str) -> type[MoEModel]:
-    if arch == "qwen3_moe":
-        from engine.models.qwen3_moe import Qwen3Moe as cls
-    elif arch == "glm4_moe":
-        from engine.models.glm4_moe import Glm4Moe as cls
-    elif arch == "mixtral":
-        from engine.models.mixtral import Mixtral as cls
-    else:
-        raise KeyError(arch)
-    return cls
+    """The model of a checkpoint's architecture (ModelConfig.arch); KeyError for one the engine lacks."""
+    return MODELS[arch]

@@ -28,6 +28,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from engine.config import ModelConfig
 from engine.experts.provider import ExpertProvider, Predictor
+from engine.gpu.graphs import DecodeGraphs
 from engine.kernels import native, triton_decode
 from engine.kernels.quant_cpu import native_ffn_group
 from engine.kv_cache import KVCache, kv_bucket, kv_buckets, select
@@ -353,7 +354,14 @@ class MoEModel(nn.Module):
             log.info("decode attention: %d variants for %d KV buckets ready in %.1f s", n, len(buckets),
                      time.perf_counter() - t0)
 
-    # per-architecture blocks
+    # per-architecture caches and blocks
+    @classmethod
+    def make_cache(cls, cfg: ModelConfig, max_batch: int, max_context: int, *, dtype: torch.dtype, device) -> KVCache:
+        """The model's own caches, sized for max_batch sequences of max_context tokens, allocated once by the loader.
+        The scheduler (engine.llm) only hands out and frees their slots (alloc, release, free_slots), so an
+        architecture with other layer kinds declares their caches here, and nothing else special-cases them."""
+        return KVCache(cfg.num_layers, max_batch, max_context, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=device)
+
     def build_moe(self, w: WeightSource, layer: int) -> nn.Module:
         raise NotImplementedError
 
@@ -427,7 +435,6 @@ class MoEModel(nn.Module):
         allow it: a CUDA device and a graph-capturable provider. → whether decode_step now does."""
         if self.device.type != "cuda" or not self.provider.graph_capturable:
             return False
-        from engine.gpu.graphs import DecodeGraphs       # CUDA only: graphs are not part of a CPU model's load
         self.graphs = DecodeGraphs(self)
         return True
 
