@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.checkpoint import CheckpointError
+from engine.kernels import native
 from engine.kernels.quant_cpu import int4_mm
 from engine.quant.gguf import GGUF_TYPES
 from engine.quant.records import (FOUR_BIT, GGUF_BLOCK, INT4PACK_N, affine4, dequantize_int4pack, dequantize_matrix,
@@ -86,7 +87,6 @@ class Q8Projection:
         return self._dequantize(slice(None))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        from engine.kernels import native
         if x.numel() == self.in_features:
             return native.q8_gemv(x.reshape(-1).contiguous(), self.q, self.d).view(*x.shape[:-1], -1)
         x2 = x.reshape(-1, self.in_features)

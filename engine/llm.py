@@ -154,8 +154,7 @@ class LLM(Scheduler):
 
     def close(self) -> None:
         self._stop()
-        if close := getattr(self.model.provider, "close", None):
-            close()
+        self.model.provider.close()
 
     def __enter__(self):
         return self

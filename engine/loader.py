@@ -19,6 +19,8 @@ from engine.models import model_class
 from engine.models.common import MoEModel, layer_ahead_predictor
 from engine.dense_weights import BLOCK_SCHEMES, BLOCKS_SUFFIX
 from engine.engine_config import EngineConfig
+from engine.tiers import build_provider
+from engine.tiers.ram import trim_heap
 
 DEFAULT_MAX_CONTEXT = 4096      # the KV cache is preallocated: a 128k default would take tens of GB
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
@@ -97,7 +99,6 @@ def load_model(model_dir: str | Path | Checkpoint, provider: ExpertProvider | No
     if provider is None:
         # No store: every expert in memory (engine.tiers.in_memory); else the GPU ← RAM ← O_DIRECT store tiers.
         # The records are asked for in the compute dtype resolved above.
-        from engine.tiers import build_provider
         # On the CPU the RAM tier fills after the model is built: the model's load reads the float vocabulary
         # (113 MB for the demo) to hold it as 8-bit blocks, and that transient then comes before the tier's
         # records rather than on top of them (the server's peak RSS: bench/demo_memory.py).
@@ -118,7 +119,6 @@ def load_model(model_dir: str | Path | Checkpoint, provider: ExpertProvider | No
         raise CheckpointError(f"{ckpt.dir}: {len(unused)} tensors are not part of the {cfg.arch} model "
                               f"(unsupported variant?), e.g. {unused[0]}")
     if defer:
-        from engine.tiers.ram import trim_heap      # the tiers' modules: only where build_provider was imported
         trim_heap()         # the build's freed transients leave the heap before the tier's records come on top
         try:
             provider.preload()

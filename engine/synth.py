@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from engine.checkpoint import Checkpoint
 from engine.errors import EngineError, Exit
 from engine.experts.layout import ExpertLayout
 from engine.glm5_next_config import Glm5Spec, tensor_shapes
@@ -175,7 +176,6 @@ def synthesize(out: Path, store: Path, *, seed: int = 0, std: float = 0.02, devi
                quant: str = "none", arch: str = "qwen3_moe", **shape) -> dict:
     """Checkpoint (config + non-expert safetensors) in `out`, experts in the store `store`."""
     from safetensors.torch import save_file
-    from engine.checkpoint import Checkpoint
 
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     cfg = synth_config(arch, **shape)

@@ -7,6 +7,7 @@ sits beside the subpackages, not above them. Imports under `if TYPE_CHECKING:` n
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -61,6 +62,7 @@ def imports_of(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
     return found
 
 
+@functools.lru_cache(maxsize=None)          # the repository's graph is read once for all the tests
 def import_graph(root: Path = REPO) -> dict[str, set[str]]:
     modules = module_files(root)
     return {name: imports_of(name, path, modules) for name, path in modules.items()}

@@ -6,6 +6,7 @@ import time
 
 import click
 
+from engine.checkpoint import CheckpointError
 from engine.cli import options
 from engine.errors import EngineError, Exit
 
@@ -28,8 +29,7 @@ from engine.errors import EngineError, Exit
 @options.tiers
 def generate(model_dir, store_dir, prompt, chat, max_tokens, temperature, top_p, seed, **knobs):
     """Generate from a prompt on the command line (greedy or sampled)."""
-    from engine.checkpoint import CheckpointError
-    from engine.llm import LLM, SamplingParams
+    from engine.llm import LLM, SamplingParams       # the model stack (triton on CUDA): after the options are checked
 
     config = options.engine_config(max_batch=1, **knobs)
     try:

@@ -15,6 +15,7 @@ from pathlib import Path
 import click
 
 from engine.errors import EngineError, Exit
+from engine.server.chat import ChatTemplateError, encode, render
 
 
 def _messages(text: str) -> list[dict]:
@@ -101,8 +102,6 @@ def reference_decode(model_dir, gguf, messages, prompt, tokens, temperature, thr
     import torch
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from engine.server.chat import ChatTemplateError, encode, render
 
     if threads:
         torch.set_num_threads(threads)

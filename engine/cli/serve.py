@@ -14,6 +14,7 @@ import click
 from engine.cli import options
 from engine.errors import EngineError, Exit
 from engine.gguf_model import GgufModel, is_gguf
+from engine.store import manifest, model_manifest, odirect
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -129,11 +130,9 @@ def serve(model_dir, store_dir, host, port, served_name, max_body_bytes, drain_s
     else:
         fp = checkpoint_fingerprint(model_dir)
     config = options.engine_config(**knobs)     # a bad knob is a usage error now, not a failed load later
-    from engine.store import manifest, model_manifest
     if not is_gguf(model_dir):
         model_manifest.check_for_serving(model_dir)     # files there at their sizes, nothing extra (exit 8)
     if store_dir is not None:
-        from engine.store import odirect
         odirect.probe(store_dir)        # EngineError (exit 6) with the reason when refused
         manifest.load(store_dir)        # its sha256, structure and size, before listening (exit 8)
 
@@ -141,13 +140,13 @@ def serve(model_dir, store_dir, host, port, served_name, max_body_bytes, drain_s
 
     import uvicorn
 
-    from engine.server.app import create_app
+    from engine.server.app import create_app                          # the server stack: once the checks passed
+    from engine.server.endpoints import sampling_defaults
 
     def load():
-        from engine.llm import LLM
+        from engine.llm import LLM         # the model stack (triton on CUDA): in the loading thread, once listening
         return LLM.load(model_dir, store_dir, config)
 
-    from engine.server.endpoints import sampling_defaults
     app = create_app(loader=load, served_name=served_name or model_dir.resolve().name.removesuffix(".gguf"),
                      api_key=api_key,
                      defaults=sampling_defaults(model_dir, temperature, top_p),

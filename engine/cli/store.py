@@ -9,8 +9,15 @@ import click
 
 from engine.checkpoint import CheckpointError
 from engine.gguf_model import GgufModel, is_gguf
+from engine.model_source import open_checkpoint
 from engine.errors import EngineError, Exit
 from engine.experts.layout import DTYPES
+from engine.store.source import record_source
+from engine.store import manifest as mf
+from engine.store import model_manifest as mm
+from engine.store.manifest import plan_offsets
+from engine.store.pack import pack_store as pack
+from engine.store.verify import verify_store as verify
 
 FLOAT_QUANTS = {"float32": "float32", "bf16": "bfloat16"}       # --quant spellings of float records
 QUANT_FLAGS = ("float32", "bf16", "int8", "int4", "gguf")
@@ -87,11 +94,6 @@ def pack_store(model_dir, store_dir, dtype, order, quant, gguf_file, readers, qu
     with O_DIRECT and checks its sha256, byte-compares a sample with the checkpoint, then publishes
     by rename. An interrupted pack leaves the old store (or none) untouched.
     """
-    from engine.model_source import open_checkpoint
-    from engine.store.manifest import plan_offsets
-    from engine.store.pack import pack_store as pack
-
-    from engine.store.source import record_source
     if quant in FLOAT_QUANTS:
         if dtype and dtype != FLOAT_QUANTS[quant]:
             raise EngineError(f"--quant {quant} and --dtype {dtype} disagree; give one", Exit.USAGE)
@@ -142,12 +144,8 @@ def verify_store(store_dir, model_dir, gguf_path, readers, quiet, as_json):
     record_bytes). A manifest that fails any of it is exit 8 with the reason. A store of per-matrix GGML types
     (quant ggml:G,U,D) has each record's header checked against the manifest's types for its layer (exit 8),
     and with --gguf against the file's expert tensors (exit 3)."""
-    from engine.store import manifest as mf
-    from engine.store.verify import verify_store as verify
-
     m = mf.load(store_dir)
     if model_dir:
-        from engine.model_source import open_checkpoint
         try:
             mf.check_matches(m, open_checkpoint(model_dir), store_dir)
         except CheckpointError as e:
@@ -209,7 +207,6 @@ def verify_model(model_dir, as_json):
     of a type Kiln reads and of the shape its metadata says, an architecture and a tokenizer Kiln reads;
     exit 3 naming the first problem) and each part's sha256 is printed, to compare with a recipe's pin."""
     import time
-    from engine.store import model_manifest as mm
 
     if is_gguf(model_dir):
         return _verify_gguf(model_dir, as_json)

@@ -30,6 +30,8 @@ from pathlib import Path
 
 import torch
 
+from engine.quant.records import int4pack_operands, to_int4pack
+
 log = logging.getLogger("engine.kernels")
 
 SOURCE = Path(__file__).with_name("native_cpu.cpp")
@@ -154,7 +156,6 @@ def int4_ok() -> bool:
     rounding: another summation order), so the tiling it reads is the one torch packs on this CPU."""
     if lib() is None:
         return False
-    from engine.quant.records import int4pack_operands, to_int4pack
     gen = torch.Generator().manual_seed(0)
     out, inp = 128, 256
     buf = to_int4pack(torch.randint(0, 16, (out, inp), generator=gen), torch.randn(out, inp // 32, 2, generator=gen))

@@ -24,6 +24,7 @@ import torch
 from engine.experts.layout import ExpertLayout
 from engine.experts.reference import moe_reference
 from engine.kernels import import_triton
+from engine.kernels.quant_triton import quant_moe_from_slots
 from engine.kernels.triton_common import GEMV_MAX_PAIRS, sum_picks, table_args, triton_available
 
 # Triton ships with CUDA builds of torch; CPU-only installs use the reference path (and do not import triton at all).
@@ -144,7 +145,6 @@ def moe_from_slots(x, arena, slots, topk_weights, layout: ExpertLayout, expert_i
         assert slots.numel() <= GEMV_MAX_PAIRS and triton_available(x.device), \
             "a record table is read by the GEMV kernels only: at most GEMV_MAX_PAIRS picks, where Triton runs"
     if layout.quantized:
-        from engine.kernels.quant_triton import quant_moe_from_slots
         return quant_moe_from_slots(x, arena, slots, topk_weights, layout.quantized, slot_offset=slot_offset,
                                     table=table, log=log)
     if slots.numel() <= GEMV_MAX_PAIRS and triton_available(x.device):

@@ -28,6 +28,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from engine.model_config import ModelConfig
 from engine.experts.provider import ExpertProvider, Predictor
+from engine.gpu.graphs import DecodeGraphs
 from engine.kernels import native, triton_decode
 from engine.kernels.quant_cpu import native_ffn_group
 from engine.kv_cache import KVCache, kv_bucket, kv_buckets, select
@@ -353,17 +354,20 @@ class MoEModel(nn.Module):
             log.info("decode attention: %d variants for %d KV buckets ready in %.1f s", n, len(buckets),
                      time.perf_counter() - t0)
 
+    # per-architecture caches and blocks
     @staticmethod
     def caches_for(config: dict, cfg: ModelConfig, slots: int, max_len: int, *, dtype, device,
                    where: str = "config") -> KVCache:
-        """The caches this model declares (engine.loader allocates them): one standard KV cache."""
+        """The model's own caches, sized for `slots` sequences of `max_len` tokens, allocated once by the loader.
+        The scheduler (engine.scheduler) only hands out and frees their slots (engine.kv_cache.SlotCaches), so an
+        architecture with other layer kinds declares its caches here (engine.models.glm5_next) and nothing else
+        special-cases them. Here: one standard KV cache."""
         return KVCache(cfg.num_layers, slots, max_len, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=device)
 
     @property
     def caches(self) -> KVCache:
         return self.kv
 
-    # per-architecture blocks
     def build_moe(self, w: WeightSource, layer: int) -> nn.Module:
         raise NotImplementedError
 
@@ -437,7 +441,6 @@ class MoEModel(nn.Module):
         allow it: a CUDA device and a graph-capturable provider. → whether decode_step now does."""
         if self.device.type != "cuda" or not self.provider.graph_capturable:
             return False
-        from engine.gpu.graphs import DecodeGraphs       # CUDA only: graphs are not part of a CPU model's load
         self.graphs = DecodeGraphs(self)
         return True
 

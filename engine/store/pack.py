@@ -29,6 +29,7 @@ import torch
 from engine.checkpoint import Checkpoint
 from engine.model_source import open_checkpoint
 from engine.errors import EngineError, Exit
+from engine.store.source import record_source
 from engine.store import manifest as mf
 from engine.store import manifest_file
 from engine.store.odirect import aligned_buffer, open_direct, pread_full, probe, pwrite_full
@@ -63,7 +64,6 @@ def pack_store(model_dir: str | os.PathLike, store_dir: str | os.PathLike, *, dt
     cols for CPU serving). quant: "none" (float records in `dtype`), "int8"/"int4" (quantized here,
     deterministically), "gguf" (the `gguf` file's own expert blocks). progress(phase, n_bytes): phase
     'write' | 'verify'."""
-    from engine.store.source import record_source
     ck = open_checkpoint(model_dir)
     layout, make = record_source(ck, dtype=dtype, order=order, quant=quant, gguf=gguf)
     store_dir = Path(os.path.abspath(store_dir))

@@ -23,19 +23,25 @@ from pathlib import Path
 
 import torch
 
+from engine.checkpoint import Checkpoint
+from engine.cpu_layout import parse_cpu_layout
+from engine.errors import EngineError, Exit
 from engine.experts.layout import DTYPES, order_for
 from engine.experts.provider import ExpertProvider
-from engine.cpu_layout import parse_cpu_layout
 from engine.engine_config import EXPERTS, EngineConfig
+from engine.model_source import open_checkpoint
+from engine.store import manifest as mf
+from engine.store.odirect import probe
 from engine.store.source import record_source
+from engine.tiers.gpu import default_gpu_slots, gpu_reserve
 from engine.tiers.memory import InMemoryExperts
+from engine.tiers.ram import default_ram_slots
 
 log = logging.getLogger("engine.tiers")
 GIB = 1 << 30
 
 
 def _as_checkpoint(checkpoint):
-    from engine.model_source import open_checkpoint
     return open_checkpoint(checkpoint)
 
 
@@ -67,7 +73,6 @@ def choose_placement(mode: str, device_type: str, *, has_store: bool, expert_byt
     VRAM minus a reserve, or the --gpu-slots cap), else tiered; on the CPU all in memory without a
     store, tiered with one. resident / tiered force the choice. Raises EngineError for a choice that
     cannot be made (tiered without a store)."""
-    from engine.errors import EngineError, Exit
     if mode not in EXPERTS:
         raise EngineError(f"--experts {mode!r} is not one of {', '.join(EXPERTS)}", Exit.USAGE)
     gib = lambda n: f"{n / GIB:.2f} GiB"          # noqa: E731
@@ -107,7 +112,6 @@ def build_provider(checkpoint, store_dir, config: EngineConfig | None = None, *,
     (engine.tiers.lanes; the CPU device computes every expert on the CPU already). trace: append routing
     (JSON lines).
     """
-    from engine.errors import EngineError, Exit
     config = EngineConfig.of(config, **knobs)
     gpu_slots, ram_slots, readers = config.gpu_slots, config.ram_slots, config.readers
     cpu_layout, policy, experts = config.cpu_layout, config.policy, config.experts
@@ -116,8 +120,6 @@ def build_provider(checkpoint, store_dir, config: EngineConfig | None = None, *,
     device = torch.device(config.device)
     m = None
     if store_dir is not None:
-        from engine.store import manifest as mf
-        from engine.store.odirect import probe
         m = mf.load(store_dir)
         mf.check_matches(m, ck, store_dir)
         if dtype is not None and m.quant == "none" and dtype != m.layout.dtype:   # quantized records: any compute dtype
@@ -131,7 +133,6 @@ def build_provider(checkpoint, store_dir, config: EngineConfig | None = None, *,
         n, record_bytes = len(ck.moe_layers) * ck.n_experts, lay.record_bytes
     budget = None
     if device.type == "cuda":
-        from engine.tiers.gpu import gpu_reserve
         if gpu_slots is not None:
             budget = gpu_slots * record_bytes
         else:
@@ -145,14 +146,12 @@ def build_provider(checkpoint, store_dir, config: EngineConfig | None = None, *,
     if placement.kind == "memory":
         return in_memory(ck, device=device, dtype=dtype)
     if placement.kind == "resident":
-        from engine.tiers.resident import ResidentExperts
+        from engine.tiers.resident import ResidentExperts   # imports triton (the slot kernels): not at a command's start
         if m is not None:
             return ResidentExperts.from_store(store_dir, device)
         return ResidentExperts.from_checkpoint(ck, device, dtype)
 
-    from engine.tiers.gpu import default_gpu_slots
-    from engine.tiers.ram import default_ram_slots
-    from engine.tiers.tiered import TieredExperts
+    from engine.tiers.tiered import TieredExperts          # imports triton (the slot kernels): not at a command's start
     if ram_slots is None:
         ram_slots = default_ram_slots(m.record_bytes, n)
     if device.type == "cuda":

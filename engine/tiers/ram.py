@@ -16,7 +16,10 @@ from pathlib import Path
 import torch
 
 from engine.errors import EngineError, Exit
+from engine.store import manifest as mf
 from engine.store.odirect import aligned_buffer
+from engine.tiers.cache import ExpertCache, ExpertKey, make_policy
+from engine.tiers.readers import StoreReaders
 
 log = logging.getLogger("engine.tiers")
 
@@ -232,9 +235,6 @@ class RamTier:
 
     def __init__(self, manifest, store_dir, *, slots: int, readers: int, reader_cpus: set[int] | None,
                  policy: str, pin_cuda: bool):
-        from engine.tiers.cache import ExpertCache, make_policy
-        from engine.tiers.readers import StoreReaders
-        from engine.store import manifest as mf
         self.manifest = manifest
         self.cache = ExpertCache("ram", slots, make_policy(policy))
         self.arena = RamArena(slots, manifest.record_bytes, pin_cuda=pin_cuda)
@@ -266,7 +266,6 @@ class RamTier:
         """Make every expert of `experts` (at most `cache.capacity` of them) resident in RAM, reading the
         misses from the store all at once → ({expert: RAM slot}, the experts that came from the store).
         Keys in `pinned` (and these experts) are never evicted."""
-        from engine.tiers.cache import ExpertKey
         keys = {e: ExpertKey(layer, e) for e in experts}
         keep = set(pinned) | set(keys.values()) | self.held
         slots: dict[int, int] = {}

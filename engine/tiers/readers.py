@@ -12,7 +12,6 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from engine.cpu_layout import parse_cpulist
 from engine.errors import EngineError, Exit
 from engine.store.odirect import open_direct, pread_full
 

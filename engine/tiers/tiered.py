@@ -36,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from engine.errors import EngineError, Exit
 from engine.experts.layout import ExpertLayout
 from engine.experts.provider import ExpertProvider, Predictor
 from engine.tiers.waves import group_routes, moe_forward
@@ -173,7 +174,6 @@ class TieredExperts(ExpertProvider):
             self.lane, self.cpu_experts, why = None, "off", None
         if why is not None:
             if mode == "on":
-                from engine.errors import EngineError, Exit
                 raise EngineError(f"--zero-copy on: {why}", Exit.USAGE)
             log.info("zero-copy decode: off, %s", why)
             return False

@@ -65,6 +65,16 @@ def test_an_honest_rewrite_still_verifies(store, capsys):
     assert rc == 0 and f"{RECORDS} ok, 0 bad" in out, err
 
 
+def test_verify_store_json_names_the_records_quant(store, capsys):
+    """--json reports the manifest's record kind (it named an undefined variable: a NameError traceback)."""
+    capsys.readouterr()
+    rc = main(["verify-store", "-q", "--json", "--store", str(store)])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    doc = json.loads(out)
+    assert (doc["quant"], doc["records"], doc["bad"]) == (raw(store).get("quant", "none"), RECORDS, [])
+
+
 def test_any_edit_is_found_by_the_manifests_own_sha256(store, capsys):
     doc = raw(store)
     doc["created"] = "2020-01-01T00:00:00+00:00"        # harmless-looking, still an edit
