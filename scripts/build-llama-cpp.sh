@@ -6,7 +6,7 @@
 #   DEST=/somewhere JOBS=4 scripts/build-llama-cpp.sh
 #   scripts/build-llama-cpp.sh --server-dl   # into $DEST (default .kiln/cache/llama-server-dl), see below
 #
-# Result: $DEST/bin/{llama-server,llama-bench,llama-quantize} (statically linked against libllama/libggml,
+# Result: $DEST/bin/{llama-server,llama-bench,llama-quantize,rpc-server} (statically linked against libllama/libggml,
 # so the tree is relocatable), $DEST/convert_hf_to_gguf.py with the gguf-py/ and conversion/ it imports,
 # $DEST/LICENSE, and $DEST/.kiln-stamp. Idempotent: a second run with the same sdist, flags, compiler and
 # CPU prints the path and exits. $DEST is a symlink to a directory named by that key, swapped atomically
@@ -16,6 +16,10 @@
 # CI builds them fresh in each clone and nothing is shared between machines -- and a portable (-march=x86-64)
 # build is several times slower at decode, which would make llama.cpp a straw-man peer. The CPU's flag line is
 # part of the stamp key, so a cache carried to a different CPU rebuilds instead of dying on SIGILL.
+#
+# With the RPC backend (GGML_RPC=ON): llama-server's --rpc drives rpc-server workers on other hosts, the runtime of
+# a Kiln fleet recipe (runtime llama-cpp; tests/test_fleet_loopback.py runs one on loopback). It adds ggml-rpc and
+# the small rpc-server tool to the build: about two dozen seconds of the build's minutes on two cores.
 #
 # --server-dl: only `llama-server`, to sit beside a llama.cpp built elsewhere from the same sdist with
 # GGML_BACKEND_DL=ON and BUILD_SHARED_LIBS=ON: $PEER (default ../shared/peers/llama.cpp-cuda-sm90/llama-bin.tar.xz),
@@ -76,9 +80,10 @@ if [ "$MODE" = server-dl ]; then
     -DCMAKE_BUILD_WITH_INSTALL_RPATH=ON -DCMAKE_INSTALL_RPATH='$ORIGIN'   # finds the libraries beside it
   )
 else
-  TARGETS=(llama-server llama-bench llama-quantize)
+  TARGETS=(llama-server llama-bench llama-quantize rpc-server)
   PREFIX=.llama.cpp-
-  SHARED=(-DBUILD_SHARED_LIBS=OFF)                       # relocatable: no RPATH into the temp build tree
+  SHARED=(-DBUILD_SHARED_LIBS=OFF                        # relocatable: no RPATH into the temp build tree
+          -DGGML_RPC=ON)                                 # llama-server --rpc and rpc-server: a fleet's runtime
 fi
 CMAKE_FLAGS=(
   -DCMAKE_BUILD_TYPE=Release

@@ -28,6 +28,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "up": ("tool.cli.up", "up"),
     "down": ("tool.cli.up", "down"),
     "status": ("tool.cli.up", "status"),
+    "fleet-wait": ("tool.cli.fleet", "fleet_wait"),
 }
 
 SHORT_HELP = {
@@ -43,6 +44,7 @@ SHORT_HELP = {
     "up": "Preflight, fetch, prepare, verify, start, wait, check: the whole way.",
     "down": "Stop a recipe's server.",
     "status": "Show what Kiln runs on this host.",
+    "fleet-wait": "Wait for a fleet's workers to answer; name the one that does not.",
 }
 
 

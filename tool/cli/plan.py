@@ -59,10 +59,10 @@ def _fleet_addresses(ctx, param, value):
     return out
 
 
-def plan_options(f):
-    """Flags shared by `plan` and `materialise`: every one overrides a nix/lib option."""
-    f = click.option("--host", "host", default=None, metavar="NAME",
-                     help="A fleet recipe: the host to compile for (default: its head); only that host's units.")(
+def fleet_options(f):
+    """A fleet recipe's host and the operator's addresses (plan, materialise, preflight, up): nix/lib options."""
+    return click.option("--host", "host", default=None, metavar="NAME",
+                        help="A fleet recipe: the host to act for (default: its head); only that host's units.")(
         click.option("--fleet-address", "fleetAddresses", type=FleetAddress(), multiple=True,
                      callback=_fleet_addresses, help="A fleet host's address and port on the fleet network, "
                      "NAME=ADDR:PORT (repeat per host; default 127.0.0.1 and consecutive ports); the operator's, "
@@ -70,6 +70,11 @@ def plan_options(f):
             click.option("--unauthenticated-port-on-all-addresses", "unauthenticatedPortOnAllAddresses",
                          is_flag=True, default=None, help="Let a fleet address be 0.0.0.0 or ::, though a worker's "
                          "port (rpc-server, Ray) takes commands from anyone who reaches it.")(f)))
+
+
+def plan_options(f):
+    """Flags shared by `plan` and `materialise`: every one overrides a nix/lib option."""
+    f = fleet_options(f)
     for decl, kw in reversed([
         (("--state-dir", "stateDir"), dict(type=click.Path(), help=f"Kiln's state directory (default {DEFAULT_STATE_DIR}).")),
         (("--models-dir", "modelsDir"), dict(type=click.Path(), help="Where weights live (default STATE_DIR/models).")),
