@@ -55,6 +55,7 @@ class Report:
     verdict: str = "fail"
     log: str | None = None
     running: bool = False
+    run_id: str | None = None           # what `tool down` takes: the recipe's id, or <id>-<host> for a fleet worker
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -96,6 +97,7 @@ class Up:
                 raise KilnError(f"--runner systemd: {why}; use --runner foreground", Exit.MISSING_DEP)
         self.plan = compile_plan(self.recipe, self.plan_options)
         self.report.endpoint = self.plan["endpoint"]
+        self.report.run_id = self.plan["id"]
         self.refuse_if_running()
         self.step("preflight", self.preflight)
         if self.plan["runtime"] == "container":
@@ -239,6 +241,7 @@ class Up:
             self.server.record.extra["fleet_workers"] = [f"{w.name}={w.where}" for w in self.workers]
             self.server.record.save(self.dirs.run)
         self.report.limits = list(self.server.notes)
+        self.report.endpoint = self.report.endpoint or self.server.record.endpoint
         self.report.log = self.server.log
         for line in self.server.notes:
             self.say(f"{'':<10} {line}")

@@ -97,7 +97,8 @@ def up(recipe, runner, once, json_path, port, gates, load_timeout, engine_bin, s
     if report.engine:
         out.print("engine: " + ", ".join(f"{k}={v}" for k, v in report.engine.items()), markup=False)
     if report.running:
-        out.print(f"running: {report.endpoint} (log {report.log}); `tool down {r.id}` stops it", markup=False)
+        out.print(f"running: {report.endpoint} (log {report.log}); `tool down {report.run_id or r.id}` stops it",
+                  markup=False)
     if report.verdict != "pass":
         load = (report.checks or {}).get("gates", {}).get("load") or {}
         if load and not load.get("passed"):
@@ -135,6 +136,10 @@ def _recipe_id(ref: str) -> str:
 
 
 def _health(endpoint: str) -> str:
+    if endpoint.startswith("tcp://"):            # a fleet worker: no HTTP, its fleet port answers or not
+        from tool.fleet import answers, parse_peer
+        why = answers(parse_peer(f"worker={endpoint.removeprefix('tcp://')}"))
+        return "answers" if why is None else f"no answer ({why})"
     import requests
     base = endpoint.removesuffix("/v1")
     try:
