@@ -172,6 +172,10 @@ rec {
       };
       unitsByName = builtins.listToAttrs (map (n: { name = unitName ctx.unitId n; value = unitOf n; }) chain);
 
+      # A fleet worker carries only the files its own container mounts (the head's entrypoint is the head's).
+      carried = if isWorker
+        then util.filterAttrs (name: _: builtins.elem "file:${name}" (map (m: m.source) (recipe.fleet.worker.mounts or [ ]))) (recipe.files or { })
+        else recipe.files or { };
       publicStep = stepName: s:
         if s == null then null
         else { inherit (s) argv commands env mounts limits description; unit = unitName ctx.unitId stepName; }
@@ -191,7 +195,7 @@ rec {
       unitWhy = builtins.mapAttrs (_: u: u.why) unitsByName;
       files = builtins.listToAttrs (util.mapAttrsToList
         (name: f: { name = paths.files.${name}; value = { inherit (f) content; mode = f.mode or "0444"; }; })
-        (recipe.files or { }));
+        carried);
       tmpfiles = tmpfilesRules ctx;
     };
 
