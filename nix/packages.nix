@@ -68,10 +68,11 @@ let
       "-DBUILD_SHARED_LIBS=OFF" "-DLLAMA_BUILD_TESTS=OFF" "-DLLAMA_BUILD_EXAMPLES=OFF"
       "-DLLAMA_BUILD_UI=OFF" "-DLLAMA_USE_PREBUILT_UI=OFF" "-DLLAMA_BUILD_NUMBER=${lib.versions.major llamaCppVersion}"
     ];
-    ninjaFlags = [ "llama-server" "rpc-server" ];
+    ninjaFlags = [ "llama-server" "ggml-rpc-server" ];
     installPhase = ''
       runHook preInstall
-      install -Dm755 bin/llama-server bin/rpc-server -t $out/bin
+      install -Dm755 bin/llama-server -t $out/bin
+      install -Dm755 bin/ggml-rpc-server $out/bin/rpc-server   # the name llama.cpp's docs and Kiln's units use
       runHook postInstall
     '';
     meta = {
