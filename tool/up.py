@@ -17,6 +17,7 @@ from typing import Callable
 import requests
 
 from tool.errors import Exit, IntegrityError, KilnError, NetworkError, last_line
+from tool.fleet import first_silent, host_view, peers_of, wait_for
 from tool.images import present_by_digest, short
 from tool.plan import compile_plan
 from tool.state import Dirs, RunRecord, pid_alive
@@ -127,7 +128,6 @@ class Up:
     @property
     def workers(self) -> list:
         """A fleet head's workers (tool.fleet.Peer), as the plan places them; [] for any other plan."""
-        from tool.fleet import peers_of
         fleet = (self.plan or {}).get("fleet") or {}
         return peers_of(self.plan) if fleet.get("role") == "head" else []
 
@@ -151,8 +151,7 @@ class Up:
         data["serve"]["port"] = int(self.plan["options"]["port"])   # check the port that will be used
         fleet = self.plan.get("fleet")
         if fleet:                                                   # this host's needs and its peers
-            from tool.fleet import host_view
-            from tool.preflight.fleet import check as fleet_checks
+            from tool.preflight.fleet import check as fleet_checks   # with tool.preflight, imported when used
             data = host_view(data, fleet["host"])
         results = preflight.run(data, preflight.host_from_env(self.dirs.models, self.dirs.stores),
                                 serves_api=not self.is_worker, reads_weights=self.plan["steps"]["fetch"] is not None)
@@ -215,7 +214,6 @@ class Up:
 
     def wait_for_workers(self):
         """systemd cannot order units on two machines: the head waits for its workers, as its unit's ExecStartPre."""
-        from tool.fleet import wait_for
         timeout = self.plan["fleet"]["timeoutSeconds"]
         took = wait_for(self.workers, timeout)
         return "ok", f"{', '.join(map(str, self.workers))} answered in {took:.1f} s (limit {timeout} s)"
@@ -225,7 +223,6 @@ class Up:
         alive = self.server.is_alive()
         if alive is not True or not self.workers:
             return alive
-        from tool.fleet import first_silent
         silent = first_silent(self.workers)
         return True if silent is None else f"fleet worker {silent[0]} does not answer ({silent[1]})"
 

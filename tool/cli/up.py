@@ -17,6 +17,7 @@ from rich.table import Table
 from tool.cli import options
 from tool.cli.plan import fleet_options, options_from
 from tool.errors import Exit, KilnError, interrupt
+from tool.fleet import answers, first_silent, parse_peer
 
 
 def steps_table(report: dict) -> Table:
@@ -137,7 +138,6 @@ def _recipe_id(ref: str) -> str:
 
 def _health(endpoint: str) -> str:
     if endpoint.startswith("tcp://"):            # a fleet worker: no HTTP, its fleet port answers or not
-        from tool.fleet import answers, parse_peer
         why = answers(parse_peer(f"worker={endpoint.removeprefix('tcp://')}"))
         return "answers" if why is None else f"no answer ({why})"
     import requests
@@ -151,7 +151,6 @@ def _health(endpoint: str) -> str:
 
 def _fleet_health(rec) -> str:
     """A fleet head's workers: '' while every one answers, else the first that does not, named."""
-    from tool.fleet import first_silent, parse_peer
     workers = [parse_peer(w) for w in (rec.extra or {}).get("fleet_workers", [])]
     silent = first_silent(workers) if workers else None
     return "" if silent is None else f"; fleet worker {silent[0]} does not answer ({silent[1]})"

@@ -21,8 +21,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from tool.checks.liveness import exit_reason, log_tail
+from tool.checks.llama_cpp import free_port
 from tool.cpulist import parse_cpulist
 from tool.errors import KilnError, MissingDependency
+from tool.fleet import answers, parse_peer
 from tool.state import Dirs, RunRecord, pid_alive
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -214,7 +216,6 @@ def start(plan: dict, dirs: Dirs, recipe_path: str | None = None, detach: bool =
     argv = step["argv"]
     gate = step.get("gate")
     if gate:    # a fleet worker: on a private loopback port, behind the allow-list gate (tool.runners.gate)
-        from tool.checks.llama_cpp import free_port
         inner = free_port()
         argv = [a.replace("@gate_port@", str(inner)) for a in gate["argv"]]
     limits = limits_for(plan, rid)
@@ -267,7 +268,6 @@ def start(plan: dict, dirs: Dirs, recipe_path: str | None = None, detach: bool =
 def start_gate(server: Server, gate: dict, inner: int, wait_s: float = 10) -> None:
     """The worker's fleet address, admitting only the fleet's hosts, relayed to its private port; ready when the
     fleet address answers."""
-    from tool.fleet import answers, parse_peer
     rec = server.record
     proc = subprocess.Popen([sys.executable, "-m", "tool.runners.gate", "--listen", gate["listen"],
                              "--allow", ",".join(gate["allow"]), "--to", f"127.0.0.1:{inner}", "--pid", str(rec.pid)],
