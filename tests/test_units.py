@@ -40,7 +40,15 @@ def real_bins(tmp_path: Path) -> list[str]:
         docker = str(tmp_path / "docker")
         Path(docker).write_text("#!/bin/sh\nexit 0\n")
         os.chmod(docker, 0o755)
-    return [f"--tool-bin={BIN / 'tool'}", f"--engine-bin={BIN / 'engine'}", f"--docker-bin={docker}"]
+    llama = {}
+    for name in ("llama-server", "rpc-server"):      # llama.cpp's, where scripts/build-llama-cpp.sh built them
+        built = REPO / ".kiln" / "cache" / "llama.cpp" / "bin" / name
+        llama[name] = str(built) if os.access(built, os.X_OK) else str(tmp_path / name)
+        if not os.access(llama[name], os.X_OK):
+            Path(llama[name]).write_text("#!/bin/sh\nexit 0\n")
+            os.chmod(llama[name], 0o755)
+    return [f"--tool-bin={BIN / 'tool'}", f"--engine-bin={BIN / 'engine'}", f"--docker-bin={docker}",
+            f"--llama-server-bin={llama['llama-server']}", f"--rpc-server-bin={llama['rpc-server']}"]
 
 
 def materialise_cli(capsys, *argv) -> tuple[int, str, str]:
@@ -75,6 +83,26 @@ def test_every_unit_passes_systemd_analyze_verify(recipe_id, user, tmp_path, cap
     unit_dir = root / (".config/systemd/user" if user else "etc/systemd/system")
     written = out.splitlines()
     assert sorted(str(p) for p in unit_dir.glob("*.service")) == sorted(w for w in written if w.endswith(".service"))
+    assert verify(unit_dir, user, tmp_path) == "rc=0"
+
+
+FLEET_HOSTS = [(rid, host) for rid in RECIPE_IDS for host, spec in (recipes.load(rid).data.get("fleet") or {}).get(
+    "hosts", {}).items() if spec["role"] == "worker"]
+
+
+@pytest.mark.parametrize("recipe_id, host", FLEET_HOSTS)
+@pytest.mark.parametrize("user", [False, True], ids=["system", "user"])
+def test_every_fleet_workers_units_pass_systemd_analyze_verify(recipe_id, host, user, tmp_path, capsys):
+    """A fleet's worker units (rpc-server; a Ray worker's container), as `tool materialise --host` writes them on
+    that host: only its own, and systemd accepts every key (IPAddressAllow=/IPAddressDeny= included)."""
+    root = tmp_path / "root"
+    flags = ["--user"] if user else []
+    code, out, err = materialise_cli(capsys, recipe_id, "--host", host, "--root", str(root),
+                                     "--state-dir", str(tmp_path / "state"), *flags, *real_bins(tmp_path))
+    assert (code, err) == (0, "")
+    unit_dir = root / (".config/systemd/user" if user else "etc/systemd/system")
+    names = sorted(p.name for p in unit_dir.glob("*.service"))
+    assert names and all(n.startswith(f"kiln-{recipe_id}-{host}") for n in names)
     assert verify(unit_dir, user, tmp_path) == "rc=0"
 
 

@@ -42,6 +42,7 @@ def placed(at: str, says: str) -> str:
 
 PLAIN = "recipe text reaches unit files, command lines and terminals, and none belongs there"
 OPERATOR_SETS = "the operator sets it (the environment file, or the NixOS module's extraEnv), never a recipe"
+FLEET_KNOB = "which is the operator's (tool plan --fleet-address, the NixOS module's fleet options); Kiln adds it"
 SECRET_FLAG = "which is the operator's, not the recipe's (a secret goes in the operator's environment file)"
 
 # invalid/<entry> -> every (file under invalid/, JSON path, message) it must produce, and nothing else
@@ -219,6 +220,35 @@ EXPECTED: dict[str, list[tuple[str, str, str]]] = {
         ("container-recipe-carries-a-secret.json", "$.env.VLLM_API_KEY", f"VLLM_API_KEY is a secret: {OPERATOR_SETS}"),
         ("container-recipe-carries-a-secret.json", "$.steps.serve.args[16]", f"step serve: --api-key sets the API key, {SECRET_FLAG}"),
     ],
+    # fleets (tool/validate.py: fleet_is_one_head_and_its_workers; the schema's fleetHost and llamaCpp)
+    "fleet-without-a-head.json": [
+        ("fleet-without-a-head.json", "$.fleet.hosts", "a fleet has exactly one host with role head, this one has 0"),
+    ],
+    "fleet-with-two-heads.json": [
+        ("fleet-with-two-heads.json", "$.fleet.hosts",
+         "a fleet has exactly one host with role head, this one has 2 (head, worker-b)"),
+    ],
+    "fleet-on-native-runtime.json": [
+        ("fleet-on-native-runtime.json", "$.runtime.kind",
+         "runtime \"native\" cannot span hosts: a fleet deploys llama.cpp's RPC backend (llama-cpp) or vLLM on Ray "
+         "(container)"),
+    ],
+    "fleet-worker-sets-its-address.json": [
+        ("fleet-worker-sets-its-address.json", "$.fleet.worker.args[0]", f"--host sets the worker's fleet address, {FLEET_KNOB}"),
+        ("fleet-worker-sets-its-address.json", "$.fleet.worker.args[2]", f"-p sets the worker's fleet port, {FLEET_KNOB}"),
+    ],
+    "fleet-head-names-its-workers.json": [
+        ("fleet-head-names-its-workers.json", "$.steps.serve.args[19]", f"--rpc sets the workers' fleet addresses, {FLEET_KNOB}"),
+    ],
+    "fleet-host-with-gpus-but-no-card.json": [
+        ("fleet-host-with-gpus-but-no-card.json", "$.fleet.hosts['worker-a']", 'missing required field "card"'),
+        ("fleet-host-with-gpus-but-no-card.json", "$.fleet.hosts['worker-a']", 'missing required field "min_vram_bytes"'),
+    ],
+    "llama-cpp-runtime-without-its-object.json": [
+        ("llama-cpp-runtime-without-its-object.json", "$.runtime", 'missing required field "llama_cpp"'),
+        ("llama-cpp-runtime-without-its-object.json", "$.runtime.native",
+         "runtime kind is llama-cpp: this object belongs to a native runtime"),
+    ],
     # JSON a recipe may not be (tool/recipes.py: decode)
     "duplicate-key.json": [
         ("duplicate-key.json", "$",
@@ -307,7 +337,8 @@ def test_load_by_id_validates(rid, at_repo):
 
 def test_valid_fixtures_are_valid(at_repo):
     files, problems = validate.check_paths([VALID])
-    assert sorted(f.name for f in files) == ["container-minimal.json", "container.json", "native.json"]
+    assert sorted(f.name for f in files) == ["container-minimal.json", "container.json", "fleet-container.json",
+                                             "fleet-llama-cpp.json", "native.json"]
     assert problems == []
 
 
@@ -408,13 +439,13 @@ def test_a_duplicate_id_across_recipes_dirs_names_both_files(at_repo, monkeypatc
 
 def test_the_same_file_named_twice_is_validated_once(at_repo):
     files, problems = validate.check_paths([REPO / REAL[0], REAL[0], REPO / "recipes" / "nvidia"])
-    assert len(files) == 2 and problems == []
+    assert len(files) == len(list((REPO / "recipes" / "nvidia").rglob("*.json"))) and problems == []
 
 
 def test_unknown_recipe_id_suggests_close_ids(at_repo):
     with pytest.raises(RecipeError) as e:
         recipes.load("glm-5.3-flsh")
-    assert e.value.message == "unknown recipe 'glm-5.3-flsh'; did you mean glm-5.3-flash, glm-5.3?"
+    assert e.value.message == "unknown recipe 'glm-5.3-flsh'; did you mean glm-5.3-flash, glm-5.3, glm-5.3-2-hosts?"
     assert e.value.exit_code == Exit.BAD_RECIPE
 
 
@@ -434,7 +465,8 @@ def invoke(*args):
 def test_cli_default_validates_every_recipe(at_repo, monkeypatch):
     monkeypatch.delenv("KILN_RECIPES")
     result = invoke()
-    assert (result.exit_code, result.stdout, result.stderr) == (0, "", "3 recipes, 0 errors\n")
+    n = len([p for p in (REPO / "recipes").rglob("*.json") if p.name != "schema.json"])
+    assert (result.exit_code, result.stdout, result.stderr) == (0, "", f"{n} recipes, 0 errors\n")
 
 
 def test_cli_prints_every_error_then_a_summary(at_repo):
@@ -486,7 +518,8 @@ def test_the_installed_console_script(at_repo):
         3, "".join(line + "\n" for line in lines("image-not-pinned-by-digest.json") + lines("malformed-json.json")),
         "2 recipes, 2 errors\n")
     good = subprocess.run([str(tool), "validate"], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
-    assert (good.returncode, good.stdout, good.stderr) == (0, "", "3 recipes, 0 errors\n")
+    n = len([p for p in (REPO / "recipes").rglob("*.json") if p.name != "schema.json"])
+    assert (good.returncode, good.stdout, good.stderr) == (0, "", f"{n} recipes, 0 errors\n")
 
 
 def test_recipe_modules_import_one_way():

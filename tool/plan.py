@@ -72,6 +72,10 @@ def describe_limits(limits: dict) -> str:
 def render(plan: dict) -> str:
     """Human form of a plan: per step its unit, each command shell-quoted, and its limits."""
     lines = [f"{plan['id']} ({plan['runtime']})"]
+    if fleet := plan.get("fleet"):
+        where = lambda h: f"{h['name']} {h['address']}:{h['port']}"
+        lines.append(f"fleet: this is {fleet['role']} {where(fleet['self'])}; "
+                     f"workers {', '.join(where(w) for w in fleet['workers'])}; admits {', '.join(fleet['allow'])}")
     for name in STEP_ORDER:
         step = plan["steps"].get(name)
         if step is None:

@@ -17,13 +17,15 @@ from typing import Callable
 import requests
 
 from tool.errors import Exit, IntegrityError, KilnError, NetworkError, last_line
+from tool.fleet import first_silent, host_view, peers_of, wait_for
 from tool.images import present_by_digest, short
 from tool.pids import pid_alive
 from tool.plan import compile_plan, plan_options
+from tool.programs import llama_cpp_program
 from tool.run_record import RunRecord
 from tool.state import Dirs
 
-STEPS = ("preflight", "pull", "fetch", "prepare", "verify", "serve", "checks")
+STEPS = ("preflight", "pull", "fetch", "prepare", "verify", "workers", "serve", "checks")
 
 
 @dataclass
@@ -41,6 +43,7 @@ class Options:
     gates: list[str] | None = None
     load_timeout_s: float | None = None
     stop_timeout_s: float = 30.0
+    fleet: dict = field(default_factory=dict)   # a fleet recipe: host, fleetAddresses, … (nix/lib's options)
 
 
 @dataclass
@@ -55,6 +58,7 @@ class Report:
     verdict: str = "fail"
     log: str | None = None
     running: bool = False
+    run_id: str | None = None           # what `tool down` takes: the recipe's id, or <id>-<host> for a fleet worker
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -66,7 +70,10 @@ class Up:
         self.recipe, self.dirs, self.opts, self.say = recipe, dirs, opts, say
         self.reporter, self.progress = reporter, progress
         self.report = Report(recipe.id, opts.runner)
-        self.plan_options = {**plan_options(dirs), **({"port": opts.port} if opts.port else {})}
+        self.plan_options = {**plan_options(dirs), **({"port": opts.port} if opts.port else {}), **opts.fleet}
+        if recipe.runtime == "llama-cpp":
+            self.plan_options |= {"llamaServerBin": llama_cpp_program("llama-server"),
+                                  "rpcServerBin": llama_cpp_program("rpc-server")}
         self.plan: dict | None = None
         self.server = None
 
@@ -91,6 +98,7 @@ class Up:
                 raise KilnError(f"--runner systemd: {why}; use --runner foreground", Exit.MISSING_DEP)
         self.plan = compile_plan(self.recipe, self.plan_options)
         self.report.endpoint = self.plan["endpoint"]
+        self.report.run_id = self.plan["id"]
         self.refuse_if_running()
         self.step("preflight", self.preflight)
         if self.plan["runtime"] == "container":
@@ -98,10 +106,13 @@ class Up:
         self.step("fetch", self.fetch)
         self.step("prepare", self.prepare)
         self.step("verify", self.verify)
+        if self.workers:
+            self.step("workers", self.wait_for_workers)
         try:
             self.step("serve", self.serve)
             self.step("checks", self.checks)
-            self.report.engine = scrape_metrics(self.report.endpoint)
+            if not self.is_worker:
+                self.report.engine = scrape_metrics(self.report.endpoint)
         except BaseException:
             self.stop_server()
             raise
@@ -114,21 +125,38 @@ class Up:
         return self.report
 
     # -- the steps --------------------------------------------------------------------------------
+    @property
+    def workers(self) -> list:
+        """A fleet head's workers (tool.fleet.Peer), as the plan places them; [] for any other plan."""
+        fleet = (self.plan or {}).get("fleet") or {}
+        return peers_of(self.plan) if fleet.get("role") == "head" else []
+
+    @property
+    def is_worker(self) -> bool:
+        return ((self.plan or {}).get("fleet") or {}).get("role") == "worker"
+
     def refuse_if_running(self) -> None:
-        rec = RunRecord.load(self.dirs.run, self.recipe.id)
+        rec = RunRecord.load(self.dirs.run, self.plan["id"])
         if rec is None:
             return
         if rec.runner == "foreground" and not pid_alive(rec.pid):
             rec.forget(self.dirs.run)       # it died or was stopped outside `tool down`
             return
-        raise KilnError(f"{self.recipe.id} already runs ({rec.runner}, pid {rec.pid or '-'}, {rec.endpoint}): "
-                        f"`tool down {self.recipe.id}` first")
+        raise KilnError(f"{self.plan['id']} already runs ({rec.runner}, pid {rec.pid or '-'}, {rec.endpoint}): "
+                        f"`tool down {self.plan['id']}` first")
 
     def preflight(self):
         from tool import preflight
         data = copy.deepcopy(self.recipe.data)
         data["serve"]["port"] = int(self.plan["options"]["port"])   # check the port that will be used
-        results = preflight.run(data, preflight.host_from_env(self.dirs.models, self.dirs.stores))
+        fleet = self.plan.get("fleet")
+        if fleet:                                                   # this host's needs and its peers
+            from tool.preflight.fleet import check as fleet_checks   # with tool.preflight, imported when used
+            data = host_view(data, fleet["host"])
+        results = preflight.run(data, preflight.host_from_env(self.dirs.models, self.dirs.stores),
+                                serves_api=not self.is_worker, reads_weights=self.plan["steps"]["fetch"] is not None)
+        if fleet:       # the peers are waited for below (the workers step), with the recipe's timeout
+            results += fleet_checks(self.plan, peers=False)
         failing = preflight.failures(results)
         warns = [c for c in results if c.status == "warn"]
         if failing:
@@ -154,6 +182,8 @@ class Up:
         return "ok", f"{short(image)} pulled by digest"
 
     def fetch(self):
+        if self.plan["steps"]["fetch"] is None:
+            return "none", "this fleet host reads no weights (the head sends rpc-server the tensors it computes)"
         from tool.fetch import Progress, fetch
         from tool.weights import read_marker, verify_offline, weights_dir
         where = weights_dir(self.recipe, self.dirs.models)
@@ -182,6 +212,20 @@ class Up:
             raise KilnError(f"verify: {r.detail}", r.exit_code if r.exit_code != Exit.OK else Exit.INTEGRITY)
         return "ok", r.detail
 
+    def wait_for_workers(self):
+        """systemd cannot order units on two machines: the head waits for its workers, as its unit's ExecStartPre."""
+        timeout = self.plan["fleet"]["timeoutSeconds"]
+        took = wait_for(self.workers, timeout)
+        return "ok", f"{', '.join(map(str, self.workers))} answered in {took:.1f} s (limit {timeout} s)"
+
+    def alive(self):
+        """The server runs and, for a fleet head, every worker answers; else why not, naming the worker."""
+        alive = self.server.is_alive()
+        if alive is not True or not self.workers:
+            return alive
+        silent = first_silent(self.workers)
+        return True if silent is None else f"fleet worker {silent[0]} does not answer ({silent[1]})"
+
     def serve(self):
         from tool.runners import foreground, systemd
         if self.opts.runner == "systemd":
@@ -190,17 +234,24 @@ class Up:
             self.server = _SystemdServer(rec)
             return "ok", f"started {rec.unit}"
         self.server = foreground.start(self.plan, self.dirs, str(self.recipe.path), detach=not self.opts.once)
+        if self.workers:                # `tool status` names a worker that stops answering
+            self.server.record.extra["fleet_workers"] = [f"{w.name}={w.where}" for w in self.workers]
+            self.server.record.save(self.dirs.run)
         self.report.limits = list(self.server.notes)
+        self.report.endpoint = self.report.endpoint or self.server.record.endpoint
         self.report.log = self.server.log
         for line in self.server.notes:
             self.say(f"{'':<10} {line}")
         return "ok", f"pid {self.server.record.pid}: {' '.join(self.plan['steps']['serve']['argv'][:2])} …, log {self.server.log}"
 
     def checks(self):
+        if self.is_worker:
+            self.report.verdict = "pass"
+            return "none", f"a fleet worker serves no API: it answers on its fleet address {self.server.record.endpoint}"
         from tool.checks.runner import run_checks
         from tool.checks.baseline import from_plan
         limits = {"load_timeout_s": self.opts.load_timeout_s} if self.opts.load_timeout_s else {}
-        evidence = run_checks(self.recipe, self.report.endpoint, self.opts.gates, is_alive=self.server.is_alive,
+        evidence = run_checks(self.recipe, self.report.endpoint, self.opts.gates, is_alive=self.alive,
                               evidence_dir=self.dirs.evidence, reporter=self.reporter,
                               baseline=from_plan(self.plan), **limits)
         self.report.checks = evidence

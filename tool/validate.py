@@ -266,7 +266,7 @@ def _mount_label(source) -> str:
 def writes_only_on_writable_mounts(recipe: Recipe) -> Iterator[tuple[Where, str]]:
     """A step may write only below a writable mount and below no read-only one: inputs
     (weights, files) stay untouched, whatever the mount order makes the paths overlap."""
-    native = _get(recipe.data, "runtime", "kind") == "native"
+    native = isinstance(_get(recipe.data, "runtime", "kind"), str) and _get(recipe.data, "runtime", "kind") in NATIVE_KINDS
     for name, step in _steps(recipe.data):
         writes = step.get("writes")
         if not isinstance(writes, list):
@@ -493,13 +493,19 @@ def _flag_problems(words: list, native: bool) -> Iterator[tuple[int, str]]:
                           f"operator's (tool plan {knob}, the NixOS module's options); write {flag} {want}")
 
 
+# Runtimes whose steps run as a program under systemd, with their runtime object: they name --host/--port as
+# @host@/@port@ and see the store and weights by placeholder.
+NATIVE_KINDS = {"native": "native", "llama-cpp": "llama_cpp"}
+
+
 def operator_knobs_stay_the_operators(recipe: Recipe) -> Iterator[tuple[Where, str]]:
     """A recipe cannot widen where the server listens, turn off its auth or load code through its args or env.
 
     Container args are the words after the image, read by the server inside: its --host is the
     container's own interface, and the host side is docker's -p, bound to the operator's address."""
     # (a "native" recipe without its runtime.native object is refused by the schema already)
-    native = _get(recipe.data, "runtime", "kind") == "native" and isinstance(_get(recipe.data, "runtime", "native"), dict)
+    kind = _get(recipe.data, "runtime", "kind")
+    native = isinstance(kind, str) and kind in NATIVE_KINDS and isinstance(_get(recipe.data, "runtime", NATIVE_KINDS[kind]), dict)
     for name, step in _steps(recipe.data):
         for where, words in _argv_words(step):
             for i, message in _flag_problems(words, native):
@@ -508,7 +514,8 @@ def operator_knobs_stay_the_operators(recipe: Recipe) -> Iterator[tuple[Where, s
     if isinstance(baseline, list):
         for i, message in _flag_problems(baseline, native):
             yield ("checks", "decode_baseline", "args", i), f"decode_baseline: {message}"
-    envs = [(("env",), _get(recipe.data, "env"))] + [(("steps", n, "env"), s.get("env")) for n, s in _steps(recipe.data)]
+    envs = ([(("env",), _get(recipe.data, "env"))] + [(("steps", n, "env"), s.get("env")) for n, s in _steps(recipe.data)]
+            + [(("fleet", "worker", "env"), _get(recipe.data, "fleet", "worker", "env"))])
     for where, env in envs:
         if not isinstance(env, dict):
             continue
@@ -522,7 +529,49 @@ def operator_knobs_stay_the_operators(recipe: Recipe) -> Iterator[tuple[Where, s
                                        "module's extraEnv), never a recipe")
 
 
+# ---------------------------------------------------------------- fleets
+
+# Where a fleet's worker listens and which workers the head drives are the operator's (--fleet-address):
+# the compiler adds rpc-server's --host/--port and llama-server's --rpc; a recipe naming them is refused.
+FLEET_OPERATOR_FLAGS = {
+    "worker": {"--host": "the worker's fleet address", "-H": "the worker's fleet address",
+               "--port": "the worker's fleet port", "-p": "the worker's fleet port"},
+    "head": {"--rpc": "the workers' fleet addresses"},
+}
+FLEET_RUNTIMES = ("llama-cpp", "container")
+
+
+def fleet_is_one_head_and_its_workers(recipe: Recipe) -> Iterator[tuple[Where, str]]:
+    """A fleet has exactly one head (it serves the API and drives the workers) and runs on a runtime that has a
+    distributed engine to deploy (llama.cpp's RPC backend, vLLM on Ray in a container): Kiln's engine has none."""
+    fleet = _get(recipe.data, "fleet")
+    if not isinstance(fleet, dict):
+        return
+    hosts = fleet.get("hosts")
+    if isinstance(hosts, dict) and all(isinstance(h, dict) for h in hosts.values()):
+        heads = sorted(n for n, h in hosts.items() if h.get("role") == "head")
+        if len(heads) != 1:
+            named = f" ({', '.join(heads)})" if heads else ""
+            yield ("fleet", "hosts"), (f"a fleet has exactly one host with role head, this one has {len(heads)}{named}")
+    kind = _get(recipe.data, "runtime", "kind")
+    if isinstance(kind, str) and kind not in FLEET_RUNTIMES:
+        yield ("runtime", "kind"), (f"runtime {_show(kind)} cannot span hosts: a fleet deploys llama.cpp's RPC backend "
+                                    "(llama-cpp) or vLLM on Ray (container)")
+    roles = [("worker", ("fleet", "worker", "args"), _get(fleet, "worker", "args"))]
+    if kind == "llama-cpp":
+        roles.append(("head", ("steps", "serve", "args"), _get(recipe.data, "steps", "serve", "args")))
+    for role, where, words in roles:
+        if not isinstance(words, list):
+            continue
+        for i, word in enumerate(words):
+            flag = word.partition("=")[0] if isinstance(word, str) else None
+            if kind == "llama-cpp" and flag in FLEET_OPERATOR_FLAGS[role]:
+                yield where + (i,), (f"{flag} sets {FLEET_OPERATOR_FLAGS[role][flag]}, which is the operator's "
+                                     "(tool plan --fleet-address, the NixOS module's fleet options); Kiln adds it")
+
+
 RULES = (
+    fleet_is_one_head_and_its_workers,
     text_is_plain,
     numbers_fit,
     operator_knobs_stay_the_operators,

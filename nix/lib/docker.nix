@@ -6,14 +6,18 @@
 # The same argv drives podman (o.containerRuntime = "podman": its CLI takes these flags), and GPUs
 # are either docker's --gpus (the seeds' flag, the default) or CDI devices (o.gpuMode = "cdi", what
 # NixOS' hardware.nvidia-container-toolkit generates specs for).
-{ util, hardening, units }:
+#
+# A fleet (recipe.fleet, vLLM on Ray): the head's and the workers' containers share their host's network
+# (--network host, as vLLM's multi-node guide runs them): Ray and NCCL open ports of their own between the
+# hosts, which docker's -p cannot publish. They learn their place from KILN_FLEET_* variables.
+{ util, hardening, units, fleet }:
 let
   inherit (util) optional optionals mapAttrsToList;
   inherit (units) commandLine;
 in
 rec {
   containerName = ctx: stepName:
-    if stepName == "serve" then "kiln-${ctx.id}" else "kiln-${ctx.id}-${stepName}";
+    if stepName == "serve" then "kiln-${ctx.unitId}" else "kiln-${ctx.unitId}-${stepName}";
 
   # Recipe mount sources name Kiln's own directories.
   hostPath = ctx: source:
@@ -43,7 +47,7 @@ rec {
 
   # The first published port is the serve port, so the `port` option moves it.
   portArgs = ctx: step:
-    let ports = step.ports or [ ]; in
+    let ports = if ctx.o.fleet != null then [ ] else step.ports or [ ]; in
     builtins.concatLists (builtins.genList
       (i:
         let p = builtins.elemAt ports i;
@@ -82,6 +86,22 @@ rec {
     ++ optionals (l.shmSize != null) [ "--shm-size" l.shmSize ]
     ++ optionals (l.cpus != null) [ "--cpuset-cpus" l.cpus ];
 
+  # What a fleet's container is told about its place (Kiln's names: a recipe cannot set KILN_*).
+  fleetEnv = ctx:
+    let f = ctx.o.fleet; in
+    if f == null then { } else {
+      KILN_FLEET_HOST = f.self.address;
+      KILN_FLEET_PORT = toString f.self.port;
+      KILN_FLEET_HEAD = fleet.endpoint f.head;
+      KILN_FLEET_WORKERS = builtins.concatStringsSep "," (fleet.workerList f);
+      KILN_FLEET_TIMEOUT_S = toString f.timeoutSeconds;
+      # vLLM and NCCL pick this host's interface by its address
+      VLLM_HOST_IP = f.self.address;
+    };
+
+  # A fleet's worker: the recipe's image running fleet.worker's args (a Ray worker joining the head).
+  worker = ctx: step ctx "serve" (ctx.recipe.fleet.worker // { ports = [ ]; });
+
   argv = ctx: stepName: step:
     let
       c = ctx.recipe.runtime.container;
@@ -98,11 +118,13 @@ rec {
     # Narrowing only: no setuid escalation inside; no network for steps that only read and write disks.
     ++ [ "--security-opt" "no-new-privileges" ]
     ++ optionals (stepName != "serve") [ "--network" "none" ]
+    ++ optionals (stepName == "serve" && ctx.o.fleet != null) [ "--network" "host" ]
     ++ gpuArgs o (step.gpus or null)
     ++ portArgs ctx step
     ++ optionals ((c.ipc or null) != null) [ "--ipc" c.ipc ]
     ++ limitArgs l
     ++ envArgs env restKeys
+    ++ optionals (stepName == "serve") (envArgs (fleetEnv ctx) (builtins.attrNames (fleetEnv ctx)))
     ++ optionals (o.environmentFile != null) [ "--env-file" o.environmentFile ]
     ++ optionals ((c.entrypoint or null) != null) [ "--entrypoint" c.entrypoint ]
     ++ volumeArgs (mounts ctx step)
@@ -140,7 +162,9 @@ rec {
         ExecStart = commandLine command;
         ExecStop = "-" + commandLine (docker [ "stop" "--time" "60" name ]);
       } // (if o.userUnits || podman then { } else { SupplementaryGroups = "docker"; });
-      why = (if podman then { } else sandbox.why) // (if o.userUnits || podman then { } else {
+      why = (if podman then { } else sandbox.why) // (if isServe && o.fleet != null then {
+        PrivateNetwork = "a fleet's container runs on the host's network (--network host; Ray and NCCL talk between the hosts); the unit's own network sandbox would not reach it: a container is not in this unit's cgroup, so the fleet network's firewall, not IPAddressAllow=, keeps others out of Ray's ports";
+      } else { }) // (if o.userUnits || podman then { } else {
         SupplementaryGroups = "the docker client needs the daemon's socket; the workload's own user is docker's --user";
       }) // {
         ExecStart = (if runAsRoot then "podman runs as root without a sandbox (it builds the container itself; see nix/lib/docker.nix); " else "") + "the limits are docker flags (--memory, --memory-swap, --ulimit, --shm-size): the container is not in this unit's cgroup";

@@ -1,9 +1,10 @@
-# The native runtime: Kiln's own engine run directly as a systemd service. Its limits are
-# systemd directives (it lives in the unit's cgroup), its sandbox is the usual hardening,
-# and its writable paths are exactly the ones the recipe says the step writes.
-{ util, hardening, units }:
+# The native runtimes: Kiln's own engine (kind native) or llama.cpp's llama-server (kind llama-cpp; a fleet's
+# workers run its rpc-server) run directly as systemd services. Their limits are systemd directives (the process
+# lives in the unit's cgroup), their sandbox is the usual hardening, and their writable paths are exactly the
+# ones the recipe says the step writes.
+{ util, hardening, units, fleet }:
 let
-  inherit (util) optional hasInfix;
+  inherit (util) optional optionals hasInfix;
   inherit (units) commandLine environmentLine;
   sources = [ "weights" "store" ];
 in
@@ -46,15 +47,29 @@ rec {
   # A recipe step has either `args` (one command) or `commands` (several, run in order).
   stepCommands = ctx: step: map (args: args ++ quantArgs ctx args) (step.commands or [ step.args ]);
 
-  commands = ctx: step:
-    map (args: [ ctx.o.engineBin ] ++ map ctx.substitute args) (stepCommands ctx step);
+  isEngine = ctx: ctx.runtime == "native";
+  # The program every step runs, and the runtime object that holds its limits.
+  program = ctx: if isEngine ctx then ctx.o.engineBin else ctx.o.llamaServerBin;
+  runtimeObject = ctx: if isEngine ctx then ctx.recipe.runtime.native else ctx.recipe.runtime.llama_cpp;
 
-  # The serve step's batch and prefill chunk come from the recipe's `serve` fields (the schema's contract),
-  # appended last so they win over the same flags in args (click takes the last).
+  commands = ctx: step:
+    map (args: [ (program ctx) ] ++ map ctx.substitute args) (stepCommands ctx step);
+
+  # The engine's batch and prefill chunk come from the recipe's `serve` fields (the schema's contract),
+  # appended last so they win over the same flags in args (click takes the last). A fleet's llama-server head
+  # gets its workers from the operator's fleet addresses (--rpc) and its host's thread count.
   serveFlags = ctx:
-    let s = ctx.recipe.serve; in
-    [ "--max-batch" (toString s.max_batch_size) ]
-    ++ optional (s ? chunk_size) "--chunk-size" ++ optional (s ? chunk_size) (toString s.chunk_size);
+    let
+      s = ctx.recipe.serve;
+      f = ctx.o.fleet;
+      threads = if f == null then null else f.spec.cpu.threads or null;
+    in
+    if isEngine ctx then
+      [ "--max-batch" (toString s.max_batch_size) ]
+      ++ optional (s ? chunk_size) "--chunk-size" ++ optional (s ? chunk_size) (toString s.chunk_size)
+    else
+      optionals (threads != null) [ "--threads" (toString threads) ]
+      ++ optionals (f != null && f.workers != [ ]) [ "--rpc" (builtins.concatStringsSep "," (map fleet.endpoint f.workers)) ];
 
   # What a step touches follows from the placeholders it uses; `writes` marks the writable ones.
   mounts = ctx: step:
@@ -71,13 +86,13 @@ rec {
       })
       sources;
 
-  isGpu = ctx: (ctx.recipe.runtime.native.device or "cpu") != "cpu";
+  isGpu = ctx: ((runtimeObject ctx).device or "cpu") != "cpu";
 
   limits = ctx: {
     enforcedBy = "systemd";
     memoryBytes = ctx.o.memoryBytes;
     memorySwapBytes = ctx.o.memorySwapBytes;
-    memlock = ctx.recipe.runtime.native.memlock or null;
+    memlock = (runtimeObject ctx).memlock or null;
     cpus = ctx.o.cpus;
     gpus = if isGpu ctx then "all" else null;
   };
@@ -101,9 +116,12 @@ rec {
       ms = mounts ctx recipeStep;
       l = limits ctx;
       env = (ctx.recipe.env or { }) // (recipeStep.env or { }) // o.extraEnv;
+      f = ctx.o.fleet;
+      # systemd cannot order units on two machines: the head's unit waits for its workers' ports itself.
+      waitForWorkers = isServe && f != null && f.workers != [ ];
       sandbox = hardening.sandbox {
         network = isServe;
-        jit = true;
+        jit = isEngine ctx;
         gpu = isGpu ctx;
         writes = map (m: m.host) (builtins.filter (m: !m.readOnly) ms);
         userUnits = o.userUnits;
@@ -120,11 +138,53 @@ rec {
         Type = if isServe then "exec" else "oneshot";
         ExecStart = map commandLine cmds;
         Environment = util.mapAttrsToList environmentLine env;
-      } // (if isServe then { CacheDirectory = "kiln-${ctx.id}"; } else { });
+      } // (if isServe && isEngine ctx then { CacheDirectory = "kiln-${ctx.id}"; } else { })
+        // (if waitForWorkers then { ExecStartPre = commandLine (waitArgv ctx); } else { });
       why = sandbox.why // (if l.memlock != null then {
-        LimitMEMLOCK = "the engine page-locks its RAM expert tier so NVMe reads and GPU copies can use it directly";
-      } else { }) // (if isServe then {
+        LimitMEMLOCK = if isEngine ctx then "the engine page-locks its RAM expert tier so NVMe reads and GPU copies can use it directly"
+          else "llama.cpp's --mlock keeps the model resident";
+      } else { }) // (if isServe && isEngine ctx then {
         CacheDirectory = "the engine builds its CPU kernels for this machine once (g++) and keeps them here ($CACHE_DIRECTORY)";
       } else { });
+    };
+
+  # `tool fleet-wait`: every worker's port answers within the recipe's timeout, or one line names the first
+  # that did not (the unit fails, Restart= tries again).
+  waitArgv = ctx:
+    let f = ctx.o.fleet; in
+    [ ctx.o.toolBin "fleet-wait" "--timeout" (toString f.timeoutSeconds) ] ++ fleet.workerList f;
+
+  # A fleet worker: llama.cpp's rpc-server on the operator's fleet address, its threads and CPUs from the
+  # recipe's host. It authenticates nobody, so its unit admits only the fleet's hosts (IPAddressAllow=, enforced
+  # by the kernel through the unit's cgroup). Where there is no systemd, `gate` says how the foreground runner
+  # enforces the same: rpc-server on a private loopback port behind Kiln's allow-list gate on the fleet address.
+  worker = ctx:
+    let
+      f = ctx.o.fleet;
+      w = ctx.recipe.fleet.worker;
+      threads = optionals (f.spec.cpu ? threads) [ "--threads" (toString f.spec.cpu.threads) ];
+      rpc = address: port: [ ctx.o.rpcServerBin "--host" address "--port" port ] ++ threads ++ map ctx.substitute w.args;
+      argv = rpc f.self.address (toString f.self.port);
+      env = (ctx.recipe.env or { }) // (w.env or { }) // ctx.o.extraEnv;
+      l = limits ctx;
+      sandbox = hardening.sandbox { network = true; gpu = isGpu ctx; userUnits = ctx.o.userUnits; };
+    in
+    {
+      inherit argv env;
+      commands = [ argv ];
+      mounts = [ ];
+      limits = l;
+      description = w.description or null;
+      gate = { listen = fleet.endpoint f.self; inherit (f) allow; argv = rpc "127.0.0.1" "@gate_port@"; };
+      service = sandbox.service // limitDirectives l // {
+        Type = "exec";
+        ExecStart = commandLine argv;
+        Environment = util.mapAttrsToList environmentLine env;
+        IPAddressAllow = f.allow;
+        IPAddressDeny = "any";
+      };
+      why = sandbox.why // {
+        IPAddressDeny = "rpc-server authenticates no caller: the kernel drops every packet but the fleet's hosts' (IPAddressAllow=)";
+      };
     };
 }

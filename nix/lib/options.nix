@@ -1,21 +1,24 @@
 # Resolve the compiler's options: every one has a default, and the NixOS module and
 # `tool plan` flags override any of them. The resolved set is part of the plan, so a
 # reader sees exactly what the units were made from.
-{ util }:
+{ util, fleet }:
 let
   inherit (util) get;
 
-  # The memory cap a recipe declares, whichever runtime it uses.
-  recipeMemory = recipe:
+  # The memory cap a recipe declares, whichever runtime it uses; a fleet host's own cap wins.
+  recipeMemory = recipe: hostSpec:
     let rt = recipe.runtime; in
-    if rt.kind == "container" then rt.container.memory_bytes or null
+    if hostSpec != null && hostSpec ? memory_max_bytes then hostSpec.memory_max_bytes
+    else if rt.kind == "container" then rt.container.memory_bytes or null
+    else if rt.kind == "llama-cpp" then rt.llama_cpp.memory_max_bytes or null
     else rt.native.memory_max_bytes or null;
 
   # Docker's --memory-swap is memory + swap; a recipe without it means "no swap" (= memory).
   recipeMemorySwap = recipe: memory:
     let rt = recipe.runtime; in
     if rt.kind == "container" then rt.container.memory_swap_bytes or memory
-    else rt.native.memory_swap_bytes or memory;
+    else if rt.kind == "native" then rt.native.memory_swap_bytes or memory
+    else memory;
 in
 rec {
   # The defaults, in one place: the NixOS module's option defaults are these (kiln.defaultOptions).
@@ -46,15 +49,33 @@ rec {
     environmentFile = null;
     # true: units for a per-user systemd instance (`tool materialise --user`).
     userUnits = false;
+    # llama.cpp's programs (runtime llama-cpp): the server, and the RPC worker a fleet's workers run.
+    llamaServerBin = "llama-server";
+    rpcServerBin = "rpc-server";
+    # A fleet recipe: the host this plan is for (null: the head), each host's "ADDRESS:PORT" on the fleet
+    # network (absent: 127.0.0.1 and fleetPortBase + the host's place), and the explicit consent to let an
+    # unauthenticated worker port listen on every address (0.0.0.0, ::). See fleet.nix.
+    host = null;
+    fleetAddresses = { };
+    fleetPortBase = null;
+    unauthenticatedPortOnAllAddresses = false;
   };
 
   resolve = recipe: options:
     let
       o = name: get options name defaults.${name};
       stateDir = o "stateDir";
-      memoryBytes = get options "memoryBytes" (recipeMemory recipe);
+      f = if fleet.isFleet recipe then fleet.resolve recipe options
+        else if get options "host" null != null
+        then throw "kiln: ${recipe.id}: host ${builtins.toJSON options.host}: this recipe is one host (it has no fleet); leave the host out"
+        else null;
+      hostSpec = if f == null then null else f.spec;
+      memoryBytes = get options "memoryBytes" (recipeMemory recipe hostSpec);
     in
     {
+      fleet = f;
+      llamaServerBin = o "llamaServerBin";
+      rpcServerBin = o "rpcServerBin";
       inherit stateDir memoryBytes;
       modelsDir = get options "modelsDir" "${stateDir}/models";
       storeDir = get options "storeDir" "${stateDir}/stores";
@@ -74,7 +95,8 @@ rec {
       recipeRef = get options "recipeRef" recipe.id;
       memorySwapBytes = get options "memorySwapBytes"
         (if memoryBytes == null then null else recipeMemorySwap recipe memoryBytes);
-      cpus = o "cpus";
+      # a fleet host's pinning (fleet.hosts.<name>.cpu.cpus) unless the operator says otherwise
+      cpus = get options "cpus" (if hostSpec == null then null else hostSpec.cpu.cpus or null);
       extraEnv = o "extraEnv";
       environmentFile = o "environmentFile";
       userUnits = o "userUnits";

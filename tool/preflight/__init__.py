@@ -37,7 +37,9 @@ def data_of(recipe) -> dict:
     return recipe.data if hasattr(recipe, "data") else recipe
 
 
-def run(recipe, host: Host | None = None) -> list[CheckResult]:
+def run(recipe, host: Host | None = None, serves_api: bool = True, reads_weights: bool = True) -> list[CheckResult]:
+    """serves_api / reads_weights False: a fleet worker, which publishes no API port (its fleet port is
+    tool.preflight.fleet's) and, running rpc-server, keeps no weights on its disk."""
     r, host = data_of(recipe), host or Host()
     out = cpu.check(r, host.root)
     memlock = None
@@ -49,13 +51,16 @@ def run(recipe, host: Host | None = None) -> list[CheckResult]:
         finally:
             container.close(d)
     out += memory.check(r, host.root, memlock)
-    out += storage.check(r, host.models_dir, host.store_dir, host.root)
+    if reads_weights:
+        out += storage.check(r, host.models_dir, host.store_dir, host.root)
     gpu_checks = gpu.check(r, host.gpus())
     access = [c for c in docker_checks if c.id.startswith("gpu.")]
     out += gpu_checks + access
     out += [c for c in docker_checks if not c.id.startswith("gpu.")]
-    out += network.check(r)
-    out += weights.check(r, host.models_dir)
+    if serves_api:
+        out += network.check(r)
+    if reads_weights:
+        out += weights.check(r, host.models_dir)
     return out
 
 

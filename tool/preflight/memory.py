@@ -14,7 +14,7 @@ def memory_cap(recipe: dict) -> tuple[int | None, str]:
     if rt["kind"] == "container":
         cap = rt.get("container", {}).get("memory_bytes")
         return cap, "docker --memory"
-    cap = rt.get("native", {}).get("memory_max_bytes")
+    cap = rt.get("llama_cpp" if rt["kind"] == "llama-cpp" else "native", {}).get("memory_max_bytes")
     return cap, "systemd MemoryMax="
 
 

@@ -21,8 +21,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from tool.checks.liveness import exit_reason, log_tail
+from tool.checks.llama_cpp import free_port
 from tool.cpulist import parse_cpulist
 from tool.errors import KilnError, MissingDependency
+from tool.fleet import answers, parse_peer
 from tool.pids import pid_alive
 from tool.programs import child_env
 from tool.run_record import RunRecord
@@ -215,6 +217,10 @@ def start(plan: dict, dirs: Dirs, recipe_path: str | None = None, detach: bool =
     rid = plan["id"]
     step = plan["steps"]["serve"]
     argv = step["argv"]
+    gate = step.get("gate")
+    if gate:    # a fleet worker: on a private loopback port, behind the allow-list gate (tool.runners.gate)
+        inner = free_port()
+        argv = [a.replace("@gate_port@", str(inner)) for a in gate["argv"]]
     limits = limits_for(plan, rid)
     dirs.run.mkdir(parents=True, exist_ok=True)
     log_path = dirs.run / f"{rid}.log"
@@ -225,7 +231,8 @@ def start(plan: dict, dirs: Dirs, recipe_path: str | None = None, detach: bool =
         # As the unit's ExecStartPre: a container left from a crash would make `docker run --name` refuse.
         subprocess.run([docker, "rm", "--force", container], capture_output=True, env=env)
     port = int(plan["options"]["port"])
-    record = RunRecord(id=rid, runner="foreground", runtime=plan["runtime"], endpoint=plan["endpoint"],
+    record = RunRecord(id=rid, runner="foreground", runtime=plan["runtime"],
+                       endpoint=plan["endpoint"] or f"tcp://{gate['listen'] if gate else '-'}",
                        port=port, container=container, docker=docker, log=str(log_path),
                        started_at=datetime.now(timezone.utc).isoformat(timespec="seconds"), recipe_path=recipe_path)
     with open(log_path, "w") as log:
@@ -242,6 +249,14 @@ def start(plan: dict, dirs: Dirs, recipe_path: str | None = None, detach: bool =
                     **({"cgroup": str(limits.cgroup)} if limits.cgroup else {})}
     server = Server(record, proc, list(limits.lines))
     record.save(dirs.run)
+    if gate:
+        try:
+            start_gate(server, gate, inner)
+        except BaseException:
+            server.stop(10)
+            record.forget(dirs.run)
+            raise
+        record.save(dirs.run)
     if container:
         try:
             relay_if_unpublished(server, env)
@@ -251,6 +266,27 @@ def start(plan: dict, dirs: Dirs, recipe_path: str | None = None, detach: bool =
             raise
         record.save(dirs.run)
     return server
+
+
+def start_gate(server: Server, gate: dict, inner: int, wait_s: float = 10) -> None:
+    """The worker's fleet address, admitting only the fleet's hosts, relayed to its private port; ready when the
+    fleet address answers."""
+    rec = server.record
+    proc = subprocess.Popen([sys.executable, "-m", "tool.runners.gate", "--listen", gate["listen"],
+                             "--allow", ",".join(gate["allow"]), "--to", f"127.0.0.1:{inner}", "--pid", str(rec.pid)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
+                            start_new_session=True, cwd=str(Path(__file__).resolve().parents[2]))
+    rec.relay_pid = proc.pid           # stop() ends it with the worker
+    me = parse_peer(f"gate={gate['listen']}")
+    deadline = time.monotonic() + wait_s
+    while answers(me, 0.5) is not None:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise KilnError(f"{rec.id}: the allow-list gate on {gate['listen']} did not start "
+                            f"({'it exited ' + str(proc.returncode) if proc.poll() is not None else 'no answer'}); "
+                            "is the fleet address this host's and the port free?")
+        time.sleep(0.1)
+    server.notes.append(f"fleet: no systemd to apply IPAddressAllow=: rpc-server listens on 127.0.0.1:{inner}, and "
+                        f"{gate['listen']} admits only {', '.join(gate['allow'])} (tool.runners.gate, pid {proc.pid})")
 
 
 def _inspect(docker: str, name: str, env: dict) -> dict | None:
