@@ -342,9 +342,10 @@ class GgufModel(Checkpoint):
         return sum(int(t.n_elements) for name, t in self.tensors.items() if name not in experts)
 
     def record_quant(self) -> str:
-        """pack-store's default scheme for these experts: the file's own blocks, each matrix in its own GGML type
+        """pack-store's default scheme for these experts: float records where the file holds them as floats (the
+        same numbers, through the float kernels), else the file's own blocks, each matrix in its own GGML type
         (engine.gguf_tensors.expert_layout: a Q4_K_M's Q6_K downs beside its Q4_K gates and ups)."""
-        return "gguf"
+        return "none" if self.expert_types() <= {"F32", "F16", "BF16"} else "gguf"
 
     def config_hash(self) -> str:
         import hashlib
