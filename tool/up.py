@@ -20,6 +20,14 @@ from tool.errors import Exit, IntegrityError, KilnError, NetworkError, last_line
 from tool.images import present_by_digest, short
 from tool.plan import compile_plan
 from tool.state import Dirs, RunRecord, pid_alive
+from tool import preflight
+from tool.checks.baseline import from_plan
+from tool.checks.runner import run_checks
+from tool.fetch import Progress, fetch
+from tool.prepare import prepare
+from tool.runners import foreground, systemd
+from tool.store_verify import verify_store
+from tool.weights import read_marker, verify_offline, weights_dir
 
 STEPS = ("preflight", "pull", "fetch", "prepare", "verify", "serve", "checks")
 
@@ -86,7 +94,6 @@ class Up:
 
     def run(self) -> Report:
         if self.opts.runner == "systemd":
-            from tool.runners import systemd
             if why := systemd.unusable():      # say so before anything is downloaded or built
                 raise KilnError(f"--runner systemd: {why}; use --runner foreground", Exit.MISSING_DEP)
         self.plan = compile_plan(self.recipe, self.plan_options)
@@ -125,7 +132,6 @@ class Up:
                         f"`tool down {self.recipe.id}` first")
 
     def preflight(self):
-        from tool import preflight
         data = copy.deepcopy(self.recipe.data)
         data["serve"]["port"] = int(self.plan["options"]["port"])   # check the port that will be used
         results = preflight.run(data, preflight.host_from_env(self.dirs.models, self.dirs.stores))
@@ -154,8 +160,6 @@ class Up:
         return "ok", f"{short(image)} pulled by digest"
 
     def fetch(self):
-        from tool.fetch import Progress, fetch
-        from tool.weights import read_marker, verify_offline, weights_dir
         where = weights_dir(self.recipe, self.dirs.models)
         if read_marker(where) is not None:
             w = verify_offline(self.recipe, self.dirs.models)
@@ -169,12 +173,10 @@ class Up:
         return ("skipped" if result.already else "ok"), f"{verb}: {len(result.files)} files, {result.bytes} bytes"
 
     def prepare(self):
-        from tool.prepare import prepare
         r = prepare(self.recipe, self.dirs, plan=self.plan)
         return {"prepared": "ok"}.get(r.status, r.status), r.detail
 
     def verify(self):
-        from tool.store_verify import verify_store
         r = verify_store(self.recipe, self.dirs.models, self.dirs.stores, self.plan)
         if r.status == "none":
             return "none", r.detail
@@ -183,7 +185,6 @@ class Up:
         return "ok", r.detail
 
     def serve(self):
-        from tool.runners import foreground, systemd
         if self.opts.runner == "systemd":
             rec = systemd.start(self.plan)
             rec.save(self.dirs.run)
@@ -197,8 +198,6 @@ class Up:
         return "ok", f"pid {self.server.record.pid}: {' '.join(self.plan['steps']['serve']['argv'][:2])} …, log {self.server.log}"
 
     def checks(self):
-        from tool.checks.runner import run_checks
-        from tool.checks.baseline import from_plan
         limits = {"load_timeout_s": self.opts.load_timeout_s} if self.opts.load_timeout_s else {}
         evidence = run_checks(self.recipe, self.report.endpoint, self.opts.gates, is_alive=self.server.is_alive,
                               evidence_dir=self.dirs.evidence, reporter=self.reporter,
@@ -224,13 +223,11 @@ class Up:
 
 class _SystemdServer:
     def __init__(self, record: RunRecord):
-        from tool.runners import systemd
         self.record = record
         self.is_alive = systemd.is_alive(record.unit)
         self.log = None
 
     def stop(self, timeout: float = 30) -> None:
-        from tool.runners import systemd
         systemd.stop(self.record)
 
 

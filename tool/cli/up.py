@@ -16,6 +16,10 @@ from rich.table import Table
 
 from tool.cli import options
 from tool.errors import Exit, KilnError, interrupt
+from tool.atomic import write_json
+from tool.fetch import Progress
+from tool.runners import foreground, systemd
+from tool.state import Dirs, RunRecord, pid_alive
 
 
 def steps_table(report: dict) -> Table:
@@ -30,7 +34,6 @@ def steps_table(report: dict) -> Table:
 
 
 def _write_report(path, report: dict) -> None:
-    from tool.atomic import write_json
     if path == "-":
         click.echo(json.dumps(report, indent=2))
     elif path:
@@ -60,11 +63,9 @@ def up(recipe, runner, once, json_path, port, gates, load_timeout, engine_bin, s
     import os
     if engine_bin:                       # every step of this run (prepare, verify, serve) uses it
         os.environ["KILN_ENGINE_BIN"] = str(engine_bin)
-    from tool.cli.check import RichReporter, results_table
-    from tool.fetch import Progress
-    from tool.recipes import load as load_recipe
-    from tool.state import Dirs
-    from tool.up import Options, Up
+    from tool.cli.check import RichReporter, results_table  # requests, rich: not at the CLI's start
+    from tool.recipes import load as load_recipe  # jsonschema: not at the CLI's start
+    from tool.up import Options, Up  # requests: not at the CLI's start
 
     err = Console(stderr=True, highlight=False, soft_wrap=True)
     r = load_recipe(recipe)
@@ -94,7 +95,7 @@ def up(recipe, runner, once, json_path, port, gates, load_timeout, engine_bin, s
     if report.verdict != "pass":
         load = (report.checks or {}).get("gates", {}).get("load") or {}
         if load and not load.get("passed"):
-            from tool.checks.liveness import log_tail
+            from tool.checks.liveness import log_tail  # requests: not at the CLI's start
             reason = load.get("reason", "")
             tail = "" if "last log lines" in reason or not report.log else \
                 "; last log lines: " + " | ".join(log_tail(report.log, 20))
@@ -109,8 +110,6 @@ def up(recipe, runner, once, json_path, port, gates, load_timeout, engine_bin, s
 @options.dirs
 def down(recipe, timeout, state_dir, models_dir, store_dir):
     """Stop RECIPE's server started by `tool up` (SIGTERM, then SIGKILL; a container: docker stop)."""
-    from tool.runners import foreground, systemd
-    from tool.state import Dirs, RunRecord
 
     dirs = Dirs.resolve(state_dir, models_dir, store_dir)
     rid = recipe if RunRecord.load(dirs.run, recipe) else _recipe_id(recipe)
@@ -123,7 +122,7 @@ def down(recipe, timeout, state_dir, models_dir, store_dir):
 
 
 def _recipe_id(ref: str) -> str:
-    from tool.recipes import load as load_recipe
+    from tool.recipes import load as load_recipe  # jsonschema: not at the CLI's start
     return load_recipe(ref).id
 
 
@@ -142,7 +141,6 @@ def _health(endpoint: str) -> str:
 @options.dirs
 def status(as_json, state_dir, models_dir, store_dir):
     """List the servers `tool up` started: runner, pid (alive?), endpoint, and whether /health answers."""
-    from tool.state import Dirs, RunRecord, pid_alive
 
     dirs = Dirs.resolve(state_dir, models_dir, store_dir)
     rows = []
