@@ -14,7 +14,9 @@ from pathlib import Path
 
 from tool import store_marker
 from tool.errors import Exit, KilnError, child_exit, last_line
+from tool.plan import compile_plan, plan_options
 from tool.programs import child_env
+from tool.state import Dirs
 
 
 def verify_exit(returncode: int) -> Exit:
@@ -36,7 +38,6 @@ class StoreReport:
 
 def stores_dir(option=None) -> Path:
     """--store-dir, else $KILN_STORE_DIR, else $KILN_STATE_DIR/stores, else /var/lib/kiln/stores (as nix/lib)."""
-    from tool.state import Dirs
     return Dirs.resolve(store_dir=option).stores
 
 
@@ -57,8 +58,6 @@ def verify_store(recipe, models: Path, stores: Path, plan: dict | None = None) -
     """Run the plan's verify step on the published store; `plan`, when the caller has compiled it
     for these directories already, saves an evaluation."""
     if plan is None:
-        from tool.plan import compile_plan, plan_options
-        from tool.state import Dirs
         try:
             plan = compile_plan(recipe, plan_options(Dirs.resolve(models_dir=models, store_dir=stores)))
         except KilnError as e:

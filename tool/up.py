@@ -24,6 +24,14 @@ from tool.plan import compile_plan, plan_options
 from tool.programs import llama_cpp_program
 from tool.run_record import RunRecord
 from tool.state import Dirs
+from tool import preflight
+from tool.checks.baseline import from_plan
+from tool.checks.runner import run_checks
+from tool.fetch import Progress, fetch
+from tool.prepare import prepare
+from tool.runners import foreground, systemd
+from tool.store_verify import verify_store
+from tool.weights import read_marker, verify_offline, weights_dir
 
 STEPS = ("preflight", "pull", "fetch", "prepare", "verify", "workers", "serve", "checks")
 
@@ -93,7 +101,6 @@ class Up:
 
     def run(self) -> Report:
         if self.opts.runner == "systemd":
-            from tool.runners import systemd
             if why := systemd.unusable():      # say so before anything is downloaded or built
                 raise KilnError(f"--runner systemd: {why}; use --runner foreground", Exit.MISSING_DEP)
         self.plan = compile_plan(self.recipe, self.plan_options)
@@ -146,7 +153,6 @@ class Up:
                         f"`tool down {self.plan['id']}` first")
 
     def preflight(self):
-        from tool import preflight
         data = copy.deepcopy(self.recipe.data)
         data["serve"]["port"] = int(self.plan["options"]["port"])   # check the port that will be used
         fleet = self.plan.get("fleet")
@@ -184,8 +190,6 @@ class Up:
     def fetch(self):
         if self.plan["steps"]["fetch"] is None:
             return "none", "this fleet host reads no weights (the head sends rpc-server the tensors it computes)"
-        from tool.fetch import Progress, fetch
-        from tool.weights import read_marker, verify_offline, weights_dir
         where = weights_dir(self.recipe, self.dirs.models)
         if read_marker(where) is not None:
             w = verify_offline(self.recipe, self.dirs.models)
@@ -199,12 +203,10 @@ class Up:
         return ("skipped" if result.already else "ok"), f"{verb}: {len(result.files)} files, {result.bytes} bytes"
 
     def prepare(self):
-        from tool.prepare import prepare
         r = prepare(self.recipe, self.dirs, plan=self.plan)
         return {"prepared": "ok"}.get(r.status, r.status), r.detail
 
     def verify(self):
-        from tool.store_verify import verify_store
         r = verify_store(self.recipe, self.dirs.models, self.dirs.stores, self.plan)
         if r.status == "none":
             return "none", r.detail
@@ -227,7 +229,6 @@ class Up:
         return True if silent is None else f"fleet worker {silent[0]} does not answer ({silent[1]})"
 
     def serve(self):
-        from tool.runners import foreground, systemd
         if self.opts.runner == "systemd":
             rec = systemd.start(self.plan)
             rec.save(self.dirs.run)
@@ -248,8 +249,6 @@ class Up:
         if self.is_worker:
             self.report.verdict = "pass"
             return "none", f"a fleet worker serves no API: it answers on its fleet address {self.server.record.endpoint}"
-        from tool.checks.runner import run_checks
-        from tool.checks.baseline import from_plan
         limits = {"load_timeout_s": self.opts.load_timeout_s} if self.opts.load_timeout_s else {}
         evidence = run_checks(self.recipe, self.report.endpoint, self.opts.gates, is_alive=self.alive,
                               evidence_dir=self.dirs.evidence, reporter=self.reporter,
@@ -276,13 +275,11 @@ class Up:
 
 class _SystemdServer:
     def __init__(self, record: RunRecord):
-        from tool.runners import systemd
         self.record = record
         self.is_alive = systemd.is_alive(record.unit)
         self.log = None
 
     def stop(self, timeout: float = 30) -> None:
-        from tool.runners import systemd
         systemd.stop(self.record)
 
 

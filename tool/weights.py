@@ -17,6 +17,7 @@ from pathlib import Path
 
 from tool.atomic import write_json
 from tool.errors import IntegrityError, StorageError
+from tool.state import Dirs
 
 MARKER = ".kiln-weights.json"
 CHUNK = 8 << 20
@@ -26,7 +27,6 @@ IGNORED = (MARKER, ".cache")
 
 def models_dir(option: str | os.PathLike | None = None) -> Path:
     """--models-dir, else $KILN_MODELS_DIR, else $KILN_STATE_DIR/models, else /var/lib/kiln/models (as nix/lib)."""
-    from tool.state import Dirs
     return Dirs.resolve(models_dir=option).models
 
 

@@ -23,7 +23,11 @@ from pathlib import Path
 
 from tool.checks.stream_timing import time_stream
 from tool.errors import last_line
+from tool.checks.client import Client, ClientError
+from tool.checks.llama_cpp import LlamaServerError, LlamaServerProcess, version
+from tool.plan import compile_plan, plan_options
 from tool.programs import child_env
+from tool.state import Dirs
 
 # engine's exit codes for "not here": 3 bad/missing model/checkpoint/store, 4 missing dependency
 _NOT_HERE_EXITS = {3: "its model is not on this machine", 4: "a dependency is missing here"}
@@ -46,8 +50,6 @@ def resolve(recipe, dirs=None) -> dict | None:
     defaults, as the check unit's environment sets them). None when the recipe names none."""
     if not (recipe.get("checks") or {}).get("decode_baseline"):
         return None
-    from tool.plan import compile_plan, plan_options
-    from tool.state import Dirs
     return from_plan(compile_plan(recipe, plan_options(dirs or Dirs.resolve())))
 
 
@@ -130,8 +132,6 @@ class LlamaCppBaseline:
     """llama.cpp's llama-server on the same weights, started once, timed per round like the server."""
 
     def __init__(self, spec: dict, served_name: str, context: int, client_timeout_s: float):
-        from tool.checks.client import Client, ClientError
-        from tool.checks.llama_cpp import LlamaServerError, LlamaServerProcess, version
         self.spec, self.label, self.name = spec, spec["label"], served_name
         self._ClientError = ClientError
         self.server = LlamaServerProcess(spec["server"], spec["gguf"], ctx=context, alias=served_name,

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
 from tool.checks.client import Client
+from tool.checks import tokens
 
 # is_alive() → True while the managed server (unit, container, child process) runs; anything else
 # means it died, and a str is the reason (exit code, OOM kill, last log lines).
@@ -122,7 +123,6 @@ class GateContext:
 
     def token_counter(self):
         if "tokens" not in self.shared:
-            from tool.checks import tokens
             self.shared["tokens"] = tokens.detect(self.client, self.served_name)
         return self.shared["tokens"]
 

@@ -14,6 +14,7 @@ from datetime import datetime
 import tool
 from tool.checks import evidence as ev
 from tool.checks import hostload
+from tool.checks import record as rec
 from tool.checks.client import Client
 from tool.checks.gate import DEFAULT_LIMITS, GateContext, IsAlive, NullReporter, Reporter, fail, sampling_for, seed_for
 from tool.errors import KilnError
@@ -150,7 +151,6 @@ def run_checks(recipe, endpoint: str, gates: list[str] | None = None, is_alive: 
     when = datetime.fromisoformat(evidence["started_at"].replace("Z", "+00:00"))
     paths, sha = ev.write(evidence, recipe, evidence_dir, json_path, when)
     if record:
-        from tool.checks import record as rec
         rec.append_proof(recipe.path, rec.proof_line(evidence, sha, ev.gpu_label(evidence["host"])),
                          recipe.content_hash)
     return {**evidence, "evidence_files": [str(p) for p in paths], "evidence_sha256": sha}

@@ -21,7 +21,10 @@ from rich.table import Table
 
 from tool.checks.llama_cpp import DEFAULT_BIN as DEFAULT_LLAMA_SERVER   # what scripts/build-llama-cpp.sh builds
 from tool.cli import options
-from tool.errors import Exit
+from tool.errors import Exit, KilnError
+from tool.checks.baseline import llama_cpp_spec, resolve
+from tool.checks.runner import run_checks
+from tool.state import Dirs
 
 
 class RichReporter:
@@ -115,8 +118,6 @@ def _baseline(recipe) -> dict | None:
     nix/lib compiled it), else the plan compiled here for KILN_* or the defaults. A broken
     $KILN_DECODE_BASELINE fails the speed gate saying why; a plan that cannot be compiled on this machine
     makes the baseline "not run"; the other gates run either way."""
-    from tool.checks.baseline import resolve
-    from tool.errors import KilnError
     if env := os.environ.get("KILN_DECODE_BASELINE"):
         try:
             return json.loads(env)
@@ -133,8 +134,6 @@ def _baseline(recipe) -> dict | None:
 def _llama_cpp_baseline(recipe, server_bin: str | None, gguf: str | None) -> dict:
     """--baseline llama.cpp: its llama-server on the recipe's GGUF where this host keeps it (or --baseline-gguf)."""
     from pathlib import Path
-    from tool.checks.baseline import llama_cpp_spec
-    from tool.state import Dirs
     if gguf is None:
         w = recipe.get("weights") or {}
         name = Path(w.get("file") or "").name
@@ -177,8 +176,7 @@ def check(recipe, endpoint, served_name, gates, json_path, record, evidence_dir,
     inconclusive (the speed gate on a busy host, with rounds that disagree, or on a stream whose timings
     were lost: the table says which, the evidence says why).
     """
-    from tool.checks.runner import run_checks
-    from tool.recipes import load
+    from tool.recipes import load  # jsonschema: not at the CLI's start
 
     if not re.match(r"https?://[^/\s]+", endpoint):
         raise click.BadParameter(f"{endpoint!r} is not an http(s) URL like http://127.0.0.1:8000/v1",

@@ -6,6 +6,8 @@ import json
 import click
 
 from tool.cli import options
+from tool.fetch import Progress, fetch as do_fetch
+from tool.weights import models_dir as resolve_models
 
 
 @click.command("fetch")
@@ -21,9 +23,7 @@ def fetch(recipe, models_dir, as_json):
     interrupted fetch resumes. The token, when one is needed, is $HF_TOKEN or `hf auth login`'s, never an
     argument. Exit codes: 0 ok, 6 disk full / not writable, 7 hub or index unreachable, 8 mismatch.
     """
-    from tool.fetch import Progress, fetch as do_fetch
-    from tool.recipes import load as load_recipe
-    from tool.weights import models_dir as resolve_models
+    from tool.recipes import load as load_recipe  # jsonschema: not at the CLI's start
 
     r = load_recipe(recipe)
     result = do_fetch(r, resolve_models(models_dir), Progress())

@@ -10,6 +10,8 @@ import json
 import click
 
 from tool.cli import options
+from tool import preflight as pf
+from tool.errors import RecipeError, printable
 
 
 def proof_of(recipe: dict) -> dict:
@@ -39,7 +41,6 @@ def why_not_text(fail_ids: list[str]) -> str:
 
 
 def row(recipe, host) -> dict:
-    from tool import preflight as pf
 
     r = recipe.data
     hw = r["hardware"]
@@ -62,8 +63,7 @@ def row(recipe, host) -> dict:
 def valid_recipes() -> list:
     """Every recipe that validates; each one that does not is named on stderr (one line) and left out,
     so one broken file in $KILN_RECIPES does not hide the others."""
-    from tool.errors import RecipeError, printable
-    from tool.recipes import index, load
+    from tool.recipes import index, load  # jsonschema: not at the CLI's start
 
     out = []
     for path in index().values():
@@ -82,7 +82,6 @@ def valid_recipes() -> list:
 @options.host_root
 def list_(only_fits, as_json, models_dir, store_dir, host_root):
     """List the recipes and whether each fits this host (GPU count and VRAM, RAM, CPUs, disk)."""
-    from tool import preflight as pf
 
     host = pf.host_from_env(models_dir, store_dir, host_root)
     rows = [row(r, host) for r in sorted(valid_recipes(), key=lambda r: r.id)]

@@ -8,6 +8,8 @@ import click
 from tool.cli import options
 from tool.cli.plan import fleet_options, options_from
 from tool.errors import Exit
+from tool import preflight as pf
+from tool.preflight.checks import verdict
 
 
 def console():
@@ -36,9 +38,7 @@ def preflight(ctx, recipe, as_json, models_dir, store_dir, host_root, **fleet):
     Each check says pass, warn or fail with a one-line reason. Exit 0 when nothing fails (go),
     1 when something does (no-go).
     """
-    from tool import preflight as pf
-    from tool.preflight.checks import verdict
-    from tool.recipes import load
+    from tool.recipes import load  # jsonschema: not at the CLI's start
 
     r = load(recipe)
     host = pf.host_from_env(models_dir, store_dir, host_root)
@@ -57,7 +57,7 @@ def preflight(ctx, recipe, as_json, models_dir, store_dir, host_root, **fleet):
     if as_json:
         click.echo(json.dumps({"recipe": r.id, "verdict": v, "checks": [c.as_dict() for c in results]}, indent=2))
     else:
-        from tool.preflight.report import render
+        from tool.preflight.report import render  # rich: not at the CLI's start
 
         render(r.id, results, console())
     ctx.exit(int(Exit.OK if v == "go" else Exit.FAILED))

@@ -6,6 +6,8 @@ import json
 import click
 
 from tool.cli import options
+from tool.prepare import prepare as do_prepare
+from tool.state import Dirs
 
 
 @click.command("prepare")
@@ -21,9 +23,7 @@ def prepare(recipe, force, as_json, state_dir, models_dir, store_dir):
     Exit codes: 0 ok, 1 the step failed, 3 bad recipe, 4 engine/docker missing, 5 not writable,
     6 filesystem refused, 8 the store does not verify, 130 interrupted.
     """
-    from tool.recipes import load as load_recipe
-    from tool.prepare import prepare as do_prepare
-    from tool.state import Dirs
+    from tool.recipes import load as load_recipe  # jsonschema: not at the CLI's start
 
     r = load_recipe(recipe)
     result = do_prepare(r, Dirs.resolve(state_dir, models_dir, store_dir), force=force)

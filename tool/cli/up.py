@@ -18,6 +18,12 @@ from tool.cli import options
 from tool.cli.plan import fleet_options, options_from
 from tool.errors import Exit, KilnError, interrupt
 from tool.fleet import answers, first_silent, parse_peer
+from tool.atomic import write_json
+from tool.fetch import Progress
+from tool.pids import pid_alive
+from tool.run_record import RunRecord
+from tool.runners import foreground, systemd
+from tool.state import Dirs
 
 
 def steps_table(report: dict) -> Table:
@@ -32,7 +38,6 @@ def steps_table(report: dict) -> Table:
 
 
 def _write_report(path, report: dict) -> None:
-    from tool.atomic import write_json
     if path == "-":
         click.echo(json.dumps(report, indent=2))
     elif path:
@@ -69,11 +74,9 @@ def up(recipe, runner, once, json_path, port, gates, load_timeout, engine_bin, s
     from tool import programs
     if engine_bin:                       # every step of this run (prepare, verify, serve) uses it
         programs.use("engine", engine_bin)
-    from tool.cli.check import RichReporter, results_table, verdict_line
-    from tool.fetch import Progress
-    from tool.recipes import load as load_recipe
-    from tool.state import Dirs
-    from tool.up import Options, Up
+    from tool.cli.check import RichReporter, results_table, verdict_line  # requests, rich: not at the CLI's start
+    from tool.recipes import load as load_recipe  # jsonschema: not at the CLI's start
+    from tool.up import Options, Up  # requests: not at the CLI's start
 
     err = Console(stderr=True, highlight=False, soft_wrap=True)
     r = load_recipe(recipe)
@@ -105,7 +108,7 @@ def up(recipe, runner, once, json_path, port, gates, load_timeout, engine_bin, s
     if report.verdict != "pass":
         load = (report.checks or {}).get("gates", {}).get("load") or {}
         if load and not load.get("passed"):
-            from tool.checks.liveness import log_tail
+            from tool.checks.liveness import log_tail  # requests: not at the CLI's start
             reason = load.get("reason", "")
             tail = "" if "last log lines" in reason or not report.log else \
                 "; last log lines: " + " | ".join(log_tail(report.log, 20))
@@ -131,9 +134,6 @@ def verdict_error(rid: str, checks: dict, verdict: str) -> KilnError:
 @options.dirs
 def down(recipe, timeout, state_dir, models_dir, store_dir):
     """Stop RECIPE's server started by `tool up` (SIGTERM, then SIGKILL; a container: docker stop)."""
-    from tool.runners import foreground, systemd
-    from tool.run_record import RunRecord
-    from tool.state import Dirs
 
     dirs = Dirs.resolve(state_dir, models_dir, store_dir)
     rid = recipe if RunRecord.load(dirs.run, recipe) else _recipe_id(recipe)
@@ -146,7 +146,7 @@ def down(recipe, timeout, state_dir, models_dir, store_dir):
 
 
 def _recipe_id(ref: str) -> str:
-    from tool.recipes import load as load_recipe
+    from tool.recipes import load as load_recipe  # jsonschema: not at the CLI's start
     return load_recipe(ref).id
 
 
@@ -175,9 +175,6 @@ def _fleet_health(rec) -> str:
 @options.dirs
 def status(as_json, state_dir, models_dir, store_dir):
     """List the servers `tool up` started: runner, pid (alive?), endpoint, and whether /health answers."""
-    from tool.pids import pid_alive
-    from tool.run_record import RunRecord
-    from tool.state import Dirs
 
     dirs = Dirs.resolve(state_dir, models_dir, store_dir)
     rows = []

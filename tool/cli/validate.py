@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from tool.errors import Exit
+from tool.errors import Exit, printable
 
 
 def _plural(n: int, word: str) -> str:
@@ -26,7 +26,6 @@ def validate(paths: tuple[Path, ...], as_json: bool) -> None:
 
     Exit status: 0 when every recipe is valid, 3 otherwise.
     """
-    from tool.errors import printable
     from tool.validate import check_paths, display_path  # imported here: `tool --help` stays fast
 
     files, problems = check_paths(paths or None)

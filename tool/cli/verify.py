@@ -7,6 +7,9 @@ import click
 
 from tool.cli import options
 from tool.errors import Exit, IntegrityError, KilnError
+from tool.fetch import Progress
+from tool.store_verify import stores_dir, verify_store
+from tool.weights import models_dir as resolve_models, verify_offline
 
 
 @click.command("verify")
@@ -25,10 +28,7 @@ def verify(ctx, recipe, models_dir, store_dir, weights_only, as_json):
     A file that no longer matches is named with both digests and its marker removed. Exit codes: 0 ok,
     1 not fetched / not prepared, 6 filesystem refused, 8 mismatch (a record, a model file, a manifest).
     """
-    from tool.recipes import load as load_recipe
-    from tool.weights import models_dir as resolve_models, verify_offline
-    from tool.store_verify import stores_dir, verify_store
-    from tool.fetch import Progress
+    from tool.recipes import load as load_recipe  # jsonschema: not at the CLI's start
 
     r = load_recipe(recipe)
     models = resolve_models(models_dir)
