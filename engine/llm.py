@@ -21,6 +21,7 @@ import torch
 from engine.engine_config import EngineConfig
 from engine.kernels.cpu import set_compute_threads
 from engine.loader import load_model
+from engine.tiers.ram import trim_heap
 from engine.model_source import load_tokenizer, open_checkpoint
 from engine.models.common import MoEModel
 from engine.request import Overloaded, Request, RequestFailed, SamplingParams, Token
@@ -96,7 +97,6 @@ class LLM(Scheduler):
         when it starts. The loading runs on one torch thread so the calling thread keeps no OpenMP team of its
         own: with a second team alive, libgomp throttles its spin-waits and every parallel region of the
         decode pays a futex wake-up (measured: 19 → 14 tok/s on SmolLM2, 2 cores)."""
-        from engine.tiers.ram import trim_heap
 
         config = EngineConfig.of(config, **knobs)
         # The tokenizer first: its load's transients (~14 MB for the demo's) then come and go before the model's

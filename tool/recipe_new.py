@@ -17,6 +17,7 @@ from pathlib import Path
 from tool.atomic import write_json
 from tool.errors import Exit, KilnError, RecipeError, child_exit
 from tool.programs import program
+from tool.recipe_file import parse
 
 GIB = 1 << 30
 # A card is "any" (the CPU) or a slug ending in its VRAM: rtx-3090-24gb, h200-141gb.
@@ -117,8 +118,7 @@ def build(gguf: Path, card: str, info: dict, context: int | None = None) -> dict
 
 def write(recipe: dict, out: Path) -> Path:
     """Validate, then publish `out` by rename; RecipeError with the first problem when it is not valid."""
-    from tool.recipe_file import parse
-    from tool.validate import validate_recipe
+    from tool.validate import validate_recipe  # jsonschema: only where a recipe is written
     tmp = out.with_name(f".{out.name}.new")
     write_json(tmp, recipe)
     try:

@@ -17,7 +17,8 @@ from engine.store import manifest as mf
 from engine.store import model_manifest as mm
 from engine.store.manifest import plan_offsets
 from engine.store.pack import pack_store as pack
-from engine.store.verify import verify_store as verify
+from engine.store.verify import check_gguf_types, verify_store as verify
+from engine.convert import file_sha256
 
 FLOAT_QUANTS = {"float32": "float32", "bf16": "bfloat16"}       # --quant spellings of float records
 QUANT_FLAGS = ("float32", "bf16", "int8", "int4", "gguf")
@@ -151,7 +152,6 @@ def verify_store(store_dir, model_dir, gguf_path, readers, quiet, as_json):
         except CheckpointError as e:
             raise EngineError(str(e), Exit.BAD_MODEL) from None
     if gguf_path:
-        from engine.store.verify import check_gguf_types
         check_gguf_types(store_dir, m, gguf_path)
     with _progress(m.total_bytes, ["verify"], quiet) as advance:
         r = verify(store_dir, readers=readers, progress=(lambda n: advance("verify", n)) if advance else None)
@@ -170,9 +170,7 @@ def verify_store(store_dir, model_dir, gguf_path, readers, quiet, as_json):
 
 def _verify_gguf(path, as_json: bool) -> None:
     import time
-    from engine.convert import file_sha256
     t0 = time.perf_counter()
-    from engine.store.source import record_source
     m = GgufModel(path)                 # GgufError (exit 3) names what is wrong
     parts = [{"file": str(p), "bytes": p.stat().st_size, "sha256": file_sha256(p)} for p in m.parts]
     quant = m.record_quant()

@@ -16,6 +16,7 @@ from typing import Callable
 
 from engine.errors import EngineError, Exit
 from engine.store import manifest as mf
+from engine.quant.gguf import GgufExperts
 from engine.quant.records import HEADER, read_header
 from engine.store.odirect import aligned_buffer, open_direct, pread_full, probe
 
@@ -147,7 +148,6 @@ def check_headers(store_dir: Path, m: mf.Manifest, heads: list[bytes]) -> None:
 def check_gguf_types(store_dir: Path, m: mf.Manifest, gguf_path) -> None:
     """The store's records have the types a GGUF's expert tensors have, layer by layer: a store packed from
     another quantization of the model is one line (exit 3), naming the layer and both types."""
-    from engine.quant.gguf import GgufExperts
     src = GgufExperts(gguf_path, layers=m.moe_layers, experts=m.experts_per_layer, hidden=m.hidden,
                       intermediate=m.intermediate)
     for l in m.moe_layers:

@@ -9,6 +9,9 @@ from tool.cli import options
 from tool.cli.plan import fleet_options, options_from
 from tool.errors import Exit
 from tool import preflight as pf
+from tool.fleet import host_view
+from tool.plan import compile_plan
+from tool.preflight import fleet as fleet_checks
 from tool.preflight.checks import verdict
 
 
@@ -44,9 +47,6 @@ def preflight(ctx, recipe, as_json, models_dir, store_dir, host_root, **fleet):
     host = pf.host_from_env(models_dir, store_dir, host_root)
     if "fleet" in r.data or fleet.get("host"):
         # the operator's addresses are resolved where the units get them: nix/lib
-        from tool.fleet import host_view
-        from tool.plan import compile_plan
-        from tool.preflight import fleet as fleet_checks
         plan = compile_plan(r, options_from(fleet))
         worker = plan["fleet"]["role"] == "worker"
         results = pf.run(host_view(r.data, plan["fleet"]["host"]), host, serves_api=not worker,

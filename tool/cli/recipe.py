@@ -26,7 +26,7 @@ def new(gguf, card, context, out):
     size, the RAM tier and (on a GPU) the expert slots follow from its shape and the card's budget. The recipe
     is validated before it is written; `tool preflight FILE.json` then says whether this host runs it, and
     `tool up FILE.json` runs it (fetch copies the file in and checks the copy's sha256)."""
-    from tool.recipe_new import build, describe, write
+    from tool.recipe_new import build, describe, write  # jsonschema, requests: not at the CLI's start
 
     data = build(gguf, card, describe(gguf), context)
     path = write(data, out or Path(f"{data['id']}.kiln.{data['serve']['context'] // 1024}k.json"))

@@ -14,6 +14,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from tool import programs
 from tool.cli import options
 from tool.cli.plan import fleet_options, options_from
 from tool.errors import Exit, KilnError, interrupt
@@ -71,7 +72,6 @@ def up(recipe, runner, once, json_path, port, gates, load_timeout, engine_bin, s
     mismatch, tampered store), 75 inconclusive (no gate failed, but one could not decide, e.g. the speed gate
     on a busy host: the last line names it and why), 130 interrupted (the server this run started is stopped).
     """
-    from tool import programs
     if engine_bin:                       # every step of this run (prepare, verify, serve) uses it
         programs.use("engine", engine_bin)
     from tool.cli.check import RichReporter, results_table, verdict_line  # requests, rich: not at the CLI's start
