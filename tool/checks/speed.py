@@ -210,8 +210,9 @@ def _rounds(ctx, base, floor, rounds, figures, host, idle_s) -> dict:
         server_rounds.append(r)
         if r["decode_tps"] is None:
             figures["decode_error"] = r["decode_error"]
-            if "untimed" in r:
-                figures["untimed"] = r["untimed"]
+            if "untimed" in r:              # its tokens were counted, only their timing is not to be trusted
+                figures.update(untimed=r["untimed"], completion_tokens=r["completion_tokens"],
+                               completion_tokens_source=r["completion_tokens_source"])
             break
         if n is None:
             n = r["completion_tokens"]
