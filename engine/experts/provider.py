@@ -41,6 +41,9 @@ class ExpertProvider:
     hands_out_host_records: bool = False
     #: While a graph capture runs (capturing): the Recorder that host steps are handed to instead of running.
     recorder: Recorder | None = None
+    #: The routed experts' SwiGLU limit (use_swiglu_limit): gate clamped from above and up both ways before
+    #: silu(gate)·up, in every kernel that computes an expert. None: a plain SwiGLU (every model but glm5_next).
+    swiglu_limit: float | None = None
 
     def forward(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
                 topk_weights: torch.Tensor) -> torch.Tensor:
@@ -65,6 +68,12 @@ class ExpertProvider:
 
     def after_decode_launch(self, pairs: int) -> None:
         """Called by MoEModel.decode_step once a step of `pairs` picks a layer is launched (default: nothing)."""
+
+    def use_swiglu_limit(self, limit: float | None) -> None:
+        """The model's routed-expert SwiGLU limit (glm5_next's swiglu_limit), handed in once when the model is
+        built, before any forward; every provider's forward carries it into its kernels (the default keeps it
+        here for them). None, 0 or +inf: none."""
+        self.swiglu_limit = float(limit) if limit and limit != float("inf") else None
 
     def use_predictor(self, predictor: Predictor) -> None:
         """The model's layer-ahead routing, handed in by the loader once the model is built; a provider that

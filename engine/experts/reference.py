@@ -6,18 +6,27 @@ import torch
 import torch.nn.functional as F
 
 
-def expert_ffn(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    """SwiGLU expert, as transformers computes it: down(silu(gate x) * up x)."""
-    return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
+def swiglu(g: torch.Tensor, u: torch.Tensor, limit: float | None = None) -> torch.Tensor:
+    """silu(g)·u; with a limit (glm5_next's swiglu_limit, handed to a provider by use_swiglu_limit) g is clamped
+    from above and u both ways first, as transformers' Glm5NextTextExperts._apply_gate does. No limit (None or 0):
+    exactly the two ops every other model computes, so their results keep every bit."""
+    if limit:
+        g, u = g.clamp(max=limit), u.clamp(-limit, limit)
+    return F.silu(g) * u
 
 
+def expert_ffn(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
+               limit: float | None = None) -> torch.Tensor:
+    """SwiGLU expert, as transformers computes it: down(silu(gate x) * up x) (gate/up clamped at a limit)."""
+    return F.linear(swiglu(F.linear(x, gate), F.linear(x, up), limit), down)
 
-def moe_reference(x, topk_ids, topk_weights, get_views) -> torch.Tensor:
+
+def moe_reference(x, topk_ids, topk_weights, get_views, limit: float | None = None) -> torch.Tensor:
     """The plain per-expert loop every provider must agree with; get_views(e) -> (gate, up, down). Experts
     ascending, each over its (token, k) pairs in row-major order — what (topk_ids == e).nonzero() gives — found
     by one stable sort and ONE read to the host, not a read per expert: on CUDA each read waits for every
     launch before it, so a prefill chunk's 128 experts ran as 128 stalls (tests/engine/test_speed_paths.py
-    holds it to the nonzero loop, bit for bit). The rows and weights are gathered once, in that order, and each
+    holds it to the nonzero loop, bit for bit). limit: expert_ffn's swiglu_limit (None: none). The rows and weights are gathered once, in that order, and each
     expert reads its slice: the same values as a gather per expert, two launches fewer per expert."""
     out = torch.zeros_like(x)
     flat = topk_ids.reshape(-1)
@@ -30,7 +39,7 @@ def moe_reference(x, topk_ids, topk_weights, get_views) -> torch.Tensor:
         rows = slice(start, start + n)
         start += n
         gate, up, down = get_views(e)
-        y = expert_ffn(xs[rows], gate.to(x.dtype), up.to(x.dtype), down.to(x.dtype))
+        y = expert_ffn(xs[rows], gate.to(x.dtype), up.to(x.dtype), down.to(x.dtype), limit)
         out.index_add_(0, toks[rows], y * ws[rows].to(y.dtype))
     return out
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 import os
 
 import torch
-import torch.nn.functional as F
+
+from engine.experts.reference import swiglu
 
 
 def default_threads() -> int:
@@ -54,7 +55,8 @@ def _gate_up_matrix(gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor,
     return None
 
 
-def pair_ffn(xa: torch.Tensor, xb: torch.Tensor, va, vb) -> tuple[torch.Tensor, torch.Tensor] | None:
+def pair_ffn(xa: torch.Tensor, xb: torch.Tensor, va, vb,
+             limit: float | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """expert_ffn for two experts at once — (expert_ffn(xa, *va), expert_ffn(xb, *vb)) — as batched matmuls
     over the records where they lie (gate|up read as one matrix), so torch's intra-op threads take one
     expert each, each GEMV running sequentially (a lone one-token GEMV runs on one thread here, and on
@@ -84,12 +86,12 @@ def pair_ffn(xa: torch.Tensor, xb: torch.Tensor, va, vb) -> tuple[torch.Tensor, 
     x = torch.stack((xb, xa) if swapped else (xa, xb))
     gu = torch.bmm(x, rhs_gu)                                                    # [2, M, 2I]
     # silu(gate) * up per expert on contiguous [M, I] tensors: the elementwise loops see what expert_ffn's do.
-    h = torch.stack([F.silu(gu[j, :, :inter].contiguous()) * gu[j, :, inter:].contiguous() for j in range(2)])
+    h = torch.stack([swiglu(gu[j, :, :inter].contiguous(), gu[j, :, inter:].contiguous(), limit) for j in range(2)])
     y = torch.bmm(h, rhs_d)                                                      # [2, M, H]
     return (y[1], y[0]) if swapped else (y[0], y[1])
 
 
-def single_ffn(x: torch.Tensor, views) -> torch.Tensor | None:
+def single_ffn(x: torch.Tensor, views, limit: float | None = None) -> torch.Tensor | None:
     """expert_ffn for one expert and one token, as two batched GEMVs of two halves each (gate and up; the
     two halves of down's outputs), so both intra-op threads work and every GEMV runs sequentially inside
     the batch. A lone GEMV may instead be split by the BLAS itself across threads, summing in another
@@ -111,5 +113,5 @@ def single_ffn(x: torch.Tensor, views) -> torch.Tensor | None:
     else:       # m = [gate; up] as [2I, H]; down [H, I] split by output rows
         gu = torch.bmm(x2, m.view(2, inter, hidden).transpose(1, 2))
         down_halves = down.view(2, hidden // 2, inter).transpose(1, 2)
-    h = F.silu(gu[0].contiguous()) * gu[1].contiguous()                          # [1, I], as expert_ffn's
+    h = swiglu(gu[0].contiguous(), gu[1].contiguous(), limit)                     # [1, I], as expert_ffn's
     return torch.bmm(h.reshape(1, 1, inter).expand(2, 1, inter), down_halves).reshape(1, hidden)

@@ -41,7 +41,7 @@ ARCH = ["-march=native"]         # the instruction set; tests build the other pa
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 SIGNATURES = {
     "int4pack_gemv": [_P, _I, _P, _P, _I, _I, _P, _I],
-    "int4_ffn": [_P, _I, _I, _P, _P, _P, _P, _I, _P, _P, _P, _I],
+    "int4_ffn": [_P, _I, _I, _P, _P, _P, _P, _I, _P, _P, _P, _I, _F],
     "q8_gemv": [_P, _I, _P, _P, _I, _P, _I],
     "add_rms_norm": [_P, _P, _P, _F, _I, _P],
     "attn_decode": [_P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _P, _P, _I],
@@ -50,9 +50,9 @@ SIGNATURES = {
     "router_topk": [_P, _I, _P, _I, _I, _I, _P, _P],
     "ggml_supported": [_I],
     "ggml_matmul": [_I, _P, _I, _I, _P, _I, _P, _I],
-    "ggml_ffn": [_P, _I, _I, _P, _I, _P, _I, _P, _I, _P, _P, _I],
+    "ggml_ffn": [_P, _I, _I, _P, _I, _P, _I, _P, _I, _P, _P, _I, _F],
     "moe_tail": [_P, _I, _P, _P, _P, _I, _I, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, _I, _P,
-                 _P, _P, _F, _P, _I],
+                 _P, _P, _F, _P, _I, _F],
 }
 MAX_TOP_K = 64        # experts a moe_tail call computes (its bookkeeping array)
 
@@ -182,14 +182,20 @@ def int4pack_gemv(x: torch.Tensor, packed: torch.Tensor, sz: torch.Tensor, group
     return y
 
 
-def int4_ffn(x: torch.Tensor, rec: torch.Tensor, regions: dict, group: int) -> torch.Tensor:
+def _limit(limit: float | None) -> float:
+    """A swiglu limit as the kernels take it: 0.0 for none (None), which costs nothing there."""
+    return float(limit) if limit else 0.0
+
+
+def int4_ffn(x: torch.Tensor, rec: torch.Tensor, regions: dict, group: int, limit: float | None = None) -> torch.Tensor:
     """One expert on one token (engine.kernels.quant_cpu.quant_ffn's function): x fp32 [H] contiguous, rec a
-    cols-order 4-bit record (uint8, contiguous), regions its QuantLayout.regions → y fp32 [H]."""
+    cols-order 4-bit record (uint8, contiguous), regions its QuantLayout.regions → y fp32 [H]. limit: gate/up
+    clamped at it (engine.experts.reference.swiglu; None: none)."""
     h, i = regions["down"][2:]
     base = rec.data_ptr()
     gu, hid, y = torch.empty(2 * i), torch.empty(i), torch.empty(h)
     lib().int4_ffn(x.data_ptr(), h, i, *(base + off for off in ffn_offsets(regions)), group, gu.data_ptr(),
-                   hid.data_ptr(), y.data_ptr(), torch.get_num_threads())
+                   hid.data_ptr(), y.data_ptr(), torch.get_num_threads(), _limit(limit))
     return y
 
 
@@ -207,8 +213,10 @@ class MoETail:
     where the torch forms take an FFN call per expert, a multiply, an add and a norm call. Its buffers are
     its own (one decode step at a time, as the model's)."""
 
-    def __init__(self, regions: dict, hidden: int, intermediate: int, group: int, top_k: int):
+    def __init__(self, regions: dict, hidden: int, intermediate: int, group: int, top_k: int,
+                 limit: float | None = None):
         assert top_k <= MAX_TOP_K and max(hidden, intermediate) <= MAX_K
+        self.limit = _limit(limit)             # the experts' swiglu limit (0.0: none)
         self.offsets = ffn_offsets(regions)
         self.hidden, self.intermediate, self.group, self.top_k = hidden, intermediate, group, top_k
         self.ids = torch.empty(top_k, dtype=torch.int64)              # route()'s outputs, read by __call__
@@ -232,7 +240,7 @@ class MoETail:
         lib().moe_tail(h.data_ptr(), len(addresses), self.ids.data_ptr(), ctypes.addressof(self.records),
                        self.weights.data_ptr(), self.hidden, self.intermediate, *self.offsets, self.group,
                        self.scratch.data_ptr(), x.data_ptr(), next_w.data_ptr(), eps, out.data_ptr(),
-                       torch.get_num_threads())
+                       torch.get_num_threads(), self.limit)
         return out
 
 
@@ -322,11 +330,11 @@ def ggml_matmul(code: int, x: torch.Tensor, w: torch.Tensor, out_features: int) 
 
 
 def ggml_ffn(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, codes: tuple[int, int, int],
-             intermediate: int) -> torch.Tensor:
+             intermediate: int, limit: float | None = None) -> torch.Tensor:
     """One expert on one token: x fp32 [H] contiguous; gate, up [I, H] and down [H, I] GGUF matrices (uint8 views
     of a record, contiguous) of GGML types `codes` → y fp32 [H] = down(silu(gate x)·(up x))."""
     h = x.numel()
     scratch, y = torch.empty(3 * intermediate), torch.empty(h)
     lib().ggml_ffn(_ptr(x), h, intermediate, _ptr(gate), codes[0], _ptr(up), codes[1], _ptr(down), codes[2],
-                   _ptr(scratch), _ptr(y), torch.get_num_threads())
+                   _ptr(scratch), _ptr(y), torch.get_num_threads(), _limit(limit))
     return y

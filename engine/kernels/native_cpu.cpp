@@ -16,6 +16,7 @@
 //   -ffp-contract=off, so a*b + c*d is not fused into an FMA unless written so).
 // The GEMVs and the attention split their work over `threads` OpenMP threads (torch's own libgomp once torch
 // is loaded).
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -566,6 +567,19 @@ void ggml_mm(int t, const float* x, int M, int K, const uint8_t* w, int N, float
     delete[] xs16;
 }
 
+// h [I] = silu(g)·u, with a limit (glm5_next's swiglu_limit: finite and > 0) g clamped from above and u both ways
+// first, as engine.experts.reference.swiglu; any other limit (0, +inf) is none and takes the plain loop.
+void swiglu(const float* g, const float* u, int I, float limit, float* h) {
+    if (limit > 0.0f && std::isfinite(limit)) {
+        for (int i = 0; i < I; ++i) {
+            const float a = std::min(g[i], limit), b = std::min(std::max(u[i], -limit), limit);
+            h[i] = (a / (1.0f + std::exp(-a))) * b;
+        }
+        return;
+    }
+    for (int i = 0; i < I; ++i) h[i] = (g[i] / (1.0f + std::exp(-g[i]))) * u[i];
+}
+
 }  // namespace
 
 extern "C" {
@@ -578,14 +592,12 @@ void int4pack_gemv(const float* x, int K, const uint8_t* packed, const uint16_t*
 }
 
 // One expert on one token: y [H] = down(silu(gate x) * up x), gate|up one int4pack operand [2I, H] and down
-// [H, I]; gu, h: scratch of 2I and I floats. 2I, I <= 8192.
+// [H, I]; gu, h: scratch of 2I and I floats. 2I, I <= 8192. limit: swiglu's (0: none).
 void int4_ffn(const float* x, int H, int I, const uint8_t* gu_packed, const uint16_t* gu_sz,
-              const uint8_t* d_packed, const uint16_t* d_sz, int g, float* gu, float* h, float* y, int threads) {
+              const uint8_t* d_packed, const uint16_t* d_sz, int g, float* gu, float* h, float* y, int threads,
+              float limit) {
     int4_gemv(x, H, gu_packed, gu_sz, 2 * I, g, gu, threads);
-    for (int i = 0; i < I; ++i) {
-        float a = gu[i];
-        h[i] = (a / (1.0f + std::exp(-a))) * gu[I + i];
-    }
+    swiglu(gu, gu + I, I, limit, h);
     int4_gemv(h, I, d_packed, d_sz, H, g, y, threads);
 }
 
@@ -598,7 +610,7 @@ void add_rms_norm(float* x, const float* r, const float* w, float eps, int H, fl
 // scales, down codes, its scales. scratch: 2I + I + H + H floats.
 void moe_tail(const float* h, int k, const int64_t* ids, const uint64_t* recs, const float* w, int H, int I,
               int64_t gu_off, int64_t gu_sz_off, int64_t d_off, int64_t d_sz_off, int g, float* scratch, float* x,
-              const float* next_w, float eps, float* h_out, int threads) {
+              const float* next_w, float eps, float* h_out, int threads, float limit) {
     float *gu = scratch, *hid = scratch + 2 * I, *y = hid + I, *out = y + H;
     bool done[64] = {};
     for (int n = 0; n < k; ++n) {
@@ -608,7 +620,7 @@ void moe_tail(const float* h, int k, const int64_t* ids, const uint64_t* recs, c
         done[j] = true;
         const uint8_t* rec = reinterpret_cast<const uint8_t*>(recs[j]);
         int4_ffn(h, H, I, rec + gu_off, reinterpret_cast<const uint16_t*>(rec + gu_sz_off), rec + d_off,
-                 reinterpret_cast<const uint16_t*>(rec + d_sz_off), g, gu, hid, y, threads);
+                 reinterpret_cast<const uint16_t*>(rec + d_sz_off), g, gu, hid, y, threads, limit);
         const float wj = w[j];
         if (n == 0)
             for (int i = 0; i < H; ++i) out[i] = y[i] * wj;
@@ -802,13 +814,13 @@ void ggml_matmul(int t, const float* x, int M, int K, const uint8_t* w, int N, f
 }
 
 // One expert on one token from three GGUF matrices, each in its own type: gate, up [I, H], down [H, I];
-// y [H] = down(silu(gate x) * up x). scratch: 3I floats.
+// y [H] = down(silu(gate x) * up x). scratch: 3I floats. limit: swiglu's (0: none).
 void ggml_ffn(const float* x, int H, int I, const uint8_t* gate, int gt, const uint8_t* up, int ut,
-              const uint8_t* down, int dt, float* scratch, float* y, int threads) {
+              const uint8_t* down, int dt, float* scratch, float* y, int threads, float limit) {
     float *g = scratch, *u = scratch + I, *h = scratch + 2 * I;
     ggml_mm(gt, x, 1, H, gate, I, g, threads);
     ggml_mm(ut, x, 1, H, up, I, u, threads);
-    for (int i = 0; i < I; ++i) h[i] = (g[i] / (1.0f + std::exp(-g[i]))) * u[i];
+    swiglu(g, u, I, limit, h);
     ggml_mm(dt, h, 1, I, down, H, y, threads);
 }
 

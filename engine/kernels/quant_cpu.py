@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from engine.experts.reference import swiglu
 from engine.kernels import native
 from engine.quant import ggml
 from engine.quant.records import QuantLayout, group_size, int4pack_operands, matrix_bytes
@@ -49,26 +50,27 @@ def native_ffn_group(layout: QuantLayout) -> int | None:
     return g if g == group_size(layout.intermediate, layout.scheme) else None
 
 
-def quant_ffn(layout: QuantLayout, rec: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """down(silu(gate x) * up x) for one quantized record; x [M, H] → [M, H] in x.dtype."""
+def quant_ffn(layout: QuantLayout, rec: torch.Tensor, x: torch.Tensor, limit: float | None = None) -> torch.Tensor:
+    """down(silu(gate x) * up x) for one quantized record; x [M, H] → [M, H] in x.dtype. limit: gate/up clamped
+    there first (engine.experts.reference.swiglu; None: none)."""
     if layout.cpu_int4 and rec.device.type == "cpu":
         g = group_size(layout.hidden, layout.scheme)
         if x.shape[0] == 1 and x.dtype == torch.float32 and native.allowed() and native_ffn_group(layout):
             # one token: the whole FFN in one native call (the same function as below)
-            return native.int4_ffn(x.reshape(-1).contiguous(), rec, layout.regions, g).view(1, -1)
+            return native.int4_ffn(x.reshape(-1).contiguous(), rec, layout.regions, g, limit).view(1, -1)
         i = layout.intermediate
         gu = int4_linear(layout, rec, "gate_up", x).float()
-        h = F.silu(gu[:, :i]) * gu[:, i:]
+        h = swiglu(gu[:, :i], gu[:, i:], limit)
         return int4_linear(layout, rec, "down", h).to(x.dtype)
     if layout.mixed and rec.device.type == "cpu":
-        y = ggml_ffn(layout, rec, x)
+        y = ggml_ffn(layout, rec, x, limit)
         if y is not None:
             return y
     gate, up, down = (m.to(device=x.device, dtype=x.dtype) for m in layout.dequantize(rec))
-    return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
+    return F.linear(swiglu(F.linear(x, gate), F.linear(x, up), limit), down)
 
 
-def ggml_ffn(layout: QuantLayout, rec: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
+def ggml_ffn(layout: QuantLayout, rec: torch.Tensor, x: torch.Tensor, limit: float | None = None) -> torch.Tensor | None:
     """A ggml: record (each matrix in its own GGML type, named by the record's header) through the native
     per-type kernels, in fp32: one token in one ggml_ffn call, more as three ggml_matmul calls. None where the
     kernels are not built or lack one of the record's types."""
@@ -81,19 +83,20 @@ def ggml_ffn(layout: QuantLayout, rec: torch.Tensor, x: torch.Tensor) -> torch.T
     h, i = layout.hidden, layout.intermediate
     xf = x.float().contiguous()
     if x.shape[0] == 1:
-        return native.ggml_ffn(xf.view(-1), *mats, codes, i).view(1, h).to(x.dtype)
+        return native.ggml_ffn(xf.view(-1), *mats, codes, i, limit).view(1, h).to(x.dtype)
     g = native.ggml_matmul(codes[0], xf, mats[0], i)
     u = native.ggml_matmul(codes[1], xf, mats[1], i)
-    return native.ggml_matmul(codes[2], (F.silu(g) * u).contiguous(), mats[2], h).to(x.dtype)
+    return native.ggml_matmul(codes[2], swiglu(g, u, limit).contiguous(), mats[2], h).to(x.dtype)
 
 
-def quant_ffn_reference(layout: QuantLayout, rec: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+def quant_ffn_reference(layout: QuantLayout, rec: torch.Tensor, x: torch.Tensor,
+                        limit: float | None = None) -> torch.Tensor:
     """quant_ffn as a plain dequantize-then-matmul in fp32, rounded to bf16 where the int4 kernel's
     operands and results are (x, gate|up, h, y): the oracle tests/engine/test_quant.py holds it to."""
     gate, up, down = layout.dequantize(rec)
     if not layout.cpu_int4:
-        return F.linear(F.silu(F.linear(x.float(), gate)) * F.linear(x.float(), up), down).to(x.dtype)
+        return F.linear(swiglu(F.linear(x.float(), gate), F.linear(x.float(), up), limit), down).to(x.dtype)
     bf = lambda t: t.to(torch.bfloat16).float()  # noqa: E731
     xb = bf(x.float())
     g, u = bf(xb @ gate.t()), bf(xb @ up.t())
-    return bf(bf(F.silu(g) * u) @ down.t()).to(x.dtype)
+    return bf(bf(swiglu(g, u, limit)) @ down.t()).to(x.dtype)

@@ -23,7 +23,7 @@ import torch
 
 from engine.experts.reference import moe_reference
 from engine.kernels import import_triton
-from engine.kernels.triton_common import GEMV_MAX_PAIRS, sum_picks, table_args
+from engine.kernels.triton_common import GEMV_MAX_PAIRS, limit_arg, sum_picks, table_args
 from engine.quant.records import GGUF_BLOCK, QuantLayout, group_size
 
 # Triton ships with CUDA builds of torch; CPU-only installs use the reference path (and do not import triton at all).
@@ -260,7 +260,7 @@ if triton is not None:
     def _gate_up_gemv(x_ptr, arena_ptr, slot_ptr, h_ptr, SLOT_OFF, table_ptr, log_ptr, K: tl.constexpr,
                       H: tl.constexpr, I: tl.constexpr, REC: tl.constexpr, TABLE: tl.constexpr, LOG: tl.constexpr,
                       GATE: tl.constexpr, UP: tl.constexpr, FMT: tl.constexpr, G: tl.constexpr,
-                      BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr):
+                      BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr, LIMIT: tl.constexpr = 0.0):
         p = tl.program_id(0)
         t = p // K
         rec = record_ptr(arena_ptr, slot_ptr, table_ptr, log_ptr, p, SLOT_OFF, REC, TABLE, LOG)
@@ -279,7 +279,7 @@ if triton is not None:
             acc_g += tl.sum(g * xv[None, :], axis=1)
             u = _weights(rec + UP, rows, cols, m, I, H, FMT, G, tu).to(out_ty).to(tl.float32)
             acc_u += tl.sum(u * xv[None, :], axis=1)
-        tl.store(h_ptr + p * I + rows, swiglu(acc_g, acc_u, out_ty), mask=rmask)
+        tl.store(h_ptr + p * I + rows, swiglu(acc_g, acc_u, out_ty, LIMIT), mask=rmask)
 
     @triton.jit
     def _down_gemv(h_ptr, arena_ptr, slot_ptr, w_ptr, y_ptr, SLOT_OFF, table_ptr, H: tl.constexpr, I: tl.constexpr,
@@ -342,7 +342,7 @@ if triton is not None:
     def _gate_up_gemv_grouped(x_ptr, arena_ptr, slot_ptr, h_ptr, SLOT_OFF, table_ptr, log_ptr, K: tl.constexpr,
                               H: tl.constexpr, I: tl.constexpr, REC: tl.constexpr, TABLE: tl.constexpr,
                               LOG: tl.constexpr, GATE: tl.constexpr, UP: tl.constexpr, FMT: tl.constexpr,
-                              G: tl.constexpr, BLOCK_I: tl.constexpr, SPAN: tl.constexpr):
+                              G: tl.constexpr, BLOCK_I: tl.constexpr, SPAN: tl.constexpr, LIMIT: tl.constexpr = 0.0):
         p = tl.program_id(0)
         rec = record_ptr(arena_ptr, slot_ptr, table_ptr, log_ptr, p, SLOT_OFF, REC, TABLE, LOG)
         rows = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
@@ -354,7 +354,7 @@ if triton is not None:
         for gi in range(0, H // G, SPAN):
             acc_g += _group_dot(rec + GATE, r64, rmask, x_row, gi, I, H, FMT, G, BLOCK_I, SPAN)
             acc_u += _group_dot(rec + UP, r64, rmask, x_row, gi, I, H, FMT, G, BLOCK_I, SPAN)
-        tl.store(h_ptr + p * I + rows, swiglu(acc_g, acc_u, h_ptr.dtype.element_ty), mask=rmask)
+        tl.store(h_ptr + p * I + rows, swiglu(acc_g, acc_u, h_ptr.dtype.element_ty, LIMIT), mask=rmask)
 
     @triton.jit
     def _down_gemv_grouped(h_ptr, arena_ptr, slot_ptr, w_ptr, y_ptr, SLOT_OFF, table_ptr, H: tl.constexpr,
@@ -376,7 +376,7 @@ if triton is not None:
     def _gate_up_gemm(x_ptr, arena_ptr, block_slot_ptr, pair_ptr, h_ptr, K: tl.constexpr, H: tl.constexpr,
                       I: tl.constexpr, REC: tl.constexpr, GATE: tl.constexpr, UP: tl.constexpr, FMT: tl.constexpr,
                       G: tl.constexpr, IEEE: tl.constexpr, VEC: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LIMIT: tl.constexpr = 0.0):
         pm = tl.program_id(0)
         rec = arena_ptr + tl.load(block_slot_ptr + pm).to(tl.int64) * REC
         tg, tu, td = _record_types(rec, FMT)
@@ -405,7 +405,7 @@ if triton is not None:
             else:
                 acc_g += tl.dot(xt, tl.trans(g))
                 acc_u += tl.dot(xt, tl.trans(u))
-        hv = swiglu(acc_g, acc_u, out_ty)
+        hv = swiglu(acc_g, acc_u, out_ty, LIMIT)
         dst = h_ptr + pairs[:, None].to(tl.int64) * I + rows[None, :]
         tl.store(dst, hv, mask=pmask[:, None] & rmask[None, :])
 
@@ -462,7 +462,7 @@ def span(groups: int, most: int = 64) -> int:
 def quant_slot_moe(x: torch.Tensor, arena: torch.Tensor, slots: torch.Tensor, topk_weights: torch.Tensor,
                    layout: QuantLayout, *, block_i: int = 8, block_h: int = 32, slot_offset: int = 0,
                    table: torch.Tensor | None = None, log: torch.Tensor | None = None,
-                   max_span: int = 64, warps: int = 2) -> torch.Tensor:
+                   max_span: int = 64, warps: int = 2, limit: float | None = None) -> torch.Tensor:
     """Decode: Σ_k w[t,k]·expert(slot_offset + slots[t,k])(x[t]) by the GEMV kernels. x [T,H]; arena
     [S, record_bytes] uint8; slots [T,K]; topk_weights [T,K]. Returns [T,H] in x.dtype. table / log: as
     engine.kernels.triton_moe.slot_moe's (byte offsets here: the arena is bytes). max_span / warps: the int8/int4
@@ -487,7 +487,7 @@ def quant_slot_moe(x: torch.Tensor, arena: torch.Tensor, slots: torch.Tensor, to
         _gate_up_gemv_grouped[(p, triton.cdiv(idim, block_i))](
             x.contiguous(), arena, slot_flat, h, slot_offset, tab, lg, K=k, H=hdim, I=idim, LOG=use_log, **where,
             GATE=prm["GATE"], UP=prm["UP"], FMT=prm["FMT"], G=gh, BLOCK_I=block_i,
-            SPAN=span(hdim // gh, max_span), num_warps=warps)
+            SPAN=span(hdim // gh, max_span), LIMIT=limit_arg(limit), num_warps=warps)
         _down_gemv_grouped[(p, triton.cdiv(hdim, block_h))](
             h, arena, slot_flat, w_flat, y, slot_offset, tab, H=hdim, I=idim, **where,
             DOWN=layout.regions["down"][0], FMT=prm["FMT"], G=gi, BLOCK_H=block_h,
@@ -496,7 +496,7 @@ def quant_slot_moe(x: torch.Tensor, arena: torch.Tensor, slots: torch.Tensor, to
     _gate_up_gemv[(p, triton.cdiv(idim, block_i))](
         x.contiguous(), arena, slot_flat, h, slot_offset, tab, lg, K=k, H=hdim, I=idim, LOG=use_log, **where,
         GATE=prm["GATE"], UP=prm["UP"], FMT=prm["FMT"], G=_group(hdim, layout), BLOCK_I=block_i,
-        BLOCK_H=128)
+        BLOCK_H=128, LIMIT=limit_arg(limit))
     _down_gemv[(p, triton.cdiv(hdim, block_h))](
         h, arena, slot_flat, w_flat, y, slot_offset, tab, H=hdim, I=idim, **where,
         DOWN=layout.regions["down"][0], FMT=prm["FMT"], G=_group(idim, layout), BLOCK_H=block_h,
@@ -547,7 +547,7 @@ GEMM_TILES = {16: (64, 128, 4), 32: (128, 64, 4), 64: (64, 128, 4), 128: (128, 1
 def quant_grouped_moe(x: torch.Tensor, arena: torch.Tensor, slots: torch.Tensor, topk_weights: torch.Tensor,
                       layout: QuantLayout, *, block_m: int | None = None, most_m: int | None = None,
                       block_n: int | None = None, block_k: int | None = None, warps: int | None = None,
-                      stages: int | None = None, vec: bool | None = None) -> torch.Tensor:
+                      stages: int | None = None, vec: bool | None = None, limit: float | None = None) -> torch.Tensor:
     """Prefill: the same function as quant_slot_moe by a grouped GEMM over the pairs of each slot. block_m: the
     tile's rows (None: block_m_for the pairs a slot has, up to most_m); block_n / block_k: the weight tile (None:
     GEMM_TILES[block_m], as are warps); vec: int8/int4 weights by _weights_tile (block_k rounded up to a multiple of the scheme's
@@ -578,27 +578,30 @@ def quant_grouped_moe(x: torch.Tensor, arena: torch.Tensor, slots: torch.Tensor,
                   num_stages=o["stages"])
     _gate_up_gemm[(nb, triton.cdiv(idim, bn))](
         x.contiguous(), arena, block_slot, pairs, h, K=k, H=hdim, I=idim, REC=rec, GATE=prm["GATE"],
-        UP=prm["UP"], FMT=prm["FMT"], G=gh, BLOCK_K=bk_up, **launch)
+        UP=prm["UP"], FMT=prm["FMT"], G=gh, BLOCK_K=bk_up, LIMIT=limit_arg(limit), **launch)
     _down_gemm[(nb, triton.cdiv(hdim, bn))](
         h, arena, block_slot, pairs, topk_weights.reshape(-1).contiguous(), y, H=hdim, I=idim, REC=rec,
         DOWN=layout.regions["down"][0], FMT=prm["FMT"], G=gi, BLOCK_K=bk_down, **launch)
     return y.view(t, k, hdim).sum(dim=1).to(x.dtype)
 
 
-def quant_moe_reference(x, arena, slots, topk_weights, layout: QuantLayout) -> torch.Tensor:
+def quant_moe_reference(x, arena, slots, topk_weights, layout: QuantLayout, limit: float | None = None) -> torch.Tensor:
     """The oracle: each pick's record dequantized by engine.quant.records (plain torch), then the plain
     per-expert loop (engine.experts.moe_reference) in x.dtype."""
-    return moe_reference(x, slots.long(), topk_weights, lambda s: layout.dequantize(arena[s]))
+    return moe_reference(x, slots.long(), topk_weights, lambda s: layout.dequantize(arena[s]), limit)
 
 
 def quant_moe_from_slots(x, arena, slots, topk_weights, layout: QuantLayout, *, slot_offset: int = 0,
-                         table: torch.Tensor | None = None, log: torch.Tensor | None = None) -> torch.Tensor:
+                         table: torch.Tensor | None = None, log: torch.Tensor | None = None,
+                         limit: float | None = None) -> torch.Tensor:
     """The providers' hook: GEMV kernels for few pairs (decode), the grouped GEMM for many (prefill);
-    the reference where Triton cannot run. The slots read are slot_offset + slots (or a record table's)."""
+    the reference where Triton cannot run. The slots read are slot_offset + slots (or a record table's).
+    limit: the experts' swiglu limit, in every one of them (None: none)."""
     if available(x.device) and slots.numel() <= GEMV_MAX_PAIRS:
-        return quant_slot_moe(x, arena, slots, topk_weights, layout, slot_offset=slot_offset, table=table, log=log)
+        return quant_slot_moe(x, arena, slots, topk_weights, layout, slot_offset=slot_offset, table=table, log=log,
+                              limit=limit)
     if slot_offset:
         slots = slots + slot_offset
     if not available(x.device):
-        return quant_moe_reference(x, arena, slots, topk_weights, layout)
-    return quant_grouped_moe(x, arena, slots, topk_weights, layout)
+        return quant_moe_reference(x, arena, slots, topk_weights, layout, limit)
+    return quant_grouped_moe(x, arena, slots, topk_weights, layout, limit=limit)

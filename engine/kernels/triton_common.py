@@ -24,11 +24,17 @@ def triton_available(device: torch.device) -> bool:
 
 if triton is not None:
     @triton.jit
-    def swiglu(acc_g, acc_u, ty: tl.constexpr):
+    def swiglu(acc_g, acc_u, ty: tl.constexpr, LIMIT: tl.constexpr = 0.0):
         """silu(g)·u from fp32 gate/up sums, each rounded to the model dtype where torch's F.linear and silu round
-        (every expert kernel's epilogue: these GEMVs and the quantized kernels in engine.kernels.quant_triton)."""
+        (every expert kernel's epilogue: these GEMVs and the quantized kernels in engine.kernels.quant_triton).
+        LIMIT > 0 (glm5_next's swiglu_limit, a compile-time constant): g clamped from above and u both ways, each
+        rounded again as torch's clamp of a model-dtype tensor is (engine.experts.reference.swiglu); 0.0 compiles
+        the plain epilogue, unchanged."""
         g = acc_g.to(ty).to(tl.float32)
         u = acc_u.to(ty).to(tl.float32)
+        if LIMIT > 0:
+            g = tl.minimum(g, LIMIT).to(ty).to(tl.float32)
+            u = tl.minimum(tl.maximum(u, -LIMIT), LIMIT).to(ty).to(tl.float32)
         s = (g * tl.sigmoid(g)).to(ty).to(tl.float32)
         return (s * u).to(ty)
 
@@ -55,6 +61,11 @@ if triton is not None:
         for k in tl.static_range(K):
             acc += tl.load(y_ptr + (t * K + k) * H + cols, mask=m, other=0.0)
         tl.store(out_ptr + t * H + cols, acc.to(out_ptr.dtype.element_ty), mask=m)
+
+
+def limit_arg(limit: float | None) -> float:
+    """A swiglu limit as the kernels' LIMIT constexpr: 0.0 for none (None or +inf), the plain epilogue."""
+    return float(limit) if limit and limit != float("inf") else 0.0
 
 
 def sum_picks(y: torch.Tensor, t: int, k: int, dtype: torch.dtype) -> torch.Tensor:

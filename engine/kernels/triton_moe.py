@@ -25,7 +25,7 @@ from engine.experts.layout import ExpertLayout
 from engine.experts.reference import moe_reference
 from engine.kernels import import_triton
 from engine.kernels.quant_triton import quant_moe_from_slots
-from engine.kernels.triton_common import GEMV_MAX_PAIRS, sum_picks, table_args, triton_available
+from engine.kernels.triton_common import GEMV_MAX_PAIRS, limit_arg, sum_picks, table_args, triton_available
 
 # Triton ships with CUDA builds of torch; CPU-only installs use the reference path (and do not import triton at all).
 triton, tl = import_triton()
@@ -41,7 +41,7 @@ if triton is not None:
     @triton.jit
     def _gate_up_kernel(x_ptr, arena_ptr, slot_ptr, h_ptr, SLOT_OFF, table_ptr, log_ptr, K: tl.constexpr,
                         H: tl.constexpr, I: tl.constexpr, REC: tl.constexpr, TABLE: tl.constexpr, LOG: tl.constexpr,
-                        BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr):
+                        BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr, LIMIT: tl.constexpr = 0.0):
         p = tl.program_id(0)
         bi = tl.program_id(1)
         t = p // K
@@ -61,7 +61,7 @@ if triton is not None:
             acc_g += tl.sum(g * xv[None, :], axis=1)
             u = tl.load(up + off, mask=m, other=0.0).to(tl.float32)
             acc_u += tl.sum(u * xv[None, :], axis=1)
-        tl.store(h_ptr + p * I + rows, swiglu(acc_g, acc_u, h_ptr.dtype.element_ty), mask=rmask)
+        tl.store(h_ptr + p * I + rows, swiglu(acc_g, acc_u, h_ptr.dtype.element_ty, LIMIT), mask=rmask)
 
     @triton.jit
     def _down_kernel(h_ptr, arena_ptr, slot_ptr, w_ptr, y_ptr, SLOT_OFF, table_ptr, H: tl.constexpr,
@@ -97,12 +97,14 @@ def read_record(arena: torch.Tensor, offset: int, n: int) -> torch.Tensor:
 def slot_moe(x: torch.Tensor, arena: torch.Tensor, slots: torch.Tensor, topk_weights: torch.Tensor,
              layout: ExpertLayout, *, slot_offset: int = 0, table: torch.Tensor | None = None,
              log: torch.Tensor | None = None, block_i: int = 4, block_h: int = 16,
-             gate_up_cols: int | None = None, down_cols: int = 256, warps: int = 4) -> torch.Tensor:
+             gate_up_cols: int | None = None, down_cols: int = 256, warps: int = 4,
+             limit: float | None = None) -> torch.Tensor:
     """Σ_k w[t,k]·expert(slot_offset + slots[t,k])(x[t]) with Triton GEMV kernels. x [T,H]; arena
     [S, record_elems] in layout.dtype; slots [T,K] int32/int64 (e.g. a router's expert ids, offset to a layer's
     first slot inside the kernels: no add launched); topk_weights [T,K]. Returns [T,H] x.dtype.
     table: int64 element offsets of records from the arena's start, read at slot_offset + slots[t,k] instead
-    (record_ptr); log: int32 [≥ T·K], receives slots flattened (the routing of this step)."""
+    (record_ptr); log: int32 [≥ T·K], receives slots flattened (the routing of this step). limit: the experts'
+    swiglu limit (engine.experts.reference.swiglu; None: none)."""
     t, k = slots.shape
     hdim, idim = layout.hidden, layout.intermediate
     p = t * k
@@ -117,38 +119,41 @@ def slot_moe(x: torch.Tensor, arena: torch.Tensor, slots: torch.Tensor, topk_wei
     tab, lg, use_table, use_log = table_args(table, log, slot_flat)
     _gate_up_kernel[(p, triton.cdiv(idim, block_i))](
         xs, arena, slot_flat, h, slot_offset, tab, lg, K=k, H=hdim, I=idim, REC=layout.record_elems,
-        TABLE=use_table, LOG=use_log, BLOCK_I=block_i, BLOCK_H=gate_up_cols, num_warps=warps)
+        TABLE=use_table, LOG=use_log, BLOCK_I=block_i, BLOCK_H=gate_up_cols, LIMIT=limit_arg(limit), num_warps=warps)
     _down_kernel[(p, triton.cdiv(hdim, block_h))](
         h, arena, slot_flat, topk_weights.reshape(-1).contiguous(), y, slot_offset, tab, H=hdim, I=idim,
         REC=layout.record_elems, TABLE=use_table, BLOCK_H=block_h, BLOCK_I=down_cols, num_warps=warps)
     return sum_picks(y, t, k, x.dtype)
 
 
-def slot_moe_reference(x, arena, slots, topk_weights, layout: ExpertLayout, expert_ids=None) -> torch.Tensor:
+def slot_moe_reference(x, arena, slots, topk_weights, layout: ExpertLayout, expert_ids=None,
+                       limit: float | None = None) -> torch.Tensor:
     """The same function as slot_moe via moe_reference (per-expert GEMMs): the prefill path and the oracle.
     Given expert_ids, experts are visited in expert order whatever their slots, so the accumulation
     order (hence every bf16 rounding) is the same in any cache state."""
     if expert_ids is None:
-        return moe_reference(x, slots.long(), topk_weights, lambda s: layout.views(arena[s]))
+        return moe_reference(x, slots.long(), topk_weights, lambda s: layout.views(arena[s]), limit)
     slot_of = dict(zip(expert_ids.reshape(-1).tolist(), slots.reshape(-1).tolist()))
-    return moe_reference(x, expert_ids, topk_weights, lambda e: layout.views(arena[slot_of[e]]))
+    return moe_reference(x, expert_ids, topk_weights, lambda e: layout.views(arena[slot_of[e]]), limit)
 
 
 def moe_from_slots(x, arena, slots, topk_weights, layout: ExpertLayout, expert_ids=None, *,
                    slot_offset: int = 0, table: torch.Tensor | None = None,
-                   log: torch.Tensor | None = None) -> torch.Tensor:
+                   log: torch.Tensor | None = None, limit: float | None = None) -> torch.Tensor:
     """Pick the kernel for the shape: GEMV kernels for few pairs (decode), GEMMs for many (prefill).
     Quantized records go to their own kernels (engine.kernels.quant_triton), picked the same way. The slots
     read are slot_offset + slots (the GEMV kernels add it themselves). table / log (slot_moe's): only the GEMV
-    kernels read a record table, so a caller giving one must keep to their shapes."""
+    kernels read a record table, so a caller giving one must keep to their shapes. limit: the experts' swiglu
+    limit (ExpertProvider.swiglu_limit), carried into every kernel; None: none."""
     if table is not None or log is not None:
         assert slots.numel() <= GEMV_MAX_PAIRS and triton_available(x.device), \
             "a record table is read by the GEMV kernels only: at most GEMV_MAX_PAIRS picks, where Triton runs"
     if layout.quantized:
         return quant_moe_from_slots(x, arena, slots, topk_weights, layout.quantized, slot_offset=slot_offset,
-                                    table=table, log=log)
+                                    table=table, log=log, limit=limit)
     if slots.numel() <= GEMV_MAX_PAIRS and triton_available(x.device):
-        return slot_moe(x, arena, slots, topk_weights, layout, slot_offset=slot_offset, table=table, log=log)
+        return slot_moe(x, arena, slots, topk_weights, layout, slot_offset=slot_offset, table=table, log=log,
+                        limit=limit)
     if slot_offset:
         slots = slots + slot_offset
-    return slot_moe_reference(x, arena, slots, topk_weights, layout, expert_ids)
+    return slot_moe_reference(x, arena, slots, topk_weights, layout, expert_ids, limit)

@@ -60,7 +60,8 @@ def native_tail(model: "MoEModel", provider: ExpertProvider) -> native.MoETail |
     if not provider.hands_out_host_records or quant is None or model.cfg.top_k > native.MAX_TOP_K:
         return None
     g = native_ffn_group(quant)
-    return None if g is None else native.MoETail(quant.regions, quant.hidden, quant.intermediate, g, model.cfg.top_k)
+    return None if g is None else native.MoETail(quant.regions, quant.hidden, quant.intermediate, g, model.cfg.top_k,
+                                                 provider.swiglu_limit)
 
 
 # ---------------------------------------------------------------- norms, rotary, linear

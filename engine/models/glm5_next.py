@@ -1,6 +1,6 @@
 """GLM-5.3-Flash (transformers' glm5_next text model): mHC residual streams around every block, KDA linear
 attention and DSA (MLA + a pooled top-k indexer) layers in the config's order, dense MLP layers then MoE layers
-(sigmoid routing as GLM-4.5, a shared expert, SwiGLU clamped at swiglu_limit).
+(sigmoid routing as GLM-4.5, a shared expert, SwiGLU clamped at swiglu_limit: the routed experts' too).
 
 Every layer reads and writes the residual as `hc_mult` streams: a hyper connection collapses them into the block's
 input (weights `pre`), expands the block's output back (`post`) and mixes the old streams in (`comb`, made doubly
@@ -91,9 +91,8 @@ class ClampedMLP(MLP):
 
 class Glm5MoeBlock(nn.Module):
     """Routed experts through the provider (as every architecture) plus the shared expert; routing as GLM-4.5.
-    Not yet the reference: the providers compute one plain SwiGLU for every architecture, so the routed experts'
-    gate and up are not clamped at swiglu_limit (the shared expert's and the dense layers' are). The two agree
-    wherever a routed expert's |gate·x| and |up·x| stay within the limit, as at every position the tests compare."""
+    The routed experts' gate and up are clamped at swiglu_limit as the shared expert's are: the model hands the
+    limit to its provider at load (ExpertProvider.use_swiglu_limit), which carries it into every expert kernel."""
 
     def __init__(self, model: "Glm5Next", w: WeightSource, layer: int):
         super().__init__()
@@ -433,6 +432,7 @@ class Glm5Next(nn.Module):
         super().__init__()
         # **_kernels: the fused/native kernel switches other models take; glm5_next has torch forms only (issue 28)
         self.cfg, self.spec, self.provider, self.caches = cfg, caches.spec, provider, caches
+        provider.use_swiglu_limit(caches.spec.swiglu_limit)      # the routed experts' clamp, in every kernel
         self.device, self.dtype = torch.device(device), dtype
         w = ShapeChecked(w, tensor_shapes(caches.spec, layers=cfg.num_layers, hidden=cfg.hidden, vocab=cfg.vocab_size,
                                           heads=cfg.num_heads, intermediate=cfg.intermediate, moe_layers=cfg.moe_layers,

@@ -24,7 +24,8 @@ class InMemoryExperts(ExpertProvider):
         recs = self.records[layer]
         self._served += int(topk_ids.numel())
         return moe_forward(x, topk_weights, group_routes(topk_ids),
-                           lambda experts: [self.layout.views(recs[e]) for e in experts], len(recs))
+                           lambda experts: [self.layout.views(recs[e]) for e in experts], len(recs),
+                           self.swiglu_limit)
 
     def host_records(self, layer: int, experts: list[int]) -> list[int] | None:
         """ExpertProvider.host_records: None where the records are not in host memory (a CUDA device)."""

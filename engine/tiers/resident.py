@@ -63,7 +63,8 @@ class ResidentExperts(ExpertProvider):
         # Decode: the slot GEMV kernels. Prefill: per-expert GEMMs in expert order (moe_reference's arithmetic,
         # the tiered provider's bit for bit). moe_forward's host-side grouping was tried here: 8k prefill fell
         # from 6,575 to 2,729 tok/s on the H200 (bench/results/2026-12-01-h200-served.json), so not that.
-        return moe_from_slots(x, self.arena, topk_ids, topk_weights, self.layout, topk_ids, slot_offset=self.bases[layer])
+        return moe_from_slots(x, self.arena, topk_ids, topk_weights, self.layout, topk_ids, slot_offset=self.bases[layer],
+                              limit=self.swiglu_limit)
 
     def counters(self) -> dict:
         return {"provider": "resident", "served": {"gpu": self.picks, "ram": 0, "store": 0}, "store_read_bytes": 0,

@@ -250,7 +250,7 @@ class TieredExperts(ExpertProvider):
         self.lanes.add(lane, topk_ids.numel(), len(picks) * self.layout.record_bytes)
         resolve = (lambda wave: self._resolve_gpu(layer, wave, picks)) if self.gpu is not None else \
             (lambda wave: self._resolve_ram(layer, wave, picks))
-        return moe_forward(x, topk_weights, routes, resolve, self.wave)
+        return moe_forward(x, topk_weights, routes, resolve, self.wave, self.swiglu_limit)
 
     def host_records(self, layer: int, experts: list[int]) -> list[int] | None:
         """One token's picked experts computed on the CPU by the caller (the native decode step,
@@ -320,7 +320,7 @@ class TieredExperts(ExpertProvider):
             place()
         slots = table.slots[:n].view(topk_ids.shape)
         weights = topk_weights * table.mask[:n].view(topk_ids.shape) if lane else topk_weights
-        y = moe_from_slots(x, self.gpu.data, slots, weights, self.layout, topk_ids)
+        y = moe_from_slots(x, self.gpu.data, slots, weights, self.layout, topk_ids, limit=self.swiglu_limit)
         if not lane:
             return y
         t = x.shape[0]
@@ -418,7 +418,7 @@ class TieredExperts(ExpertProvider):
         host = "cpu"
         xs, ids, ws = x.to(host), topk_ids.to(host), topk_weights.to(host)
         routes = [r for r in group_routes(ids) if r.expert in on_cpu]
-        fut = self.lane.submit(moe_forward, xs, ws, routes, lambda wave: views, len(experts))
+        fut = self.lane.submit(moe_forward, xs, ws, routes, lambda wave: views, len(experts), self.swiglu_limit)
         self._job = CpuJob(fut, keys, sum(len(r.tokens) for r in routes), len(experts))
 
     def _collect(self, table: LayerTable, t: int) -> None:

@@ -38,14 +38,15 @@ def group_routes(topk_ids: torch.Tensor) -> list[Route]:
 
 def moe_forward(x: torch.Tensor, topk_weights: torch.Tensor, routes: list[Route],
                 resolve: Callable[[list[int]], list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]],
-                wave: int) -> torch.Tensor:
+                wave: int, limit: float | None = None) -> torch.Tensor:
     """moe_reference's arithmetic, operation for operation: each expert's FFN on its tokens, accumulated
     into zeros in ascending expert order. The experts come `wave` at a time from resolve(experts) -> their
     (gate, up, down) views (a tiered provider may reuse a wave's slots for the next one). On the CPU with
     two or more threads, neighbours in a wave that each serve one token (a decode step) are computed as
     a pair (pair_ffn), a one-token expert without a neighbour in halves (single_ffn); more tokens per
     expert are GEMMs torch's BLAS already spreads over its threads. Bitwise equal to moe_reference on
-    one thread, whatever the wave (tests/engine/test_speed_paths.py)."""
+    one thread, whatever the wave (tests/engine/test_speed_paths.py). limit: every expert's swiglu limit
+    (ExpertProvider.use_swiglu_limit; None: none), carried into each kernel."""
     one_token = x.shape[0] == 1
     out = None if one_token else torch.zeros_like(x)
     paired = x.device.type == "cpu" and torch.get_num_threads() >= 2
@@ -68,20 +69,20 @@ def moe_forward(x: torch.Tensor, topk_weights: torch.Tensor, routes: list[Route]
         while j < len(chunk):
             r = chunk[j]
             if isinstance(views[j], QuantExpert):         # a quantized record computes with its own kernel
-                accumulate(r, quant_ffn(views[j].layout, views[j].record, x if one_token else x[r.tokens]))
+                accumulate(r, quant_ffn(views[j].layout, views[j].record, x if one_token else x[r.tokens], limit))
                 j += 1
                 continue
             if paired and j + 1 < len(chunk) and len(r.tokens) == len(chunk[j + 1].tokens) == 1:
-                ys = pair_ffn(x[r.tokens], x[chunk[j + 1].tokens], views[j], views[j + 1])
+                ys = pair_ffn(x[r.tokens], x[chunk[j + 1].tokens], views[j], views[j + 1], limit)
                 if ys is not None:
                     accumulate(r, ys[0])
                     accumulate(chunk[j + 1], ys[1])
                     j += 2
                     continue
-            y = single_ffn(x[r.tokens], views[j]) if paired and len(r.tokens) == 1 else None
+            y = single_ffn(x[r.tokens], views[j], limit) if paired and len(r.tokens) == 1 else None
             if y is None:
                 gate, up, down = views[j]
-                y = expert_ffn(x[r.tokens], gate.to(x.dtype), up.to(x.dtype), down.to(x.dtype))
+                y = expert_ffn(x[r.tokens], gate.to(x.dtype), up.to(x.dtype), down.to(x.dtype), limit)
             accumulate(r, y)
             j += 1
     return out if out is not None else torch.zeros_like(x)

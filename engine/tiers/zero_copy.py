@@ -198,7 +198,8 @@ class ZeroCopyDecode:
     def forward(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor):
         row = self.rows[layer]
         return moe_from_slots(x, self.gpu.data, topk_ids, topk_weights, self.layout, topk_ids,
-                              slot_offset=row * self.experts, table=self.table, log=self.log[row])
+                              slot_offset=row * self.experts, table=self.table, log=self.log[row],
+                              limit=self.p.swiglu_limit)
 
     def before_decode(self) -> None:
         """Before a step's launch: what a prefill moved reaches the table (usually nothing to do)."""
