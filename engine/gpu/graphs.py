@@ -70,7 +70,7 @@ class DecodeGraphs:
     def __init__(self, model):
         self.model = model
         dev = model.device
-        self.max_batch = model.kv.slots
+        self.max_batch = model.caches.slots           # SlotCaches: a KV cache, or a model's own (glm5_next)
         self.static = torch.zeros(3, self.max_batch, dtype=torch.long, device=dev)      # ids, positions, slots
         self.host = torch.zeros(3, self.max_batch, dtype=torch.long, pin_memory=True)
         self.copied = torch.cuda.Event()

@@ -39,6 +39,7 @@ from engine.glm5_next_config import DSA, KDA, Glm5Spec, SpecError, tensor_shapes
 from engine.kv_cache import SlotCaches, untouched_zeros
 from engine.models.common import MLP, WeightSource, rms_norm, sigmoid_grouped_topk
 from engine.dense_weights import Projection
+from engine.gpu.graphs import DecodeGraphs
 
 KDA_CHUNK = 64          # transformers' chunk_kimi_delta_attention chunk size
 
@@ -159,6 +160,18 @@ class Segment:
         return self.start + self.length
 
 
+@dataclass
+class StaticDecode:
+    """A decode step of fixed shapes and no host read (what Glm5DecodeGraphs captures): one token for each of B
+    sequences, at cache slots idx [B] and positions pos [B] (device tensors), the indexer scoring the pools of the
+    first kv_len keys (a bucket, engine.kv_cache.kv_bucket, ≥ every position + 1) and every sequence attending a
+    fixed-size set of index_topk + index_kpool keys, masked."""
+
+    idx: torch.Tensor
+    pos: torch.Tensor
+    kv_len: int
+
+
 def _l2norm(x: torch.Tensor) -> torch.Tensor:
     return x / torch.sqrt((x * x).sum(dim=-1, keepdim=True) + 1e-6)    # as FLA's (and transformers') l2norm
 
@@ -240,8 +253,10 @@ class LinearAttention(nn.Module):
     def forward(self, h: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
         mixed = self.qkv(h).float()                                   # [N, 3·qkv]; the conv runs in fp32
         g, beta = self.forget_gate(h), torch.sigmoid(self.b(h).float())
-        if all(s.length == 1 and s.start > 0 for s in segments):
-            core = self._decode(mixed, g, beta, segments)
+        if isinstance(segments, StaticDecode):
+            core = self._decode(mixed, g, beta, segments.idx)
+        elif all(s.length == 1 and s.start > 0 for s in segments):
+            core = self._decode(mixed, g, beta, torch.tensor([s.slot for s in segments], device=mixed.device))
         else:
             core = self._segments(mixed, g, beta, segments)
         gate = self.g_b(self.g_a(h)).view(h.shape[0], self.heads, self.hd)
@@ -253,12 +268,11 @@ class LinearAttention(nn.Module):
         q, k, v = (t.reshape(n, self.heads, self.hd) for t in y.split(y.shape[1] // 3, dim=1))
         return _l2norm(q) * self.hd ** -0.5, _l2norm(k), v
 
-    def _decode(self, mixed, g, beta, segments: list[Segment]) -> torch.Tensor:
-        """One token for each sequence, all at once: their conv windows and states gathered by slot."""
-        idx = torch.tensor([s.slot for s in segments], device=mixed.device)
+    def _decode(self, mixed, g, beta, idx: torch.Tensor) -> torch.Tensor:
+        """One token for each sequence, all at once: their conv windows and states gathered by slot (idx [B])."""
         x = torch.cat([self.caches.conv[self.row, idx], mixed.unsqueeze(-1)], dim=-1)    # [B, C, kernel]
         self.caches.conv[self.row, idx] = x[..., 1:]
-        q, k, v = self._qk(F.silu((x * self.conv).sum(-1)), len(segments))
+        q, k, v = self._qk(F.silu((x * self.conv).sum(-1)), idx.shape[0])
         core, state = kda_recurrent(q[None], k[None], v[None], g[None], beta[None], self.caches.state[self.row, idx])
         self.caches.state[self.row, idx] = state
         return core[0]
@@ -305,6 +319,41 @@ class Indexer:
         packed = torch.cat([k, self.gate(h)], dim=-1)
         for s in segments:
             self.caches.index[self.row, s.slot, s.start:s.end] = packed[s.row:s.row + s.length]
+
+    def write_static(self, h: torch.Tensor, st: StaticDecode) -> None:
+        k = F.layer_norm(self.wk(h), (self.hd,), *self.k_norm, eps=1e-6)
+        self.caches.index[self.row, st.idx, st.pos] = torch.cat([k, self.gate(h)], dim=-1)
+
+    def select_static(self, h: torch.Tensor, q_resid: torch.Tensor, st: StaticDecode):
+        """select's choice for a StaticDecode, as a fixed-size set: → (keys [B, S] positions, valid [B, S]),
+        S = min(index_topk, the bucket's pools · index_kpool) + index_kpool. The pools of the first kv_len keys are
+        scored (those past a sequence's position masked to -inf, as select masks the invisible ones), the
+        index_topk / index_kpool best taken by the same stable sort (ties to the lower pool), and the tail added:
+        the same keys select marks, whatever the bucket."""
+        kp, b = self.kpool, h.shape[0]
+        pos, dev = st.pos, h.device
+        span = torch.arange(kp, device=dev)
+        tail = ((pos + 1) // kp * kp)[:, None] + span                               # the incomplete pool
+        tail_ok = tail <= pos[:, None]
+        n_pools = st.kv_len // kp
+        take = min(self.pools, n_pools)
+        if not take:
+            return tail, tail_ok
+        packed = self.caches.index[self.row, st.idx, :n_pools * kp].view(b, n_pools, kp, 2 * self.hd)
+        k, gate = packed.split(self.hd, dim=-1)
+        prob = (gate.float() + self.ape).softmax(dim=2).to(k.dtype)
+        pool_keys = (prob * k).sum(dim=2)                                           # [B, P, hd]
+        q = self.wq_b(q_resid).view(b, self.heads, self.hd)
+        scores = F.relu(torch.matmul(q.float(), pool_keys.transpose(1, 2).float()) * self.hd ** -0.5)  # [B, heads, P]
+        w = self.weights(h).float() * self.heads ** -0.5
+        score = torch.matmul(w.unsqueeze(-2), scores).squeeze(-2)                   # [B, P]
+        pool_end = torch.arange(n_pools, device=dev) * kp + kp - 1
+        visible = pool_end[None, :] <= pos[:, None]
+        score = score.masked_fill(~visible, float("-inf"))
+        order = torch.sort(score, dim=-1, descending=True, stable=True).indices[:, :take]
+        chosen = (order[:, :, None] * kp + span).reshape(b, take * kp)
+        ok = visible.gather(1, order).repeat_interleave(kp, dim=1)
+        return torch.cat([chosen, tail], dim=1), torch.cat([ok, tail_ok], dim=1)
 
     def select(self, h: torch.Tensor, q_resid: torch.Tensor, s: Segment) -> torch.Tensor:
         """The keys each of the segment's queries attends: bool [T, end]."""
@@ -356,6 +405,8 @@ class SparseAttention(nn.Module):
         q_resid = rms_norm(self.q_a(h), self.q_norm, self.eps)
         q = self.q_b(q_resid).view(h.shape[0], self.heads, self.nope)
         latent = rms_norm(self.kv_a(h), self.kv_norm, self.eps)
+        if isinstance(segments, StaticDecode):
+            return self._static(h, q, q_resid, latent, segments, shared)
         if self.indexer is not None:
             self.indexer.write(h, segments)
         out, masks = torch.empty(h.shape[0], self.heads * self.vd, dtype=h.dtype, device=h.device), []
@@ -375,6 +426,27 @@ class SparseAttention(nn.Module):
             out[rows] = o.transpose(0, 1).reshape(s.length, -1)
         return self.o(out), masks
 
+    def _static(self, h, q, q_resid, latent, st: StaticDecode, shared):
+        """forward for a StaticDecode: the latent written at each sequence's position, its selected keys
+        gathered in ascending order (the masked padding after them), expanded and attended → (output, the
+        selection for a shared layer after this one)."""
+        b = h.shape[0]
+        self.caches.latent[self.row, st.idx, st.pos] = latent
+        if self.indexer is not None:
+            self.indexer.write_static(h, st)
+            shared = self.indexer.select_static(h, q_resid, st)
+        keys, valid = shared
+        # Ascending keys, as forward reads them (`used`); the padding (not valid) sorts last and reads key 0.
+        big = torch.iinfo(keys.dtype).max
+        keys = torch.sort(torch.where(valid, keys, big), dim=1).values
+        valid = keys != big
+        cache = self.caches.latent[self.row, st.idx[:, None], torch.where(valid, keys, 0)]     # [B, S, rank]
+        kv = self.kv_b(cache).view(b, keys.shape[1], self.heads, self.nope + self.vd)
+        k, v = kv.split([self.nope, self.vd], dim=-1)
+        o = F.scaled_dot_product_attention(q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2),
+                                           attn_mask=valid[:, None, None, :], scale=self.scale)   # [B, heads, 1, vd]
+        return self.o(o.reshape(b, -1)), shared
+
 
 class Layer(nn.Module):
     def __init__(self, model: "Glm5Next", w: WeightSource, layer: int):
@@ -391,7 +463,7 @@ class Layer(nn.Module):
     def forward(self, streams: torch.Tensor, segments: list[Segment], shared: list | None):
         post, comb, h = self.attn_hc(streams)
         h = rms_norm(h, self.input_norm, self.eps)
-        masks = None
+        masks = shared                  # a KDA layer passes the last full layer's selection on
         if self.kind == KDA:
             out = self.attn(h, segments)
         else:
@@ -443,7 +515,7 @@ class Glm5Next(nn.Module):
         head = w.maybe("lm_head.weight")
         self.head = Projection(head if head is not None else self.embed)
         self.layers = nn.ModuleList(Layer(self, w, l) for l in range(cfg.num_layers))
-        self.graphs = None              # no CUDA graph capture of these caches yet (engine.llm reads it)
+        self.graphs = None              # Glm5DecodeGraphs once use_cuda_graphs() is on (engine.llm reads it)
 
     @staticmethod
     def caches_for(config: dict, cfg: ModelConfig, slots: int, max_len: int, *, dtype, device,
@@ -459,10 +531,24 @@ class Glm5Next(nn.Module):
     def max_len(self) -> int:
         return self.caches.max_len
 
-    async_decode = decode_ahead_ok = False
-
     def use_cuda_graphs(self) -> bool:
-        return False            # not captured yet: the DSA layers' per-sequence loop reads lengths on the host
+        """Replay decode steps from CUDA graphs (Glm5DecodeGraphs: the static-shape step, decode_static) where
+        the device and the expert provider allow it, as MoEModel does. → whether decode_step now does."""
+        if self.device.type != "cuda" or not self.provider.graph_capturable:
+            return False
+        self.graphs = Glm5DecodeGraphs(self)
+        return True
+
+    @property
+    def async_decode(self) -> bool:
+        """decode_step returns before the device has computed the step: graph replays (the eager step reads
+        lengths on the host) of a provider with no host step inside them."""
+        return self.graphs is not None and not self.provider.host_steps
+
+    @property
+    def decode_ahead_ok(self) -> bool:
+        """A step may launch from the last one's tokens on the device (engine.decode_ahead), as MoEModel's."""
+        return self.async_decode and not self.provider.decode_hooks
 
     def _run(self, ids: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
         x = F.embedding(ids, self.embed)
@@ -480,6 +566,40 @@ class Glm5Next(nn.Module):
         return self.head(h if all_logits else h[-1])
 
     def decode_step(self, tokens, slots: list[int], positions: list[int]) -> torch.Tensor:
-        assert len(slots) == len(positions) and max(positions) < self.max_len, "decode position beyond the cache"
-        ids = torch.as_tensor(tokens, dtype=torch.long, device=self.device).view(-1)
-        return self.head(self._run(ids, [Segment(s, p, i, 1) for i, (s, p) in enumerate(zip(slots, positions))]))
+        """One token per sequence → logits [B, V]; replayed from a CUDA graph where use_cuda_graphs() is on and the
+        batch fits, else eager. The provider's hooks run around the launch, as MoEModel.decode_step's."""
+        b = len(slots)
+        assert b == len(positions) and max(positions) < self.max_len, "decode position beyond the cache"
+        self.provider.before_decode()
+        if self.graphs is not None and self.graphs.usable(b):
+            logits = self.graphs.decode(tokens, slots, positions)
+        else:
+            ids = torch.as_tensor(tokens, dtype=torch.long, device=self.device).view(-1)
+            logits = self.head(self._run(ids, [Segment(s, p, i, 1) for i, (s, p) in enumerate(zip(slots, positions))]))
+        self.provider.after_decode_launch(b * self.cfg.top_k)
+        return logits
+
+    def decode_static(self, ids: torch.Tensor, idx: torch.Tensor, pos: torch.Tensor, kv_len: int) -> torch.Tensor:
+        """decode_step's function at fixed shapes and without a host read (what a CUDA graph captures): tokens
+        ids [B], slots idx [B] and positions pos [B] as device tensors, kv_len a key bucket past every position
+        (engine.kv_cache.kv_bucket) → logits [B, V]. Equal to the eager step (tests/engine/test_glm5_next.py)."""
+        return self.head(self._run(ids, StaticDecode(idx, pos, kv_len)))
+
+
+class Glm5DecodeGraphs(DecodeGraphs):
+    """engine.gpu.graphs.DecodeGraphs for glm5_next: the same staging, buckets, capture and replay, around the
+    static-shape step (Glm5Next.decode_static). Capture runs the step once eagerly first (DecodeGraphs._capture);
+    a KV write is simply redone at replay, but the KDA recurrent and conv states would advance twice, so they are
+    put back for the captured slots after it."""
+
+    def _forward(self, b: int, kv_len: int) -> torch.Tensor:
+        m = self.model
+        return m.decode_static(self.static[0, :b], self.static[2, :b], self.static[1, :b], kv_len)
+
+    def _capture(self, b: int, kv_len: int):
+        caches, idx = self.model.caches, self.static[2, :b]
+        state, conv = caches.state[:, idx].clone(), caches.conv[:, idx].clone()
+        out = super()._capture(b, kv_len)
+        caches.state[:, idx] = state
+        caches.conv[:, idx] = conv
+        return out
