@@ -352,7 +352,7 @@ class Indexer:
         score = score.masked_fill(~visible, float("-inf"))
         order = torch.sort(score, dim=-1, descending=True, stable=True).indices[:, :take]
         chosen = (order[:, :, None] * kp + span).reshape(b, take * kp)
-        ok = visible.gather(1, order).repeat_interleave(kp, dim=1)
+        ok = visible.gather(1, order)[:, :, None].expand(b, take, kp).reshape(b, take * kp)   # no host read
         return torch.cat([chosen, tail], dim=1), torch.cat([ok, tail_ok], dim=1)
 
     def select(self, h: torch.Tensor, q_resid: torch.Tensor, s: Segment) -> torch.Tensor:
