@@ -120,7 +120,7 @@ def test_cuda_graphs_equal_eager_and_the_cpu_over_64_steps_in_a_batch(ckpt, toke
         assert runs["graphs"][1] == runs[name][1], name
 
 
-def test_cuda_llm_serve_path_replays_graphs_and_equals_the_cpu(ckpt, tokens):
+def test_cuda_llm_serve_path_replays_graphs_and_equals_the_cpu(ckpt, tokens, no_tf32):
     """engine serve --device cuda's engine (LLM: the scheduler, decode ahead): two concurrent greedy requests, the
     tokens the CPU engine gives, and the decode steps replayed from graphs."""
     from engine.llm import LLM
