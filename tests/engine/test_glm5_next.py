@@ -345,36 +345,53 @@ def test_a_prefill_in_chunks_that_split_pools_equals_one_prefill(model, tokens):
         torch.testing.assert_close(got, _uncached(model, tokens[:70]), atol=ATOL, rtol=0)
 
 
-def test_the_static_decode_step_equals_the_eager_step(ckpt, tokens):
-    """decode_static (what Glm5DecodeGraphs captures: fixed shapes, no host read) against decode_step's eager form
-    on the same states: three sequences of different lengths, prompts longer than index_topk, 64 steps (pools
-    complete and ties flip along the way), keys bucketed as the graphs bucket them and, on some steps, cut tight.
-    Each sequence runs in two slots, eager in one and static in the other; the static slots first held other
-    sequences (stale rows past each length must not matter)."""
+def _static_equals_eager(model, tokens, steps: int) -> None:
+    """Three sequences of different lengths (prompts longer than index_topk), `steps` greedy steps: each runs in two
+    slots, eager in one and decode_static in the other (whose slots first held other sequences: stale rows past
+    each length must not matter), keys bucketed as the graphs bucket them and, on every third step, cut tight."""
     from engine.kv_cache import kv_bucket
-    model = load_model(ckpt, max_context=160, max_batch=6)
-    lengths, steps = [9, PROMPT_LEN, 23], 64
+    lengths = [9, PROMPT_LEN, 23]
     prompts = [tokens[i:i + n].tolist() for i, n in enumerate(lengths)]
     eager, static = [0, 1, 2], [5, 3, 4]
     with torch.inference_mode():
-        for s in static:                                          # stale states and rows in the static slots
+        for s in static:
             model.prefill(tokens[s * 7:s * 7 + 50].tolist(), s)
         seqs = []
         for p, a, b in zip(prompts, eager, static):
             first = model.prefill(p, a)
             torch.testing.assert_close(model.prefill(p, b), first, atol=0, rtol=0)
             seqs.append(p + [int(first.argmax())])
-        worst = 0.0
         for i in range(steps):
             toks = [s[-1] for s in seqs]
             pos = [len(s) - 1 for s in seqs]
             want = model.decode_step(toks, eager, pos)
             kv_len = max(pos) + 1 if i % 3 == 0 else kv_bucket(max(pos) + 1, model.max_len)
             got = model.decode_static(torch.tensor(toks), torch.tensor(static), torch.tensor(pos), kv_len)
-            worst = max(worst, float((got - want).abs().max()))
             torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
             assert got.argmax(-1).tolist() == want.argmax(-1).tolist()
             for s, t in zip(seqs, want.argmax(-1).tolist()):
                 s.append(t)
     assert max(len(s) for s in seqs) == PROMPT_LEN + 1 + steps
     assert len({t for s in seqs for t in s[-steps:]}) > 3
+
+
+def test_the_static_decode_step_equals_the_eager_step(ckpt, tokens):
+    """decode_static (what Glm5DecodeGraphs captures: fixed shapes, no host read) against decode_step's eager form
+    on the same states over 64 steps: pools complete along the way, and the bucket's extra pools (masked) change
+    how many candidates a row holds."""
+    _static_equals_eager(load_model(ckpt, max_context=160, max_batch=6), tokens, 64)
+
+
+def test_the_static_step_breaks_exact_ties_as_the_eager_step(ckpt, tokens, tmp_path):
+    """Indexer weights of zero: every pool ties at 0.0, so the choice is the tie-break alone. The static step
+    scores a bucket's pools (more than the row's), and still takes the lowest as the eager step does (torch.topk's
+    order here would not)."""
+    from safetensors.torch import load_file, save_file
+    tied = tmp_path / "tied"
+    shutil.copytree(ckpt, tied)
+    weights = load_file(tied / "model.safetensors")
+    for name in weights:
+        if name.endswith("indexer.weights_proj.weight"):
+            weights[name].zero_()
+    save_file(weights, tied / "model.safetensors", metadata={"format": "pt"})
+    _static_equals_eager(load_model(tied, max_context=160, max_batch=6), tokens, 16)
