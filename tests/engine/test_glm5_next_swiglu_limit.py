@@ -112,6 +112,18 @@ def test_without_the_clamp_the_logits_leave_transformers(ckpt, reference, tokens
     assert diff > 100 * ATOL
 
 
+def test_served_from_a_store_the_tiered_provider_clamps(ckpt, reference, tokens, tmp_path):
+    """pack-store's records served by the tiered provider (RAM tier ← store, the CPU waves): transformers' logits."""
+    from engine.cli import main
+    store = tmp_path / "store"
+    assert main(["pack-store", "--model", str(ckpt), "--store", str(store), "-q"]) == 0
+    model = load_model(ckpt, store_dir=store, max_context=160, max_batch=1)
+    assert model.provider.counters()["provider"] == "tiered" and model.provider.swiglu_limit == LIMIT
+    with torch.inference_mode():
+        torch.testing.assert_close(model.prefill(tokens, 0, all_logits=True), reference(tokens[None]).logits[0],
+                                   atol=ATOL, rtol=0)
+
+
 # ------------------------------------------------------------------ the providers and kernels, one by one
 
 def _records(quant: str, dtype=None, order: str = "cols", experts: int = 4, h: int = 64, i: int = 64, seed: int = 0):
