@@ -144,7 +144,7 @@ def test_cuda_llm_serve_path_replays_graphs_and_equals_the_cpu(ckpt, tokens, no_
 
 def test_cuda_swiglu_limit_through_the_triton_kernels_equals_the_cpu(tmp_path, tokens, no_tf32):
     """The flat checkpoint with swiglu_limit 0.5 (its routed activations, ~N(0, 1.2), mostly past it): CUDA
-    (resident experts: the Triton GEMV kernels in graphs, the grouped path at prefill) against the CPU forward,
+    (resident experts: the Triton GEMV kernels in graphs, per-expert GEMMs at prefill) against the CPU forward,
     which tests/engine/test_glm5_next_swiglu_limit.py holds to transformers' clamp; and a real difference from the
     same model without a limit."""
     import json
