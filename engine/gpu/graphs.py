@@ -95,13 +95,13 @@ class DecodeGraphs:
         return self._replay(tokens, slots, positions).clone()
 
     def decode_sampled(self, tokens, slots: list[int], positions: list[int],
-                       rows: list[RowSpec]) -> tuple[torch.Tensor, torch.Tensor] | None:
+                       rows: list[RowSpec]) -> tuple[torch.Tensor, torch.Tensor]:
         """decode(), and the step's tokens for `rows` drawn by the sampler graph replayed right after the step's
-        (engine.gpu.sampler_graph): (logits, [2, B] ids and finiteness on the device); None, before launching
-        anything, where a row needs the eager sampler (a penalty)."""
+        (engine.gpu.sampler_graph): (logits, [2, B] ids and finiteness on the device). The rows must be ones the
+        captured sampler expresses (engine.sampling.mode is not None: no penalty)."""
         how = self.sampler.stage(rows)
         if how is None:
-            return None
+            raise ValueError("a row the captured sampler cannot express (a penalty): sample it eagerly")
         logits = self._replay(tokens, slots, positions)
         drawn = self.sampler.run(logits, how)
         return logits.clone(), drawn

@@ -16,11 +16,14 @@ On a CPU nothing is captured: run() calls draw() eagerly on the staged tensors (
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from engine.sampling import GREEDY, RowSpec, draw, mode, pack
 
 _INTS, _FLOATS = 4, 6          # pack()'s columns
+log = logging.getLogger("engine.gpu")
 
 
 class SamplerGraphs:
@@ -37,6 +40,7 @@ class SamplerGraphs:
         self.stream = torch.cuda.Stream(self.device) if self.capture else None
         self.pool = torch.cuda.graph_pool_handle() if self.capture else None
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.uncapturable: set[str] = set()
         self.captures = 0
         self.replays = 0
 
@@ -73,13 +77,18 @@ class SamplerGraphs:
         replay, which in stream order follows every use the step makes of it (decode ahead copies the ids into the
         next step's inputs, Picks copies them to the host)."""
         floats, ints = self._views(self.static, logits.shape[0])
-        if not self.capture:
+        if not self.capture or how in self.uncapturable:
             ids, ok = draw(logits, floats, ints, how)
             return torch.stack([ids, ok.long()])
         key = (logits.data_ptr(), tuple(logits.shape), logits.dtype, how)
         entry = self.graphs.get(key)
         if entry is None:
-            entry = self.graphs[key] = self._capture(logits, floats, ints, how)
+            try:
+                entry = self.graphs[key] = self._capture(logits, floats, ints, how)
+            except RuntimeError as e:        # this torch cannot capture an op of this mode: draw it eagerly from now
+                log.warning("sampler graph (%s) not captured, drawn eagerly from now: %s", how, e)
+                self.uncapturable.add(how)
+                return self.run(logits, how)
         graph, out = entry
         graph.replay()
         self.replays += 1
@@ -88,13 +97,15 @@ class SamplerGraphs:
     def _capture(self, logits, floats, ints, how) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         current = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(current)
-        with torch.cuda.stream(self.stream):
-            draw(logits, floats, ints, how)          # eager once: the sort's and scan's workspaces, kernels chosen
-            graph = torch.cuda.CUDAGraph()
-            # thread_local: the server's other threads may make CUDA calls that are not part of this capture.
-            with torch.cuda.graph(graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"):
-                ids, ok = draw(logits, floats, ints, how)
-                out = torch.stack([ids, ok.long()])
-        current.wait_stream(self.stream)
+        try:
+            with torch.cuda.stream(self.stream):
+                draw(logits, floats, ints, how)      # eager once: the sort's and scan's workspaces, kernels chosen
+                graph = torch.cuda.CUDAGraph()
+                # thread_local: the server's other threads may make CUDA calls that are not part of this capture.
+                with torch.cuda.graph(graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"):
+                    ids, ok = draw(logits, floats, ints, how)
+                    out = torch.stack([ids, ok.long()])
+        finally:
+            current.wait_stream(self.stream)
         self.captures += 1
         return graph, out

@@ -33,7 +33,7 @@ from engine.kernels import native, triton_decode
 from engine.kernels.quant_cpu import native_ffn_group
 from engine.kv_cache import KVCache, kv_bucket, kv_buckets, select
 from engine.dense_weights import Int4Projection, Projection, Q8Projection, dense_projection
-from engine.sampling import Picks, RowSpec
+from engine.sampling import Picks, RowSpec, mode
 
 if TYPE_CHECKING:
     from torch.nn.attention.bias import CausalBias
@@ -490,16 +490,17 @@ class MoEModel(nn.Module):
                      rows: list[RowSpec]) -> tuple[torch.Tensor, Picks]:
         """decode_step, and its tokens for `rows` chosen on the device without a host read: by the sampler graph
         replayed after the step's CUDA graph (engine.gpu.graphs.decode_sampled) where one replays this step and
-        every row is one it expresses (no penalty), else by engine.sampling.sample after the step."""
+        every row is one it expresses (no penalty: engine.sampling.mode), else by engine.sampling.sample after
+        decode_step."""
         b = len(slots)
-        assert b == len(positions) and max(positions) < self.max_len, "decode position beyond the KV cache"
-        self.provider.before_decode()
-        got = None
-        if self.graphs is not None and self.graphs.usable(b):
-            got = self.graphs.decode_sampled(tokens, slots, positions, rows)
-        logits = got[0] if got is not None else self._decode_launch(tokens, slots, positions)
-        self.provider.after_decode_launch(b * self.cfg.top_k)
-        return logits, Picks(logits, rows, drawn=got[1] if got is not None else None)
+        if self.graphs is not None and self.graphs.usable(b) and mode(rows) is not None:
+            assert b == len(positions) and max(positions) < self.max_len, "decode position beyond the KV cache"
+            self.provider.before_decode()
+            logits, drawn = self.graphs.decode_sampled(tokens, slots, positions, rows)
+            self.provider.after_decode_launch(b * self.cfg.top_k)
+            return logits, Picks(logits, rows, drawn=drawn)
+        logits = self.decode_step(tokens, slots, positions)
+        return logits, Picks(logits, rows)
 
     def _decode_launch(self, tokens, slots: list[int], positions: list[int]) -> torch.Tensor:
         b = len(slots)

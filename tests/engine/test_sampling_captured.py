@@ -70,7 +70,7 @@ def test_the_staged_draw_equals_the_eager_sampler_bit_for_bit():
     rng = random.Random(0)
     s = SamplerGraphs("cpu", max_batch=6)
     seen = set()
-    for step in range(150):
+    for step in range(60):
         b = rng.randint(1, 6)
         rows = [random_row(rng, step) for _ in range(b)]
         x = random_logits(rng, b)
@@ -87,7 +87,7 @@ def test_picks_from_the_staged_draw_read_like_the_eager_ones():
     """Picks(drawn=...) (what the captured path hands the scheduler) gives the host the same tokens and failures."""
     rng = random.Random(1)
     s = SamplerGraphs("cpu", max_batch=4)
-    for step in range(40):
+    for step in range(20):
         rows = [random_row(rng, step) for _ in range(4)]
         x = random_logits(rng, 4)
         a = Picks(x, rows, drawn=staged(s, x, rows)).tokens()
@@ -102,7 +102,7 @@ def test_a_seeded_row_draws_the_same_token_in_any_batch_and_any_mode():
     rng = random.Random(2)
     s = SamplerGraphs("cpu", max_batch=6)
     x = torch.randn(V, generator=torch.Generator().manual_seed(7)) * 2
-    for index in range(60):
+    for index in range(30):
         me = RowSpec(1.0, seed=1234, index=index)
         alone = int(staged(s, x[None], [me])[0, 0])
         b = rng.randint(2, 6)
