@@ -200,11 +200,17 @@ def main():
 
     # 2. Kiln, int4 resident: greedy and sampled, in-process then served
     kiln = runs["kiln_int4_resident"] = {}
+
+    def kiln_inprocess(sampled: bool) -> dict:
+        r, c = inprocess(model_dir, store4, {"experts": "resident"}, vocab, args.steps, args.prefill, sampled)
+        # the evidence that the sampler ran in its graph: one replay a decode step
+        r["counters"] = {k: c.get(k) for k in ("decode_graph_replays", "decode_sampler_graph_replays",
+                                               "decode_ahead_steps_total", "decode_ahead_redone_total")}
+        return r
     for sampled in (False, True):
         key = "sampled" if sampled else "greedy"
-        kiln[f"inprocess_{key}"] = part(f"kiln in-process {key}", 45,
-                                        lambda: inprocess(model_dir, store4, {"experts": "resident"}, vocab, args.steps,
-                                                          args.prefill, sampled)[0])
+        kiln[f"inprocess_{key}"] = part(f"kiln in-process {key}", 45, lambda: kiln_inprocess(sampled))
+        log(f"kiln in-process {key}:", {k: kiln[f'inprocess_{key}'].get(k) for k in ("decode_tps", "counters", "error")})
         save()
     for sampled in (False, True):
         key = "sampled" if sampled else "greedy"
