@@ -15,7 +15,7 @@ from typing import NamedTuple
 import torch
 
 from engine.request import Request
-from engine.sampling import Picks, RowSpec
+from engine.sampling import Penalties, Picks, RowSpec
 
 
 class Launched(NamedTuple):
@@ -25,13 +25,16 @@ class Launched(NamedTuple):
     picks: Picks | None
 
 
-def decode_picks(model, tokens, slots: list[int], positions: list[int], rows: list[RowSpec]) -> tuple[torch.Tensor, Picks]:
+def decode_picks(model, tokens, slots: list[int], positions: list[int], rows: list[RowSpec],
+                 penalties: Penalties | None = None) -> tuple[torch.Tensor, Picks]:
     """A decode step and its tokens on the device: the model's own decode_picks where it has one (MoEModel: the
-    sampler captured after its decode graph), else its decode_step and the eager sampler."""
+    sampler captured after its decode graph), else its decode_step and the eager sampler. A penalised row needs
+    its slot's counts (`penalties`)."""
     if (own := getattr(model, "decode_picks", None)) is not None:
-        return own(tokens, slots, positions, rows)
+        return own(tokens, slots, positions, rows, penalties)
     logits = model.decode_step(tokens, slots, positions)
-    return logits, Picks(logits, rows)
+    return logits, Picks(logits, rows, penalties=penalties,
+                         slots=None if penalties is None else torch.tensor(slots, device=logits.device))
 
 
 def may_chain(batch: list[Request], max_context: int) -> bool:

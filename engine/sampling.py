@@ -107,9 +107,9 @@ class Penalties:
         self.seen[slot, torch.tensor(prompt, device=self.seen.device)] = True
 
     def record(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
-        """Tokens [B] generated into slots [B] (device tensors: no host read)."""
-        self.seen[slots, tokens] = True
-        self.counts[slots, tokens] += 1
+        """Tokens [B] generated into slots [B] (device tensors: no host read, no host value: CUDA-graph capturable)."""
+        self.seen.index_put_((slots, tokens), torch.ones_like(tokens, dtype=torch.bool))
+        self.counts.index_put_((slots, tokens), self.counts[slots, tokens] + 1)
 
 
 # splitmix64's constants as int64 (torch's integer ops wrap modulo 2^64 on every device)
@@ -146,17 +146,20 @@ def _clean(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return x, torch.isfinite(x.amax(-1))
 
 
-GREEDY, PLAIN, TRUNCATE = "greedy", "plain", "truncate"      # draw()'s modes: which ops a batch's draw needs
+# draw()'s modes, which ops a batch's draw needs: GREEDY the plain argmax; ARGMAX the argmax of the cleaned (and
+# penalised) logits; PLAIN the draw from the whole softmax; TRUNCATE the sorted path (top-k, top-p, min-p).
+GREEDY, ARGMAX, PLAIN, TRUNCATE = "greedy", "argmax", "plain", "truncate"
 
 
-def mode(rows: list[RowSpec]) -> str | None:
-    """Which ops draw() runs for these rows (sample() runs the same for them): GREEDY (every row greedy: the plain
-    argmax), TRUNCATE (some row keeps only some tokens: the sorted path), else PLAIN; None where a row is penalised
-    (its counts live in Penalties, per slot: sample() alone applies them)."""
-    if any(r.penalised for r in rows):
-        return None
+def mode(rows: list[RowSpec], penalties: bool = True) -> str | None:
+    """Which ops draw() runs for these rows (sample() runs the same for them); None where a row is penalised and
+    `penalties` says the caller has no Penalties to hand draw() (the captured sampler without them)."""
     if all(r.greedy for r in rows):
         return GREEDY
+    if not penalties and any(r.penalised for r in rows):
+        return None
+    if all(is_greedy(r.temperature) for r in rows):         # greedy rows, some with a penalty
+        return ARGMAX
     return TRUNCATE if any(r.truncates for r in rows) else PLAIN
 
 
@@ -199,15 +202,31 @@ def _pick(x: torch.Tensor, best: torch.Tensor, floats: torch.Tensor, ints: torch
     return torch.where(greedy.bool(), best, drawn)
 
 
-def draw(logits: torch.Tensor, floats: torch.Tensor, ints: torch.Tensor, how: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _penalise(x: torch.Tensor, floats: torch.Tensor, penalties: Penalties, slots: torch.Tensor) -> torch.Tensor:
+    """Repetition over the slot's prompt and output, presence and frequency over its output (a row without a
+    penalty: 1, 0, 0, leaves its logits as they are)."""
+    rep, presence, frequency = floats.T[3:6, :, None]
+    seen, counts = penalties.seen[slots], penalties.counts[slots].float()
+    return torch.where(seen, torch.where(x > 0, x / rep, x * rep), x) - presence * (counts > 0) - frequency * counts
+
+
+def draw(logits: torch.Tensor, floats: torch.Tensor, ints: torch.Tensor, how: str, penalties: Penalties | None = None,
+         slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """sample() for rows that mode() gives `how` (not None), from their pack()ed settings already on the logits'
-    device: (ids [B], whether each is final [B]). No host read and no branch on the tensors' values, so it can
-    be captured in a CUDA graph whose static inputs are floats and ints (engine.gpu.sampler_graph); its ids equal
-    sample()'s bit for bit (the same ops in the same order)."""
+    device: (ids [B], whether each is final [B]); with `penalties`, the rows' slots' counts [B] penalise the logits
+    first and record the ids after. No host read and no branch on the tensors' values, so it can be captured in a
+    CUDA graph whose static inputs are floats, ints and slots (engine.gpu.sampler_graph); its ids equal sample()'s
+    bit for bit (sample() runs it)."""
     if how == GREEDY:
         return _argmax(logits)
     x, ok = _clean(logits)
-    return _pick(x, x.argmax(-1), floats, ints, how == TRUNCATE), ok
+    if penalties is not None:
+        x = _penalise(x, floats, penalties, slots)
+    best = x.argmax(-1)
+    tokens = best if how == ARGMAX else _pick(x, best, floats, ints, how == TRUNCATE)
+    if penalties is not None:
+        penalties.record(slots, tokens)
+    return tokens, ok
 
 
 def sample(logits: torch.Tensor, rows: list[RowSpec], *, penalties: Penalties | None = None,
@@ -216,25 +235,14 @@ def sample(logits: torch.Tensor, rows: list[RowSpec], *, penalties: Penalties | 
     reading anything back. A row that is not final: a sampled one had no finite logit; in an all-greedy batch
     (the plain argmax, three launches) a row whose largest logit is not finite (NaN or +inf: greedy_row decides it
     on the host). Penalised rows need `penalties` and their `slots` [B]."""
-    dev = logits.device
-    if all(r.greedy for r in rows):
+    how = mode(rows)
+    if how == GREEDY:
         return _argmax(logits)
-    x, ok = _clean(logits)
-    floats, ints = pack(rows, pin=dev.type == "cuda")   # pinned: a pageable copy would wait for the stream
-    floats, ints = floats.to(dev, non_blocking=True), ints.to(dev, non_blocking=True)
-    if penalties is not None and any(r.penalised for r in rows):
-        rep, presence, frequency = floats.T[3:, :, None]
-        seen, counts = penalties.seen[slots], penalties.counts[slots].float()
-        x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x) - presence * (counts > 0) - frequency * counts
-    best = x.argmax(-1)
-    if all(is_greedy(r.temperature) for r in rows):         # greedy rows with a penalty
-        if penalties is not None:
-            penalties.record(slots, best)
-        return best, ok
-    tokens = _pick(x, best, floats, ints, any(r.truncates for r in rows))
-    if penalties is not None:
-        penalties.record(slots, tokens)
-    return tokens, ok
+    floats, ints = pack(rows, pin=logits.device.type == "cuda")   # pinned: a pageable copy would wait for the stream
+    floats, ints = floats.to(logits.device, non_blocking=True), ints.to(logits.device, non_blocking=True)
+    if not any(r.penalised for r in rows):
+        penalties = None
+    return draw(logits, floats, ints, how, penalties, slots)
 
 
 def greedy_row(logits: torch.Tensor) -> int:

@@ -32,7 +32,7 @@ from engine.engine_config import EngineConfig
 from engine.models.common import MoEModel
 from engine.prefix_cache import PrefixCache
 from engine.request import Overloaded, Request, RequestFailed, Token
-from engine.sampling import Penalties, RowSpec, SamplingError, choose, mode
+from engine.sampling import Penalties, RowSpec, SamplingError, choose
 
 # A CUDA prefill with no stream decoding beside it takes this many chunks a turn: an 8000-token prompt on the H200
 # (int4 experts, 4 layers) in 88 ms as 512-token chunks, 48 as 2048 (results/2026-12-03-h200-prefill-kernels-2.json;
@@ -202,11 +202,12 @@ class Scheduler:
         step = self._ahead.take(batch)
         if step is None:
             specs = [r.spec() for r in batch]
+            pen = self._penalties if any(s.penalised for s in specs) else None
             try:
-                if self._chains(batch) or (self.model.graphs is not None and mode(specs) is not None):
+                if self._chains(batch) or self.model.graphs is not None:
                     # chosen on the device (in the sampler graph after the step's, where the model has one)
                     logits, picks = decode_picks(self.model, [r.last for r in batch], [r.slot for r in batch],
-                                                 [r.length for r in batch], specs)
+                                                 [r.length for r in batch], specs, pen)
                 else:
                     logits, picks = self._step(batch), None
             except Exception:

@@ -23,7 +23,7 @@ import torch
 
 from engine.gpu.sampler_graph import SamplerGraphs
 from engine.kv_cache import kv_bucket
-from engine.sampling import RowSpec
+from engine.sampling import Penalties, RowSpec
 
 log = logging.getLogger("engine.gpu")
 
@@ -94,16 +94,16 @@ class DecodeGraphs:
     def decode(self, tokens, slots: list[int], positions: list[int]) -> torch.Tensor:
         return self._replay(tokens, slots, positions).clone()
 
-    def decode_sampled(self, tokens, slots: list[int], positions: list[int],
-                       rows: list[RowSpec]) -> tuple[torch.Tensor, torch.Tensor]:
+    def decode_sampled(self, tokens, slots: list[int], positions: list[int], rows: list[RowSpec],
+                       penalties: Penalties | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """decode(), and the step's tokens for `rows` drawn by the sampler graph replayed right after the step's
-        (engine.gpu.sampler_graph): (logits, [2, B] ids and finiteness on the device). The rows must be ones the
-        captured sampler expresses (engine.sampling.mode is not None: no penalty)."""
-        how = self.sampler.stage(rows)
+        (engine.gpu.sampler_graph): (logits, [2, B] ids and finiteness on the device). A penalised row needs the
+        slots' `penalties`."""
+        how = self.sampler.stage(rows, slots, penalties is not None)
         if how is None:
-            raise ValueError("a row the captured sampler cannot express (a penalty): sample it eagerly")
+            raise ValueError("a penalised row without the slots' Penalties")
         logits = self._replay(tokens, slots, positions)
-        drawn = self.sampler.run(logits, how)
+        drawn = self.sampler.run(logits, how, penalties)
         return logits.clone(), drawn
 
     def _replay(self, tokens, slots: list[int], positions: list[int]) -> torch.Tensor:

@@ -9,8 +9,8 @@ flags; temperatures, top-p, min-p), copied from one pinned staging buffer in one
 number is hashed from (seed, index) inside the graph, so a seeded row draws what the eager sampler draws, in any
 batch. One graph per (logits tensor, batch size, mode): GREEDY (argmax), PLAIN (temperature), TRUNCATE (sorted:
 top-k, top-p, min-p), the same ops sample() picks for the same rows, so the ids are sample()'s bit for bit.
-Rows mode() cannot express (a repetition, presence or frequency penalty: counts per slot that the host's
-Penalties keeps) are the caller's to sample eagerly: stage() answers None.
+Penalised rows (repetition, presence, frequency) read and record their KV slots' counts (engine.sampling.Penalties,
+tensors on the device made once) inside the graph too, from the slots staged beside the settings.
 
 On a CPU nothing is captured: run() calls draw() eagerly on the staged tensors (what the tests exercise).
 """
@@ -20,9 +20,9 @@ import logging
 
 import torch
 
-from engine.sampling import GREEDY, RowSpec, draw, mode, pack
+from engine.sampling import GREEDY, Penalties, RowSpec, draw, mode, pack
 
-_INTS, _FLOATS = 4, 6          # pack()'s columns
+_INTS, _FLOATS = 5, 6          # pack()'s columns, and the rows' KV slots beside its ints
 log = logging.getLogger("engine.gpu")
 
 
@@ -44,18 +44,19 @@ class SamplerGraphs:
         self.captures = 0
         self.replays = 0
 
-    def _views(self, buf: torch.Tensor, b: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(floats [b, 6], ints [b, 4]) inside buf."""
+    def _views(self, buf: torch.Tensor, b: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(floats [b, 6], ints [b, 4], slots [b]) inside buf."""
         n = self.max_batch
         ints = buf[:n * _INTS * 8].view(torch.int64).view(n, _INTS)[:b]
         floats = buf[n * _INTS * 8:].view(torch.float32).view(n, _FLOATS)[:b]
-        return floats, ints
+        return floats, ints[:, :4], ints[:, 4]
 
-    def stage(self, rows: list[RowSpec]) -> str | None:
-        """Copy these rows' settings into the static tensors (queued on the current stream, before the step that
-        samples them) → the mode run() takes, or None where a row needs the eager sampler (a penalty) or the batch
-        is larger than the staging."""
-        how = mode(rows)
+    def stage(self, rows: list[RowSpec], slots: list[int] | None = None, penalised: bool = False) -> str | None:
+        """Copy these rows' settings (and their KV slots, whose Penalties counts a penalised batch reads) into the
+        static tensors, queued on the current stream before the step that samples them → the mode run() takes, or
+        None where the batch is larger than the staging, or a row is penalised and `penalised` is False (the
+        caller has no Penalties to hand run())."""
+        how = mode(rows, penalised)
         if how is None or len(rows) > self.max_batch:
             return None
         if how == GREEDY:              # the argmax reads no setting
@@ -63,47 +64,56 @@ class SamplerGraphs:
         floats, ints = pack(rows)
         if self.copied is not None:
             self.copied.synchronize()  # the last step's copy has left the staging buffer
-        hf, hi = self._views(self.host, len(rows))
+        hf, hi, hs = self._views(self.host, len(rows))
         hf.copy_(floats)
         hi.copy_(ints)
+        if slots is not None:
+            hs.copy_(torch.as_tensor(slots, dtype=torch.int64))
         self.static.copy_(self.host, non_blocking=True)
         if self.copied is not None:
             self.copied.record()
         return how
 
-    def run(self, logits: torch.Tensor, how: str) -> torch.Tensor:
+    def run(self, logits: torch.Tensor, how: str, penalties: Penalties | None = None) -> torch.Tensor:
         """[2, B] int64 on the logits' device: the drawn ids, and 1 where a row's id is final (engine.sampling.Picks'
         `drawn`) for logits [B, V] of the rows last staged. The tensor is the graph's own: valid until its next
         replay, which in stream order follows every use the step makes of it (decode ahead copies the ids into the
-        next step's inputs, Picks copies them to the host)."""
-        floats, ints = self._views(self.static, logits.shape[0])
+        next step's inputs, Picks copies them to the host). `penalties`: the slots' counts, for a batch staged with
+        a penalised row (they penalise the logits, and record the ids drawn), inside the graph."""
+        floats, ints, slots = self._views(self.static, logits.shape[0])
         if not self.capture or how in self.uncapturable:
-            ids, ok = draw(logits, floats, ints, how)
+            ids, ok = draw(logits, floats, ints, how, penalties, slots)
             return torch.stack([ids, ok.long()])
-        key = (logits.data_ptr(), tuple(logits.shape), logits.dtype, how)
+        key = (logits.data_ptr(), tuple(logits.shape), logits.dtype, how, id(penalties) if penalties is not None else None)
         entry = self.graphs.get(key)
         if entry is None:
             try:
-                entry = self.graphs[key] = self._capture(logits, floats, ints, how)
+                entry = self.graphs[key] = self._capture(logits, floats, ints, slots, how, penalties)
             except RuntimeError as e:        # this torch cannot capture an op of this mode: draw it eagerly from now
                 log.warning("sampler graph (%s) not captured, drawn eagerly from now: %s", how, e)
                 self.uncapturable.add(how)
-                return self.run(logits, how)
+                return self.run(logits, how, penalties)
         graph, out = entry
         graph.replay()
         self.replays += 1
         return out
 
-    def _capture(self, logits, floats, ints, how) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _capture(self, logits, floats, ints, slots, how, penalties) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         current = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(current)
         try:
             with torch.cuda.stream(self.stream):
-                draw(logits, floats, ints, how)      # eager once: the sort's and scan's workspaces, kernels chosen
+                # eager once (the sort's and scan's workspaces, kernels chosen) on copies of the counts, which the
+                # replay that follows the capture records into
+                warm = None
+                if penalties is not None:
+                    warm = Penalties.__new__(Penalties)
+                    warm.seen, warm.counts = penalties.seen.clone(), penalties.counts.clone()
+                draw(logits, floats, ints, how, warm, slots)
                 graph = torch.cuda.CUDAGraph()
                 # thread_local: the server's other threads may make CUDA calls that are not part of this capture.
                 with torch.cuda.graph(graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"):
-                    ids, ok = draw(logits, floats, ints, how)
+                    ids, ok = draw(logits, floats, ints, how, penalties, slots)
                     out = torch.stack([ids, ok.long()])
         finally:
             current.wait_stream(self.stream)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from engine.gpu.sampler_graph import SamplerGraphs
-from engine.sampling import GREEDY, PLAIN, TRUNCATE, Picks, RowSpec, draw, mode, pack, sample
+from engine.sampling import ARGMAX, GREEDY, PLAIN, TRUNCATE, Penalties, Picks, RowSpec, draw, mode, pack, sample
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (graph capture; run on the H200)")
@@ -52,16 +52,49 @@ def eager(logits: torch.Tensor, rows: list[RowSpec]) -> torch.Tensor:
     return torch.stack([ids, ok.long()])
 
 
-def test_mode_picks_the_ops_sample_runs_and_leaves_penalties_to_it():
+def test_mode_picks_the_ops_sample_runs():
     g, t, p = RowSpec(0.0), RowSpec(1.0), RowSpec(0.8, top_p=0.9)
     assert mode([g, g]) == GREEDY and mode([g, t]) == PLAIN and mode([g, t, p]) == TRUNCATE
     assert mode([RowSpec(1e-7, top_k=3)]) == GREEDY                  # greedy by temperature: no setting matters
-    assert mode([g, RowSpec(0.0, repetition_penalty=1.2)]) is None
-    assert mode([t, RowSpec(1.0, presence_penalty=0.5)]) is None and mode([RowSpec(1.0, frequency_penalty=-1.0)]) is None
+    pg, pt = RowSpec(0.0, repetition_penalty=1.2), RowSpec(1.0, presence_penalty=0.5)
+    assert mode([g, pg]) == ARGMAX and mode([t, pt]) == PLAIN and mode([p, RowSpec(1.0, frequency_penalty=-1.0)]) == TRUNCATE
+    assert mode([g, pg], penalties=False) is None and mode([t, pt], penalties=False) is None
     s = SamplerGraphs("cpu", max_batch=2)
-    assert s.stage([t, RowSpec(1.0, frequency_penalty=0.1)]) is None   # the caller samples that batch eagerly
+    assert s.stage([t, pt]) is None                                    # penalised, and no counts to hand run()
+    assert s.stage([t, pt], [0, 1], penalised=True) == PLAIN
     assert s.stage([t, t, t]) is None                                  # larger than the staging
     assert s.stage([t, p]) == TRUNCATE
+
+
+@pytest.mark.parametrize("dev", ["cpu", pytest.param("cuda", marks=needs_cuda)])
+def test_penalised_batches_draw_and_record_what_the_eager_sampler_does(dev):
+    """Penalised rows (repetition, presence, frequency; greedy and sampled) beside plain ones, over steps whose
+    counts build up: the staged draw (on CUDA, the captured graphs' replays), reading and recording its own copy of
+    the counts, gives sample()'s ids and leaves the same counts."""
+    rng = random.Random(4)
+    slots_n = 5
+    mine, theirs = Penalties(slots_n, V, dev), Penalties(slots_n, V, dev)
+    static = torch.zeros(4, V, device=dev)              # a decode graph's logits: one tensor, rewritten each step
+    for slot in range(slots_n):
+        prompt = [rng.randrange(V) for _ in range(8)]
+        mine.reset(slot, prompt)
+        theirs.reset(slot, prompt)
+    s = SamplerGraphs(dev, max_batch=4)
+    for step in range(30):
+        b = rng.randint(1, 4)
+        slots = rng.sample(range(slots_n), b)
+        rows = [RowSpec(rng.choice([0.0, 0.8, 1.0]), top_k=rng.choice([0, 7]),
+                        repetition_penalty=rng.choice([1.0, 1.3, 0.8]), presence_penalty=rng.choice([0.0, 0.5]),
+                        frequency_penalty=rng.choice([0.0, -0.3, 1.0]), seed=rng.randrange(2**40), index=step)
+                for _ in range(b)]
+        x = random_logits(rng, b, dev)
+        static[:b].copy_(x)
+        how = s.stage(rows, slots, penalised=True)
+        got = s.run(static[:b], how, mine).clone()
+        ids, ok = sample(x, rows, penalties=theirs, slots=torch.tensor(slots, device=dev))
+        assert torch.equal(got, torch.stack([ids, ok.long()])), (step, rows)
+    assert torch.equal(mine.counts, theirs.counts) and torch.equal(mine.seen, theirs.seen)
+    assert int(mine.counts.sum()) > 0
 
 
 def test_the_staged_draw_equals_the_eager_sampler_bit_for_bit():
@@ -135,7 +168,8 @@ def test_on_cuda_the_captured_sampler_replays_the_eager_samplers_ids():
 def test_on_cuda_seeded_sampled_streams_equal_the_eager_sampler_and_fall_back_for_penalties(tiny_checkpoint, tmp_path):
     """A whole engine on the GPU: temperature 1 seeded streams (plain and truncating), decoded from graphs with the
     captured sampler and decoding ahead, give the tokens of the engine without CUDA graphs (eager sampler, no
-    decode ahead), and streams batched together run to their lengths; a penalised request is sampled eagerly (no sampler replay) and also equal."""
+    decode ahead), and streams batched together run to their lengths; a penalised request is sampled in the sampler graph too (its slot's counts read and recorded there) and also
+    equal."""
     from engine.llm import LLM, SamplingParams
     from engine.store.pack import pack_store
     ck = tiny_checkpoint("qwen3_moe", experts=16, top_k=4, layers=3)
@@ -159,7 +193,8 @@ def test_on_cuda_seeded_sampled_streams_equal_the_eager_sampler_and_fall_back_fo
         assert [len(t) for t in together(graphs, params)] == [20] * 3
         c = graphs.counters()
         assert c["decode_sampler_graph_replays"] >= 3 * 19 and c["decode_ahead_steps_total"] > 0
-        pen = [SamplingParams(max_tokens=12, ignore_eos=True, temperature=1.0, seed=5, repetition_penalty=1.3)]
+        pen = [SamplingParams(max_tokens=12, ignore_eos=True, temperature=1.0, seed=5, repetition_penalty=1.3,
+                              presence_penalty=0.5, frequency_penalty=0.5)]
         before = graphs.counters()["decode_sampler_graph_replays"]
         assert alone(graphs, pen) == alone(plain, pen)
-        assert graphs.counters()["decode_sampler_graph_replays"] == before
+        assert graphs.counters()["decode_sampler_graph_replays"] == before + 11
