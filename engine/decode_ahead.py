@@ -15,7 +15,7 @@ from typing import NamedTuple
 import torch
 
 from engine.request import Request
-from engine.sampling import Picks
+from engine.sampling import Penalties, Picks, RowSpec
 
 
 class Launched(NamedTuple):
@@ -23,6 +23,18 @@ class Launched(NamedTuple):
     batch: list
     logits: torch.Tensor
     picks: Picks | None
+
+
+def decode_picks(model, tokens, slots: list[int], positions: list[int], rows: list[RowSpec],
+                 penalties: Penalties | None = None) -> tuple[torch.Tensor, Picks]:
+    """A decode step and its tokens on the device: the model's own decode_picks where it has one (MoEModel: the
+    sampler captured after its decode graph), else its decode_step and the eager sampler. A penalised row needs
+    its slot's counts (`penalties`)."""
+    if (own := getattr(model, "decode_picks", None)) is not None:
+        return own(tokens, slots, positions, rows, penalties)
+    logits = model.decode_step(tokens, slots, positions)
+    return logits, Picks(logits, rows, penalties=penalties,
+                         slots=None if penalties is None else torch.tensor(slots, device=logits.device))
 
 
 def may_chain(batch: list[Request], max_context: int) -> bool:
@@ -61,10 +73,11 @@ class DecodeAhead:
         turn runs that step the ordinary way, and finds whose it was)."""
         batch = step.batch
         try:
-            logits = model.decode_step(step.picks.best, [r.slot for r in batch], [r.length + 1 for r in batch])
+            logits, picks = decode_picks(model, step.picks.best, [r.slot for r in batch],
+                                         [r.length + 1 for r in batch], [r.spec(ahead=1) for r in batch])
         except Exception:
             return None
-        return Launched(batch, logits, Picks(logits, [r.spec(ahead=1) for r in batch]))
+        return Launched(batch, logits, picks)
 
     def keep(self, ahead: Launched | None, all_final: bool) -> None:
         """After this step's tokens are read: keep `ahead` for the next turn where it fed the tokens the read gave

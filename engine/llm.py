@@ -149,6 +149,8 @@ class LLM(Scheduler):
         out = dict(self.model.provider.counters())
         if (graphs := self.model.graphs) is not None:
             out.update(decode_graph_replays=graphs.replays, decode_graph_captures=graphs.captures)
+            if (sampler := getattr(graphs, "sampler", None)) is not None:    # engine.gpu.sampler_graph
+                out.update(decode_sampler_graph_replays=sampler.replays)
         out.update(self._scheduler_counters())
         return out
 

@@ -107,9 +107,9 @@ class Penalties:
         self.seen[slot, torch.tensor(prompt, device=self.seen.device)] = True
 
     def record(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
-        """Tokens [B] generated into slots [B] (device tensors: no host read)."""
-        self.seen[slots, tokens] = True
-        self.counts[slots, tokens] += 1
+        """Tokens [B] generated into slots [B] (device tensors: no host read, no host value: CUDA-graph capturable)."""
+        self.seen.index_put_((slots, tokens), torch.ones_like(tokens, dtype=torch.bool))
+        self.counts.index_put_((slots, tokens), self.counts[slots, tokens] + 1)
 
 
 # splitmix64's constants as int64 (torch's integer ops wrap modulo 2^64 on every device)
@@ -146,48 +146,103 @@ def _clean(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return x, torch.isfinite(x.amax(-1))
 
 
+# draw()'s modes, which ops a batch's draw needs: GREEDY the plain argmax; ARGMAX the argmax of the cleaned (and
+# penalised) logits; PLAIN the draw from the whole softmax; TRUNCATE the sorted path (top-k, top-p, min-p).
+GREEDY, ARGMAX, PLAIN, TRUNCATE = "greedy", "argmax", "plain", "truncate"
+
+
+def mode(rows: list[RowSpec], penalties: bool = True) -> str | None:
+    """Which ops draw() runs for these rows (sample() runs the same for them); None where a row is penalised and
+    `penalties` says the caller has no Penalties to hand draw() (the captured sampler without them)."""
+    if all(r.greedy for r in rows):
+        return GREEDY
+    if not penalties and any(r.penalised for r in rows):
+        return None
+    if all(is_greedy(r.temperature) for r in rows):         # greedy rows, some with a penalty
+        return ARGMAX
+    return TRUNCATE if any(r.truncates for r in rows) else PLAIN
+
+
+def pack(rows: list[RowSpec], pin: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows' settings as two host tensors, as draw() and sample() read them: floats [B, 6] fp32 (temperature,
+    top_p, min_p, repetition, presence and frequency penalties), ints [B, 4] int64 (seed, the draw's index, top_k,
+    whether the row is greedy by its temperature)."""
+    floats = torch.tensor([[r.temperature, r.top_p, r.min_p, r.repetition_penalty, r.presence_penalty,
+                            r.frequency_penalty] for r in rows], dtype=torch.float32, pin_memory=pin)
+    ints = torch.tensor([[r.seed, r.index, r.top_k, is_greedy(r.temperature)] for r in rows], dtype=torch.int64,
+                        pin_memory=pin)
+    return floats, ints
+
+
+def _argmax(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """An all-greedy batch: the argmax, and whether each row's largest logit is finite (three launches)."""
+    best = logits.argmax(-1)
+    return best, torch.isfinite(logits.gather(-1, best[:, None]))[:, 0]
+
+
+def _pick(x: torch.Tensor, best: torch.Tensor, floats: torch.Tensor, ints: torch.Tensor, truncate: bool) -> torch.Tensor:
+    """The draw from clean (penalised) logits x [B, V]: greedy rows take `best`, the others invert the kept
+    tokens' CDF at their (seed, index)'s number. A row that keeps every token draws by the plain path in any batch
+    (the sorted path sums in another order: its ids could differ in the last bit), so its id does not depend on its
+    neighbours' settings. Fixed-shape tensor ops only: CUDA-graph capturable."""
+    temperature, top_p, min_p = floats.T[:3, :, None]
+    seed, index, top_k, greedy = ints.T
+    z = x / torch.where(temperature < GREEDY_BELOW, 1.0, temperature)
+    u = uniform(seed, index)
+    drawn = _invert(torch.softmax(z, dim=-1), u)
+    if truncate:       # the sorted path for the rows that truncate; the others keep the plain draw, as alone
+        z, order = torch.sort(z, dim=-1, descending=True)
+        pos = torch.arange(z.shape[-1], device=z.device)
+        z = torch.where((top_k[:, None] > 0) & (pos >= top_k[:, None]), float("-inf"), z)
+        p = torch.softmax(z, dim=-1)
+        keep = ((torch.cumsum(p, -1) - p) < top_p) & (p >= min_p * p[:, :1])
+        keep[:, 0] = True                               # the most likely token always stays
+        kept = order.gather(-1, _invert(torch.where(keep, p, 0.0), u)[:, None])[:, 0]
+        drawn = torch.where((top_k > 0) | (top_p[:, 0] < 1.0) | (min_p[:, 0] > 0.0), kept, drawn)
+    return torch.where(greedy.bool(), best, drawn)
+
+
+def _penalise(x: torch.Tensor, floats: torch.Tensor, penalties: Penalties, slots: torch.Tensor) -> torch.Tensor:
+    """Repetition over the slot's prompt and output, presence and frequency over its output (a row without a
+    penalty: 1, 0, 0, leaves its logits as they are)."""
+    rep, presence, frequency = floats.T[3:6, :, None]
+    seen, counts = penalties.seen[slots], penalties.counts[slots].float()
+    return torch.where(seen, torch.where(x > 0, x / rep, x * rep), x) - presence * (counts > 0) - frequency * counts
+
+
+def draw(logits: torch.Tensor, floats: torch.Tensor, ints: torch.Tensor, how: str, penalties: Penalties | None = None,
+         slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """sample() for rows that mode() gives `how` (not None), from their pack()ed settings already on the logits'
+    device: (ids [B], whether each is final [B]); with `penalties`, the rows' slots' counts [B] penalise the logits
+    first and record the ids after. No host read and no branch on the tensors' values, so it can be captured in a
+    CUDA graph whose static inputs are floats, ints and slots (engine.gpu.sampler_graph); its ids equal sample()'s
+    bit for bit (sample() runs it)."""
+    if how == GREEDY:
+        return _argmax(logits)
+    x, ok = _clean(logits)
+    if penalties is not None:
+        x = _penalise(x, floats, penalties, slots)
+    best = x.argmax(-1)
+    tokens = best if how == ARGMAX else _pick(x, best, floats, ints, how == TRUNCATE)
+    if penalties is not None:
+        penalties.record(slots, tokens)
+    return tokens, ok
+
+
 def sample(logits: torch.Tensor, rows: list[RowSpec], *, penalties: Penalties | None = None,
            slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(token ids [B], whether each row's id is final [B]) for logits [B, V], on the logits' device, without
     reading anything back. A row that is not final: a sampled one had no finite logit; in an all-greedy batch
     (the plain argmax, three launches) a row whose largest logit is not finite (NaN or +inf: greedy_row decides it
     on the host). Penalised rows need `penalties` and their `slots` [B]."""
-    dev = logits.device
-    if all(r.greedy for r in rows):
-        best = logits.argmax(-1)
-        return best, torch.isfinite(logits.gather(-1, best[:, None]))[:, 0]
-    x, ok = _clean(logits)
-    pin = dev.type == "cuda"           # a pageable copy would wait for the stream: decode ahead's launch with it
-    floats = torch.tensor([[r.temperature, r.top_p, r.min_p, r.repetition_penalty, r.presence_penalty,
-                            r.frequency_penalty] for r in rows], dtype=torch.float32, pin_memory=pin)
-    ints = torch.tensor([[r.seed, r.index, r.top_k, is_greedy(r.temperature)] for r in rows], dtype=torch.int64,
-                        pin_memory=pin)
-    floats, ints = floats.to(dev, non_blocking=True), ints.to(dev, non_blocking=True)
-    temperature, top_p, min_p, rep, presence, frequency = floats.T[:, :, None]
-    seed, index, top_k, greedy = ints.T
-    if penalties is not None and any(r.penalised for r in rows):
-        seen, counts = penalties.seen[slots], penalties.counts[slots].float()
-        x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x) - presence * (counts > 0) - frequency * counts
-    best = x.argmax(-1)
-    if all(is_greedy(r.temperature) for r in rows):         # greedy rows with a penalty
-        if penalties is not None:
-            penalties.record(slots, best)
-        return best, ok
-    z = x / torch.where(temperature < GREEDY_BELOW, 1.0, temperature)
-    if any(r.truncates for r in rows):
-        z, order = torch.sort(z, dim=-1, descending=True)
-        pos = torch.arange(z.shape[-1], device=dev)
-        z = torch.where((top_k[:, None] > 0) & (pos >= top_k[:, None]), float("-inf"), z)
-        p = torch.softmax(z, dim=-1)
-        keep = ((torch.cumsum(p, -1) - p) < top_p) & (p >= min_p * p[:, :1])
-        keep[:, 0] = True                               # the most likely token always stays
-        drawn = order.gather(-1, _invert(torch.where(keep, p, 0.0), uniform(seed, index))[:, None])[:, 0]
-    else:
-        drawn = _invert(torch.softmax(z, dim=-1), uniform(seed, index))
-    tokens = torch.where(greedy.bool(), best, drawn)
-    if penalties is not None:
-        penalties.record(slots, tokens)
-    return tokens, ok
+    how = mode(rows)
+    if how == GREEDY:
+        return _argmax(logits)
+    floats, ints = pack(rows, pin=logits.device.type == "cuda")   # pinned: a pageable copy would wait for the stream
+    floats, ints = floats.to(logits.device, non_blocking=True), ints.to(logits.device, non_blocking=True)
+    if not any(r.penalised for r in rows):
+        penalties = None
+    return draw(logits, floats, ints, how, penalties, slots)
 
 
 def greedy_row(logits: torch.Tensor) -> int:
@@ -212,17 +267,21 @@ class Picks:
     beside each row's finiteness without a wait."""
 
     def __init__(self, logits: torch.Tensor, rows: list[RowSpec], *, penalties: Penalties | None = None,
-                 slots: torch.Tensor | None = None):
+                 slots: torch.Tensor | None = None, drawn: torch.Tensor | None = None):
+        """`drawn`: [2, B] int64 already on the device for these rows, the ids and 1 where final (the sampler
+        captured after a decode graph: engine.gpu.sampler_graph); else sample() draws them now."""
         self.logits, self.rows = logits, rows
-        self.best, ok = sample(logits, rows, penalties=penalties, slots=slots)
+        if drawn is None:
+            best, ok = sample(logits, rows, penalties=penalties, slots=slots)
+            drawn = torch.stack([best, ok.long()])      # one copy to the host, not two
+        self.best = drawn[0]
         if logits.device.type == "cuda":
             self._host = torch.empty(2, len(self.best), dtype=torch.long, pin_memory=True)
-            self._host[0].copy_(self.best, non_blocking=True)
-            self._host[1].copy_(ok, non_blocking=True)
+            self._host.copy_(drawn, non_blocking=True)
             self._ready = torch.cuda.Event()
             self._ready.record()
         else:
-            self._host, self._ready = torch.stack([self.best, ok.long()]), None
+            self._host, self._ready = drawn, None
 
     def tokens(self) -> tuple[list[int | SamplingError], bool]:
         """(each row's token, or the SamplingError of a row with no finite logit; whether every row's id on the

@@ -27,12 +27,12 @@ from collections.abc import Callable
 
 import torch
 
-from engine.decode_ahead import DecodeAhead, Launched, may_chain
+from engine.decode_ahead import DecodeAhead, Launched, decode_picks, may_chain
 from engine.engine_config import EngineConfig
 from engine.models.common import MoEModel
 from engine.prefix_cache import PrefixCache
 from engine.request import Overloaded, Request, RequestFailed, Token
-from engine.sampling import Penalties, Picks, RowSpec, SamplingError, choose
+from engine.sampling import Penalties, RowSpec, SamplingError, choose
 
 # A CUDA prefill with no stream decoding beside it takes this many chunks a turn: an 8000-token prompt on the H200
 # (int4 experts, 4 layers) in 88 ms as 512-token chunks, 48 as 2048 (results/2026-12-03-h200-prefill-kernels-2.json;
@@ -201,8 +201,15 @@ class Scheduler:
         batch = sorted(self._active, key=lambda r: r.slot)     # ascending slots: usually one contiguous view
         step = self._ahead.take(batch)
         if step is None:
+            specs = [r.spec() for r in batch]
+            pen = self._penalties if any(s.penalised for s in specs) else None
             try:
-                logits = self._step(batch)
+                if self._chains(batch) or self.model.graphs is not None:
+                    # chosen on the device (in the sampler graph after the step's, where the model has one)
+                    logits, picks = decode_picks(self.model, [r.last for r in batch], [r.slot for r in batch],
+                                                 [r.length for r in batch], specs, pen)
+                else:
+                    logits, picks = self._step(batch), None
             except Exception:
                 self._flush()
                 # Whose was it? The same step, one sequence at a time (it rewrites the same KV positions).
@@ -214,7 +221,7 @@ class Scheduler:
                     else:
                         self._finish_step([r], row)
                 return
-            step = Launched(batch, logits, Picks(logits, [r.spec() for r in batch]) if self._chains(batch) else None)
+            step = Launched(batch, logits, picks)
         ahead = self._ahead.launch(self.model, step) if step.picks is not None and self._chains(batch) else None
         self._flush()                       # the previous step's tokens, while this one computes
         if step.picks is None:

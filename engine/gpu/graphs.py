@@ -6,7 +6,8 @@ so continuous batching (the batch grows and shrinks by a stream at a time) keeps
 batch size gets its own graphs (padding a batch would route the padding rows to real experts, and
 every padded row costs top_k expert reads). Tokens, slots and positions are copied into static device
 tensors before each replay (tokens may be the last step's argmax, already on the device: engine.llm's
-decode ahead); the step's logits are cloned out of the graph's memory.
+decode ahead); the step's logits are cloned out of the graph's memory. decode_sampled also draws the step's tokens in a
+sampler graph replayed right after (engine.gpu.sampler_graph), so sampling adds one launch, not ~20.
 
 A provider that needs host work inside a step (the tiered provider reads each MoE layer's routing to
 copy the experts it lacks) does it between graph pieces: while the Recorder captures (handed to the provider by
@@ -20,7 +21,9 @@ from typing import Callable
 
 import torch
 
+from engine.gpu.sampler_graph import SamplerGraphs
 from engine.kv_cache import kv_bucket
+from engine.sampling import Penalties, RowSpec
 
 log = logging.getLogger("engine.gpu")
 
@@ -77,6 +80,7 @@ class DecodeGraphs:
         self.stream = torch.cuda.Stream(dev)          # captures run on a side stream, as torch requires
         self.pool = torch.cuda.graph_pool_handle()    # one pool: chains replay one at a time
         self.graphs: dict[tuple[int, int], tuple[Recorder, torch.Tensor]] = {}
+        self.sampler = SamplerGraphs(dev, self.max_batch)     # the step's sampling, one more graph
         self.captures = 0
         self.replays = 0
 
@@ -88,6 +92,22 @@ class DecodeGraphs:
         return batch <= self.max_batch and self.model.provider.graph_pairs_ok(batch * self.model.cfg.top_k)
 
     def decode(self, tokens, slots: list[int], positions: list[int]) -> torch.Tensor:
+        return self._replay(tokens, slots, positions).clone()
+
+    def decode_sampled(self, tokens, slots: list[int], positions: list[int], rows: list[RowSpec],
+                       penalties: Penalties | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """decode(), and the step's tokens for `rows` drawn by the sampler graph replayed right after the step's
+        (engine.gpu.sampler_graph): (logits, [2, B] ids and finiteness on the device). A penalised row needs the
+        slots' `penalties`."""
+        how = self.sampler.stage(rows, slots, penalties is not None)
+        if how is None:
+            raise ValueError("a penalised row without the slots' Penalties")
+        logits = self._replay(tokens, slots, positions)
+        drawn = self.sampler.run(logits, how, penalties)
+        return logits.clone(), drawn
+
+    def _replay(self, tokens, slots: list[int], positions: list[int]) -> torch.Tensor:
+        """The step replayed: its logits, the graph's own tensor (the next replay overwrites it)."""
         b = len(slots)
         kv_len = kv_bucket(max(positions) + 1, self.model.max_len)
         fed = torch.is_tensor(tokens) and tokens.device.type == "cuda"    # the last step's argmax (engine.llm)
@@ -106,7 +126,7 @@ class DecodeGraphs:
         rec, logits = entry
         rec.replay()
         self.replays += 1
-        return logits.clone()
+        return logits
 
     def _forward(self, b: int, kv_len: int) -> torch.Tensor:
         m = self.model

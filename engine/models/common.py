@@ -33,6 +33,7 @@ from engine.kernels import native, triton_decode
 from engine.kernels.quant_cpu import native_ffn_group
 from engine.kv_cache import KVCache, kv_bucket, kv_buckets, select
 from engine.dense_weights import Int4Projection, Projection, Q8Projection, dense_projection
+from engine.sampling import Penalties, Picks, RowSpec, mode
 
 if TYPE_CHECKING:
     from torch.nn.attention.bias import CausalBias
@@ -485,6 +486,22 @@ class MoEModel(nn.Module):
         logits = self._decode_launch(tokens, slots, positions)
         self.provider.after_decode_launch(b * self.cfg.top_k)      # while the device computes the step
         return logits
+
+    def decode_picks(self, tokens, slots: list[int], positions: list[int], rows: list[RowSpec],
+                     penalties: Penalties | None = None) -> tuple[torch.Tensor, Picks]:
+        """decode_step, and its tokens for `rows` chosen on the device without a host read: by the sampler graph
+        replayed after the step's CUDA graph (engine.gpu.graphs.decode_sampled) where one replays this step, else
+        by engine.sampling.sample after decode_step. A penalised row needs its slot's counts (`penalties`)."""
+        b = len(slots)
+        if self.graphs is not None and self.graphs.usable(b) and mode(rows, penalties is not None) is not None:
+            assert b == len(positions) and max(positions) < self.max_len, "decode position beyond the KV cache"
+            self.provider.before_decode()
+            logits, drawn = self.graphs.decode_sampled(tokens, slots, positions, rows, penalties)
+            self.provider.after_decode_launch(b * self.cfg.top_k)
+            return logits, Picks(logits, rows, drawn=drawn)
+        logits = self.decode_step(tokens, slots, positions)
+        return logits, Picks(logits, rows, penalties=penalties,
+                             slots=None if penalties is None else torch.tensor(slots, device=logits.device))
 
     def _decode_launch(self, tokens, slots: list[int], positions: list[int]) -> torch.Tensor:
         b = len(slots)

@@ -50,6 +50,8 @@ class _EngineCollector:
                 ("prompt_tokens_total", "kiln_prompt_tokens", "Prompt tokens prefilled"),
                 ("generation_tokens_total", "kiln_generation_tokens", "Tokens generated"),
                 ("decode_graph_replays", "kiln_decode_graph_replays", "Decode steps replayed from CUDA graphs"),
+                ("decode_sampler_graph_replays", "kiln_decode_sampler_graph_replays", "Decode steps whose tokens were "
+                 "drawn by the sampler captured as a CUDA graph after the step's"),
                 ("decode_ahead_steps_total", "kiln_decode_ahead_steps", "Decode steps launched from the last step's "
                  "argmax on the GPU before the host read it, and used"),
                 ("decode_ahead_redone_total", "kiln_decode_ahead_redone", "Decode steps launched ahead and not used "
