@@ -236,7 +236,7 @@ async def chat_completions(req: ChatRequest, request: Request):
     def chunk(delta: dict, finish: str | None = None) -> dict:
         nonlocal sent
         lps = None
-        if vocab is not None and (finish is not None or len(outcome.logprobs) > sent):
+        if vocab is not None and len(outcome.logprobs) > sent:
             lps, sent = chat_logprobs(vocab, outcome.logprobs[sent:]), len(outcome.logprobs)
         return frame.chunk({"delta": delta, "logprobs": lps, "finish_reason": finish})
 
@@ -333,7 +333,7 @@ async def completions(req: CompletionRequest, request: Request):
     def chunk(piece: str, finish: str | None = None) -> dict:
         nonlocal sent
         block = None
-        if lp is not None and (finish is not None or len(outcome.logprobs) > sent):
+        if lp is not None and len(outcome.logprobs) > sent:
             block, sent = lp.block(outcome.logprobs[sent:]), len(outcome.logprobs)
         return frame.chunk({"text": piece, "logprobs": block, "finish_reason": finish})
 

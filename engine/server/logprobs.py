@@ -125,8 +125,3 @@ class CompletionLogprobs:
             tops.append(top)
         return {"tokens": tokens, "token_logprobs": chosen, "top_logprobs": tops, "text_offset": offsets}
 
-
-def merge(blocks: list[dict]) -> dict:
-    """One completions logprobs object from consecutive blocks."""
-    keys = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
-    return {k: [v for b in blocks for v in b[k]] for k in keys}
