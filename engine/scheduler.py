@@ -204,7 +204,8 @@ class Scheduler:
                 self._penalties = Penalties(self.max_batch, logits.shape[-1], logits.device)
             self._penalties.reset(r.slot, r.prompt)
         token = choose(logits[None], [spec], **self._penalised([r], [spec]))[0]
-        self._emit(r, token, self._logprobs([r], logits[None], [token])[0])
+        lp = self._logprobs([r], logits[None], [token]) if r.params.logprobs is not None else None
+        self._emit(r, token, lp[0] if lp else None)
 
     def _decode(self) -> None:
         batch = sorted(self._active, key=lambda r: r.slot)     # ascending slots: usually one contiguous view

@@ -4,7 +4,8 @@
   top_logprobs: [{token, logprob, bytes}, ...]}], "refusal": null};
 - completions (`logprobs: N`, `echo`): choices[].logprobs = {tokens, token_logprobs, top_logprobs, text_offset},
   where each top_logprobs entry maps the N most likely tokens' text, and the chosen token's, to their logprobs (so up
-  to N + 1 entries, as OpenAI and vLLM say), and a prompt's first token has null in both.
+  to N + 1 entries, as OpenAI and vLLM say; where two tokens share a text, e.g. two halves of characters that both
+  show as U+FFFD, the likelier one's), and a prompt's first token has null in both.
 
 A token's text is its own bytes decoded as UTF-8 (a token ending mid-character shows U+FFFD there; `bytes` holds the
 exact bytes). JSON has no -inf: a logprob of -inf (a token the model gives no chance) is -9999.0, as OpenAI's and
@@ -120,7 +121,9 @@ class CompletionLogprobs:
                 tops.append(None)
                 continue
             chosen.append(finite(lp.logprob))
-            top = {self.text(i)[0]: finite(v) for i, v in lp.top}
+            top: dict[str, float] = {}
+            for i, v in lp.top:             # two tokens of one text (partial characters): the likelier one
+                top.setdefault(self.text(i)[0], finite(v))
             top.setdefault(s, finite(lp.logprob))
             tops.append(top)
         return {"tokens": tokens, "token_logprobs": chosen, "top_logprobs": tops, "text_offset": offsets}
