@@ -14,15 +14,18 @@ from typing import NamedTuple
 
 import torch
 
+from engine.logprobs import LogprobTable
 from engine.request import Request
 from engine.sampling import Penalties, Picks, RowSpec
 
 
 class Launched(NamedTuple):
-    """A decode step on its way: its batch, logits, and (when it may chain) its tokens on the device (Picks)."""
+    """A decode step on its way: its batch, logits, and (when it may chain) its tokens on the device (Picks) and the
+    logprobs of its rows that asked (computed on the device before the next step launches; None where none did)."""
     batch: list
     logits: torch.Tensor
     picks: Picks | None
+    table: LogprobTable | None = None
 
 
 def decode_picks(model, tokens, slots: list[int], positions: list[int], rows: list[RowSpec],
@@ -77,7 +80,7 @@ class DecodeAhead:
                                          [r.length + 1 for r in batch], [r.spec(ahead=1) for r in batch])
         except Exception:
             return None
-        return Launched(batch, logits, picks)
+        return Launched(batch, logits, picks, LogprobTable.of(logits, [r.params.logprobs for r in batch]))
 
     def keep(self, ahead: Launched | None, all_final: bool) -> None:
         """After this step's tokens are read: keep `ahead` for the next turn where it fed the tokens the read gave

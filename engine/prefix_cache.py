@@ -41,10 +41,12 @@ class PrefixCache:
         self.lookups = self.hits = self.reused_tokens = 0
 
     # --- the scheduler's calls, in place of KVCache.alloc / release ---
-    def admit(self, prompt: list[int]) -> tuple[int, int]:
-        """A slot for `prompt` and how many of its leading tokens that slot now holds (prefill starts there)."""
+    def admit(self, prompt: list[int], reuse: bool = True) -> tuple[int, int]:
+        """A slot for `prompt` and how many of its leading tokens that slot now holds (prefill starts there).
+        reuse=False: none (a prompt whose every position's logits are wanted: its prompt logprobs); the slot is
+        still taken least recently used first, and its prompt is published for others once prefilled."""
         self.lookups += 1
-        src, n = self._longest(prompt)
+        src, n = self._longest(prompt) if reuse else (None, 0)
         free = self.kv.free_list()
         if src is not None and src in free:
             slot = src

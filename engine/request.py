@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from engine.logprobs import TokenLogprob, check_top
 from engine.sampling import RowSpec, check_params
 
 
@@ -24,6 +25,12 @@ class SamplingParams:
     repetition_penalty: float = 1.0   # over the prompt and the output (1: off)
     presence_penalty: float = 0.0     # over the output, as OpenAI's
     frequency_penalty: float = 0.0
+    # Log-probabilities (engine.logprobs: the model's log_softmax of the raw logits, before any sampling transform):
+    # None: off; N (0..MAX_TOP): each generated token's, with the N most likely at its position.
+    logprobs: int | None = None
+    # The same for every prompt position after the first (echo's prompt logprobs); such a prompt is prefilled whole,
+    # never started after a cached prefix (a reused prefix has no logits).
+    prompt_logprobs: int | None = None
 
     def check(self) -> None:
         if not (isinstance(self.max_tokens, int) and self.max_tokens >= 1):
@@ -31,11 +38,17 @@ class SamplingParams:
         check_params(self.temperature, self.top_p, self.seed, top_k=self.top_k, min_p=self.min_p,
                      repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
                      frequency_penalty=self.frequency_penalty)
+        check_top(self.logprobs, "logprobs")
+        check_top(self.prompt_logprobs, "prompt_logprobs")
 
 
 class Token(NamedTuple):
     id: int
     finish: str | None            # None, or "stop" (this token is an eos/stop id; do not show it) or "length"
+    logprob: TokenLogprob | None = None     # where the request asked (SamplingParams.logprobs)
+    # On the first token only, where the request asked (SamplingParams.prompt_logprobs): one per prompt token, the
+    # first None (nothing precedes it).
+    prompt: list[TokenLogprob | None] | None = None
 
 
 class RequestFailed(RuntimeError):
@@ -65,6 +78,7 @@ class Request:
         self.generated = 0
         self.emitted: list[int] = []   # its tokens so far: the KV's positions past the prompt hold emitted[:length - len(prompt)]
         self.last = -1             # the latest token, fed at the next decode step
+        self.prompt_lps: list | None = [None] if params.prompt_logprobs is not None else None  # filled by the prefill
         self.submitted = time.monotonic()
 
     def spec(self, ahead: int = 0) -> RowSpec:

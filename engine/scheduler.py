@@ -29,6 +29,7 @@ import torch
 
 from engine.decode_ahead import DecodeAhead, Launched, decode_picks, may_chain
 from engine.engine_config import EngineConfig
+from engine.logprobs import LogprobTable, TokenLogprob, token_logprobs
 from engine.models.common import MoEModel
 from engine.prefix_cache import PrefixCache
 from engine.request import Overloaded, Request, RequestFailed, Token
@@ -153,8 +154,9 @@ class Scheduler:
                 if new is not None:
                     if self._prefix is None:
                         new.slot = self.model.caches.alloc()
-                    else:
-                        new.slot, new.length = self._prefix.admit(new.prompt)
+                    else:           # prompt logprobs need every position's logits: no reused prefix
+                        new.slot, new.length = self._prefix.admit(new.prompt,
+                                                                  reuse=new.params.prompt_logprobs is None)
                         with self._cv:
                             self._prompt_tokens += new.length     # a prompt's tokens count, prefilled or reused
                     self._prefilling = new
@@ -177,7 +179,13 @@ class Scheduler:
         done = r.length
         chunk = r.prompt[done:done + (self.chunk_size if self._active else self.alone_chunk)]
         try:
-            logits = self.model.prefill(chunk, r.slot, start=done)
+            if r.prompt_lps is None:
+                logits = self.model.prefill(chunk, r.slot, start=done)
+            else:                           # every position's logits: each predicts the prompt's next token
+                every = self.model.prefill(chunk, r.slot, start=done, all_logits=True)
+                logits, n = every[-1], min(len(chunk), len(r.prompt) - 1 - done)
+                r.prompt_lps += token_logprobs(every[:n], r.prompt[done + 1:done + 1 + n],
+                                               [r.params.prompt_logprobs] * n)
         except Exception as e:              # its own prompt failed: it alone ends
             self._fail(r, RequestFailed(f"generation failed: prefill: {e}"))
             return
@@ -195,7 +203,9 @@ class Scheduler:
             if self._penalties is None:
                 self._penalties = Penalties(self.max_batch, logits.shape[-1], logits.device)
             self._penalties.reset(r.slot, r.prompt)
-        self._emit(r, choose(logits[None], [spec], **self._penalised([r], [spec]))[0])
+        token = choose(logits[None], [spec], **self._penalised([r], [spec]))[0]
+        lp = self._logprobs([r], logits[None], [token]) if r.params.logprobs is not None else None
+        self._emit(r, token, lp[0] if lp else None)
 
     def _decode(self) -> None:
         batch = sorted(self._active, key=lambda r: r.slot)     # ascending slots: usually one contiguous view
@@ -221,14 +231,14 @@ class Scheduler:
                     else:
                         self._finish_step([r], row)
                 return
-            step = Launched(batch, logits, picks)
+            step = Launched(batch, logits, picks, table(logits, batch) if picks is not None else None)
         ahead = self._ahead.launch(self.model, step) if step.picks is not None and self._chains(batch) else None
         self._flush()                       # the previous step's tokens, while this one computes
         if step.picks is None:
             self._finish_step(batch, step.logits)
             return
         tokens, all_final = step.picks.tokens()
-        self._finish_tokens(batch, tokens)
+        self._finish_tokens(batch, tokens, step.table.read(tokens) if step.table is not None else None)
         self._ahead.keep(ahead, all_final)
 
     def _chains(self, batch: list[Request]) -> bool:
@@ -243,7 +253,14 @@ class Scheduler:
 
     def _finish_step(self, batch: list[Request], logits: torch.Tensor) -> None:
         specs = [r.spec() for r in batch]
-        self._finish_tokens(batch, choose(logits, specs, **self._penalised(batch, specs)))
+        tokens = choose(logits, specs, **self._penalised(batch, specs))
+        self._finish_tokens(batch, tokens, self._logprobs(batch, logits, tokens))
+
+    @staticmethod
+    def _logprobs(batch: list[Request], logits: torch.Tensor, tokens: list) -> list[TokenLogprob | None] | None:
+        """The logprobs of the rows that asked for them (engine.logprobs); None, at no cost, where none did."""
+        t = table(logits, batch)
+        return t.read(tokens) if t is not None else None
 
     def _penalised(self, batch: list[Request], specs: list[RowSpec]) -> dict:
         """sample()'s penalty arguments for a batch with a penalised row (their slots' counts), else none."""
@@ -251,14 +268,14 @@ class Scheduler:
             return {}
         return {"penalties": self._penalties, "slots": torch.tensor([r.slot for r in batch], device=self.model.device)}
 
-    def _finish_tokens(self, batch: list[Request], tokens: list) -> None:
+    def _finish_tokens(self, batch: list[Request], tokens: list, lps: list | None = None) -> None:
         for r in batch:
             r.length += 1
-        for r, t in zip(batch, tokens):
+        for i, (r, t) in enumerate(zip(batch, tokens)):
             if not r.cancelled:
-                self._emit(r, t)
+                self._emit(r, t, lps[i] if lps is not None else None)
 
-    def _emit(self, r: Request, token: int | SamplingError) -> None:
+    def _emit(self, r: Request, token: int | SamplingError, lp: TokenLogprob | None = None) -> None:
         if isinstance(token, SamplingError):
             self._fail(r, RequestFailed(f"generation failed: sampling: {token}"))
             return
@@ -273,7 +290,8 @@ class Scheduler:
             finish = "length"                   # max_tokens, or prompt + output fills the context
         else:
             finish = None
-        self._send(r, Token(token, finish))
+        prompt = r.prompt_lps if r.generated == 1 else None      # the prompt's logprobs ride on the first token
+        self._send(r, Token(token, finish, lp, prompt))
         if finish is not None:
             self._retire(r)
 
@@ -309,6 +327,11 @@ class Scheduler:
         r.slot = -1
         with self._cv:
             self._request_seconds += 0.2 * (time.monotonic() - r.submitted - self._request_seconds)
+
+
+def table(logits: torch.Tensor, batch: list[Request]) -> LogprobTable | None:
+    """The logprob table of a step's rows that asked (on the device, read later), or None where none did."""
+    return LogprobTable.of(logits, [r.params.logprobs for r in batch])
 
 
 def _stop_scheduler(state: dict) -> None:

@@ -10,6 +10,7 @@
     parsers.py     reasoning split at </think>, GLM and Hermes tool calls, stop strings (streaming)
     chat.py        messages + tools → prompt through the model's chat template
     detok.py       token ids → text, incrementally
+    logprobs.py    the engine's token logprobs in chat's and completions' shapes (token text and bytes)
     schemas.py     request bodies, validated
     metrics.py     Prometheus metrics on a private registry
 """

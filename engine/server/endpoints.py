@@ -21,6 +21,7 @@ from engine.server import chat
 from engine.server.errors import ApiError, failure
 from engine.server.generation import Outcome, TokenPump, generate_text
 from engine.server.load_state import Engine
+from engine.server.logprobs import CompletionLogprobs, chat_logprobs, token_text
 from engine.server.metrics import CONTENT_TYPE, Metrics
 from engine.server.parsers import OutputParser, assemble, string_params_of
 from engine.server.schemas import ChatRequest, CompletionRequest, TokenizeRequest
@@ -46,11 +47,14 @@ class ServerState:
             raise ApiError(400, f"model {name!r} is not served here (this server serves {self.served_name!r})",
                            param="model", code="model_not_found")
 
-    def sampling(self, llm, req, n_prompt: int, stop_ids: tuple[int, ...]) -> SamplingParams:
+    def sampling(self, llm, req, n_prompt: int, stop_ids: tuple[int, ...], logprobs: int | None = None,
+                 prompt_logprobs: int | None = None) -> SamplingParams:
+        """The engine's params for `req`; max_tokens 0 (completions' echo alone) asks the engine for one token,
+        which the answer drops (generation(show=False))."""
         room = llm.max_context - n_prompt
-        want = getattr(req, "max_completion_tokens", None) or req.max_tokens or room
+        want = 1 if req.max_tokens == 0 else getattr(req, "max_completion_tokens", None) or req.max_tokens or room
         d = self.defaults
-        return SamplingParams(max_tokens=min(want, room),
+        return SamplingParams(max_tokens=min(want, room), logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                               temperature=d["temperature"] if req.temperature is None else req.temperature,
                               top_p=d["top_p"] if req.top_p is None else req.top_p,
                               seed=req.seed, stop_token_ids=() if req.ignore_eos else stop_ids,
@@ -61,7 +65,8 @@ class ServerState:
     def generation(self, llm, ids, params, req, endpoint: str, t0: float) -> tuple[Outcome, AsyncIterator[str]]:
         outcome = Outcome(started=t0)
         return outcome, generate_text(start(llm, ids, params), llm.tokenizer, stops=req.stop, hidden=self.engine.hidden,
-                                      metrics=self.metrics, endpoint=endpoint, outcome=outcome)
+                                      metrics=self.metrics, endpoint=endpoint, outcome=outcome,
+                                      show=req.max_tokens != 0)
 
     def head(self, prefix: str) -> dict:
         return {"id": f"{prefix}-{uuid.uuid4().hex}", "created": int(time.time()), "model": self.served_name,
@@ -192,7 +197,9 @@ async def chat_completions(req: ChatRequest, request: Request):
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
     prompt, ids = await run_in_threadpool(chat_prompt, llm, req.messages, req.tools, req.chat_template_kwargs)
     check_length(llm, len(ids), "messages")
-    outcome, text = s.generation(llm, ids, s.sampling(llm, req, len(ids), s.engine.end_of_turn), req, "chat", t0)
+    asked = (req.top_logprobs or 0) if req.logprobs else None
+    outcome, text = s.generation(llm, ids, s.sampling(llm, req, len(ids), s.engine.end_of_turn, asked), req, "chat", t0)
+    vocab = token_text(llm.tokenizer) if asked is not None else None
     parser = OutputParser(think_opened=chat.think_opened(prompt), tools=bool(tools) and req.tool_choice != "none",
                           string_params=string_params_of(tools))
     head = s.head("chatcmpl")
@@ -217,14 +224,21 @@ async def chat_completions(req: ChatRequest, request: Request):
             message["tool_calls"] = [c.openai() for c in msg.tool_calls]
         s.metrics.request_seconds.labels("chat").observe(time.perf_counter() - t0)
         return {**head, "object": "chat.completion",
-                "choices": [{"index": 0, "message": message, "logprobs": None,
+                "choices": [{"index": 0, "message": message,
+                             "logprobs": chat_logprobs(vocab, outcome.logprobs) if vocab else None,
                              "finish_reason": finish_reason(bool(msg.tool_calls))}],
                 "usage": usage(len(ids), outcome.completion_tokens)}
 
     frame = Chunks(head, "chat.completion.chunk", bool(req.stream_options and req.stream_options.include_usage))
 
+    sent = 0                            # outcome.logprobs' entries already in a chunk
+
     def chunk(delta: dict, finish: str | None = None) -> dict:
-        return frame.chunk({"delta": delta, "logprobs": None, "finish_reason": finish})
+        nonlocal sent
+        lps = None
+        if vocab is not None and len(outcome.logprobs) > sent:
+            lps, sent = chat_logprobs(vocab, outcome.logprobs[sent:]), len(outcome.logprobs)
+        return frame.chunk({"delta": delta, "logprobs": lps, "finish_reason": finish})
 
     async def chunks():
         calls = 0
@@ -262,14 +276,34 @@ async def completions(req: CompletionRequest, request: Request):
         check_length(llm, len(ids), "prompt")
         prompts.append(ids)
     runs = []                           # every prompt submitted before any is read; a refusal ends them all
+    asked, echo = req.logprobs, req.echo
     try:
         for ids in prompts:
-            runs.append(s.generation(llm, ids, s.sampling(llm, req, len(ids), ()), req, "completions", t0))
+            params = s.sampling(llm, req, len(ids), (), asked, asked if echo else None)
+            runs.append(s.generation(llm, ids, params, req, "completions", t0))
     except BaseException:
         for _, text in runs:
             await text.aclose()
         raise
     head = s.head("cmpl")
+    vocab = token_text(llm.tokenizer) if asked is not None else None
+    echoed = [(p if isinstance(p, str) else llm.tokenizer.decode(ids, skip_special_tokens=False,
+                                                                  clean_up_tokenization_spaces=False)) if echo else ""
+              for p, ids in zip(texts_or_ids, prompts)]
+
+    def prompt_block(lp: CompletionLogprobs, i: int, outcome: Outcome) -> dict:
+        """Prompt i's logprobs (its first token's null); the answer's offsets go on after its echoed text."""
+        ids = prompts[i]
+        block = lp.block(list(zip(ids, outcome.prompt_logprobs or [None] * len(ids))))
+        lp.offset = len(echoed[i])
+        return block
+
+    def choice_logprobs(i: int, outcome: Outcome) -> dict | None:
+        if vocab is None:
+            return None
+        lp = CompletionLogprobs(vocab)
+        blocks = ([prompt_block(lp, i, outcome)] if echo else []) + [lp.block(outcome.logprobs)]
+        return {k: [v for b in blocks for v in b[k]] for k in blocks[0]}
 
     if not req.stream:
         async def collect(text):
@@ -286,20 +320,37 @@ async def completions(req: CompletionRequest, request: Request):
             raise failure(e, request_id(request)) from None
         s.metrics.request_seconds.labels("completions").observe(time.perf_counter() - t0)
         return {**head, "object": "text_completion",
-                "choices": [{"index": i, "text": out, "logprobs": None, "finish_reason": o.finish_reason}
-                            for i, (out, (o, _)) in enumerate(zip(texts, runs))],
+                "choices": [{"index": i, "text": echoed[i] + out, "logprobs": choice_logprobs(i, o),
+                             "finish_reason": o.finish_reason} for i, (out, (o, _)) in enumerate(zip(texts, runs))],
                 "usage": usage(sum(map(len, prompts)), sum(o.completion_tokens for o, _ in runs))}
 
     (outcome, text), n_prompt = runs[0], len(prompts[0])
     frame = Chunks(head, "text_completion", bool(req.stream_options and req.stream_options.include_usage))
 
+    lp = CompletionLogprobs(vocab) if vocab is not None else None
+    sent = 0                            # outcome.logprobs' entries already in a chunk
+
     def chunk(piece: str, finish: str | None = None) -> dict:
-        return frame.chunk({"text": piece, "logprobs": None, "finish_reason": finish})
+        nonlocal sent
+        block = None
+        if lp is not None and len(outcome.logprobs) > sent:
+            block, sent = lp.block(outcome.logprobs[sent:]), len(outcome.logprobs)
+        return frame.chunk({"text": piece, "logprobs": block, "finish_reason": finish})
+
+    def echo_chunk() -> dict:           # the prompt, once its logprobs came with the first token
+        return frame.chunk({"text": echoed[0], "logprobs": prompt_block(lp, 0, outcome) if lp else None,
+                            "finish_reason": None})
 
     async def chunks():
+        echo_due = echo
         async with aclosing(text):
             async for piece in text:
+                if echo_due:
+                    echo_due = False
+                    yield echo_chunk()
                 yield chunk(piece)
+        if echo_due:
+            yield echo_chunk()
         yield chunk("", outcome.finish_reason)
         if frame.include_usage:
             yield frame.usage(usage(n_prompt, outcome.completion_tokens))

@@ -93,12 +93,18 @@ class Outcome:
     finish_reason: str | None = None
     first_token_at: float | None = None
     started: float = field(default_factory=time.perf_counter)
+    # Where the request asked: each answer token's (id, TokenLogprob) as it arrives (an eos/stop id, never shown,
+    # has none), and the prompt's (engine.request.Token.prompt), the first None.
+    logprobs: list = field(default_factory=list)
+    prompt_logprobs: list | None = None
 
 
 async def generate_text(pump: TokenPump, tokenizer, *, stops, hidden, metrics: Metrics, endpoint: str,
-                        outcome: Outcome):
+                        outcome: Outcome, show: bool = True):
     """Yield the answer's text in chunks from `pump`'s tokens; `outcome` holds the counts and finish
-    reason when it ends."""
+    reason when it ends, and the logprobs of the tokens so far (each yield's tokens are in before it).
+    show=False (completions' max_tokens 0, echo's prompt logprobs alone): the first token is taken for its prompt
+    logprobs and dropped; nothing is yielded and the answer ends by length."""
     detok = Detokenizer(tokenizer, hidden)
     stop = StopMatcher(stops)
     metrics.queued.inc()
@@ -111,7 +117,14 @@ async def generate_text(pump: TokenPump, tokenizer, *, stops, hidden, metrics: M
                 metrics.queued.dec()
                 metrics.running.inc()
                 state = "running"
+            if tok.prompt is not None:
+                outcome.prompt_logprobs = tok.prompt
+            if not show:
+                outcome.finish_reason = "length"
+                return
             outcome.completion_tokens += 1
+            if tok.logprob is not None and tok.finish != "stop":
+                outcome.logprobs.append((tok.id, tok.logprob))
             text = "" if tok.finish == "stop" else detok.add(tok.id)
             if tok.finish == "length":
                 text += detok.finish()

@@ -1,7 +1,9 @@
 """Request bodies, validated: anything out of range is a 400 naming the field.
 
 Unknown fields are ignored (clients send many: user, logit_bias, parallel_tool_calls, …);
-fields we would have to get wrong (n > 1, tool_choice "required", echo, logprobs) are refused.
+fields we would have to get wrong (n > 1, tool_choice "required", suffix) are refused. Logprobs are OpenAI's:
+chat's `logprobs` (bool) and `top_logprobs` (0..20, only with logprobs), completions' `logprobs` (0..20) and
+`echo`, with `max_tokens: 0` for the prompt's logprobs alone (engine.server.logprobs).
 Text anywhere in a body must be valid Unicode: JSON can spell a lone surrogate ("\\ud800"), which
 no tokenizer can encode.
 """
@@ -12,6 +14,7 @@ from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from engine.logprobs import MAX_TOP
 from engine.sampling import MAX_PENALTY, SEED_MAX, SEED_MIN
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -146,14 +149,14 @@ class ChatRequest(_Sampling):
     tool_choice: Union[Literal["none", "auto"], None] = None
     max_completion_tokens: int | None = Field(default=None, ge=1)
     chat_template_kwargs: dict[str, Any] | None = None
-    logprobs: Any = None
+    logprobs: bool | None = Field(default=None, strict=True)
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP, strict=True)
 
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, v):
-        if v:
-            raise ValueError("logprobs is not supported by this server")
-        return v
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self):
+        if self.top_logprobs is not None and not self.logprobs:
+            raise FieldError("top_logprobs", "needs logprobs: true")
+        return self
 
     @field_validator("tool_choice", mode="before")
     @classmethod
@@ -165,16 +168,23 @@ class ChatRequest(_Sampling):
 
 class CompletionRequest(_Sampling):
     prompt: Union[str, list[int], list[str], list[list[int]]]
-    echo: Any = None
-    logprobs: Any = None
+    max_tokens: int | None = Field(default=None, ge=0)         # 0: with echo, the prompt's logprobs alone
+    echo: bool = Field(default=False, strict=True)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP, strict=True)
     suffix: Any = None
 
-    @field_validator("echo", "logprobs", "suffix")
+    @field_validator("suffix")
     @classmethod
     def _unsupported(cls, v, info):
         if v:
             raise ValueError(f"{info.field_name} is not supported by this server")
         return v
+
+    @model_validator(mode="after")
+    def _nothing_to_generate(self):
+        if self.max_tokens == 0 and not self.echo:
+            raise FieldError("max_tokens", "0 generates nothing; it is only for echo (the prompt's logprobs)")
+        return self
 
     @field_validator("prompt")
     @classmethod
