@@ -192,6 +192,82 @@ void int4_tile_bf16(const uint32_t* xp, const float* xs, int K, const uint8_t* t
 }
 #endif
 
+#if defined(__AVX512BF16__)
+// int4_tile_bf16 on M rows of x at once (exact prefill): a group's weights are unpacked once into the bf16 pairs
+// int4_tile_bf16 makes and then dotted with every row, each row's accumulations the very operations int4_tile_bf16
+// does for it, in its order (so its bits: tests/engine/test_exact_prefill.py). y: row 0's outputs row0..row0+63,
+// rows ystride floats apart.
+void int4_tile_bf16_rows(const uint32_t* xp, const float* xs, int M, int K, const uint8_t* tile, const uint16_t* sz,
+                         int N, int row0, float* y, size_t ystride) {
+    const __m512i lo16 = _mm512_set1_epi32(0x0000ffff), hi16 = _mm512_set1_epi32((int)0xffff0000u);
+    const __m512i nib = _mm512_set1_epi32(0x000f000f), bias = _mm512_set1_epi32(0x43004300);
+    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+    const int groups = K / 32;
+    prefetch_scales(sz, groups, N, row0);
+    __m512* acc = new __m512[(size_t)M * 4];
+    for (size_t i = 0; i < (size_t)M * 4; ++i) acc[i] = _mm512_setzero_ps();
+    __m512bh wv[16][4];
+    for (int gi = 0; gi < groups; ++gi) {
+        const uint8_t* b = tile + (size_t)gi * 32 * 32;
+        for (int j = 0; j < 16; ++j) {
+            if (!(j & 1)) {
+                _mm_prefetch((const char*)b + PREFETCH + 32 * j, _MM_HINT_T0);
+                _mm_prefetch((const char*)b + PREFETCH + 512 + 32 * j, _MM_HINT_T0);
+            }
+            __m512i w1 = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(b + 32 * j)));
+            __m512i w2 = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(b + 32 * (j + 16))));
+            __m512i e = _mm512_ternarylogic_epi32(w1, _mm512_slli_epi32(w2, 16), lo16, 0xec);
+            __m512i o = _mm512_ternarylogic_epi32(_mm512_srli_epi32(w1, 16), w2, hi16, 0xf8);
+            wv[j][0] = (__m512bh)_mm512_ternarylogic_epi32(e, nib, bias, 0xea);
+            wv[j][1] = (__m512bh)_mm512_ternarylogic_epi32(o, nib, bias, 0xea);
+            wv[j][2] = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(e, 4), nib, bias, 0xea);
+            wv[j][3] = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(o, 4), nib, bias, 0xea);
+        }
+        const uint16_t* p = sz + ((size_t)gi * N + row0) * 2;
+        const __m512i v0 = _mm512_loadu_si512((const void*)p), v1 = _mm512_loadu_si512((const void*)(p + 32));
+        const __m512i v2 = _mm512_loadu_si512((const void*)(p + 64)), v3 = _mm512_loadu_si512((const void*)(p + 96));
+        const __m512i v[4] = {_mm512_permutex2var_epi32(v0, even, v1), _mm512_permutex2var_epi32(v0, odd, v1),
+                              _mm512_permutex2var_epi32(v2, even, v3), _mm512_permutex2var_epi32(v2, odd, v3)};
+        __m512 s[4], zs[4];
+        for (int q = 0; q < 4; ++q) {
+            s[q] = _mm512_castsi512_ps(_mm512_slli_epi32(v[q], 16));
+            zs[q] = _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), s[q], _mm512_castsi512_ps(_mm512_and_si512(v[q], hi16)));
+        }
+        for (int m = 0; m < M; ++m) {
+            const uint32_t* xm = xp + (size_t)m * (K / 2) + gi * 16;
+            __m512 ga[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+            for (int j = 0; j < 16; ++j) {
+                __m512bh xb = (__m512bh)_mm512_set1_epi32((int)xm[j]);
+                ga[0] = _mm512_dpbf16_ps(ga[0], wv[j][0], xb);
+                ga[1] = _mm512_dpbf16_ps(ga[1], wv[j][1], xb);
+                ga[2] = _mm512_dpbf16_ps(ga[2], wv[j][2], xb);
+                ga[3] = _mm512_dpbf16_ps(ga[3], wv[j][3], xb);
+            }
+            const float xsg = xs[(size_t)m * groups + gi];
+            const __m512 sum = _mm512_set1_ps(xsg);
+            const __m512 off = _mm512_set1_ps(128.0f * xsg);
+            __m512* a = acc + (size_t)m * 4;
+            for (int q = 0; q < 4; ++q) {
+                a[q] = _mm512_fmadd_ps(s[q], _mm512_sub_ps(ga[q], off), a[q]);
+                a[q] = _mm512_fmadd_ps(zs[q], sum, a[q]);
+            }
+        }
+    }
+    const __m512i lo_idx = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    const __m512i hi_idx = _mm512_add_epi32(lo_idx, _mm512_set1_epi32(8));
+    for (int m = 0; m < M; ++m) {
+        const __m512* a = acc + (size_t)m * 4;
+        float* ym = y + (size_t)m * ystride;
+        _mm512_storeu_ps(ym, _mm512_permutex2var_ps(a[0], lo_idx, a[1]));
+        _mm512_storeu_ps(ym + 16, _mm512_permutex2var_ps(a[0], hi_idx, a[1]));
+        _mm512_storeu_ps(ym + 32, _mm512_permutex2var_ps(a[2], lo_idx, a[3]));
+        _mm512_storeu_ps(ym + 48, _mm512_permutex2var_ps(a[2], hi_idx, a[3]));
+    }
+    delete[] acc;
+}
+#endif
+
 // y [M, N] = x [M, K] · Wᵀ, row by row: each row of x computed exactly as a one-row call computes it (the same
 // bf16 rounding, group sums and tile kernel), the tile loop outside so a tile's weights are read once for all M
 // rows. int4_gemv is this with M = 1, so a row's bits do not depend on how many rows came with it (exact prefill).
@@ -223,13 +299,14 @@ void int4_gemv_rows(const float* x_in, int M, int K, const uint8_t* packed, cons
                     xp[(size_t)m * (K / 2) + 16 * gi + j] = (a >> 16) | (b & 0xffff0000u);
                 }
 #pragma omp parallel for num_threads(threads) schedule(static)
-        for (int nb = 0; nb < tiles; ++nb)
-            for (int m = 0; m < M; ++m) {
-                float* ym = y + (size_t)m * N;
-                int4_tile_bf16(xp + (size_t)m * (K / 2), xs + (size_t)m * groups, K, packed + (size_t)nb * K * 32, sz,
-                               N, nb * 64, ym + nb * 64);
-                for (int r = nb * 64; r < nb * 64 + 64; ++r) ym[r] = bf16_round(ym[r]);
-            }
+        for (int nb = 0; nb < tiles; ++nb) {
+            if (M == 1)             // a decode step's GEMV
+                int4_tile_bf16(xp, xs, K, packed + (size_t)nb * K * 32, sz, N, nb * 64, y + nb * 64);
+            else                    // the same operations for each row, the tile unpacked once for all of them
+                int4_tile_bf16_rows(xp, xs, M, K, packed + (size_t)nb * K * 32, sz, N, nb * 64, y + nb * 64, N);
+            for (int m = 0; m < M; ++m)
+                for (int r = nb * 64; r < nb * 64 + 64; ++r) y[(size_t)m * N + r] = bf16_round(y[(size_t)m * N + r]);
+        }
         delete[] xp;
         delete[] x;
         delete[] xs;

@@ -465,7 +465,11 @@ class MoEModel(nn.Module):
         if self.exact_prefill:
             with native.allow(self.native_kernels):
                 h = self._prefill_rows(ids, slot, start)
-                return self.head(h if all_logits else h[-1])
+                if not all_logits:
+                    return self.head(h[-1])
+                if isinstance(self.head, Q8Projection):
+                    return self.head(h)                  # its rows kernel: each row as the one-row GEMV
+                return torch.stack([self.head(row) for row in h])     # a float head: each row as decode's one row
         sel, idx = select([slot], self.device)
         kv_len = start + t
         positions = torch.arange(start, kv_len, device=self.device).view(1, t)

@@ -175,3 +175,51 @@ def test_greedy_chat_replies_through_the_server_are_the_same_with_and_without_th
     assert replies[True] == replies[False]
     assert counters[True]["prefix_cache_hits_total"] >= len(turns) - 1
     assert counters[True]["prefix_cache_reused_tokens_total"] >= 16 * (len(turns) - 1)
+
+
+# ---------------------------------------------------------------- CUDA (run on the H200)
+# The CUDA path has no exact prefill: prefill is cuBLAS GEMMs (their kernel and split chosen by the row count) and
+# flash attention, decode the fused Triton kernels (engine.kernels.triton_decode) over GEMMs of the batch's rows, so
+# in bf16 a position's keys and values depend on whether a whole prefill, a chunk of another length or a decode
+# step computed it — the CPU demo's issue. These tests say whether it shows on the device (xfail: expected to).
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the H200)")
+
+
+@CUDA
+@pytest.mark.xfail(reason="issue 32: no exact prefill on CUDA (cuBLAS/flash prefill vs fused Triton decode)", strict=False)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_on_cuda_prefill_chunked_prefill_and_decode_give_the_same_bits(tiny_checkpoint, dtype):
+    from engine.loader import load_model
+    model = load_model(tiny_checkpoint("qwen3_moe"), device="cuda", dtype=dtype, max_context=128, max_batch=3)
+    n = 37
+    toks = tokens(1, n, 300)
+    with torch.inference_mode():
+        whole = model.prefill(toks, 0, all_logits=True)
+        stepped = decode_from(model, toks, 1, 5)
+        done = 0
+        for size in (3, 11, 1, 16, 6):
+            model.prefill(toks[done:done + size], 2, start=done)
+            done += size
+        torch.cuda.synchronize()
+    k_whole, k_dec, k_chunk = (model.kv.k[:, s, :n] for s in (0, 1, 2))
+    diff = {"decode": float((k_dec.float() - k_whole.float()).abs().max()),
+            "chunked": float((k_chunk.float() - k_whole.float()).abs().max()),
+            "logits": float((torch.stack(stepped).float() - whole[4:].float()).abs().max())}
+    assert torch.equal(k_dec, k_whole) and torch.equal(k_chunk, k_whole), diff
+    assert torch.equal(torch.stack(stepped), whole[4:]), diff
+
+
+@CUDA
+@pytest.mark.xfail(reason="issue 32: no exact prefill on CUDA; bf16 greedy replies may part on near-ties", strict=False)
+def test_on_cuda_bf16_chat_turns_give_the_same_tokens_with_and_without_the_prefix_cache(tiny_checkpoint):
+    from engine.llm import LLM, SamplingParams
+    ckpt = tiny_checkpoint("qwen3_moe")
+    greedy = SamplingParams(max_tokens=24, ignore_eos=True)
+    with LLM.load(ckpt, device="cuda", dtype="bfloat16", max_context=400, max_batch=2) as cached, \
+            LLM.load(ckpt, device="cuda", dtype="bfloat16", max_context=400, max_batch=2, prefix_cache=False) as plain:
+        history = tokens(5, 40, 300)
+        for turn in range(6):
+            got = [t.id for t in cached.generate(history, greedy)]
+            assert got == [t.id for t in plain.generate(history, greedy)], f"turn {turn}"
+            history = history + got + tokens(7 + turn, 9, 300)
