@@ -840,7 +840,7 @@ void attn_rows(float* qkv, const float* cos, const float* sin, float* kc, float*
 #pragma omp parallel num_threads(threads)
     {
         float* s = new float[(size_t)start + T];
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, 8)        // later rows attend over more keys
         for (int i = 0; i < T * nh; ++i) {
             const int t = i / nh, hh = i % nh, p = start + t;
             const int lo = window > 0 && p + 1 > window ? p + 1 - window : 0;

@@ -19,7 +19,7 @@ import torch
 
 from engine.kernels import native
 
-pytestmark = pytest.mark.skipif(native.lib() is None, reason="no C++ compiler: the native kernels are not built")
+NATIVE = pytest.mark.skipif(native.lib() is None, reason="no C++ compiler: the native kernels are not built")
 
 ENGINE = [str(Path(sys.executable).parent / "engine")]
 
@@ -66,6 +66,7 @@ def kv(model, slot: int, n: int):
     return model.kv.k[:, slot, :n].clone(), model.kv.v[:, slot, :n].clone()
 
 
+@NATIVE
 def test_prefill_chunked_prefill_and_decode_give_the_same_bits(model):
     n = 37
     toks = tokens(1, n)
@@ -86,6 +87,7 @@ def test_prefill_chunked_prefill_and_decode_give_the_same_bits(model):
     assert torch.equal(torch.cat(chunks), whole)
 
 
+@NATIVE
 def test_exact_prefill_is_the_torch_forms_function(demo_shaped, model):
     """The rows path computes the model's function: the torch forms' prefill (native kernels off) within the
     bf16 activations' rounding, the same greedy token."""
@@ -101,6 +103,7 @@ def test_exact_prefill_is_the_torch_forms_function(demo_shaped, model):
     assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 
+@NATIVE
 @pytest.mark.parametrize("threads", [1, 2])
 def test_the_rows_kernels_are_the_one_row_kernels_row_by_row(threads):
     """The expert FFN (two int4 GEMVs around SwiGLU), the Q8_0 GEMV and the attention on M rows: each row bit-equal
@@ -139,6 +142,37 @@ def test_the_rows_kernels_are_the_one_row_kernels_row_by_row(threads):
         torch.set_num_threads(before)
 
 
+
+@NATIVE
+@pytest.mark.slow
+def test_the_real_demo_model_prefills_decodes_and_chunks_to_the_same_bits(tmp_path):
+    """SmolLM2 as the recipe converts and packs it (Q4_1 attention blocks, 8 experts top-1 from the GGUF's own
+    blocks, the tied Q8_0 vocabulary): the same bits from a whole prefill, prefill + decode and chunks (~1 min)."""
+    pytest.importorskip("gguf")
+    from engine.convert import convert_gguf
+    from engine.dense_weights import Q8Projection
+    from engine.loader import load_model
+    from engine.store.pack import pack_store
+    from tests.fixtures.smollm2 import smollm2_gguf
+    gguf = smollm2_gguf()
+    kept = convert_gguf(gguf, tmp_path / "model", experts=8, top_k=1, seed=0, expert_weights=False,
+                        attention_blocks=True)
+    pack_store(kept, tmp_path / "store", order="cols", quant="gguf", gguf=gguf)
+    m = load_model(kept, store_dir=tmp_path / "store", device="cpu", max_context=256, max_batch=3)
+    assert m.exact_prefill and isinstance(m.head, Q8Projection)
+    n = 48
+    toks = tokens(4, n, 49000)
+    with torch.inference_mode():
+        whole = m.prefill(toks, 0, all_logits=True)
+        stepped = decode_from(m, toks, 1, 9)
+        done = 0
+        for size in (17, 2, 29):
+            m.prefill(toks[done:done + size], 2, start=done)
+            done += size
+    for s in (1, 2):
+        assert torch.equal(m.kv.k[:, s, :n], m.kv.k[:, 0, :n]) and torch.equal(m.kv.v[:, s, :n], m.kv.v[:, 0, :n])
+    assert torch.equal(torch.stack(stepped), whole[8:])
+
 def chat(client, name: str, turns: list[str], reply_tokens: int) -> list[str]:
     """A scripted chat through /v1/chat/completions: each reply greedy, appended to the history as a client does."""
     messages = [{"role": "system", "content": "You answer briefly. " * 4}]
@@ -154,6 +188,7 @@ def chat(client, name: str, turns: list[str], reply_tokens: int) -> list[str]:
     return replies
 
 
+@NATIVE
 def test_greedy_chat_replies_through_the_server_are_the_same_with_and_without_the_prefix_cache(demo_shaped):
     """Both servers up (the recipe's engine with and without --prefix-cache, as bench.chat_turns runs them), one
     scripted six-turn chat each: every reply equal, and the cached one did reuse each last turn's positions."""
