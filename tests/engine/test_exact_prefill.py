@@ -190,8 +190,10 @@ def chat(client, name: str, turns: list[str], reply_tokens: int) -> list[str]:
 
 @NATIVE
 def test_greedy_chat_replies_through_the_server_are_the_same_with_and_without_the_prefix_cache(demo_shaped):
-    """Both servers up (the recipe's engine with and without --prefix-cache, as bench.chat_turns runs them), one
-    scripted six-turn chat each: every reply equal, and the cached one did reuse each last turn's positions."""
+    """The engine with and without the prefix cache behind the real server, one scripted six-turn chat each: every
+    reply equal, the cached one reused each last turn's positions, and every decode step's logits (read where
+    the scheduler gets them) are the same bits — what makes equal replies hold on near-ties too, where the tiny
+    model's replies alone would not tell (they agree without exact prefill as well)."""
     import httpx
 
     from engine.llm import LLM
@@ -200,14 +202,19 @@ def test_greedy_chat_replies_through_the_server_are_the_same_with_and_without_th
     kept, store = demo_shaped
     turns = ["plant soil water sun", "tomato carrot lettuce", "when to sow garlic", "slugs and snails",
              "compost heap", "pumpkin ripe"]
-    replies, counters = {}, {}
+    replies, counters, logits = {}, {}, {}
     for cached in (True, False):
         with LLM.load(kept, store_dir=store, max_context=1024, max_batch=2, prefix_cache=cached) as llm, \
                 Served(create_app(llm, served_name="tiny")) as s, httpx.Client(base_url=s.url, timeout=120) as c:
             assert llm.model.exact_prefill
+            seen = logits[cached] = []
+            step = llm.model.decode_step
+            llm.model.decode_step = lambda *a, step=step, seen=seen: seen.append(step(*a)) or seen[-1]
             replies[cached] = chat(c, "tiny", turns, 24)
             counters[cached] = llm.counters()
     assert replies[True] == replies[False]
+    assert len(logits[True]) == len(logits[False]) == len(turns) * 23
+    assert all(torch.equal(a, b) for a, b in zip(logits[True], logits[False]))
     assert counters[True]["prefix_cache_hits_total"] >= len(turns) - 1
     assert counters[True]["prefix_cache_reused_tokens_total"] >= 16 * (len(turns) - 1)
 
