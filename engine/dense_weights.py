@@ -90,6 +90,8 @@ class Q8Projection:
         if x.numel() == self.in_features:
             return native.q8_gemv(x.reshape(-1).contiguous(), self.q, self.d).view(*x.shape[:-1], -1)
         x2 = x.reshape(-1, self.in_features)
+        if native.allowed():           # each row as the one-row GEMV computes it (exact prefill's all_logits)
+            return native.q8_gemv_rows(x2.contiguous(), self.q, self.d).view(*x.shape[:-1], -1)
         y = torch.cat([x2 @ self._dequantize(slice(r, r + self.CHUNK)).t() for r in range(0, self.out_features, self.CHUNK)], -1)
         return y.view(*x.shape[:-1], -1)
 

@@ -53,7 +53,18 @@ SIGNATURES = {
     "ggml_ffn": [_P, _I, _I, _P, _I, _P, _I, _P, _I, _P, _P, _I, _F],
     "moe_tail": [_P, _I, _P, _P, _P, _I, _I, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, _I, _P,
                  _P, _P, _F, _P, _I, _F],
+    # exact prefill rows (issue 32): many rows, each as the one-row kernel computes it
+    "q8_gemv_rows": [_P, _I, _I, _P, _P, _I, _P, _I],
+    "attn_rows": [_P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F, _P, _I],
+    "add_rms_norm_rows": [_P, _P, _P, _F, _I, _I, _P],
+    "attn_block_rows": [_P, _P, _I, _I, _P, _P, _I, _P, _P, _I, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _P, _F,
+                        _P, _I],
+    "router_topk_rows": [_P, _I, _I, _P, _I, _I, _I, _P, _P],
+    "int4_ffn_rows": [_P, _I, _I, _I, _P, _P, _P, _P, _I, _P, _I, _F],
+    "moe_sum_rows": [_P, _I, _I, _P, _P, _I, _P, _P, _F, _P],
 }
+ROWS = ("q8_gemv_rows", "attn_rows", "add_rms_norm_rows", "attn_block_rows", "router_topk_rows", "int4_ffn_rows",
+        "moe_sum_rows")
 MAX_TOP_K = 64        # experts a moe_tail call computes (its bookkeeping array)
 
 
@@ -147,6 +158,12 @@ def load(path: Path) -> ctypes.CDLL:
         fn = getattr(so, name)
         fn.argtypes, fn.restype = args, None
     so.ggml_supported.restype = _I
+    # The exact prefill's rows calls are few and long (a layer's rows each): they let the GIL go, so the server's
+    # other threads (streaming, HTTP) run meanwhile.
+    so.released = ctypes.CDLL(str(path))
+    for name in ROWS:
+        fn = getattr(so.released, name)
+        fn.argtypes, fn.restype = SIGNATURES[name], None
     return so
 
 
@@ -338,3 +355,73 @@ def ggml_ffn(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.
     lib().ggml_ffn(_ptr(x), h, intermediate, _ptr(gate), codes[0], _ptr(up), codes[1], _ptr(down), codes[2],
                    _ptr(scratch), _ptr(y), torch.get_num_threads(), _limit(limit))
     return y
+
+
+# ---------------------------------------------------------------- exact prefill rows (issue 32)
+# Many tokens of one sequence through the decode step's own kernels, row by row (native_cpu.cpp's "exact prefill
+# rows"): a row's bits are what a one-token call gives for it, whatever the rows around it, so a position computed
+# by a whole prefill, a chunk of another length or a decode step is the same and a reused prefix changes no output.
+
+def q8_gemv_rows(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """x fp32 [M, K] (contiguous) · Wᵀ → fp32 [M, N], each row as q8_gemv computes it."""
+    m, k = x.shape
+    y = torch.empty(m, q.shape[0])
+    lib().released.q8_gemv_rows(_ptr(x), m, k, _ptr(q), _ptr(d), q.shape[0], _ptr(y), torch.get_num_threads())
+    return y
+
+
+def add_rms_norm_rows(x: torch.Tensor, r: torch.Tensor | None, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """add_rms_norm on each row of x fp32 [T, H] (updated in place; r [T, H] or None) → a new [T, H]."""
+    h = torch.empty_like(x)
+    r = None if r is None else r.contiguous()
+    lib().released.add_rms_norm_rows(_ptr(x), None if r is None else _ptr(r), _ptr(w), eps, x.shape[1], x.shape[0], _ptr(h))
+    return h
+
+
+def attn_rows(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, start: int,
+              window: int, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> torch.Tensor:
+    """attn_decode on T tokens at positions start.. of one sequence: qkv fp32 [T, (nh + 2·nkv)·hd] (rotated in
+    place), cos/sin [T, rot] their rows, kc/vc [max_len, nkv, hd] → o fp32 [T, nh·hd]. Contiguous fp32."""
+    t = qkv.shape[0]
+    o = torch.empty(t, num_heads * head_dim)
+    lib().released.attn_rows(_ptr(qkv), _ptr(cos), _ptr(sin), _ptr(kc), _ptr(vc), start, t, window, num_heads, num_kv_heads,
+                    head_dim, cos.shape[-1], scale, _ptr(o), torch.get_num_threads())
+    return o
+
+
+def attn_block_rows(block: "AttnBlock", x: torch.Tensor, h: torch.Tensor, slot: int, start: int, cos: torch.Tensor,
+                    sin: torch.Tensor, post_norm: torch.Tensor) -> torch.Tensor:
+    """AttnBlock's call on T tokens at positions start.. of `slot` (x, h fp32 [T, H]; cos/sin [T, rot]): x += the
+    attention (in place) → rms_norm(x)·post_norm [T, H], each row as the one-token call computes it."""
+    out = torch.empty_like(x)
+    lib().released.attn_block_rows(_ptr(x), _ptr(h), x.shape[0], *block.weights, _ptr(cos), _ptr(sin),
+                          block.k_cache[slot].data_ptr(), block.v_cache[slot].data_ptr(), start, *block.shape,
+                          cos.shape[-1], block.scale, _ptr(post_norm), block.eps, _ptr(out), torch.get_num_threads())
+    return out
+
+
+def router_topk_rows(x: torch.Tensor, gate: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """router_topk on each row of x fp32 [T, H] → (ids int64 [T, k], weights fp32 [T, k])."""
+    t, h = x.shape
+    ids, w = torch.empty(t, top_k, dtype=torch.int64), torch.empty(t, top_k)
+    lib().released.router_topk_rows(_ptr(x), t, h, _ptr(gate), gate.shape[0], top_k, int(renormalize), _ptr(ids), _ptr(w))
+    return ids, w
+
+
+def int4_ffn_rows(x: torch.Tensor, address: int, tail: MoETail) -> torch.Tensor:
+    """int4_ffn on each row of x fp32 [M, H] (contiguous), the expert's record at host `address` (tail's layout)."""
+    m = x.shape[0]
+    y = torch.empty(m, tail.hidden)
+    lib().released.int4_ffn_rows(_ptr(x), m, tail.hidden, tail.intermediate, *(address + off for off in tail.offsets), tail.group,
+                        _ptr(y), torch.get_num_threads(), tail.limit)
+    return y
+
+
+def moe_sum_rows(y: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, x: torch.Tensor, next_w: torch.Tensor,
+                 eps: float) -> torch.Tensor:
+    """moe_tail's weighted sum (ascending expert order) and norm on T rows: y fp32 [T, k, H] the picks' outputs,
+    ids/w [T, k], x [T, H] += the sum (in place) → rms_norm(x)·next_w [T, H]."""
+    t, k, h = y.shape
+    out = torch.empty_like(x)
+    lib().released.moe_sum_rows(_ptr(y), t, k, _ptr(ids), _ptr(w), h, _ptr(x), _ptr(next_w), eps, _ptr(out))
+    return out

@@ -193,40 +193,142 @@ void int4_tile_bf16(const uint32_t* xp, const float* xs, int K, const uint8_t* t
 }
 #endif
 
-void int4_gemv(const float* x_in, int K, const uint8_t* packed, const uint16_t* sz, int N, int g, float* y,
-               int threads) {
-    float x[8192];
-    float xs[8192 / 32 + 1];
-    for (int k = 0; k < K; ++k) x[k] = bf16_round(x_in[k]);
-    for (int gi = 0; gi < K / g; ++gi) {
-        float s = 0.f;
-        for (int k = gi * g; k < (gi + 1) * g; ++k) s += x[k];
-        xs[gi] = s;
+#if defined(__AVX512BF16__)
+// int4_tile_bf16 on M rows of x at once (exact prefill): a group's weights are unpacked once into the bf16 pairs
+// int4_tile_bf16 makes and then dotted with every row, each row's accumulations the very operations int4_tile_bf16
+// does for it, in its order (so its bits: tests/engine/test_exact_prefill.py). y: row 0's outputs row0..row0+63,
+// rows ystride floats apart.
+void int4_tile_bf16_rows(const uint32_t* xp, const float* xs, int M, int K, const uint8_t* tile, const uint16_t* sz,
+                         int N, int row0, float* y, size_t ystride) {
+    const __m512i lo16 = _mm512_set1_epi32(0x0000ffff), hi16 = _mm512_set1_epi32((int)0xffff0000u);
+    const __m512i nib = _mm512_set1_epi32(0x000f000f), bias = _mm512_set1_epi32(0x43004300);
+    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+    const int groups = K / 32;
+    prefetch_scales(sz, groups, N, row0);
+    __m512* acc = new __m512[(size_t)M * 4];
+    for (size_t i = 0; i < (size_t)M * 4; ++i) acc[i] = _mm512_setzero_ps();
+    __m512bh wv[16][4];
+    for (int gi = 0; gi < groups; ++gi) {
+        const uint8_t* b = tile + (size_t)gi * 32 * 32;
+        for (int j = 0; j < 16; ++j) {
+            if (!(j & 1)) {
+                _mm_prefetch((const char*)b + PREFETCH + 32 * j, _MM_HINT_T0);
+                _mm_prefetch((const char*)b + PREFETCH + 512 + 32 * j, _MM_HINT_T0);
+            }
+            __m512i w1 = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(b + 32 * j)));
+            __m512i w2 = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(b + 32 * (j + 16))));
+            __m512i e = _mm512_ternarylogic_epi32(w1, _mm512_slli_epi32(w2, 16), lo16, 0xec);
+            __m512i o = _mm512_ternarylogic_epi32(_mm512_srli_epi32(w1, 16), w2, hi16, 0xf8);
+            wv[j][0] = (__m512bh)_mm512_ternarylogic_epi32(e, nib, bias, 0xea);
+            wv[j][1] = (__m512bh)_mm512_ternarylogic_epi32(o, nib, bias, 0xea);
+            wv[j][2] = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(e, 4), nib, bias, 0xea);
+            wv[j][3] = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(o, 4), nib, bias, 0xea);
+        }
+        const uint16_t* p = sz + ((size_t)gi * N + row0) * 2;
+        const __m512i v0 = _mm512_loadu_si512((const void*)p), v1 = _mm512_loadu_si512((const void*)(p + 32));
+        const __m512i v2 = _mm512_loadu_si512((const void*)(p + 64)), v3 = _mm512_loadu_si512((const void*)(p + 96));
+        const __m512i v[4] = {_mm512_permutex2var_epi32(v0, even, v1), _mm512_permutex2var_epi32(v0, odd, v1),
+                              _mm512_permutex2var_epi32(v2, even, v3), _mm512_permutex2var_epi32(v2, odd, v3)};
+        __m512 s[4], zs[4];
+        for (int q = 0; q < 4; ++q) {
+            s[q] = _mm512_castsi512_ps(_mm512_slli_epi32(v[q], 16));
+            zs[q] = _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), s[q], _mm512_castsi512_ps(_mm512_and_si512(v[q], hi16)));
+        }
+        for (int m = 0; m < M; ++m) {
+            const uint32_t* xm = xp + (size_t)m * (K / 2) + gi * 16;
+            __m512 ga[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+            for (int j = 0; j < 16; ++j) {
+                __m512bh xb = (__m512bh)_mm512_set1_epi32((int)xm[j]);
+                ga[0] = _mm512_dpbf16_ps(ga[0], wv[j][0], xb);
+                ga[1] = _mm512_dpbf16_ps(ga[1], wv[j][1], xb);
+                ga[2] = _mm512_dpbf16_ps(ga[2], wv[j][2], xb);
+                ga[3] = _mm512_dpbf16_ps(ga[3], wv[j][3], xb);
+            }
+            const float xsg = xs[(size_t)m * groups + gi];
+            const __m512 sum = _mm512_set1_ps(xsg);
+            const __m512 off = _mm512_set1_ps(128.0f * xsg);
+            __m512* a = acc + (size_t)m * 4;
+            for (int q = 0; q < 4; ++q) {
+                a[q] = _mm512_fmadd_ps(s[q], _mm512_sub_ps(ga[q], off), a[q]);
+                a[q] = _mm512_fmadd_ps(zs[q], sum, a[q]);
+            }
+        }
+    }
+    const __m512i lo_idx = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    const __m512i hi_idx = _mm512_add_epi32(lo_idx, _mm512_set1_epi32(8));
+    for (int m = 0; m < M; ++m) {
+        const __m512* a = acc + (size_t)m * 4;
+        float* ym = y + (size_t)m * ystride;
+        _mm512_storeu_ps(ym, _mm512_permutex2var_ps(a[0], lo_idx, a[1]));
+        _mm512_storeu_ps(ym + 16, _mm512_permutex2var_ps(a[0], hi_idx, a[1]));
+        _mm512_storeu_ps(ym + 32, _mm512_permutex2var_ps(a[2], lo_idx, a[3]));
+        _mm512_storeu_ps(ym + 48, _mm512_permutex2var_ps(a[2], hi_idx, a[3]));
+    }
+    delete[] acc;
+}
+#endif
+
+// y [M, N] = x [M, K] · Wᵀ, row by row: each row of x computed exactly as a one-row call computes it (the same
+// bf16 rounding, group sums and tile kernel), the tile loop outside so a tile's weights are read once for all M
+// rows. int4_gemv is this with M = 1, so a row's bits do not depend on how many rows came with it (exact prefill).
+void int4_gemv_rows(const float* x_in, int M, int K, const uint8_t* packed, const uint16_t* sz, int N, int g,
+                    float* y, int threads) {
+    const int groups = K / g;
+    float* x = new float[(size_t)M * K];
+    float* xs = new float[(size_t)M * groups + 1];
+    for (int m = 0; m < M; ++m) {
+        float* xm = x + (size_t)m * K;
+        float* xsm = xs + (size_t)m * groups;
+        for (int k = 0; k < K; ++k) xm[k] = bf16_round(x_in[(size_t)m * K + k]);
+        for (int gi = 0; gi < groups; ++gi) {
+            float s = 0.f;
+            for (int k = gi * g; k < (gi + 1) * g; ++k) s += xm[k];
+            xsm[gi] = s;
+        }
     }
     const int tiles = N / 64;
 #if defined(__AVX512BF16__)
     if (g == 32) {
-        uint32_t xp[8192 / 2];
-        for (int gi = 0; gi < K / 32; ++gi)
-            for (int j = 0; j < 16; ++j) {
-                uint32_t a, b;
-                std::memcpy(&a, &x[32 * gi + j], 4);
-                std::memcpy(&b, &x[32 * gi + 16 + j], 4);
-                xp[16 * gi + j] = (a >> 16) | (b & 0xffff0000u);
-            }
+        uint32_t* xp = new uint32_t[(size_t)M * (K / 2) + 1];
+        for (int m = 0; m < M; ++m)
+            for (int gi = 0; gi < K / 32; ++gi)
+                for (int j = 0; j < 16; ++j) {
+                    uint32_t a, b;
+                    std::memcpy(&a, &x[(size_t)m * K + 32 * gi + j], 4);
+                    std::memcpy(&b, &x[(size_t)m * K + 32 * gi + 16 + j], 4);
+                    xp[(size_t)m * (K / 2) + 16 * gi + j] = (a >> 16) | (b & 0xffff0000u);
+                }
 #pragma omp parallel for num_threads(threads) schedule(static)
         for (int nb = 0; nb < tiles; ++nb) {
-            int4_tile_bf16(xp, xs, K, packed + (size_t)nb * K * 32, sz, N, nb * 64, y + nb * 64);
-            for (int r = nb * 64; r < nb * 64 + 64; ++r) y[r] = bf16_round(y[r]);
+            if (M == 1)             // a decode step's GEMV
+                int4_tile_bf16(xp, xs, K, packed + (size_t)nb * K * 32, sz, N, nb * 64, y + nb * 64);
+            else                    // the same operations for each row, the tile unpacked once for all of them
+                int4_tile_bf16_rows(xp, xs, M, K, packed + (size_t)nb * K * 32, sz, N, nb * 64, y + nb * 64, N);
+            for (int m = 0; m < M; ++m)
+                for (int r = nb * 64; r < nb * 64 + 64; ++r) y[(size_t)m * N + r] = bf16_round(y[(size_t)m * N + r]);
         }
+        delete[] xp;
+        delete[] x;
+        delete[] xs;
         return;
     }
 #endif
 #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int nb = 0; nb < tiles; ++nb) {
-        int4_tile(x, xs, K, g, packed + (size_t)nb * K * 32, sz, N, nb * 64, y + nb * 64);
-        for (int r = nb * 64; r < nb * 64 + 64; ++r) y[r] = bf16_round(y[r]);
-    }
+    for (int nb = 0; nb < tiles; ++nb)
+        for (int m = 0; m < M; ++m) {
+            float* ym = y + (size_t)m * N;
+            int4_tile(x + (size_t)m * K, xs + (size_t)m * groups, K, g, packed + (size_t)nb * K * 32, sz, N, nb * 64,
+                      ym + nb * 64);
+            for (int r = nb * 64; r < nb * 64 + 64; ++r) ym[r] = bf16_round(ym[r]);
+        }
+    delete[] x;
+    delete[] xs;
+}
+
+void int4_gemv(const float* x_in, int K, const uint8_t* packed, const uint16_t* sz, int N, int g, float* y,
+               int threads) {
+    int4_gemv_rows(x_in, 1, K, packed, sz, N, g, y, threads);
 }
 
 // ---------------------------------------------------------------- GGML block types (engine.quant.ggml)
@@ -639,13 +741,18 @@ void add_rms_norm(float* x, const float* r, const float* w, float eps, int H, fl
     for (int i = 0; i < H; ++i) h[i] = (x[i] * inv) * w[i];
 }
 
-// One token of one sequence through attention over its KV cache rows: q|k|v [nh·hd | nkv·hd | nkv·hd] get
-// rotary (the leading `rot` channels of each q and k head, rotate-half form; cos/sin [rot] of position p),
-// k and v are written at row p of kc/vc ([max_len, nkv, hd] each), and each query head attends over rows
-// lo..p (lo = p - window + 1 with a sliding window, else 0) of its kv head (GQA: nh / nkv heads share one)
-// → o [nh·hd]. scores: scratch of nh·(p+1) floats.
-void attn_decode(float* qkv, const float* cos, const float* sin, float* kc, float* vc, int p, int window, int nh,
-                 int nkv, int hd, int rot, float scale, float* scores, float* o, int threads) {
+}  // extern "C"
+
+namespace {
+
+// attn_decode's two parts, shared with attn_rows (exact prefill): a token's rotary and KV write, and one query
+// head's attention over its cache rows. noinline: every caller runs the same machine code (the dot product's simd
+// reduction is one summation order, whoever calls it).
+
+// Rotary on the q and k heads of one token's q|k|v (the leading `rot` channels of each, rotate-half form; cos/sin
+// [rot] of its position p), then k and v written at row p of kc/vc ([max_len, nkv, hd]).
+__attribute__((noinline)) void rope_kv_write(float* qkv, const float* cos, const float* sin, float* kc, float* vc,
+                                             int p, int nh, int nkv, int hd, int rot) {
     const int half = rot / 2;
     for (int hh = 0; hh < nh + nkv; ++hh) {
         float* v = qkv + (size_t)hh * hd;
@@ -659,36 +766,56 @@ void attn_decode(float* qkv, const float* cos, const float* sin, float* kc, floa
     const size_t row = (size_t)nkv * hd;
     std::memcpy(kc + (size_t)p * row, qkv + (size_t)nh * hd, sizeof(float) * row);
     std::memcpy(vc + (size_t)p * row, qkv + (size_t)(nh + nkv) * hd, sizeof(float) * row);
+}
+
+// One query head q [hd] over cache rows lo..lo+n-1 of its kv head (k, v: that head's row lo, rows `row` floats
+// apart) → out [hd]; s: scratch of n floats.
+__attribute__((noinline)) void attend_head(const float* q, const float* k0, const float* v0, size_t row, int n,
+                                           int hd, float scale, float* s, float* out) {
+    float mx = -INFINITY;
+    for (int j = 0; j < n; ++j) {
+        const float* k = k0 + (size_t)j * row;
+        float d = 0.f;
+#pragma omp simd reduction(+ : d)
+        for (int i = 0; i < hd; ++i) d += q[i] * k[i];
+        s[j] = d * scale;
+        mx = s[j] > mx ? s[j] : mx;
+    }
+    float sum = 0.f;
+    for (int j = 0; j < n; ++j) {
+        s[j] = std::exp(s[j] - mx);
+        sum += s[j];
+    }
+    float acc[512] = {0};
+    for (int j = 0; j < n; ++j) {
+        const float* vv = v0 + (size_t)j * row;
+        const float w = s[j];
+#pragma omp simd
+        for (int i = 0; i < hd; ++i) acc[i] += w * vv[i];
+    }
+    for (int i = 0; i < hd; ++i) out[i] = acc[i] / sum;
+}
+
+}  // namespace
+
+extern "C" {
+
+// One token of one sequence through attention over its KV cache rows: q|k|v [nh·hd | nkv·hd | nkv·hd] get
+// rotary (the leading `rot` channels of each q and k head, rotate-half form; cos/sin [rot] of position p),
+// k and v are written at row p of kc/vc ([max_len, nkv, hd] each), and each query head attends over rows
+// lo..p (lo = p - window + 1 with a sliding window, else 0) of its kv head (GQA: nh / nkv heads share one)
+// → o [nh·hd]. scores: scratch of nh·(p+1) floats.
+void attn_decode(float* qkv, const float* cos, const float* sin, float* kc, float* vc, int p, int window, int nh,
+                 int nkv, int hd, int rot, float scale, float* scores, float* o, int threads) {
+    rope_kv_write(qkv, cos, sin, kc, vc, p, nh, nkv, hd, rot);
+    const size_t row = (size_t)nkv * hd;
     const int lo = window > 0 && p + 1 > window ? p + 1 - window : 0;
     const int n = p + 1 - lo, group = nh / nkv;
 #pragma omp parallel for num_threads(threads) schedule(static) if (n * nh >= 4096)
     for (int hh = 0; hh < nh; ++hh) {
-        const float* q = qkv + (size_t)hh * hd;
-        const int kv = hh / group;
-        float* s = scores + (size_t)hh * n;
-        float mx = -INFINITY;
-        for (int j = 0; j < n; ++j) {
-            const float* k = kc + (size_t)(lo + j) * row + (size_t)kv * hd;
-            float d = 0.f;
-#pragma omp simd reduction(+ : d)
-            for (int i = 0; i < hd; ++i) d += q[i] * k[i];
-            s[j] = d * scale;
-            mx = s[j] > mx ? s[j] : mx;
-        }
-        float sum = 0.f;
-        for (int j = 0; j < n; ++j) {
-            s[j] = std::exp(s[j] - mx);
-            sum += s[j];
-        }
-        float acc[512] = {0};
-        for (int j = 0; j < n; ++j) {
-            const float* vv = vc + (size_t)(lo + j) * row + (size_t)kv * hd;
-            const float w = s[j];
-#pragma omp simd
-            for (int i = 0; i < hd; ++i) acc[i] += w * vv[i];
-        }
-        float* out = o + (size_t)hh * hd;
-        for (int i = 0; i < hd; ++i) out[i] = acc[i] / sum;
+        const size_t kv = (size_t)(hh / group) * hd;
+        attend_head(qkv + (size_t)hh * hd, kc + lo * row + kv, vc + lo * row + kv, row, n, hd, scale,
+                    scores + (size_t)hh * n, o + (size_t)hh * hd);
     }
 }
 
@@ -703,6 +830,111 @@ void attn_block(float* x, const float* h, int H, const uint8_t* qkv_p, const uin
     int4_gemv(o_buf, nh * hd, o_p, o_sz, H, g, r, threads);
     add_rms_norm(x, r, post_w, eps, H, h_out);
 }
+
+// ================================================================ exact prefill rows (issue 32)
+// Many tokens of one sequence, each row computed by the very code a one-token decode step runs on it (the same
+// tile kernels, rotary, attention and norm, in the same operation order), so a position's keys, values and logits
+// have the same bits whether it came from a whole prefill, a chunk of another length, or a decode step: a prefix
+// the prefix cache reuses is what a fresh prefill would compute. Only the loops around the rows are new: a weight
+// tile is read once for all rows, and the attention's (row, head) pairs share the threads.
+
+void router_topk(const float* x, int H, const float* gate, int E, int k, int renorm, int64_t* ids, float* w);
+
+// T tokens at positions start..start+T-1 of one sequence (qkv [T, (nh + 2·nkv)·hd], cos/sin [T, rot]): each row's
+// rotary and KV write as attn_decode's, in order, then every (row, head) attends over its rows lo..p as
+// attn_decode's heads do → o [T, nh·hd].
+void attn_rows(float* qkv, const float* cos, const float* sin, float* kc, float* vc, int start, int T, int window,
+               int nh, int nkv, int hd, int rot, float scale, float* o, int threads) {
+    const size_t nqkv = (size_t)(nh + 2 * nkv) * hd, row = (size_t)nkv * hd;
+    for (int t = 0; t < T; ++t)
+        rope_kv_write(qkv + t * nqkv, cos + (size_t)t * rot, sin + (size_t)t * rot, kc, vc, start + t, nh, nkv, hd, rot);
+    const int group = nh / nkv;
+#pragma omp parallel num_threads(threads)
+    {
+        float* s = new float[(size_t)start + T];
+#pragma omp for schedule(dynamic, 8)        // later rows attend over more keys
+        for (int i = 0; i < T * nh; ++i) {
+            const int t = i / nh, hh = i % nh, p = start + t;
+            const int lo = window > 0 && p + 1 > window ? p + 1 - window : 0;
+            const size_t kv = (size_t)(hh / group) * hd;
+            attend_head(qkv + t * nqkv + (size_t)hh * hd, kc + lo * row + kv, vc + lo * row + kv, row, p + 1 - lo, hd,
+                        scale, s, o + (size_t)t * nh * hd + (size_t)hh * hd);
+        }
+        delete[] s;
+    }
+}
+
+// x [T, H] += r (r may be null), then h [T, H] = rms_norm(x)·w, each row by add_rms_norm.
+void add_rms_norm_rows(float* x, const float* r, const float* w, float eps, int H, int T, float* h) {
+    for (int t = 0; t < T; ++t)
+        add_rms_norm(x + (size_t)t * H, r ? r + (size_t)t * H : nullptr, w, eps, H, h + (size_t)t * H);
+}
+
+// attn_block on T tokens at positions start..: each row as attn_block computes it → x [T, H] updated, h_out [T, H].
+void attn_block_rows(float* x, const float* h, int T, int H, const uint8_t* qkv_p, const uint16_t* qkv_sz, int nqkv,
+                     const uint8_t* o_p, const uint16_t* o_sz, int g, const float* cos, const float* sin, float* kc,
+                     float* vc, int start, int window, int nh, int nkv, int hd, int rot, float scale,
+                     const float* post_w, float eps, float* h_out, int threads) {
+    float* qkv = new float[(size_t)T * nqkv];
+    float* o = new float[(size_t)T * nh * hd];
+    float* r = new float[(size_t)T * H];
+    int4_gemv_rows(h, T, H, qkv_p, qkv_sz, nqkv, g, qkv, threads);
+    attn_rows(qkv, cos, sin, kc, vc, start, T, window, nh, nkv, hd, rot, scale, o, threads);
+    int4_gemv_rows(o, T, nh * hd, o_p, o_sz, H, g, r, threads);
+    add_rms_norm_rows(x, r, post_w, eps, H, T, h_out);
+    delete[] qkv;
+    delete[] o;
+    delete[] r;
+}
+
+// router_topk on each of T rows of x [T, H] → ids [T, k], w [T, k].
+void router_topk_rows(const float* x, int T, int H, const float* gate, int E, int k, int renorm, int64_t* ids,
+                      float* w) {
+    for (int t = 0; t < T; ++t)
+        router_topk(x + (size_t)t * H, H, gate, E, k, renorm, ids + (size_t)t * k, w + (size_t)t * k);
+}
+
+// int4_ffn on each of M rows of x [M, H] (one expert's tokens) → y [M, H], with int4_ffn's swiglu (and limit).
+void int4_ffn_rows(const float* x, int M, int H, int I, const uint8_t* gu_packed, const uint16_t* gu_sz,
+                   const uint8_t* d_packed, const uint16_t* d_sz, int g, float* y, int threads, float limit) {
+    float* gu = new float[(size_t)M * 2 * I];
+    float* h = new float[(size_t)M * I];
+    int4_gemv_rows(x, M, H, gu_packed, gu_sz, 2 * I, g, gu, threads);
+    for (int m = 0; m < M; ++m) {
+        const float* gum = gu + (size_t)m * 2 * I;
+        swiglu(gum, gum + I, I, limit, h + (size_t)m * I);
+    }
+    int4_gemv_rows(h, M, I, d_packed, d_sz, H, g, y, threads);
+    delete[] gu;
+    delete[] h;
+}
+
+// moe_tail's sum and norm on T rows: y [T, k, H] the picked experts' outputs (row t, pick j), ids/w [T, k] → per
+// row, in ascending expert order, out = y·w (+ y'·w' ...), then add_rms_norm(x, out, next_w) into h_out [T, H].
+void moe_sum_rows(const float* y, int T, int k, const int64_t* ids, const float* w, int H, float* x,
+                  const float* next_w, float eps, float* h_out) {
+    float* out = new float[H];
+    for (int t = 0; t < T; ++t) {
+        const int64_t* id = ids + (size_t)t * k;
+        bool done[64] = {};
+        for (int n = 0; n < k; ++n) {
+            int j = -1;
+            for (int u = 0; u < k; ++u)
+                if (!done[u] && (j < 0 || id[u] < id[j])) j = u;
+            done[j] = true;
+            const float* yj = y + ((size_t)t * k + j) * H;
+            const float wj = w[(size_t)t * k + j];
+            if (n == 0)
+                for (int i = 0; i < H; ++i) out[i] = yj[i] * wj;
+            else
+                for (int i = 0; i < H; ++i) out[i] = out[i] + yj[i] * wj;
+        }
+        add_rms_norm(x + (size_t)t * H, out, next_w, eps, H, h_out + (size_t)t * H);
+    }
+    delete[] out;
+}
+
+// ================================================================ end of exact prefill rows
 
 // Softmax routing of one token: logits = gate [E, H] · x, softmax in fp32, the k most probable experts (ties:
 // the lower index), their probabilities renormalised to sum 1 when `renorm` → ids [k] (int64), w [k].
@@ -740,20 +972,31 @@ void router_topk(const float* x, int H, const float* gate, int E, int k, int ren
 }
 
 // y [N] = Σ_b d[n, b] · Σ_{i<32} q[n, 32b + i] · x[32b + i]; q int8 [N, K], d fp32 [N, K/32], K % 32 == 0.
+void q8_gemv_rows(const float* x, int M, int K, const int8_t* q, const float* d, int N, float* y, int threads);
+
 void q8_gemv(const float* x, int K, const int8_t* q, const float* d, int N, float* y, int threads) {
+    q8_gemv_rows(x, 1, K, q, d, N, y, threads);
+}
+
+// y [M, N] = x [M, K] · Wᵀ row by row, W = q int8 [N, K] · d fp32 [N, K/32] per 32 inputs: each row of x computed
+// exactly as a one-row q8_gemv computes it (the rows loop inside a chunk of weight rows, so the chunk is read once).
+void q8_gemv_rows(const float* x, int M, int K, const int8_t* q, const float* d, int N, float* y, int threads) {
     const int blocks = K / 32;
     const int chunk = 16;      // rows per scheduling unit
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int c = 0; c < (N + chunk - 1) / chunk; ++c) {
-        int n = c * chunk;
         const int end = N < (c + 1) * chunk ? N : (c + 1) * chunk;
+        for (int m = 0; m < M; ++m) {       // the rows of x, each as a one-row call computes it
+        const float* xm = x + (size_t)m * K;
+        float* ym = y + (size_t)m * N;
+        int n = c * chunk;
 #if defined(__AVX512F__)
         for (; n + 4 <= end; n += 4) {        // four rows at once: four independent accumulations
             const int8_t* row = q + (size_t)n * K;
             for (int l = 0; l < 4 * K; l += 64) _mm_prefetch((const char*)row + PREFETCH + l, _MM_HINT_T0);
             __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
             for (int b = 0; b < blocks; ++b) {
-                const __m512 x0 = _mm512_loadu_ps(x + 32 * b), x1 = _mm512_loadu_ps(x + 32 * b + 16);
+                const __m512 x0 = _mm512_loadu_ps(xm + 32 * b), x1 = _mm512_loadu_ps(xm + 32 * b + 16);
                 for (int r = 0; r < 4; ++r) {
                     const int8_t* qb = row + (size_t)r * K + 32 * b;
                     __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)qb))), x0);
@@ -761,7 +1004,7 @@ void q8_gemv(const float* x, int K, const int8_t* q, const float* d, int N, floa
                     acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(d[(size_t)(n + r) * blocks + b]), t, acc[r]);
                 }
             }
-            for (int r = 0; r < 4; ++r) y[n + r] = _mm512_reduce_add_ps(acc[r]);
+            for (int r = 0; r < 4; ++r) ym[n + r] = _mm512_reduce_add_ps(acc[r]);
         }
 #endif
         for (; n < end; ++n) {
@@ -772,11 +1015,11 @@ void q8_gemv(const float* x, int K, const int8_t* q, const float* d, int N, floa
             for (int b = 0; b < blocks; ++b) {
                 __m128i q0 = _mm_loadu_si128((const __m128i*)(row + 32 * b));
                 __m128i q1 = _mm_loadu_si128((const __m128i*)(row + 32 * b + 16));
-                __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q0)), _mm512_loadu_ps(x + 32 * b));
-                t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q1)), _mm512_loadu_ps(x + 32 * b + 16), t);
+                __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q0)), _mm512_loadu_ps(xm + 32 * b));
+                t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q1)), _mm512_loadu_ps(xm + 32 * b + 16), t);
                 acc = _mm512_fmadd_ps(_mm512_set1_ps(dr[b]), t, acc);
             }
-            y[n] = _mm512_reduce_add_ps(acc);
+            ym[n] = _mm512_reduce_add_ps(acc);
 #elif defined(__AVX2__) && defined(__FMA__)
             if (!(n & 3)) for (int l = 0; l < 4 * K; l += 64) _mm_prefetch((const char*)row + PREFETCH + l, _MM_HINT_T0);
             __m256 acc = _mm256_setzero_ps();
@@ -784,23 +1027,24 @@ void q8_gemv(const float* x, int K, const int8_t* q, const float* d, int N, floa
                 __m256 t = _mm256_setzero_ps();
                 for (int j = 0; j < 4; ++j) {
                     __m128i qj = _mm_loadl_epi64((const __m128i*)(row + 32 * b + 8 * j));
-                    t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(qj)), _mm256_loadu_ps(x + 32 * b + 8 * j), t);
+                    t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(qj)), _mm256_loadu_ps(xm + 32 * b + 8 * j), t);
                 }
                 acc = _mm256_fmadd_ps(_mm256_set1_ps(dr[b]), t, acc);
             }
             __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
             s = _mm_add_ps(s, _mm_movehl_ps(s, s));
             s = _mm_add_ss(s, _mm_movehdup_ps(s));
-            y[n] = _mm_cvtss_f32(s);
+            ym[n] = _mm_cvtss_f32(s);
 #else
             float acc = 0.f;
             for (int b = 0; b < blocks; ++b) {
                 float t = 0.f;
-                for (int i = 0; i < 32; ++i) t += float(row[32 * b + i]) * x[32 * b + i];
+                for (int i = 0; i < 32; ++i) t += float(row[32 * b + i]) * xm[32 * b + i];
                 acc += dr[b] * t;
             }
-            y[n] = acc;
+            ym[n] = acc;
 #endif
+        }
         }
     }
 }

@@ -237,13 +237,22 @@ class Attention(nn.Module):
         """The attention half of a native decode step (s.native): x += attention(h) in place → rms_norm(x)·post_norm."""
         if not self.block_fits or not native.int4_ok():
             return native.add_rms_norm(x, self.forward(h, s), post_norm, self.cfg.rms_eps)
+        return self.native_attn_block()(x, h, s.slots[0], s.start, s.cos, s.sin, s.scores, post_norm)
+
+    def native_attn_block(self) -> native.AttnBlock:
         if self.block is None:
             cfg = self.cfg
             self.block = native.AttnBlock(self.qkv, self.o, self.kv.k[self.layer], self.kv.v[self.layer],
                                           window=cfg.sliding_window or 0, num_heads=cfg.num_heads,
                                           num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, scale=self.scale,
                                           eps=cfg.rms_eps)
-        return self.block(x, h, s.slots[0], s.start, s.cos, s.sin, s.scores, post_norm)
+        return self.block
+
+    def native_rows(self, x: torch.Tensor, h: torch.Tensor, slot: int, start: int, cos: torch.Tensor,
+                    sin: torch.Tensor, post_norm: torch.Tensor) -> torch.Tensor:
+        """native_block on T tokens of one sequence at positions start.. (x, h [T, H]; cos/sin [T, rot]), each row
+        as the one-token call computes it (MoEModel's exact prefill; block_fits only)."""
+        return native.attn_block_rows(self.native_attn_block(), x, h, slot, start, cos, sin, post_norm)
 
     def forward(self, x: torch.Tensor, s: Step) -> torch.Tensor:
         cfg = self.cfg
@@ -329,6 +338,7 @@ class MoEModel(nn.Module):
         # native: the attention's scores, one row per head over the whole cache
         self.scores = torch.empty(cfg.num_heads * kv.max_len) if self.native_decode else None
         self._native_layers: list | None = None      # _run_native's walk, made at its first step
+        self._exact_prefill: bool | None = None      # exact_prefill, decided at the first prefill
         self.embed = w.get("model.embed_tokens.weight")
         self.norm = w.get("model.norm.weight")
         head = w.maybe("lm_head.weight")
@@ -393,15 +403,49 @@ class MoEModel(nn.Module):
     def _run_native(self, x: torch.Tensor, s: Step) -> torch.Tensor:
         """DecoderLayer.forward's function on the native kernels, the layers walked without nn.Module's call
         machinery: x, the step's own residual stream, is updated in place; each h is new."""
-        eps, layers = self.cfg.rms_eps, self.layers
-        h = native.add_rms_norm(x, None, layers[0].input_norm, eps)
-        if self._native_layers is None:
-            norms = [layer.input_norm for layer in layers[1:]] + [self.norm]
-            self._native_layers = [(layer.attn, layer.post_norm, layer.mlp, n) for layer, n in zip(layers, norms)]
-        for attn, post_norm, mlp, next_norm in self._native_layers:
+        eps = self.cfg.rms_eps
+        h = native.add_rms_norm(x, None, self.layers[0].input_norm, eps)
+        for attn, post_norm, mlp, next_norm in self._native_walk():
             h = attn.native_block(x, h, s, post_norm)
             if getattr(mlp, "tail", None) is None or (h_next := mlp.native_step(x, h, next_norm, eps)) is None:
                 h_next = native.add_rms_norm(x, mlp.forward(h.view(1, -1)), next_norm, eps)
+            h = h_next
+        return h
+
+    @property
+    def exact_prefill(self) -> bool:
+        """Prefill runs the one-token decode step's native kernels row by row (_prefill_rows), so a position's keys,
+        values and logits have the same bits from a whole prefill, a chunk of another length or a decode step: what
+        makes the prefix cache change no output. Where a native decode step is one call per attention half (4-bit
+        attention blocks: AttnBlock) and one per MoE half (MoETail): the demo's quantized path. Elsewhere prefill
+        keeps the torch forms (the same function, other roundings)."""
+        if self._exact_prefill is None:
+            self._exact_prefill = (self.native_decode and native.int4_ok()
+                                   and all(layer.attn.block_fits and getattr(layer.mlp, "tail", None) is not None
+                                           for layer in self.layers))
+        return self._exact_prefill
+
+    def _native_walk(self) -> list:
+        if self._native_layers is None:
+            layers = self.layers
+            norms = [layer.input_norm for layer in layers[1:]] + [self.norm]
+            self._native_layers = [(layer.attn, layer.post_norm, layer.mlp, n) for layer, n in zip(layers, norms)]
+        return self._native_layers
+
+    def _prefill_rows(self, ids: torch.Tensor, slot: int, start: int) -> torch.Tensor:
+        """_run_native's function on T tokens of one sequence (ids [1, T]) at positions start..: every row through
+        the same kernels a decode step runs, the rows of a layer in one call each (exact_prefill) → h [T, H]."""
+        t = ids.shape[1]
+        x = (F.embedding(ids, self.embed) if self.embed is not None else self.head.rows(ids)).view(t, -1).contiguous()
+        eps = self.cfg.rms_eps
+        cos, sin = self.cos[start:start + t], self.sin[start:start + t]
+        h = native.add_rms_norm_rows(x, None, self.layers[0].input_norm, eps)
+        for attn, post_norm, mlp, next_norm in self._native_walk():
+            h = attn.native_rows(x, h, slot, start, cos, sin, post_norm)
+            h_next = mlp.native_rows(x, h, next_norm, eps)
+            if h_next is None:        # the provider computes the experts: each row as a decode step's fallback does
+                h_next = torch.stack([native.add_rms_norm(x[i], mlp.forward(h[i].view(1, -1)), next_norm, eps)
+                                      for i in range(t)])
             h = h_next
         return h
 
@@ -420,6 +464,14 @@ class MoEModel(nn.Module):
         ids = torch.as_tensor(ids, dtype=torch.long, device=self.device).view(1, -1)
         t = ids.shape[1]
         assert t > 0 and start + t <= self.max_len, f"{start}+{t} tokens exceed the KV cache's {self.max_len}"
+        if self.exact_prefill:
+            with native.allow(self.native_kernels):
+                h = self._prefill_rows(ids, slot, start)
+                if not all_logits:
+                    return self.head(h[-1])
+                if isinstance(self.head, Q8Projection):
+                    return self.head(h)                  # its rows kernel: each row as the one-row GEMV
+                return torch.stack([self.head(row) for row in h])     # a float head: each row as decode's one row
         sel, idx = select([slot], self.device)
         kv_len = start + t
         positions = torch.arange(start, kv_len, device=self.device).view(1, t)

@@ -25,6 +25,22 @@ class MixtralBlock(nn.Module):
         addresses = self.provider.host_records(self.layer, experts)
         return None if addresses is None else self.tail(h, addresses, x, next_norm, eps)
 
+    def native_rows(self, x: torch.Tensor, h: torch.Tensor, next_norm: torch.Tensor, eps: float) -> torch.Tensor | None:
+        """native_step on T tokens (x, h [T, H]; MoEModel's exact prefill): each row routed, its experts computed and
+        summed as native_step computes one token, an expert's tokens in one call; None where the provider computes
+        the experts (nothing changed then)."""
+        ids, w = native.router_topk_rows(h, self.gate, self.top_k, True)
+        t, k = ids.shape
+        y = torch.empty(t * k, h.shape[1])
+        flat = ids.view(-1)
+        for e in torch.unique(flat).tolist():          # ascending; each expert's record fetched, then computed
+            picks = (flat == e).nonzero().view(-1)       # t·k + j of each pick of e
+            addresses = self.provider.host_records(self.layer, [e])
+            if addresses is None:
+                return None
+            y[picks] = native.int4_ffn_rows(h[picks // k], addresses[0], self.tail)
+        return native.moe_sum_rows(y.view(t, k, -1), ids, w, x, next_norm, eps)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.native and x.shape[0] == 1 and x.dtype == torch.float32:    # one token: routed in one native call
             ids, weights = native.router_topk(x.reshape(-1).contiguous(), self.gate, self.top_k, True)
