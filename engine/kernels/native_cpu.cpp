@@ -830,7 +830,7 @@ void ggml_ffn(const float* x, int H, int I, const uint8_t* gate, int gt, const u
 //     give the same bits.
 //   The sum over picks is out = y·w, then out + y'·w' ... per token (moe_forward's one-token sum, moe_tail's),
 //   computed after every pick is done: which thread computed which part never changes a bit.
-//   Work: (pick, 64-row chunk) items of gate|up over the team, then each pick's silu, then (pick, chunk) items of
+//   Work: (pick, row chunk) items of gate|up over the team, then each pick's silu, then (pick, chunk) items of
 //   down, then the sum over H-column chunks; a layer's experts and each expert's rows are split alike, so one
 //   pick or 32 keep every thread busy.
 //   Refuses (returns 1) what it was not written for: no SwiGLU limit (a layout with one stays on the Python path),
@@ -845,7 +845,8 @@ void ggml_ffn(const float* x, int H, int I, const uint8_t* gate, int gt, const u
 
 namespace {
 
-constexpr int LANE_ROWS = 64;        // output rows of one work item (an int4pack tile in the cols order)
+constexpr int LANE_ROWS = 64;        // output rows of one cols work item (an int4pack tile)
+constexpr int LANE_ROWS_ROWS = 16;   // output rows of one rows work item: one pick's rows still spread over 16 threads
 
 // Pin the calling OpenMP thread to cpus[tid % n] once (a team thread stays pinned across calls).
 inline void lane_pin(const int* cpus, int ncpus) {
@@ -963,14 +964,15 @@ struct LaneInput {
     }
 };
 
-// Output rows [64·c, 64·c + 64) ∩ [0, N) of one matrix (its codes and scales at `codes`, `sz`) on a prepared input.
+// Output rows [r·c, r·c + r) ∩ [0, N) (r: 64 cols, 16 rows) of one matrix (its codes and scales at `codes`, `sz`) on a prepared input.
 void lane_chunk(const LaneInput& in, int K, int N, int g, int order, const uint8_t* codes, const uint16_t* sz,
                 int c, float* y) {
-    const int r0 = c * LANE_ROWS, r1 = r0 + LANE_ROWS < N ? r0 + LANE_ROWS : N;
     if (order == 0) {
+        const int r0 = c * LANE_ROWS_ROWS, r1 = r0 + LANE_ROWS_ROWS < N ? r0 + LANE_ROWS_ROWS : N;
         lane_rows(in.xd.data(), in.xs.data(), K, codes, sz, r0, r1, y);
         return;
     }
+    const int r0 = c * LANE_ROWS, r1 = r0 + LANE_ROWS < N ? r0 + LANE_ROWS : N;
 #if defined(__AVX512BF16__)
     if (g == 32) {
         int4_tile_bf16(in.xp.data(), in.xs.data(), K, codes + (size_t)c * K * 32, sz, N, r0, y + r0);
@@ -1011,9 +1013,10 @@ int lane_int4_moe(const float* x, int T, int H, int I, int g, int order, const i
     for (int p = 0; p < n; ++p)
         if (tok[p] < 0 || tok[p] >= T) return 1;
     if (threads < 1) threads = 1;
-    const int gu_chunks = order == 1 ? 2 * I / LANE_ROWS : 2 * ((I + LANE_ROWS - 1) / LANE_ROWS);
-    const int half = (I + LANE_ROWS - 1) / LANE_ROWS;      // rows: gate chunks, then up chunks
-    const int d_chunks = (H + LANE_ROWS - 1) / LANE_ROWS;
+    const int rows = order == 1 ? LANE_ROWS : LANE_ROWS_ROWS;
+    const int half = (I + rows - 1) / rows;                // rows: gate chunks, then up chunks
+    const int gu_chunks = order == 1 ? 2 * I / LANE_ROWS : 2 * half;
+    const int d_chunks = (H + rows - 1) / rows;
     std::vector<LaneInput> xin(T), hin(n);
     std::vector<float> gu((size_t)n * 2 * I), ys((size_t)n * H);
     const int col_chunks = (H + 255) / 256;
