@@ -11,7 +11,8 @@ import time
 import pytest
 import torch
 
-os.environ.setdefault("TRITON_INTERPRET", "1")       # the slot side of the provider test: the GPU kernels, interpreted
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")   # the slot side of the provider test: the GPU kernels, interpreted
 
 from engine.kernels import lane, native  # noqa: E402
 from engine.kernels.quant_cpu import quant_ffn_reference  # noqa: E402
@@ -137,17 +138,19 @@ def int4_store(tiny_checkpoint, tmp_path_factory):
     return ck, store
 
 
-def _provider(store, mode, rates, cpus):
+def _provider(store, mode, rates, cpus, device="cpu"):
     from engine.store import manifest as mf
     from engine.tiers.tiered import TieredExperts
-    return TieredExperts(mf.load(store), store, device="cpu", gpu_slots=6, ram_slots=9, readers=2, cpu_experts=mode,
+    return TieredExperts(mf.load(store), store, device=device, gpu_slots=6, ram_slots=9, readers=2, cpu_experts=mode,
                          lane_rates=rates, lane_cpus=set(cpus))
 
 
-def test_the_tiered_lane_computes_a_layer_in_one_kernel_call(int4_store, monkeypatch):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device"))])
+def test_the_tiered_lane_computes_a_layer_in_one_kernel_call(int4_store, monkeypatch, device):
     """The tiered provider's CPU lane on int4 records: a decode layer's CPU picks go to lane.moe in ONE call on the
     lane's pinned team (a spy on the real function counts them), the CPU rate is measured with it, and the layer's
-    output is the slot side's within a bf16 rounding."""
+    output is the slot side's within a bf16 rounding (cuda: the GPU's int4 kernels; cpu: the same, interpreted)."""
     ck, store = int4_store
     calls = []
     real = lane.moe
@@ -156,12 +159,12 @@ def test_the_tiered_lane_computes_a_layer_in_one_kernel_call(int4_store, monkeyp
     ys = {}
     with torch.inference_mode():
         for mode, rates in (("off", None), ("on", "pcie=10,disk=5")):
-            prov = _provider(store, mode, rates, cpus)
+            prov = _provider(store, mode, rates, cpus, device)
             try:
                 layer = prov.manifest.moe_layers[1]
-                x = torch.randn(1, prov.layout.hidden, generator=torch.Generator().manual_seed(5))
-                ids, w = torch.tensor([[2, 5, 9, 13]]), torch.tensor([[0.4, 0.3, 0.2, 0.1]])
-                ys[mode] = prov.forward(layer, x, ids, w)
+                x = torch.randn(1, prov.layout.hidden, generator=torch.Generator().manual_seed(5)).to(device)
+                ids, w = torch.tensor([[2, 5, 9, 13]], device=device), torch.tensor([[0.4, 0.3, 0.2, 0.1]], device=device)
+                ys[mode] = prov.forward(layer, x, ids, w).cpu()
                 c = prov.counters()
                 if mode == "on":
                     assert prov.lane.team.threads == len(cpus) and prov.lane.team.cpus == cpus
