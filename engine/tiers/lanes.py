@@ -3,9 +3,10 @@
 A pick (one token's choice of one expert) is computed on one of two lanes:
   gpu  — from a GPU slot (the slot kernels); an expert not in a slot first crosses
   pcie — a copy RAM tier -> GPU slot (engine.tiers.gpu, a side stream);
-  cpu  — straight from its RAM-tier slot on the CPU lane's thread (engine.tiers.waves.moe_forward: the CPU
-         kernels of engine.kernels.cpu / quant_cpu), while the GPU computes the slot experts; the CPU
-         partial sum is copied to the device and added to the GPU's.
+  cpu  — straight from its RAM-tier slot on the CPU lane's thread, while the GPU computes the slot experts:
+         4-bit records (rows or cols) in one native call a layer on the lane's pinned team, the GIL released
+         (engine.kernels.lane); others by engine.tiers.waves.moe_forward (engine.kernels.cpu / quant_cpu). The
+         CPU partial sum is copied to the device and added to the GPU's.
 and an expert in neither tier first crosses
   disk — an O_DIRECT read store -> RAM tier (engine.tiers.readers).
 The lanes run concurrently, so a layer takes about max(t_gpu, B_pcie/BW_pcie, B_disk/BW_disk, B_cpu/BW_cpu):
