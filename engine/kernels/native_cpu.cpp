@@ -1069,3 +1069,307 @@ void ggml_ffn(const float* x, int H, int I, const uint8_t* gate, int gt, const u
 }
 
 }  // extern "C"
+
+// ============================================================================================ CPU EXPERT LANE BEGIN
+// The CPU expert lane's kernels (engine.kernels.lane): one call computes all of a MoE layer's CPU-lane picks for
+// the step's tokens on a team of `threads` OpenMP threads, each pinned to one of the lane's CPUs, and the
+// caller (ctypes.CDLL) releases the GIL for it.
+//
+// lane_int4_moe: out [T, H] = Σ over picks p (in the order given) of w[p]·FFN(record p, x[tok[p]]); a token no
+//   pick names gets zeros. FFN is the int4 kernel's function (int4_ffn's): x rounded to bf16, fp32 accumulation per
+//   group s·Σq·x + (z - 8s)·Σx, the GEMV outputs rounded to bf16, h = silu(gate)·up as int4_ffn forms it.
+//   order 1 (cols: gate|up and down as torch's int4pack operands, QuantLayout.cpu_int4): the tiles int4_gemv
+//     computes (int4_tile / int4_tile_bf16), so every pick is bitwise int4_ffn's.
+//   order 0 (rows: the GPU kernels' int4 form, codes [out][in/2] byte j = q[2j] | q[2j+1] << 4, (s, z) bf16
+//     [out][in/32][2]; what a CUDA machine's RAM tier holds): the same function, each row's Σq·x over 16 lanes
+//     (lane j: inputs 2j and 2j+1 of each group) summed in a fixed tree, so AVX-512, AVX2 and the scalar form
+//     give the same bits.
+//   The sum over picks is out = y·w, then out + y'·w' ... per token (moe_forward's one-token sum, moe_tail's),
+//   computed after every pick is done: which thread computed which part never changes a bit.
+//   Work: (pick, row chunk) items of gate|up over the team, then each pick's silu, then (pick, chunk) items of
+//   down, then the sum over H-column chunks; a layer's experts and each expert's rows are split alike, so one
+//   pick or 32 keep every thread busy.
+//   Refuses (returns 1) what it was not written for: no SwiGLU limit (a layout with one stays on the Python path),
+//   group 32, rows multiple of 64 for cols.
+// lane_read: the host's DRAM read rate the lane is set beside: `threads` pinned threads stream disjoint parts of a
+//   buffer (64-byte loads summed into a checksum, so the reads stay).
+// lane_isa: the kernels built here: 3 AVX-512 + BF16 dot products, 2 AVX-512F, 1 AVX2 + FMA, 0 scalar.
+#include <omp.h>
+#include <pthread.h>
+#include <sched.h>
+#include <vector>
+
+namespace {
+
+constexpr int LANE_ROWS = 64;        // output rows of one cols work item (an int4pack tile)
+constexpr int LANE_ROWS_ROWS = 16;   // output rows of one rows work item: one pick's rows still spread over 16 threads
+
+// Pin the calling OpenMP thread to cpus[tid % n] once (a team thread stays pinned across calls).
+inline void lane_pin(const int* cpus, int ncpus) {
+    if (ncpus <= 0) return;
+    static thread_local int pinned = -1;
+    const int cpu = cpus[omp_get_thread_num() % ncpus];
+    if (pinned == cpu) return;
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    CPU_SET(cpu, &set);
+    if (pthread_setaffinity_np(pthread_self(), sizeof set, &set) == 0) pinned = cpu;
+}
+
+inline float lane_tree16(float* a) {            // a fixed summation tree over 16 lanes
+    for (int h = 8; h >= 1; h /= 2)
+        for (int j = 0; j < h; ++j) a[j] = a[j] + a[j + h];
+    return a[0];
+}
+
+// Rows r0..r1 of a rows-form int4 matrix [N, K] (group 32) on one prepared input: xd per group the 16 even then the
+// 16 odd inputs (bf16-rounded), xs per group Σx in input order → y[r] rounded to bf16.
+void lane_rows(const float* xd, const float* xs, int K, const uint8_t* codes, const uint16_t* sz, int r0, int r1,
+               float* y) {
+    const int groups = K / 32;
+    for (int r = r0; r < r1; ++r) {
+        const uint8_t* q = codes + (size_t)r * (K / 2);
+        const uint16_t* p = sz + (size_t)r * groups * 2;
+        float c = 0.f;
+        alignas(64) float a[16];
+#if defined(__AVX512F__)
+        __m512 acc = _mm512_setzero_ps();
+        const __m512i low = _mm512_set1_epi32(15);
+        for (int gi = 0; gi < groups; ++gi) {
+            if (!(gi & 3)) _mm_prefetch((const char*)(q + 16 * gi) + PREFETCH, _MM_HINT_T0);
+            const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(q + 16 * gi)));
+            const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(v, low));
+            const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+            __m512 t = _mm512_mul_ps(lo, _mm512_loadu_ps(xd + 32 * gi));
+            t = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xd + 32 * gi + 16), t);
+            const float s = bf16_to_float(p[2 * gi]), z = bf16_to_float(p[2 * gi + 1]);
+            acc = _mm512_fmadd_ps(t, _mm512_set1_ps(s), acc);
+            c = std::fma(std::fma(-8.0f, s, z), xs[gi], c);
+        }
+        _mm512_store_ps(a, acc);
+#elif defined(__AVX2__) && defined(__FMA__)
+        __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+        const __m256i low = _mm256_set1_epi32(15);
+        for (int gi = 0; gi < groups; ++gi) {
+            if (!(gi & 3)) _mm_prefetch((const char*)(q + 16 * gi) + PREFETCH, _MM_HINT_T0);
+            const __m256i v0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(q + 16 * gi)));
+            const __m256i v1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(q + 16 * gi + 8)));
+            const float* xe = xd + 32 * gi;
+            __m256 t0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v0, low)), _mm256_loadu_ps(xe));
+            __m256 t1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v1, low)), _mm256_loadu_ps(xe + 8));
+            t0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v0, 4)), _mm256_loadu_ps(xe + 16), t0);
+            t1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v1, 4)), _mm256_loadu_ps(xe + 24), t1);
+            const float s = bf16_to_float(p[2 * gi]), z = bf16_to_float(p[2 * gi + 1]);
+            acc0 = _mm256_fmadd_ps(t0, _mm256_set1_ps(s), acc0);
+            acc1 = _mm256_fmadd_ps(t1, _mm256_set1_ps(s), acc1);
+            c = std::fma(std::fma(-8.0f, s, z), xs[gi], c);
+        }
+        _mm256_store_ps(a, acc0);
+        _mm256_store_ps(a + 8, acc1);
+#else
+        for (int j = 0; j < 16; ++j) a[j] = 0.f;
+        for (int gi = 0; gi < groups; ++gi) {
+            const float s = bf16_to_float(p[2 * gi]), z = bf16_to_float(p[2 * gi + 1]);
+            for (int j = 0; j < 16; ++j) {
+                const uint8_t b = q[16 * gi + j];
+                float t = float(b & 15) * xd[32 * gi + j];
+                t = std::fma(float(b >> 4), xd[32 * gi + 16 + j], t);
+                a[j] = std::fma(t, s, a[j]);
+            }
+            c = std::fma(std::fma(-8.0f, s, z), xs[gi], c);
+        }
+#endif
+        y[r] = bf16_round(lane_tree16(a) + c);
+    }
+}
+
+// One input prepared for the GEMVs of either order: bf16-rounded (xr), its group sums, and per order the form the
+// tiles read (cols + BF16: bf16 pairs; rows: each group's even inputs then its odd ones).
+struct LaneInput {
+    std::vector<float> xr, xs, xd;
+    std::vector<uint32_t> xp;
+    void prepare(const float* x, int K, int g, int order) {
+        xr.resize(K);
+        xs.resize(K / g);
+        for (int k = 0; k < K; ++k) xr[k] = bf16_round(x[k]);
+        for (int gi = 0; gi < K / g; ++gi) {             // int4_gemv's sums, in input order
+            float s = 0.f;
+            for (int k = gi * g; k < (gi + 1) * g; ++k) s += xr[k];
+            xs[gi] = s;
+        }
+        if (order == 0) {
+            xd.resize(K);
+            for (int gi = 0; gi < K / 32; ++gi)
+                for (int j = 0; j < 16; ++j) {
+                    xd[32 * gi + j] = xr[32 * gi + 2 * j];
+                    xd[32 * gi + 16 + j] = xr[32 * gi + 2 * j + 1];
+                }
+        }
+#if defined(__AVX512BF16__)
+        if (order == 1 && g == 32) {
+            xp.resize(K / 2);
+            for (int gi = 0; gi < K / 32; ++gi)
+                for (int j = 0; j < 16; ++j) {
+                    uint32_t a, b;
+                    std::memcpy(&a, &xr[32 * gi + j], 4);
+                    std::memcpy(&b, &xr[32 * gi + 16 + j], 4);
+                    xp[16 * gi + j] = (a >> 16) | (b & 0xffff0000u);
+                }
+        }
+#endif
+    }
+};
+
+// Output rows [r·c, r·c + r) ∩ [0, N) (r: 64 cols, 16 rows) of one matrix (its codes and scales at `codes`, `sz`) on a prepared input.
+void lane_chunk(const LaneInput& in, int K, int N, int g, int order, const uint8_t* codes, const uint16_t* sz,
+                int c, float* y) {
+    if (order == 0) {
+        const int r0 = c * LANE_ROWS_ROWS, r1 = r0 + LANE_ROWS_ROWS < N ? r0 + LANE_ROWS_ROWS : N;
+        lane_rows(in.xd.data(), in.xs.data(), K, codes, sz, r0, r1, y);
+        return;
+    }
+    const int r0 = c * LANE_ROWS, r1 = r0 + LANE_ROWS < N ? r0 + LANE_ROWS : N;
+#if defined(__AVX512BF16__)
+    if (g == 32) {
+        int4_tile_bf16(in.xp.data(), in.xs.data(), K, codes + (size_t)c * K * 32, sz, N, r0, y + r0);
+        for (int r = r0; r < r1; ++r) y[r] = bf16_round(y[r]);
+        return;
+    }
+#endif
+    int4_tile(in.xr.data(), in.xs.data(), K, g, codes + (size_t)c * K * 32, sz, N, r0, y + r0);
+    for (int r = r0; r < r1; ++r) y[r] = bf16_round(y[r]);
+}
+
+}  // namespace
+
+extern "C" {
+
+int lane_isa() {
+#if defined(__AVX512BF16__)
+    return 3;
+#elif defined(__AVX512F__)
+    return 2;
+#elif defined(__AVX2__) && defined(__FMA__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+// x fp32 [T, H]; n picks: token tok[p], record address recs[p], weight w[p]; off: rows (order 0) gate codes, gate
+// (s, z), up codes, up (s, z), down codes, down (s, z) byte offsets in a record; cols (order 1) gate|up codes, their
+// (s, z), down codes, their (s, z). out fp32 [T, H]. cpus[0..ncpus): the CPUs team thread i is pinned to (cpus[i %
+// ncpus]); ncpus 0: unpinned. → 0, or 1 where the shapes are not ones this kernel computes (nothing written).
+int lane_int4_moe(const float* x, int T, int H, int I, int g, int order, const int64_t* off, int n,
+                  const int32_t* tok, const uint64_t* recs, const float* w, float* out, int threads,
+                  const int* cpus, int ncpus) {
+    if (g != 32 || H % 32 || I % 32 || n < 0 || T < 1 || (order == 1 && (H % 64 || (2 * I) % 64)) ||
+        (order != 0 && order != 1))
+        return 1;
+    for (int p = 0; p < n; ++p)
+        if (tok[p] < 0 || tok[p] >= T) return 1;
+    if (threads < 1) threads = 1;
+    const int rows = order == 1 ? LANE_ROWS : LANE_ROWS_ROWS;
+    const int half = (I + rows - 1) / rows;                // rows: gate chunks, then up chunks
+    const int gu_chunks = order == 1 ? 2 * I / LANE_ROWS : 2 * half;
+    const int d_chunks = (H + rows - 1) / rows;
+    std::vector<LaneInput> xin(T), hin(n);
+    std::vector<float> gu((size_t)n * 2 * I), ys((size_t)n * H);
+    const int col_chunks = (H + 255) / 256;
+#pragma omp parallel num_threads(threads)
+    {
+        lane_pin(cpus, ncpus);
+#pragma omp for schedule(dynamic, 1)
+        for (int t = 0; t < T; ++t) xin[t].prepare(x + (size_t)t * H, H, g, order);
+#pragma omp for schedule(dynamic, 1)
+        for (long it = 0; it < (long)n * gu_chunks; ++it) {
+            const int p = it / gu_chunks, c = it % gu_chunks;
+            const uint8_t* rec = reinterpret_cast<const uint8_t*>(recs[p]);
+            float* y = gu.data() + (size_t)p * 2 * I;
+            if (order == 1)
+                lane_chunk(xin[tok[p]], H, 2 * I, g, 1, rec + off[0], reinterpret_cast<const uint16_t*>(rec + off[1]),
+                           c, y);
+            else if (c < half)
+                lane_chunk(xin[tok[p]], H, I, g, 0, rec + off[0], reinterpret_cast<const uint16_t*>(rec + off[1]), c, y);
+            else
+                lane_chunk(xin[tok[p]], H, I, g, 0, rec + off[2], reinterpret_cast<const uint16_t*>(rec + off[3]),
+                           c - half, y + I);
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int p = 0; p < n; ++p) {                      // int4_ffn's silu(gate)·up, then down's input
+            const float* a = gu.data() + (size_t)p * 2 * I;
+            std::vector<float> h(I);
+            for (int i = 0; i < I; ++i) h[i] = (a[i] / (1.0f + std::exp(-a[i]))) * a[I + i];
+            hin[p].prepare(h.data(), I, g, order);
+        }
+        const int64_t d_codes = order == 1 ? off[2] : off[4], d_sz = order == 1 ? off[3] : off[5];
+#pragma omp for schedule(dynamic, 1)
+        for (long it = 0; it < (long)n * d_chunks; ++it) {
+            const int p = it / d_chunks, c = it % d_chunks;
+            const uint8_t* rec = reinterpret_cast<const uint8_t*>(recs[p]);
+            lane_chunk(hin[p], I, H, g, order, rec + d_codes, reinterpret_cast<const uint16_t*>(rec + d_sz), c,
+                       ys.data() + (size_t)p * H);
+        }
+#pragma omp for schedule(static)
+        for (long it = 0; it < (long)T * col_chunks; ++it) {
+            const int t = it / col_chunks, c0 = (it % col_chunks) * 256, c1 = c0 + 256 < H ? c0 + 256 : H;
+            float* o = out + (size_t)t * H;
+            bool first = true;
+            for (int p = 0; p < n; ++p) {
+                if (tok[p] != t) continue;
+                const float* y = ys.data() + (size_t)p * H;
+                const float wp = w[p];
+                if (first)
+                    for (int i = c0; i < c1; ++i) o[i] = y[i] * wp;
+                else
+                    for (int i = c0; i < c1; ++i) o[i] = o[i] + y[i] * wp;
+                first = false;
+            }
+            if (first)
+                for (int i = c0; i < c1; ++i) o[i] = 0.f;
+        }
+    }
+    return 0;
+}
+
+// Stream-read bytes [0, n) of buf on `threads` pinned threads (as lane_int4_moe pins them), each a contiguous part,
+// 64-byte loads summed → the sum (so the reads are not optimised away).
+uint64_t lane_read(const uint8_t* buf, int64_t n, int threads, const int* cpus, int ncpus) {
+    uint64_t total = 0;
+    if (threads < 1) threads = 1;
+#pragma omp parallel num_threads(threads) reduction(+ : total)
+    {
+        lane_pin(cpus, ncpus);
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        int64_t lines = n / 64, a = lines * t / nt * 64, b = lines * (t + 1) / nt * 64;
+#if defined(__AVX512F__)
+        __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+        int64_t i = a;
+        for (; i + 128 <= b; i += 128) {
+            s0 = _mm512_add_epi64(s0, _mm512_loadu_si512((const void*)(buf + i)));
+            s1 = _mm512_add_epi64(s1, _mm512_loadu_si512((const void*)(buf + i + 64)));
+        }
+        for (; i < b; i += 64) s0 = _mm512_add_epi64(s0, _mm512_loadu_si512((const void*)(buf + i)));
+        total += (uint64_t)_mm512_reduce_add_epi64(_mm512_add_epi64(s0, s1));
+#elif defined(__AVX2__)
+        __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+        for (int64_t i = a; i < b; i += 64) {
+            s0 = _mm256_add_epi64(s0, _mm256_loadu_si256((const __m256i*)(buf + i)));
+            s1 = _mm256_add_epi64(s1, _mm256_loadu_si256((const __m256i*)(buf + i + 32)));
+        }
+        alignas(32) uint64_t v[4];
+        _mm256_store_si256((__m256i*)v, _mm256_add_epi64(s0, s1));
+        total += v[0] + v[1] + v[2] + v[3];
+#else
+        for (int64_t i = a; i < b; i += 8) {
+            uint64_t v;
+            std::memcpy(&v, buf + i, 8);
+            total += v;
+        }
+#endif
+    }
+    return total;
+}
+
+}  // extern "C"
+// ============================================================================================== CPU EXPERT LANE END

@@ -3,9 +3,10 @@
 A pick (one token's choice of one expert) is computed on one of two lanes:
   gpu  — from a GPU slot (the slot kernels); an expert not in a slot first crosses
   pcie — a copy RAM tier -> GPU slot (engine.tiers.gpu, a side stream);
-  cpu  — straight from its RAM-tier slot on the CPU lane's thread (engine.tiers.waves.moe_forward: the CPU
-         kernels of engine.kernels.cpu / quant_cpu), while the GPU computes the slot experts; the CPU
-         partial sum is copied to the device and added to the GPU's.
+  cpu  — straight from its RAM-tier slot on the CPU lane's thread, while the GPU computes the slot experts:
+         4-bit records (rows or cols) in one native call a layer on the lane's pinned team, the GIL released
+         (engine.kernels.lane); others by engine.tiers.waves.moe_forward (engine.kernels.cpu / quant_cpu). The
+         CPU partial sum is copied to the device and added to the GPU's.
 and an expert in neither tier first crosses
   disk — an O_DIRECT read store -> RAM tier (engine.tiers.readers).
 The lanes run concurrently, so a layer takes about max(t_gpu, B_pcie/BW_pcie, B_disk/BW_disk, B_cpu/BW_cpu):
@@ -35,6 +36,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.engine_config import CPU_EXPERTS, parse_lane_rates
+from engine.kernels import lane as lane_kernel
 from engine.tiers.waves import group_routes, moe_forward
 
 LANES = ("gpu", "cpu", "pcie", "disk")
@@ -132,13 +134,15 @@ def promotions(cpu: list[Candidate], rates: LaneRates, record_bytes: int, copies
 
 class CpuLane:
     """The CPU expert lane: one job per layer on a thread pinned to the lane CPUs (the recipe's `lane=`
-    entry of --cpu-layout). torch's intra-op threads, which that thread starts, inherit its CPU set, so
-    the job's experts (moe_forward: pairs of one-token experts on two threads, engine.kernels.cpu) run
-    there and not on the readers' or the main thread's CPUs."""
+    entry of --cpu-layout). For 4-bit records the job is ONE native call (engine.kernels.lane.moe: the layer's
+    picks split over `team`, one thread per lane CPU, each pinned to its own; the GIL released meanwhile);
+    for the others moe_forward on torch's intra-op threads, which that thread starts and which inherit its
+    CPU set, so they run there and not on the readers' or the main thread's CPUs."""
 
     def __init__(self, cpus: set[int] | None = None):
         allowed = os.sched_getaffinity(0)
         self.cpus = (cpus & allowed) or None if cpus else None
+        self.team = lane_kernel.Team.for_cpus(self.cpus)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="cpu-lane", initializer=self._pin)
         self._lock = threading.Lock()
 
@@ -157,6 +161,23 @@ class CpuLane:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+
+
+def native_picks(layout, x: torch.Tensor, topk_weights: torch.Tensor, routes, address) -> tuple | None:
+    """The arguments of engine.kernels.lane.moe for `routes` (experts ascending, tokens ascending in each: the
+    order moe_forward sums them in), address(expert) → its record's host address; None where the lane kernel
+    does not take this layout (moe_forward computes it then)."""
+    if not lane_kernel.supports(layout):
+        return None
+    w = topk_weights.float()
+    tokens, records, weights = [], [], []
+    for r in routes:
+        a = address(r.expert)
+        for t, k in zip(r.tokens, r.ks):
+            tokens.append(t)
+            records.append(a)
+            weights.append(float(w[t, k]))
+    return x, tokens, records, weights, layout.quantized
 
 
 def _median_seconds(fn, reps: int) -> float:
@@ -188,9 +209,9 @@ def measure_rates(provider, given: str | None = None, lanes=LANE_NAMES, known: d
       disk — measure_disk (at load, before anything is cached);
       pcie — the median of `reps` copies of a RAM-tier record into a GPU slot (a CUDA device, at load, while
              the slots are still zeros, which they are again after; on the CPU "device" lane a memcpy);
-      cpu  — the median of `reps` one-token expert FFNs from a RAM-tier slot on the CPU lane thread, with
-             the serving torch threads: the provider measures it at its first decode step, not at load,
-             where the loader runs on one thread."""
+      cpu  — measure_cpu: the lane's own kernel on the lane thread (4-bit records: the native call over a decode
+             step's top-k picks on the lane's team; else one-token expert FFNs with the serving torch threads):
+             the provider measures it at its first decode step, not at load, where the loader runs on one thread."""
     out = {k: (v * GB, "config") for k, v in parse_lane_rates(given).items()}
     out.update({k: v for k, v in (known or {}).items() if k not in out})
     todo = [lane for lane in lanes if lane not in out]
@@ -217,15 +238,32 @@ def measure_rates(provider, given: str | None = None, lanes=LANE_NAMES, known: d
         out["pcie"] = layout.record_bytes / _median_seconds(copy, reps), "measured"
         dst.zero_()                            # slots the cache has not filled stay zeros (see GpuTier)
     if "cpu" in todo:
-        dtype = torch.float32 if layout.quantized else layout.dtype
-        x = torch.randn(1, layout.hidden).to(dtype)
-        w = torch.ones(1, 1, dtype=dtype)
-        routes = group_routes(torch.zeros(1, 1, dtype=torch.long))
-        views = [layout.views(slot)]
-        ffn = lambda: moe_forward(x, w, routes, lambda wave: views, 1)      # noqa: E731
-        secs = provider.lane.submit(_median_seconds, ffn, reps).result()[0]
-        out["cpu"] = layout.payload_bytes / secs, "measured"
+        out["cpu"] = measure_cpu(provider, slot, reps), "measured"
     return out
+
+
+def measure_cpu(provider, slot: torch.Tensor, reps: int = 5, picks: int = 8) -> float:
+    """The CPU lane's rate, bytes/s of records computed through, on the lane thread with its team: for records the
+    lane kernel takes, the median of `reps` native calls over up to `picks` distinct RAM-tier records for one
+    token (a decode step's top-k, every pick on the CPU); else `reps` one-token moe_forward calls on `slot`."""
+    layout, ram = provider.layout, provider.ram
+    if lane_kernel.supports(layout):
+        keys = list(ram.cache.resident())[:picks] or []
+        addrs = [ram.arena.host_address(ram.cache.slot_of(k)) for k in keys] or [slot.data_ptr()]
+        x = torch.randn(1, layout.hidden)
+        team = provider.lane.team
+        call = lambda: lane_kernel.moe(x, [0] * len(addrs), addrs, [1.0] * len(addrs), layout.quantized, team)  # noqa: E731
+        warm = lambda: (call(), _median_seconds(call, reps))[1]    # noqa: E731  (the first call starts and pins the team)
+        secs = provider.lane.submit(warm).result()[0]
+        return len(addrs) * layout.payload_bytes / secs
+    dtype = torch.float32 if layout.quantized else layout.dtype
+    x = torch.randn(1, layout.hidden).to(dtype)
+    w = torch.ones(1, 1, dtype=dtype)
+    routes = group_routes(torch.zeros(1, 1, dtype=torch.long))
+    views = [layout.views(slot)]
+    ffn = lambda: moe_forward(x, w, routes, lambda wave: views, 1)      # noqa: E731
+    secs = provider.lane.submit(_median_seconds, ffn, reps).result()[0]
+    return layout.payload_bytes / secs
 
 
 def lane_rates(measured: dict[str, tuple[float, str]]) -> LaneRates:

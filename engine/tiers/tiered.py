@@ -45,8 +45,9 @@ from engine.kernels.triton_moe import moe_from_slots
 from engine.store import manifest as mf
 from engine.tiers.cache import ExpertCache, ExpertKey
 from engine.tiers.gpu import GpuTier
+from engine.kernels import lane as lane_kernel
 from engine.tiers.lanes import Candidate, CpuLane, LaneCounters, LaneRates, lane_rates as rates_of, measure_rates, \
-    promotions, split
+    native_picks, promotions, split
 from engine.tiers.ram import RamTier
 from engine.tiers.zero_copy import MAX_MOVES, ZeroCopyDecode, blocker as zero_copy_blocker
 
@@ -406,19 +407,27 @@ class TieredExperts(ExpertProvider):
 
     def _start_cpu_job(self, layer: int, experts: list[int], step: tuple) -> None:
         """Fetch the CPU lane's experts into RAM (reading the store for those it lacks), hold them there, and
-        hand the lane their partial sum: moe_forward over just these experts, in expert order."""
+        hand the lane their partial sum over just these experts, in expert order: one native call for 4-bit
+        records (engine.kernels.lane.moe, fp32), else moe_forward."""
         x, topk_ids, topk_weights = step
         ram_slots, _ = self.ram.fetch(layer, experts, ())
         keys = {ExpertKey(layer, e) for e in experts}
         if self.gpu is not None:
             self.gpu.ready_in_ram(keys)           # a record the GPU tier just wrote back may still be landing
         self.ram.held |= keys
-        views = [self.layout.views(self.ram.arena.tensor(ram_slots[e], self.layout.dtype)) for e in experts]
         on_cpu = set(experts)
         host = "cpu"
         xs, ids, ws = x.to(host), topk_ids.to(host), topk_weights.to(host)
         routes = [r for r in group_routes(ids) if r.expert in on_cpu]
-        fut = self.lane.submit(moe_forward, xs, ws, routes, lambda wave: views, len(experts), self.swiglu_limit)
+        # 4-bit records: the layer's picks in one native call, the GIL released (the lane kernel has no swiglu
+        # clamp, so a model with a limit, glm5_next, takes the waves)
+        args = None if self.swiglu_limit else native_picks(self.layout, xs, ws, routes,
+                                                             lambda e: self.ram.arena.host_address(ram_slots[e]))
+        if args is not None:
+            fut = self.lane.submit(lane_kernel.moe, *args, self.lane.team)
+        else:
+            views = [self.layout.views(self.ram.arena.tensor(ram_slots[e], self.layout.dtype)) for e in experts]
+            fut = self.lane.submit(moe_forward, xs, ws, routes, lambda wave: views, len(experts), self.swiglu_limit)
         self._job = CpuJob(fut, keys, sum(len(r.tokens) for r in routes), len(experts))
 
     def _collect(self, table: LayerTable, t: int) -> None:
