@@ -147,6 +147,7 @@ def _narrow(w):
     w["model.layers.0.self_attn.f_a_proj.weight"] = w["model.layers.0.self_attn.f_a_proj.weight"][:14].contiguous()
 
 
+@pytest.mark.slow             # a converter run each (~25 s on the shared 2 cores)
 @pytest.mark.parametrize("edit,says", [
     (_drop, "lacks the tensor of model.layers.3.self_attn.g_b_proj.weight"),
     (_narrow, "tensor blk.0.ssm_f_a.weight has shape [256, 14], the metadata says [256, 16]"),
