@@ -38,9 +38,13 @@ from tool.checks.llama_cpp import LlamaServerProcess
 
 SCRIPT = REPO / "scripts" / "glm5_next_gguf.py"
 TOPN = 10
+BASE = dict(hidden=256, n_group=1, topk_group=1)
+# name -> (make_tiny_glm5_next keywords, layers whose attention output is zeroed in the flat form before converting)
 VARIANTS = {
-    "base": dict(hidden=256, n_group=1, topk_group=1),
-    "all-pools": dict(hidden=256, n_group=1, topk_group=1, index_topk=1024),
+    "base": (BASE, ()),
+    "all-pools": ({**BASE, "index_topk": 1024}, ()),
+    "kda-silenced": (BASE, (0, 3)),        # the KDA layers' o_proj zero: only DSA attention (and the rest) count
+    "dsa-silenced": (BASE, (1, 2, 4)),     # the DSA layers' o_proj zero: only KDA attention counts
 }
 
 
@@ -121,6 +125,17 @@ def greedy_cmp(a: list[int], b: list[int]) -> dict:
     return {"equal": a == b, "first_divergence": first, "steps": len(a)}
 
 
+def silence(flat: Path, out: Path, layers) -> Path:
+    """A copy of the flat form with the attention output (o_proj) of `layers` zero."""
+    from safetensors.torch import load_file, save_file
+    shutil.copytree(flat, out)
+    w = load_file(out / "model.safetensors")
+    for l in layers:
+        w[f"model.layers.{l}.self_attn.o_proj.weight"].zero_()
+    save_file(w, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
 def lower_bound_null(ckpt: Path, work: Path, llama_cpp: Path) -> dict:
     """The published flat form with linear_attn_config.gate_lower_bound null: does the converter's file say it?"""
     import importlib.util
@@ -175,14 +190,20 @@ def main() -> int:
                                "top_n": TOPN, "sequence": seq, "variants": {}}
     rows = []
     for name in a.variants.split(","):
-        kw = VARIANTS[name]
+        kw, silenced = VARIANTS[name]
         ck = make_tiny_glm5_next(a.work / f"{name}-ck", **kw)
         files = convert(ck, a.work / name, a.llama_cpp, "F32,Q8_0,Q4_K_M" if name == "base" else "F32")
+        ref = None
+        if silenced:          # ablation: Kiln's exact model reads the edited flat form; transformers has none
+            ck = silence(files["F32"].parent / "flat", a.work / f"{name}-flat", silenced)
+            files = convert(ck, a.work / f"{name}-silenced", a.llama_cpp, "F32")
+        else:
+            ref = transformers_side(ck, seq)
         log(f"{name}: converted {', '.join(files)}")
-        ref = transformers_side(ck, seq)
         exact = kiln_side(ck, seq, a.prompt, a.steps)
-        v = {"config": kw, "files": {t: str(p) for t, p in files.items()}}
-        v["kiln_vs_transformers"] = vs_full(exact["logp"], ref, a.prompt)
+        v = {"config": kw, "silenced_attention_layers": list(silenced), "files": {t: str(p) for t, p in files.items()}}
+        if ref is not None:
+            v["kiln_vs_transformers"] = vs_full(exact["logp"], ref, a.prompt)
         v["kiln_greedy"] = exact["greedy"]
         for t, f in files.items():
             on_file = kiln_side(f, seq, a.prompt, a.steps)
@@ -191,7 +212,7 @@ def main() -> int:
                     "kiln_gguf_greedy_vs_checkpoint": greedy_cmp(on_file["greedy"], exact["greedy"]),
                     "llama_vs_kiln_gguf": vs_llama(on_file["logp"], ll["forced"], a.prompt),
                     "llama_vs_kiln_checkpoint": vs_llama(exact["logp"], ll["forced"], a.prompt),
-                    "llama_vs_transformers": vs_llama(ref, ll["forced"], a.prompt),
+                    "llama_vs_transformers": vs_llama(ref, ll["forced"], a.prompt) if ref is not None else None,
                     "llama_greedy": ll["greedy"],
                     "llama_greedy_vs_kiln_gguf": greedy_cmp(ll["greedy"], on_file["greedy"]),
                     "llama_greedy_vs_kiln_checkpoint": greedy_cmp(ll["greedy"], exact["greedy"])}
@@ -200,7 +221,7 @@ def main() -> int:
                          "kiln_gguf_vs_ckpt_max_dlogp": f"{r['kiln_gguf_vs_kiln_checkpoint']['max_abs_dlogprob_topn']:.2e}",
                          "llama_vs_kiln_top1": f"{r['llama_vs_kiln_checkpoint']['top1_agree']:.3f}",
                          "llama_vs_kiln_max_dlogp": f"{r['llama_vs_kiln_checkpoint']['max_abs_dlogprob_topn']:.3f}",
-                         "llama_vs_hf_top1": f"{r['llama_vs_transformers']['top1_agree']:.3f}",
+                         "llama_vs_hf_top1": f"{r['llama_vs_transformers']['top1_agree']:.3f}" if ref is not None else "-",
                          "greedy_llama_eq_kiln": r["llama_greedy_vs_kiln_checkpoint"]["equal"],
                          "greedy_first_div": r["llama_greedy_vs_kiln_checkpoint"]["first_divergence"]})
             log(json.dumps(rows[-1]))

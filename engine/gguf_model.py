@@ -2,7 +2,7 @@
 
 The file's metadata (llama.cpp's keys) becomes the config.json keys of the transformers architecture the engine
 computes (`llama` with experts → mixtral, a dense `llama` → a sparse-upcycled mixtral as `engine convert` makes
-it, `qwen3moe` → qwen3_moe, `glm4moe` → glm4_moe), so engine.model_config.ModelConfig reads it as it reads a
+it, `qwen3moe` → qwen3_moe, `glm4moe` → glm4_moe, `glm5-next` → glm5_next through engine.gguf_glm5_next), so engine.model_config.ModelConfig reads it as it reads a
 checkpoint's. Its tensors are named back from llama.cpp's names to transformers' (Q/K rows un-permuted for
 `llama`, whose converter permutes them for its rotary layout) and read from the file's mmap when the model asks.
 GgufModel is a Checkpoint: the loader, the providers and pack-store take it where they take a directory.
