@@ -2,7 +2,7 @@
 
 The file's metadata (llama.cpp's keys) becomes the config.json keys of the transformers architecture the engine
 computes (`llama` with experts → mixtral, a dense `llama` → a sparse-upcycled mixtral as `engine convert` makes
-it, `qwen3moe` → qwen3_moe, `glm4moe` → glm4_moe), so engine.model_config.ModelConfig reads it as it reads a
+it, `qwen3moe` → qwen3_moe, `glm4moe` → glm4_moe, `glm5-next` → glm5_next through engine.gguf_glm5_next), so engine.model_config.ModelConfig reads it as it reads a
 checkpoint's. Its tensors are named back from llama.cpp's names to transformers' (Q/K rows un-permuted for
 `llama`, whose converter permutes them for its rotary layout) and read from the file's mmap when the model asks.
 GgufModel is a Checkpoint: the loader, the providers and pack-store take it where they take a directory.
@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from engine import gguf_glm5_next
 from engine.checkpoint import Checkpoint, CheckpointError
 from engine.errors import EngineError, Exit
 from engine.dense_weights import BLOCK_SCHEMES, BLOCKS_SUFFIX
@@ -35,7 +36,7 @@ SPLIT = re.compile(r"^(?P<stem>.+)-(?P<index>\d{5})-of-(?P<count>\d{5})\.gguf$")
 # The types a standard file uses: llama-quantize's Q2_K … Q8_0 mixes and the common dynamic quants.
 KNOWN_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
                "Q6_K", "IQ4_NL", "IQ4_XS")
-ARCHITECTURES = {"llama": "mixtral", "qwen3moe": "qwen3_moe", "glm4moe": "glm4_moe"}
+ARCHITECTURES = {"llama": "mixtral", "qwen3moe": "qwen3_moe", "glm4moe": "glm4_moe", "glm5-next": "glm5_next"}
 # A dense llama is upcycled as `engine convert` does by default: the same routers, so the same model.
 UPCYCLE_EXPERTS, UPCYCLE_TOP_K, UPCYCLE_SEED = 8, 2, 0
 
@@ -122,6 +123,8 @@ class _Source:
     unpermute: int = 0         # llama Q/K: undo the rotary row permutation over this many heads
     blocks: bool = False       # the file's blocks as uint8 [out, row bytes], not dequantized
     router_layer: int | None = None   # an upcycled dense llama's seeded router (no GGUF tensor)
+    transform: str = ""        # glm5-next: the converter's change to undo (engine.gguf_glm5_next.transform)
+    more: tuple[str, ...] = ()  # further GGUF tensors the transform joins (glm5-next's attn_v_b beside attn_k_b)
 
 
 class GgufModel(Checkpoint):
@@ -171,6 +174,11 @@ class GgufModel(Checkpoint):
     def _config(self) -> dict:
         """config.json keys of the transformers architecture this file maps to, from the file's metadata."""
         a, arch = self.gguf_arch, ARCHITECTURES[self.gguf_arch]
+        if a == gguf_glm5_next.ARCH:
+            try:
+                return gguf_glm5_next.config(self.field, self.tensors)
+            except ValueError as e:
+                raise GgufError(f"{self.dir}: {e}") from None
         hidden, heads = int(self._need("embedding_length")), int(self._need("attention.head_count"))
         head_dim = int(self.field(f"{a}.attention.key_length", hidden // heads))
         rot = int(self.field(f"{a}.rope.dimension_count", head_dim))
@@ -224,6 +232,8 @@ class GgufModel(Checkpoint):
 
     # -- tensors
     def _map_tensors(self) -> dict[str, _Source]:
+        if self.gguf_arch == gguf_glm5_next.ARCH:
+            return self._map_glm5_next()
         files: dict[str, _Source] = {}
         heads, kv_heads = self.config["num_attention_heads"], self.config["num_key_value_heads"]
         permute = self.gguf_arch == "llama"
@@ -260,6 +270,39 @@ class GgufModel(Checkpoint):
         self._keep_attention_blocks(files)
         return files
 
+    def _map_glm5_next(self) -> dict[str, _Source]:
+        """glm5-next: engine.gguf_glm5_next names each tensor and the converter's change to undo; the routed
+        experts are sliced from their stacks here as for the other architectures. Every tensor is read as float32
+        (its model computes through torch projections: no kept blocks)."""
+        try:
+            src = gguf_glm5_next.sources(self.config, self.tensors)
+        except ValueError as e:
+            raise GgufError(f"{self.dir}: {e}") from None
+        files = {name: _Source(g, transform=kind, more=more) for name, (g, kind, more) in src.items()}
+        for name in self.tensors:
+            parts = name.split(".")
+            if len(parts) == 4 and parts[1].isdigit() and int(parts[1]) < self.num_layers \
+                    and f"{parts[2]}.{parts[3]}" in gguf_glm5_next.EXPERTS:
+                w = gguf_glm5_next.EXPERTS.index(f"{parts[2]}.{parts[3]}")
+                for e in range(self.n_experts):
+                    files[self.expert_key(int(parts[1]), e, w)] = _Source(name, expert=e)
+        return files
+
+    def _check_glm5_next(self) -> None:
+        c = self.config
+        for name in gguf_glm5_next.required(c):
+            if name not in self._files:
+                raise GgufError(f"{self.dir}: lacks the tensor of {name}")
+        want = gguf_glm5_next.expected_shapes(c, {n: (s.gguf, s.transform, s.more) for n, s in self._files.items()
+                                                  if s.expert is None})
+        for name, shape in want.items():
+            t = self.tensors.get(name)
+            if t is None:
+                raise GgufError(f"{self.dir}: lacks tensor {name}")
+            got = [int(n) for n in t.shape]
+            if got != shape and not (len(shape) == 4 and got == shape[:3]):       # a conv may drop its last 1
+                raise GgufError(f"{self.dir}: tensor {name} has shape {got}, the metadata says {shape} (ggml order)")
+
     def _keep_attention_blocks(self, files: dict[str, _Source]) -> None:
         """Attention weights in a 4-bit type the CPU kernel reads stay the file's blocks (engine.dense_weights), as
         `engine convert --attention-blocks` keeps them: q, k and v together (one projection) and only without
@@ -283,6 +326,8 @@ class GgufModel(Checkpoint):
     def _check_shapes(self) -> None:
         """Each tensor's shape against the metadata: a file whose tensors disagree with its config is refused
         here, by name, not as a matmul error mid-request."""
+        if self.gguf_arch == gguf_glm5_next.ARCH:
+            return self._check_glm5_next()
         c = self.config
         hd, h = c["head_dim"], c["hidden_size"]
         inter = self.moe_intermediate
@@ -319,6 +364,9 @@ class GgufModel(Checkpoint):
             raise CheckpointError(f"{self.dir}: tensor {name} missing") from None
         if s.router_layer is not None:
             return upcycle_router(s.router_layer, self.n_experts, self.hidden)
+        if s.transform:
+            ts = [dequantized(self.tensors[n].data, self.tensors[n].tensor_type.name) for n in (s.gguf, *s.more)]
+            return gguf_glm5_next.transform(s.transform, ts, self.config)
         t = self.tensors[s.gguf]
         data = t.data if s.expert is None else t.data[s.expert]
         if s.blocks:
