@@ -16,7 +16,8 @@ The random checkpoints carry the demo's tokenizer (saved from its GGUF): llama.c
 tokenizer whose pre-tokenizer it does not know, and it knows SmolLM2's ("smollm").
 
 Types: Q4_K_M, Q5_K_M, Q6_K, Q8_0, IQ4_XS (IQ4_XS needs no importance matrix: llama-quantize asks for one only for
-IQ1/IQ2/IQ3_XXS and Q2_K_S; nor --allow-requantize, the source being F32). Writes WORK/files.json: per model its
+IQ1/IQ2/IQ3_XXS and Q2_K_S; nor --allow-requantize, the source being F32), and the F32 file itself as the
+control (no weight quantization on either side). Writes WORK/files.json: per model its
 reference checkpoint and per type the file, its size and its tensor types. The converter needs `sentencepiece`
 installed (conversion/llama.py imports it before looking for a tokenizer.model).
 """
@@ -70,13 +71,15 @@ def make(name: str, work: Path, types) -> dict:
         ga.convert_hf(ck, f32.with_suffix(".tmp"))
         f32.with_suffix(".tmp").rename(f32)
     files = {}
-    for q in types:
+    for q in filter(None, types):
         out = work / name / f"{q}.gguf"
         if not out.is_file():
             ga.quantize(f32, out.with_suffix(".tmp"), q)
             out.with_suffix(".tmp").rename(out)
         files[q] = {"path": str(out), "bytes": out.stat().st_size, "tensor_types": ga.tensor_types(out)}
         log(f"{name} {q}: {out.stat().st_size / 1e6:.1f} MB {files[q]['tensor_types']}")
+    # The converter's F32 file too: the control (no weight quantization on either side).
+    files["F32"] = {"path": str(f32), "bytes": f32.stat().st_size, "tensor_types": ga.tensor_types(f32)}
     return {"checkpoint": str(ck), "f32": str(f32), "files": files, "seconds": round(time.perf_counter() - t0, 1)}
 
 
