@@ -1,0 +1,207 @@
+"""Kiln against llama.cpp on the same GGUF files (issue 29): teacher-forced top-1 agreement and KL between the two,
+each against the fp32 reference, and the greedy answers to the six gates' prompts.
+
+  python -m bench.gguf_files --work /tmp/gguf-agree                 # the files, with llama.cpp's own tools
+  python -m bench.gguf_agreement --work /tmp/gguf-agree --out bench/results/2026-12-04-gguf-agreement.json
+
+Per file (bench/gguf_files.py's WORK/files.json): llama-server -m FILE and Kiln on the GGUF alone, both on the same
+token ids -- POSITIONS positions of this repository's docs (README.md, bench/README.md) in the model's tokenizer,
+one sequence, teacher-forced.
+  llama.cpp   llama-server's top-N log-probabilities (n_probs), one request per position on its prompt cache
+              (engine.measure.gguf_agreement.llama_topn; it has no prompt log-probabilities).
+  Kiln        IN-PROCESS: the LLM object `engine serve` serves, loaded from the GGUF alone, every position's full
+              logits (kiln_logprobs). Kiln's /v1/completions has no logprobs yet (another branch builds them);
+              swapping to it is that one function.
+  reference   transformers, float32, on the checkpoint the GGUF was converted from.
+Figures: top-1 agreement and mean KL in nats. Where one side is llama.cpp's top-N the KL is over those N tokens and
+one bin for the rest: a LOWER BOUND of the full KL (merging outcomes never raises KL); Kiln against the reference
+is also given exactly (both full). Direction: KL(llama ‖ Kiln) between the servers, KL(reference ‖ side) against
+the reference.
+Greedy: the six gates' prompts (engine.measure.gguf_agreement.GATE_PROMPTS) through the model's chat template into
+ids, sent as the same ids to both servers over HTTP (llama-server /completion; `engine serve --model FILE.gguf`
+/v1/completions), temperature 0, MAX_TOKENS tokens: equal text or not.
+Targets (SmolLM2): top-1 ≥ 0.98 against llama.cpp, KL ≤ 0.01, greedy answers equal.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from bench.harness import REPO, host_load, log, table, write_result, add_to_index, index_row
+from engine.measure import gguf_agreement as ga
+
+POSITIONS = 1024
+N_PROBS = 20
+MAX_TOKENS = 48
+TARGETS = {"top1_vs_llama_min": 0.98, "kl_vs_llama_max": 0.01}
+
+
+def doc_ids(tok, n: int) -> list[int]:
+    text = "\n\n".join((REPO / p).read_text() for p in ("README.md", "bench/README.md"))
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    if len(ids) < n + 1:
+        raise SystemExit(f"the docs give {len(ids)} tokens, {n + 1} are needed")
+    return ids[:n + 1]
+
+
+def prompt_ids(tok) -> dict[str, list[int]]:
+    out = {}
+    for gate, text in ga.GATE_PROMPTS.items():
+        ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+        out[gate] = list(ids if isinstance(ids, list) else ids["input_ids"])
+    return out
+
+
+class KilnServer:
+    """`engine serve --model FILE.gguf` of this tree on 127.0.0.1 (a free port), the GGUF alone."""
+
+    def __init__(self, gguf: Path, threads: int):
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        self.p = subprocess.Popen([sys.executable, "-m", "engine", "serve", "--model", str(gguf), "--port", "0",
+                                   "--ctx", "2048", "--max-batch", "1", "--threads", str(threads), "--device", "cpu",
+                                   "--log-level", "warning"], stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
+        line = self.p.stderr.readline()
+        m = re.search(r"listening on (http://127\.0\.0\.1:\d+)", line)
+        if not m:
+            self.p.kill()
+            raise RuntimeError(f"engine serve did not start: {line}{self.p.stderr.read()[-2000:]}")
+        self.url = m.group(1)
+        threading.Thread(target=self.p.stderr.read, daemon=True).start()
+        import urllib.request
+        deadline = time.monotonic() + 600
+        while True:
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=10) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if self.p.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("engine serve did not become healthy")
+            time.sleep(0.5)
+
+    def close(self):
+        self.p.terminate()
+        self.p.wait(60)
+
+
+def first_difference(a: str, b: str) -> int | None:
+    return None if a == b else next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def measure_file(path: Path, ref, ids, prompts, threads: int) -> dict:
+    from engine.llm import LLM
+    from tool.checks.llama_cpp import LlamaServerProcess
+    from tool.programs import llama_cpp_program
+    res: dict = {"file": path.name, "bytes": path.stat().st_size, "tensor_types": ga.tensor_types(path)}
+    t0 = time.perf_counter()
+    with LlamaServerProcess(llama_cpp_program("llama-server"), path, ctx=2048, threads=threads) as srv:
+        base = srv.url.removesuffix("/v1")
+        top = ga.llama_topn(base, ids, N_PROBS)
+        llama_greedy = {g: ga.greedy_llama(base, p, MAX_TOKENS) for g, p in prompts.items()}
+    res["llama_seconds"] = round(time.perf_counter() - t0, 1)
+    t0 = time.perf_counter()
+    llm = LLM.load(path, max_context=2048, max_batch=1, threads=threads)
+    try:
+        kiln = ga.kiln_logprobs(llm, ids)
+    finally:
+        llm.close()
+        del llm
+        gc.collect()
+    srv = KilnServer(path, threads)
+    try:
+        kiln_greedy = {g: ga.greedy_kiln(srv.url, p, MAX_TOKENS) for g, p in prompts.items()}
+    finally:
+        srv.close()
+    res["kiln_seconds"] = round(time.perf_counter() - t0, 1)
+    res["kiln_vs_llama"] = ga.compare_topn(top, kiln, topn_is_reference=True)
+    res["llama_vs_reference"] = ga.compare_topn(top, ref, topn_is_reference=False)
+    res["kiln_vs_reference"] = {**ga.compare_full(ref, kiln),
+                                "kl_mean_nats_lower_bound": ga.compare_topn(ga.topn_of(kiln[:len(top)], N_PROBS), ref,
+                                                                            topn_is_reference=False)[
+                                    "kl_mean_nats_lower_bound"]}
+    res["greedy"] = {g: {"equal": kiln_greedy[g] == llama_greedy[g], "kiln": kiln_greedy[g], "llama": llama_greedy[g],
+                         "first_difference_char": first_difference(kiln_greedy[g], llama_greedy[g])} for g in prompts}
+    res["greedy_equal"] = sum(v["equal"] for v in res["greedy"].values())
+    res["load_avg"] = round(os.getloadavg()[0], 2)
+    return res
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--work", type=Path, required=True, help="bench/gguf_files.py's --work (its files.json)")
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--only", default=None, help="comma list of models (default: every one in files.json)")
+    ap.add_argument("--types", default=None, help="comma list of types (default: every one made)")
+    ap.add_argument("--positions", type=int, default=POSITIONS)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--index", action="store_true", help="add the result's row to bench/results/index.jsonl")
+    a = ap.parse_args(argv)
+    from engine.kernels.cpu import set_compute_threads
+    from tool.checks.llama_cpp import version
+    from tool.programs import llama_cpp_program
+    from transformers import AutoTokenizer
+    set_compute_threads(a.threads)
+    files = json.loads((a.work / "files.json").read_text())
+    doc = json.loads(a.out.read_text()) if a.out.is_file() else {}
+    doc.update({"what": __doc__.splitlines()[0], "positions": a.positions, "n_probs": N_PROBS, "greedy_max_tokens": MAX_TOKENS,
+                "kiln_side": "in-process (engine.llm.LLM.load on the GGUF alone, the object `engine serve` serves): "
+                             "Kiln's /v1/completions has no logprobs yet; greedy answers are over HTTP from both servers",
+                "kl_note": "KL against llama.cpp's top-N is over those N tokens plus one rest bin: a lower bound of the "
+                           "full KL", "targets_smollm2": TARGETS, "llama_server": version(llama_cpp_program("llama-server")),
+                "gate_prompts": ga.GATE_PROMPTS, "host_load_start": host_load()})
+    doc.setdefault("models", {})
+    for name, m in files["models"].items():
+        if a.only and name not in a.only.split(","):
+            continue
+        tok = AutoTokenizer.from_pretrained(m["checkpoint"])
+        ids, prompts = doc_ids(tok, a.positions), prompt_ids(tok)
+        ref = ga.reference_logprobs(m["checkpoint"], ids)
+        entry = doc["models"].setdefault(name, {"checkpoint": m["checkpoint"], "types": {}})
+        for q, f in m["files"].items():
+            if a.types and q not in a.types.split(","):
+                continue
+            log(f"{name} {q}: measuring")
+            r = measure_file(Path(f["path"]), ref, ids, prompts, a.threads)
+            entry["types"][q] = r
+            doc["host_load_end"] = host_load()
+            write_result(a.out, doc)
+            log(f"{name} {q}: top-1 vs llama {r['kiln_vs_llama']['top1_agreement']:.4f} "
+                f"KL≥{r['kiln_vs_llama']['kl_mean_nats_lower_bound']:.5f}; vs ref kiln "
+                f"{r['kiln_vs_reference']['top1_agreement']:.4f}/{r['kiln_vs_reference']['kl_mean_nats']:.5f} llama "
+                f"{r['llama_vs_reference']['top1_agreement']:.4f}/≥{r['llama_vs_reference']['kl_mean_nats_lower_bound']:.5f}; "
+                f"greedy equal {r['greedy_equal']}/{len(prompts)}")
+        del ref
+        gc.collect()
+    rows = [{"model": n, "type": q, "top1 K/L": r["kiln_vs_llama"]["top1_agreement"],
+             "KL K/L ≥": r["kiln_vs_llama"]["kl_mean_nats_lower_bound"],
+             "top1 K/ref": r["kiln_vs_reference"]["top1_agreement"], "KL K/ref": r["kiln_vs_reference"]["kl_mean_nats"],
+             "KL K/ref ≥": r["kiln_vs_reference"]["kl_mean_nats_lower_bound"],
+             "top1 L/ref": r["llama_vs_reference"]["top1_agreement"],
+             "KL L/ref ≥": r["llama_vs_reference"]["kl_mean_nats_lower_bound"],
+             "greedy =": f"{r['greedy_equal']}/{len(r['greedy'])}"}
+            for n, e in doc["models"].items() for q, r in e["types"].items()]
+    doc["table"] = table(rows, list(rows[0]) if rows else [])
+    sm = doc["models"].get("smollm2", {}).get("types", {})
+    if sm:
+        doc["verdict_smollm2"] = {q: {"top1": r["kiln_vs_llama"]["top1_agreement"] >= TARGETS["top1_vs_llama_min"],
+                                      "kl": r["kiln_vs_llama"]["kl_mean_nats_lower_bound"] <= TARGETS["kl_vs_llama_max"],
+                                      "greedy": r["greedy_equal"] == len(r["greedy"])} for q, r in sm.items()}
+    write_result(a.out, doc)
+    if a.index and sm:
+        add_to_index(index_row(a.out, {f"smollm2_{q}_top1_vs_llama": r["kiln_vs_llama"]["top1_agreement"]
+                                       for q, r in sm.items()} | {
+            f"smollm2_{q}_kl_vs_llama_lower_bound": r["kiln_vs_llama"]["kl_mean_nats_lower_bound"] for q, r in sm.items()}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

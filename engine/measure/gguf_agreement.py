@@ -1,0 +1,264 @@
+"""Kiln against llama.cpp on the same GGUF file, made by llama.cpp's own tools (issue 29, "Verified against
+llama.cpp, on the same files"). bench/gguf_files.py and bench/gguf_agreement.py run it over the demo and random
+checkpoints; tests/engine/test_gguf_llama_agreement.py runs it on one small file.
+
+  make the files   random_moe_checkpoint (a random qwen3_moe / glm4_moe with a tokenizer llama.cpp's converter
+                   knows), convert_hf (llama.cpp's convert_hf_to_gguf.py, F32), quantize (llama-quantize)
+  llama's side     llama_topn: llama-server's top-N log-probabilities at every position of a token sequence,
+                   teacher-forced: one /completion request per position (prompt = the tokens so far, one token
+                   predicted, n_probs N); its prompt cache keeps the prefix, so each request evaluates one token
+                   (llama-server has no prompt log-probabilities, `echo`)
+  Kiln's side      kiln_logprobs: the engine's full log-probabilities at every position, IN-PROCESS through the
+                   LLM object `engine serve` serves (LLM.load on the GGUF alone): Kiln's /v1/completions has no
+                   logprobs yet. The one seam to swap for the HTTP API once it has them.
+  compare          compare_full (two full distributions: top-1 agreement, exact KL) and compare_topn (a top-N
+                   side against a full one: KL over the N tokens and one bin for the rest, a LOWER BOUND of the
+                   full KL: merging outcomes never raises KL)
+
+The llama.cpp tree is scripts/build-llama-cpp.sh's (bin/llama-quantize, convert_hf_to_gguf.py with its gguf-py/
+and conversion/): $KILN_LLAMA_CPP_DIR, else .kiln/cache/llama.cpp in this checkout.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+REPO = Path(__file__).resolve().parents[2]
+# The six gates' prompts (tool/checks: load, chat, reasoning, tools, speed; context's needle question, without its
+# fill of thousands of tokens), asked as the gates ask: one user turn through the model's chat template.
+GATE_PROMPTS = {
+    "load": "Hi",
+    "chat": "Name three primary colors, comma separated.",
+    "reasoning": "What is 17 * 23? Reply with only the number.",
+    "tools": "What's the weather in Paris right now? Use the tool.",
+    "speed": "Write a 600-word story about a lighthouse keeper who finds a message in a bottle.",
+    "context": "What is the secret code mentioned in the text above? Reply with the code only.",
+}
+
+
+GLM_SPECIALS = ("[gMASK]", "<|user|>", "<|observation|>")
+
+
+class ToolFailed(RuntimeError):
+    """A llama.cpp tool exited non-zero (its output's tail in the message)."""
+
+
+def llama_cpp_dir() -> Path:
+    return Path(os.environ.get("KILN_LLAMA_CPP_DIR") or REPO / ".kiln" / "cache" / "llama.cpp")
+
+
+def quantize_bin() -> Path:
+    return llama_cpp_dir() / "bin" / "llama-quantize"
+
+
+def converter() -> Path:
+    return llama_cpp_dir() / "convert_hf_to_gguf.py"
+
+
+def _run(argv: list[str], timeout: float, env: dict | None = None) -> str:
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env)
+    if r.returncode != 0:
+        raise ToolFailed(f"{Path(argv[1] if argv[0] == sys.executable else argv[0]).name} exited {r.returncode}: "
+                         f"{(r.stdout + r.stderr)[-2000:]}")
+    return r.stdout + r.stderr
+
+
+def convert_hf(ckpt: str | os.PathLike, out: str | os.PathLike, outtype: str = "f32", timeout: float = 1800) -> Path:
+    """llama.cpp's convert_hf_to_gguf.py on a transformers checkpoint: an `outtype` GGUF at `out`. It runs with
+    this Python, its own gguf-py first on the path (the converter and its gguf package are one release)."""
+    d = llama_cpp_dir()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(d / "gguf-py"), str(d),
+                                                       *filter(None, [os.environ.get("PYTHONPATH")])]),
+           "NO_LOCAL_GGUF": ""}
+    _run([sys.executable, str(converter()), str(ckpt), "--outtype", outtype, "--outfile", str(out)], timeout, env)
+    return Path(out)
+
+
+def quantize(src: str | os.PathLike, dst: str | os.PathLike, qtype: str, threads: int = 2,
+         timeout: float = 1800) -> Path:
+    """llama-quantize SRC DST QTYPE: the mix llama.cpp makes of that name (Q4_K_M's Q6_K downs in some layers,
+    its fallbacks where a row is no multiple of 256 ...)."""
+    _run([str(quantize_bin()), str(src), str(dst), qtype, str(threads)], timeout)
+    return Path(dst)
+
+
+def tensor_types(path: str | os.PathLike) -> dict[str, int]:
+    """How many tensors of each GGML type the file holds."""
+    from gguf import GGUFReader
+    out: dict[str, int] = {}
+    for t in GGUFReader(str(path)).tensors:
+        out[t.tensor_type.name] = out.get(t.tensor_type.name, 0) + 1
+    return dict(sorted(out.items()))
+
+
+# ------------------------------------------------------------------ random checkpoints
+
+def tokenizer_from_gguf(gguf: str | os.PathLike, out: str | os.PathLike):
+    """The tokenizer a GGUF carries (transformers' GGUF tokenizer converter), saved into `out`. The demo's SmolLM2
+    gives one llama.cpp's converter knows by its pre-tokenizer hash ("smollm"), which a tokenizer trained here
+    would not be."""
+    from transformers import AutoTokenizer
+    gguf = Path(gguf)
+    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    if not tok.chat_template:
+        from gguf import GGUFReader
+        f = GGUFReader(str(gguf)).fields.get("tokenizer.chat_template")
+        tok.chat_template = f.contents() if f is not None else None
+    tok.save_pretrained(str(out))
+    return tok
+
+
+def random_moe_checkpoint(arch: str, out: str | os.PathLike, tokenizer_dir: str | os.PathLike, *, hidden: int = 256,
+                          moe_inter: int = 256, layers: int = 3, experts: int = 8, top_k: int = 2,
+                          seed: int = 0) -> Path:
+    """A small random `arch` (qwen3_moe | glm4_moe) checkpoint, float32, written by transformers' save_pretrained,
+    with the tokenizer in `tokenizer_dir`. Weights N(0, 0.08) (embeddings 0.5), norms near one, routers spread so
+    some experts are preferred (routing far from uniform, as real routing is). glm4_moe: the first layer dense,
+    one shared expert, partial rotary, q/k norms and attention biases, one expert group (as GLM-4.5's)."""
+    import shutil
+    import transformers as T
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = T.AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    if arch == "glm4_moe":          # the converter's GLM vocabulary names these special tokens (bos, eot, eom)
+        tok.add_tokens(list(GLM_SPECIALS), special_tokens=True)
+        tok.save_pretrained(str(out))
+    else:
+        for f in Path(tokenizer_dir).iterdir():
+            if f.is_file():
+                shutil.copy(f, out / f.name)
+    common = dict(vocab_size=len(tok), hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=hidden // 4, max_position_embeddings=8192, num_experts_per_tok=top_k,
+                  rms_norm_eps=1e-6, tie_word_embeddings=False, eos_token_id=tok.eos_token_id,
+                  pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id)
+    if arch == "qwen3_moe":
+        cfg = T.Qwen3MoeConfig(num_experts=experts, moe_intermediate_size=moe_inter, intermediate_size=2 * hidden,
+                               norm_topk_prob=True, **common)
+        cls = T.Qwen3MoeForCausalLM
+    elif arch == "glm4_moe":
+        cfg = T.Glm4MoeConfig(n_routed_experts=experts, moe_intermediate_size=moe_inter, intermediate_size=2 * hidden,
+                              first_k_dense_replace=1, n_shared_experts=1, n_group=1, topk_group=1,
+                              routed_scaling_factor=2.5, norm_topk_prob=True, partial_rotary_factor=0.5,
+                              use_qk_norm=True, attention_bias=True, **common)
+        cls = T.Glm4MoeForCausalLM
+    else:
+        raise ValueError(f"unknown arch {arch} (qwen3_moe or glm4_moe)")
+    torch.manual_seed(seed)
+    model = cls(cfg).eval()
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.5 if "embed" in name else 0.08, generator=g)
+            elif "e_score_correction_bias" in name:
+                p.copy_(torch.linspace(-0.3, 0.3, p.numel())[torch.randperm(p.numel(), generator=g)])
+            elif "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+            else:
+                p.normal_(0.0, 0.05, generator=g)
+        for name, p in model.named_parameters():
+            if name.endswith("gate.weight") and p.shape[0] == experts:
+                p.mul_(torch.linspace(0.5, 3.0, experts)[:, None])
+    model.save_pretrained(str(out))
+    return out
+
+
+def reference_logprobs(ckpt: str | os.PathLike, ids: list[int]) -> torch.Tensor:
+    """The fp32 reference: transformers on the original checkpoint, every position's log-probabilities [n, vocab]."""
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32).eval()
+    with torch.inference_mode():
+        logits = model(torch.tensor([ids])).logits[0].float()
+    return F.log_softmax(logits, -1)
+
+
+# ------------------------------------------------------------------ the two sides
+
+def _post(url: str, body: dict, timeout: float = 600) -> dict:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def llama_topn(base: str, ids: list[int], n_probs: int = 20) -> list[tuple[list[int], list[float]]]:
+    """llama-server (`base`: http://127.0.0.1:PORT) teacher-forced: for each k in 1..len(ids)-1, the top-N
+    (token ids, log-probabilities) it gives the token after ids[:k], before sampling (post_sampling_probs false:
+    a softmax of the full logits, llama.cpp's get_token_probabilities)."""
+    out = []
+    for k in range(1, len(ids)):
+        r = _post(f"{base}/completion", {"prompt": ids[:k], "n_predict": 1, "n_probs": n_probs, "temperature": 0,
+                                         "cache_prompt": True})
+        top = r["completion_probabilities"][0]["top_logprobs"]
+        out.append(([int(t["id"]) for t in top], [float(t["logprob"]) for t in top]))
+    return out
+
+
+def kiln_logprobs(llm, ids: list[int]) -> torch.Tensor:
+    """Kiln's log-probabilities at every position [n, vocab]: the model of `llm` (engine.llm.LLM, loaded as
+    `engine serve` loads it) prefills the tokens whole with every position's logits, on a KV slot the idle
+    scheduler does not use at the time. In-process until /v1/completions has logprobs; then this is the one
+    function to replace with an HTTP call (which gives top-N: compare with compare_topn)."""
+    with torch.inference_mode():
+        logits = llm.model.prefill(list(ids), 0, all_logits=True).float()
+    return F.log_softmax(logits, -1)
+
+
+def greedy_llama(base: str, ids: list[int], max_tokens: int) -> str:
+    r = _post(f"{base}/completion", {"prompt": ids, "n_predict": max_tokens, "temperature": 0, "cache_prompt": False})
+    return r["content"]
+
+
+def greedy_kiln(base: str, ids: list[int], max_tokens: int) -> str:
+    """Kiln's served answer (`base`: http://127.0.0.1:PORT of `engine serve`), greedy, from the same token ids."""
+    r = _post(f"{base}/v1/completions", {"prompt": ids, "max_tokens": max_tokens, "temperature": 0})
+    return r["choices"][0]["text"]
+
+
+# ------------------------------------------------------------------ figures
+
+def compare_full(ref: torch.Tensor, other: torch.Tensor) -> dict:
+    """Two full log-probability tensors [n, vocab]: top-1 agreement and mean KL(ref ‖ other) in nats (exact)."""
+    n = min(len(ref), len(other))
+    ref, other = ref[:n].double(), other[:n].double()
+    kl = (ref.exp() * (ref - other)).sum(-1)
+    return {"positions": n, "top1_agreement": round(float((ref.argmax(-1) == other.argmax(-1)).double().mean()), 4),
+            "kl_mean_nats": round(float(kl.mean()), 6)}
+
+
+def _binned(top_ids: list[int], top_lp: list[float], full: torch.Tensor) -> tuple[list[float], list[float]]:
+    """(the top-N side's, the full side's) probabilities over the N tokens plus one bin for the rest."""
+    p = [math.exp(x) for x in top_lp]
+    q = full[top_ids].double().exp().tolist()
+    return p + [max(0.0, 1.0 - sum(p))], q + [max(0.0, 1.0 - sum(q))]
+
+
+def _kl(p: list[float], q: list[float]) -> float:
+    eps = 1e-300
+    return sum(a * (math.log(max(a, eps)) - math.log(max(b, eps))) for a, b in zip(p, q) if a > 0)
+
+
+def compare_topn(topn: list[tuple[list[int], list[float]]], full: torch.Tensor, topn_is_reference: bool) -> dict:
+    """A top-N side against a full side, position by position: top-1 agreement (the top-N side's first token
+    against the full side's argmax) and mean KL over the N tokens + a rest bin, KL(topN ‖ full) when the top-N side
+    is the reference, else KL(full ‖ topN) -- a LOWER BOUND of the full KL."""
+    n = min(len(topn), len(full))
+    agree, kl = 0, 0.0
+    for (ids, lps), row in zip(topn[:n], full[:n]):
+        agree += int(ids[0] == int(row.argmax()))
+        p, q = _binned(ids, lps, row)
+        kl += _kl(p, q) if topn_is_reference else _kl(q, p)
+    return {"positions": n, "top1_agreement": round(agree / n, 4), "kl_mean_nats_lower_bound": round(kl / n, 6)}
+
+
+def topn_of(full: torch.Tensor, n: int) -> list[tuple[list[int], list[float]]]:
+    """A full side's top-N in llama_topn's form (to bound both sides' KL over the same kind of bins)."""
+    v, i = full.topk(n, -1)
+    return [(a.tolist(), b.tolist()) for a, b in zip(i, v.double())]
