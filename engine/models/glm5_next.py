@@ -38,6 +38,7 @@ from engine.experts.provider import ExpertProvider
 from engine.glm5_next_config import DSA, KDA, Glm5Spec, SpecError, tensor_shapes
 from engine.kv_cache import SlotCaches, untouched_zeros
 from engine.models.common import MLP, WeightSource, rms_norm, sigmoid_grouped_topk
+from engine.routing_trace import RoutedBlock
 from engine.dense_weights import Projection
 
 KDA_CHUNK = 64          # transformers' chunk_kimi_delta_attention chunk size
@@ -89,7 +90,7 @@ class ClampedMLP(MLP):
         return self.down(F.silu(gate) * up)
 
 
-class Glm5MoeBlock(nn.Module):
+class Glm5MoeBlock(RoutedBlock):
     """Routed experts through the provider (as every architecture) plus the shared expert; routing as GLM-4.5.
     Not yet the reference: the providers compute one plain SwiGLU for every architecture, so the routed experts'
     gate and up are not clamped at swiglu_limit (the shared expert's and the dense layers' are). The two agree
@@ -108,7 +109,7 @@ class Glm5MoeBlock(nn.Module):
         ids, weights = sigmoid_grouped_topk(F.linear(x.float(), self.gate), self.bias, top_k=c.top_k,
                                             n_group=c.n_group, topk_group=c.topk_group, renormalize=c.norm_topk_prob,
                                             scale=c.routed_scaling_factor, out_dtype=x.dtype)
-        return self.provider.forward(self.layer, x, ids, weights) + self.shared(x)
+        return self.provider.forward(self.layer, x, self.pick(ids), weights) + self.shared(x)
 
 
 class HyperConnection:
