@@ -128,7 +128,7 @@ def load_model(model_dir: str | Path | Checkpoint, provider: ExpertProvider | No
             raise
     provider.use_predictor(layer_ahead_predictor(model))     # a tiered provider prefetches by it
     # benchmarking only: drawn routing, installed before any graph is captured (the draws run inside the graphs)
-    install_bench_routing(model, config.bench_routing, config.bench_routing_seed)
+    model.bench_routing = install_bench_routing(model, config.bench_routing, config.bench_routing_seed)
     if config.cuda_graphs:
         model.use_cuda_graphs()
     return model.eval()

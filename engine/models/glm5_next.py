@@ -426,6 +426,7 @@ class ShapeChecked:
 
 
 class Glm5Next(nn.Module):
+    bench_routing = None       # engine.routing_trace.BenchRouting where the loader installed one (benchmarking only)
     """The model: prefill (one sequence, many tokens, from any start) and decode_step (one token for each of
     many sequences), the interface engine.llm drives every architecture through."""
 
