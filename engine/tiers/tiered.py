@@ -504,11 +504,11 @@ class TieredExperts(ExpertProvider):
 
     # -- placement from routing statistics (engine.tiers.placement) ---------------------------------------
     def observe(self, layer: int, experts) -> None:
-        """A call's picks of a layer (a tensor or list of expert ids) into the planner; the first MoE layer's
-        count the window, and a plan is made when one is due."""
+        """A call's picks of a layer (a tensor or list of expert ids) into the planner; the last MoE layer's
+        count the window (every layer has seen the call by then), and a plan is made when one is due."""
         ids = experts.reshape(-1).tolist() if isinstance(experts, torch.Tensor) else experts
         self.planner.observe(layer, ids)
-        if layer == self.planner.layers[0] and self.planner.due(len(ids)):
+        if layer == self.planner.layers[-1] and self.planner.due(len(ids)):
             self.replan()
 
     def placement_rates(self) -> dict:
