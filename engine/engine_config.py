@@ -19,7 +19,9 @@ DTYPE_NAMES = ("float32", "bfloat16", "float16")
 EXPERTS = ("auto", "resident", "tiered")              # engine.tiers.choose_placement's modes
 CPU_EXPERTS = ("auto", "on", "off")                   # engine.tiers.lanes.split's modes
 ZERO_COPY = ("auto", "on", "off")                     # engine.tiers.tiered.TieredExperts.use_zero_copy's modes
-LANE_RATES = ("pcie", "cpu", "disk")                  # the lanes whose GB/s engine.tiers.lanes.measure_rates measures
+LANE_RATES = ("pcie", "cpu", "disk")
+BENCH_ROUTING = ("model", "uniform", "calibrated")  # engine.routing_trace.MODES (this module is free of torch)
+PLACEMENT = ("auto", "cache", "static")            # engine.tiers.placement's plans                  # the lanes whose GB/s engine.tiers.lanes.measure_rates measures
 
 
 def parse_lane_rates(text: str | None) -> dict[str, float]:
@@ -65,6 +67,11 @@ class EngineConfig:
     native_kernels: bool = True         # CPU decode on engine.kernels.native (built with g++ at first use) where it builds
     preload: bool = True                # tiered: fill the GPU and RAM tiers from the store at load (TieredExperts.preload)
     zero_copy: str = "auto"             # auto | on | off: tiered decode reads RAM-tier records in place (tiers.zero_copy)
+    # BENCHMARKING ONLY: the routers' top-k choice replaced by drawn picks (engine.routing_trace); "model": the model's
+    bench_routing: str = "model"
+    bench_routing_seed: int = 0
+    # auto | cache | static: a tiered provider's per-layer plan from the measured picks and lane rates (tiers.placement)
+    placement: str = "auto"
 
     def __post_init__(self):
         # ValueError, not assert: these come from users and must fail the same way under `python -O`.
@@ -92,6 +99,10 @@ class EngineConfig:
             raise ValueError(f"cpu_experts {self.cpu_experts!r} is not one of {', '.join(CPU_EXPERTS)}")
         if self.zero_copy not in ZERO_COPY:
             raise ValueError(f"zero_copy {self.zero_copy!r} is not one of {', '.join(ZERO_COPY)}")
+        if self.bench_routing not in BENCH_ROUTING:
+            raise ValueError(f"bench_routing {self.bench_routing!r} is not one of {', '.join(BENCH_ROUTING)}")
+        if self.placement not in PLACEMENT:
+            raise ValueError(f"placement {self.placement!r} is not one of {', '.join(PLACEMENT)}")
         parse_lane_rates(self.lane_rates)
         for name in ("readers", "threads"):
             if (n := getattr(self, name)) is not None and n < 1:

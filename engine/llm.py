@@ -147,6 +147,8 @@ class LLM(Scheduler):
 
     def counters(self) -> dict:
         out = dict(self.model.provider.counters())
+        if self.model.bench_routing is not None:      # benchmarking only: the routers' choice is drawn
+            out["bench_routing"] = self.model.bench_routing.describe()
         if (graphs := self.model.graphs) is not None:
             out.update(decode_graph_replays=graphs.replays, decode_graph_captures=graphs.captures)
             if (sampler := getattr(graphs, "sampler", None)) is not None:    # engine.gpu.sampler_graph

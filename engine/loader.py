@@ -17,6 +17,7 @@ from engine.experts.provider import ExpertProvider
 from engine.model_source import open_checkpoint
 from engine.models import model_class
 from engine.models.common import MoEModel, layer_ahead_predictor
+from engine.routing_trace import install as install_bench_routing
 from engine.dense_weights import BLOCK_SCHEMES, BLOCKS_SUFFIX
 from engine.engine_config import EngineConfig
 from engine.tiers import build_provider
@@ -126,6 +127,8 @@ def load_model(model_dir: str | Path | Checkpoint, provider: ExpertProvider | No
             provider.close()
             raise
     provider.use_predictor(layer_ahead_predictor(model))     # a tiered provider prefetches by it
+    # benchmarking only: drawn routing, installed before any graph is captured (the draws run inside the graphs)
+    model.bench_routing = install_bench_routing(model, config.bench_routing, config.bench_routing_seed)
     if config.cuda_graphs:
         model.use_cuda_graphs()
     return model.eval()

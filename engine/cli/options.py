@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import click
 
-from engine.engine_config import CPU_EXPERTS, DTYPE_NAMES, EXPERTS, ZERO_COPY, EngineConfig
+from engine.engine_config import BENCH_ROUTING, CPU_EXPERTS, DTYPE_NAMES, EXPERTS, PLACEMENT, ZERO_COPY, EngineConfig
 from engine.errors import EngineError, Exit
 from engine.tiers.cache import POLICIES
 
@@ -86,6 +86,22 @@ zero_copy = click.option("--zero-copy", type=click.Choice(ZERO_COPY), default=En
                               "ones it reads to GPU slots between steps. auto = where that holds; on = fail "
                               "naming what stops it; off = copy each missing expert into a slot first.")
 
+bench_routing = click.option("--bench-routing", type=click.Choice(BENCH_ROUTING), default=EngineConfig.bench_routing,
+                             show_default=True,
+                             help="FOR BENCHMARKING ONLY: replace each MoE router's choice of experts (not its "
+                                  "weights) by drawn picks, so offload speed is measured under realistic routing: "
+                                  "uniform = each token's top-k uniformly without replacement (a cache's worst "
+                                  "case); calibrated = per layer a Zipf skew over a fixed permutation, fitted so "
+                                  "the hottest 11.4%% of experts take 39%% of picks; model = the model's router. "
+                                  "Outputs are not the model's.")
+bench_routing_seed = click.option("--bench-routing-seed", type=int, default=EngineConfig.bench_routing_seed,
+                                  show_default=True, help="Seed of --bench-routing's draws (the same picks per seed).")
+placement = click.option("--placement", type=click.Choice(PLACEMENT), default=EngineConfig.placement, show_default=True,
+                         help="Tiered: per MoE layer, keep a fixed set of experts on the GPU and read the rest from "
+                              "RAM (static, llama.cpp's --n-cpu-moe kind of split) or keep the hot experts there "
+                              "(cache, promoted as picked); auto = chosen per layer from the measured picks and lane "
+                              "rates, re-planned while serving (shown on /metrics and in the log).")
+
 
 def tiers(f):
     """Where the routed experts live and who reads them: --experts, --gpu-slots, --ram-slots, --readers,
@@ -94,7 +110,7 @@ def tiers(f):
     fill at load (--preload)."""
     for option in reversed((experts, gpu_slots, ram_slots, readers, cpu_layout, threads, policy, cpu_experts,
                             lane_rates, cuda_graphs, decode_ahead, prefix_cache, fused_kernels, native_kernels, preload,
-                            zero_copy)):
+                            zero_copy, placement, bench_routing, bench_routing_seed)):
         f = option(f)
     return f
 

@@ -321,6 +321,8 @@ class DecoderLayer(nn.Module):
 class MoEModel(nn.Module):
     """The shared skeleton; an architecture supplies build_mlp(layer) (dense MLP or its MoE block)."""
 
+    bench_routing = None       # engine.routing_trace.BenchRouting where the loader installed one (benchmarking only)
+
     def __init__(self, cfg: ModelConfig, w: WeightSource, provider: ExpertProvider, kv: KVCache, *,
                  device, dtype: torch.dtype, fused_kernels: bool = True, native_kernels: bool = True):
         super().__init__()

@@ -10,9 +10,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.models.common import MLP, MoEModel, WeightSource, sigmoid_grouped_topk
+from engine.routing_trace import RoutedBlock
 
 
-class Glm4MoeBlock(nn.Module):
+class Glm4MoeBlock(RoutedBlock):
     def __init__(self, model: MoEModel, w: WeightSource, layer: int):
         super().__init__()
         p = f"model.layers.{layer}.mlp"
@@ -29,7 +30,7 @@ class Glm4MoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = self.route(x)
-        out = self.provider.forward(self.layer, x, ids, weights)
+        out = self.provider.forward(self.layer, x, self.pick(ids), weights)
         return out + self.shared(x) if self.shared is not None else out
 
 

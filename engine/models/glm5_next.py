@@ -38,6 +38,7 @@ from engine.experts.provider import ExpertProvider
 from engine.glm5_next_config import DSA, KDA, Glm5Spec, SpecError, tensor_shapes
 from engine.kv_cache import SlotCaches, untouched_zeros
 from engine.models.common import MLP, WeightSource, rms_norm, sigmoid_grouped_topk
+from engine.routing_trace import RoutedBlock
 from engine.dense_weights import Projection
 from engine.gpu.graphs import DecodeGraphs
 
@@ -90,7 +91,7 @@ class ClampedMLP(MLP):
         return self.down(F.silu(gate) * up)
 
 
-class Glm5MoeBlock(nn.Module):
+class Glm5MoeBlock(RoutedBlock):
     """Routed experts through the provider (as every architecture) plus the shared expert; routing as GLM-4.5.
     The routed experts' gate and up are clamped at swiglu_limit as the shared expert's are: the model hands the
     limit to its provider at load (ExpertProvider.use_swiglu_limit), which carries it into every expert kernel."""
@@ -108,7 +109,7 @@ class Glm5MoeBlock(nn.Module):
         ids, weights = sigmoid_grouped_topk(F.linear(x.float(), self.gate), self.bias, top_k=c.top_k,
                                             n_group=c.n_group, topk_group=c.topk_group, renormalize=c.norm_topk_prob,
                                             scale=c.routed_scaling_factor, out_dtype=x.dtype)
-        return self.provider.forward(self.layer, x, ids, weights) + self.shared(x)
+        return self.provider.forward(self.layer, x, self.pick(ids), weights) + self.shared(x)
 
 
 class HyperConnection:
@@ -496,6 +497,7 @@ class ShapeChecked:
 
 
 class Glm5Next(nn.Module):
+    bench_routing = None       # engine.routing_trace.BenchRouting where the loader installed one (benchmarking only)
     """The model: prefill (one sequence, many tokens, from any start) and decode_step (one token for each of
     many sequences), the interface engine.llm drives every architecture through."""
 

@@ -8,15 +8,23 @@ from torch import nn
 
 from engine.kernels import native
 from engine.models.common import MoEModel, WeightSource, native_tail, softmax_topk
+from engine.routing_trace import BenchRouting, RoutedBlock
 
 
-class MixtralBlock(nn.Module):
+class MixtralBlock(RoutedBlock):
     def __init__(self, model: MoEModel, w: WeightSource, layer: int):
         super().__init__()
         self.layer, self.provider, self.top_k = layer, model.provider, model.cfg.top_k
         self.gate = w.get(f"model.layers.{layer}.block_sparse_moe.gate.weight")
         self.native = model.native_decode and self.gate.dtype == torch.float32 and self.gate.shape[0] <= 1024
         self.tail = native_tail(model, self.provider) if self.native else None
+
+    def use_bench(self, bench: BenchRouting | None) -> None:
+        """Bench routing replaces the choice in forward: the one-call native routing (which picks inside the
+        kernel) steps aside while it is on."""
+        super().use_bench(bench)
+        if bench is not None:
+            self.native, self.tail = False, None
 
     def native_step(self, x: torch.Tensor, h: torch.Tensor, next_norm: torch.Tensor, eps: float) -> torch.Tensor | None:
         """A native decode step's MoE half (MoEModel._run_native): route h, compute the picked experts from
@@ -46,7 +54,7 @@ class MixtralBlock(nn.Module):
             ids, weights = native.router_topk(x.reshape(-1).contiguous(), self.gate, self.top_k, True)
         else:
             ids, weights = softmax_topk(F.linear(x, self.gate), self.top_k, True, x.dtype)
-        return self.provider.forward(self.layer, x, ids, weights)
+        return self.provider.forward(self.layer, x, self.pick(ids), weights)
 
 
 class Mixtral(MoEModel):

@@ -8,9 +8,10 @@ from torch import nn
 
 from engine.kernels import triton_decode
 from engine.models.common import MoEModel, WeightSource, softmax_topk
+from engine.routing_trace import RoutedBlock
 
 
-class Qwen3MoeBlock(nn.Module):
+class Qwen3MoeBlock(RoutedBlock):
     def __init__(self, model: MoEModel, w: WeightSource, layer: int):
         super().__init__()
         self.layer, self.provider, cfg = layer, model.provider, model.cfg
@@ -23,7 +24,7 @@ class Qwen3MoeBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Router logits in the model dtype, softmax in fp32, weights back in the model dtype (as transformers).
         ids, weights = self.route(F.linear(x, self.gate), self.top_k, self.renormalize, x.dtype)
-        return self.provider.forward(self.layer, x, ids, weights)
+        return self.provider.forward(self.layer, x, self.pick(ids), weights)
 
 
 class Qwen3Moe(MoEModel):

@@ -15,6 +15,9 @@ and, where a tiered provider decodes zero-copy (engine.tiers.zero_copy; its pcie
   kiln_zero_copy_decode               1 while RAM-tier records are read in place
   kiln_read_in_place_bytes_total      record bytes the GPU kernels read from the RAM tier over PCIe
   kiln_promotions_total               records copied from RAM into GPU slots between steps
+and the per-layer placement plan (engine.tiers.placement): kiln_placement_layer_mode{layer,mode},
+kiln_placement_layer_skew{layer}, kiln_placement_layer_gpu_experts{layer}, kiln_placement_replans_total,
+kiln_placement_changes_total; kiln_bench_routing{mode} while --bench-routing draws the picks.
 """
 from __future__ import annotations
 
@@ -74,11 +77,38 @@ class _EngineCollector:
                                       "in place over PCIe", value=float(zc["read_in_place_bytes"]))
             yield CounterMetricFamily("kiln_promotions", "Records copied from the RAM tier into GPU slots between "
                                       "zero-copy decode steps", value=float(zc["promotions"]))
+        yield from _placement_metrics(c)
+        if (bench := c.get("bench_routing")) is not None:
+            g = GaugeMetricFamily("kiln_bench_routing", "1 while the routers' choice is replaced by drawn picks "
+                                  "(--bench-routing: benchmarking only; outputs are not the model's)", labels=["mode"])
+            g.add_metric([bench["mode"]], 1.0)
+            yield g
         if c.get("provider"):
             kind = GaugeMetricFamily("kiln_expert_provider", "1 for the provider that serves the routed experts",
                                      labels=["provider"])
             kind.add_metric([c["provider"]], 1.0)
             yield kind
+
+
+def _placement_metrics(c: dict):
+    """A tiered provider's plan (engine.tiers.placement): each MoE layer's mode, skew and GPU experts."""
+    plan = c.get("placement")
+    if not plan:
+        return
+    mode = GaugeMetricFamily("kiln_placement_layer_mode", "1 for each MoE layer's plan: static (its GPU experts stay) "
+                             "or cache (its hot experts are promoted)", labels=["layer", "mode"])
+    skew = GaugeMetricFamily("kiln_placement_layer_skew", "Share of a layer's picks on its hottest experts beyond "
+                             "a uniform routing's", labels=["layer"])
+    gpu = GaugeMetricFamily("kiln_placement_layer_gpu_experts", "A layer's experts in GPU slots at the last plan",
+                            labels=["layer"])
+    for layer, p in plan["layers"].items():
+        mode.add_metric([layer, p["mode"]], 1.0)
+        skew.add_metric([layer], p["skew"])
+        gpu.add_metric([layer], p["gpu_experts"])
+    yield from (mode, skew, gpu)
+    yield CounterMetricFamily("kiln_placement_replans", "Placement plans made while serving", value=plan["replans"])
+    yield CounterMetricFamily("kiln_placement_changes", "Layers whose plan changed (one log line each)",
+                              value=plan["changes"])
 
 
 def _lane_metrics(c: dict):

@@ -171,7 +171,8 @@ def build_provider(checkpoint, store_dir, config: EngineConfig | None = None, *,
              ram_slots, readers, f" on CPUs {sorted(reader_cpus)}" if reader_cpus else "", policy, cpu_experts)
     provider = TieredExperts(m, store_dir, device=device, ram_slots=min(ram_slots, n), gpu_slots=min(gpu_slots, n),
                              readers=readers, reader_cpus=reader_cpus, policy=policy, trace=trace,
-                             cpu_experts=cpu_experts, lane_cpus=layout_cpus.get("lane"), lane_rates=config.lane_rates)
+                             cpu_experts=cpu_experts, lane_cpus=layout_cpus.get("lane"), lane_rates=config.lane_rates,
+                             placement=config.placement)
     try:
         if config.preload:
             provider.preload()

@@ -36,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from engine.engine_config import parse_lane_rates
 from engine.errors import EngineError, Exit
 from engine.experts.layout import ExpertLayout
 from engine.experts.provider import ExpertProvider, Predictor
@@ -46,6 +47,7 @@ from engine.store import manifest as mf
 from engine.tiers.cache import ExpertCache, ExpertKey
 from engine.tiers.gpu import GpuTier
 from engine.kernels import lane as lane_kernel
+from engine.tiers.placement import Planner
 from engine.tiers.lanes import Candidate, CpuLane, LaneCounters, LaneRates, lane_rates as rates_of, measure_rates, \
     native_picks, promotions, split
 from engine.tiers.ram import RamTier
@@ -86,7 +88,7 @@ class TieredExperts(ExpertProvider):
     def __init__(self, manifest: mf.Manifest, store_dir: str | Path, *, device: str | torch.device = "cpu",
                  ram_slots: int, gpu_slots: int = 0, readers: int = 4, reader_cpus: set[int] | None = None,
                  policy: str = "lru", trace: str | Path | None = None, cpu_experts: str = "off",
-                 lane_cpus: set[int] | None = None, lane_rates: str | None = None):
+                 lane_cpus: set[int] | None = None, lane_rates: str | None = None, placement: str = "auto"):
         self.manifest = manifest
         self.layout: ExpertLayout = manifest.layout
         self.device = torch.device(device)
@@ -117,6 +119,10 @@ class TieredExperts(ExpertProvider):
         self._measured: dict = {}
         self._job: CpuJob | None = None
         self.zero_copy: ZeroCopyDecode | None = None    # use_zero_copy() turns it on
+        # Per layer a static split or a cache, from the measured picks and lane rates (engine.tiers.placement)
+        self.planner = Planner(list(manifest.moe_layers), manifest.experts_per_layer, self.layout.record_bytes,
+                               mode=placement)
+        self._given_rates_gbps = parse_lane_rates(lane_rates)
         if self.cpu_experts != "off":
             self.lane = CpuLane(lane_cpus)
             self._given_rates = lane_rates
@@ -246,6 +252,7 @@ class TieredExperts(ExpertProvider):
             return self._decode_from_slots(layer, x, topk_ids, topk_weights)
         routes = group_routes(topk_ids)               # ascending experts: the order moe_reference visits them in
         picks = {r.expert: len(r.tokens) for r in routes}
+        self.observe(layer, topk_ids)
         self.record_trace(layer, list(picks))
         lane = "gpu" if self.gpu is not None else "cpu"
         self.lanes.add(lane, topk_ids.numel(), len(picks) * self.layout.record_bytes)
@@ -261,6 +268,7 @@ class TieredExperts(ExpertProvider):
         if self.gpu is not None or len(experts) > self.wave:
             return None
         order = sorted(experts)                        # forward's order: its fetch, trace and counts see the same
+        self.observe(layer, experts)
         self.record_trace(layer, order)
         self.lanes.add("cpu", len(order), len(order) * self.layout.record_bytes)
         slots, from_store = self.ram.fetch(layer, order, ())
@@ -300,6 +308,7 @@ class TieredExperts(ExpertProvider):
             "lanes": lanes,
             "lane_rates": self._rates.as_dict() if self._rates is not None else None,
             "zero_copy": zc,
+            "placement": self.planner.summary(),
         }
 
     # -- decode from slots: one slot table per layer, the GEMV kernels; the CPU lane beside them --------
@@ -359,6 +368,7 @@ class TieredExperts(ExpertProvider):
         self.record_trace(layer, uniq)
         pick_keys = [ExpertKey(layer, e) for e in ids]
         self._count(pick_keys)
+        self.observe(layer, ids)
         if self.lane is not None:           # heat only steers the CPU lane's split and promotions
             self.heat.update(pick_keys)
         cpu: list[int] = []
@@ -453,6 +463,8 @@ class TieredExperts(ExpertProvider):
         """Copy the CPU lane's hottest experts into GPU slots too, for their next picks (lanes.promotions: as
         many as the PCIe lane copies while the CPU computes), each only while it is hotter than the slot it
         would take. Not waited for here: the next layer's wait_copies covers them."""
+        if not self.planner.promotes(layer):
+            return                           # a static layer's residents stay as they are (tiers.placement)
         cache = self.gpu.cache
         for e in promotions(cpu, self.rates, self.layout.record_bytes, copies, None, cache.capacity - len(pinned)):
             key = ExpertKey(layer, e)
@@ -464,6 +476,7 @@ class TieredExperts(ExpertProvider):
                 if self.heat[victim] >= self.heat[key]:
                     return                   # the rest are no hotter (promotions orders them hottest first)
             self.gpu.load(layer, [e], self.ram, pinned | {key})
+            self.planner.note_promotion(layer)
             pinned = pinned | {key}
 
     def _count(self, keys: list[ExpertKey]) -> None:
@@ -497,6 +510,31 @@ class TieredExperts(ExpertProvider):
         for e in wave:
             self.served["store" if e in from_store else "ram"] += picks[e]
         return [self.layout.views(self.ram.arena.tensor(slots[e], self.layout.dtype)) for e in wave]
+
+    # -- placement from routing statistics (engine.tiers.placement) ---------------------------------------
+    def observe(self, layer: int, experts) -> None:
+        """A call's picks of a layer (a tensor or list of expert ids) into the planner; the last MoE layer's
+        count the window (every layer has seen the call by then), and a plan is made when one is due."""
+        ids = experts.reshape(-1).tolist() if isinstance(experts, torch.Tensor) else experts
+        self.planner.observe(layer, ids)
+        if layer == self.planner.layers[-1] and self.planner.due(len(ids)):
+            self.replan()
+
+    def placement_rates(self) -> dict:
+        """GB/s of the lanes a miss can take: PCIe (given, the lane model's, or the copies measured so far) and
+        the CPU lane (0 without one)."""
+        given = self._given_rates_gbps
+        r = self._rates.as_dict() if self._rates is not None else {}
+        pcie = given.get("pcie") or r.get("pcie_gbps") or 0.0
+        if not pcie and self.gpu is not None and self.gpu.copy_seconds > 0:
+            pcie = self.gpu.copy_bytes / self.gpu.copy_seconds / 1e9
+        cpu = (given.get("cpu") or r.get("cpu_gbps") or 0.0) if self.lane is not None else 0.0
+        return {"pcie": pcie, "cpu": cpu}
+
+    def replan(self) -> list[int]:
+        """Re-plan every layer now (engine.tiers.placement.Planner.plan) → the layers that changed."""
+        on_gpu = Counter(k.layer for k in self.gpu.cache.resident()) if self.gpu is not None else Counter()
+        return self.planner.plan(lambda layer: on_gpu[layer], self.placement_rates())
 
     def record_trace(self, layer: int, experts: list[int]) -> None:
         if self._trace:

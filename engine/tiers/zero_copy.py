@@ -252,6 +252,10 @@ class ZeroCopyDecode:
         self._step += 1
         self.last_use[idx] = self._step
         np.add.at(self.uses_since, idx, 1)
+        planner = self.p.planner
+        planner.observe_rows(ids)
+        if planner.due(ids.shape[1]):
+            self.p.replan()
         if self.p.tracing:
             for layer, row in self.rows.items():
                 self.p.record_trace(layer, sorted(set(ids[row].tolist())))
@@ -292,16 +296,19 @@ class ZeroCopyDecode:
     def _promote(self, picked: np.ndarray, from_ram: Counter) -> None:
         budget = self.budget()
         moves = self.room - 1 - len(self.promoting) - len(self.demoting)   # a write-back always finds a RAM slot
+        planner = self.p.planner
+        static = planner.static_layers      # their residents stay, and nothing of theirs is promoted (tiers.placement)
         up, down = [], []
         for key, _ in from_ram.most_common():
             if len(up) >= budget or moves <= 0 or self.gpu.cache.free == 0:
                 break
-            if key in self.promoting or key in self.gpu.cache:
+            if key in self.promoting or key in self.gpu.cache or key.layer in static:
                 continue
             slot, evicted = self.gpu.cache.admit(key)
             assert evicted is None
             up.append((slot, self.ram.arena.tensor(self.ram.cache.slot_of(key), self.layout.dtype)))
             self.promoting.add(key)
+            planner.note_promotion(key.layer)
             self._unsynced.append(("up", key))
             moves -= 1
         # Keep at least `budget` GPU slots free for the next steps' promotions: below that, write the coldest back
@@ -311,6 +318,8 @@ class ZeroCopyDecode:
         if want > 0 and moves > 0 and self.ram.cache.free > 0:
             self.sync_policy()
             protect = {self.keys[j] for j in picked.tolist()} | self.promoting | self.demoting
+            if static:
+                protect |= {k for k in self.gpu.cache.resident() if k.layer in static}
         while want > 0 and moves > 0 and self.ram.cache.free > 0:
             try:
                 victim = self.gpu.cache.policy.victim(protect)
