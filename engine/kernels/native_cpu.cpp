@@ -866,15 +866,39 @@ inline float lane_tree16(float* a) {            // a fixed summation tree over 1
     return a[0];
 }
 
+// Σ_g (z_g - 8·s_g)·xs_g of one row, lane l summing the groups g ≡ l (mod 16) in order, then lane_tree16.
+inline float lane_zero_term(const uint16_t* p, const float* xs, int groups) {
+    alignas(64) float c[16];
+#if defined(__AVX512F__)
+    __m512 acc = _mm512_setzero_ps();
+    const __m512i hi16 = _mm512_set1_epi32((int)0xffff0000u);
+    for (int g0 = 0; g0 < groups; g0 += 16) {
+        const __mmask16 m = groups - g0 >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (groups - g0)) - 1);
+        const __m512i v = _mm512_maskz_loadu_epi32(m, (const void*)(p + 2 * g0));
+        const __m512 sv = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+        const __m512 zv = _mm512_castsi512_ps(_mm512_and_si512(v, hi16));
+        acc = _mm512_fmadd_ps(_mm512_fnmadd_ps(_mm512_set1_ps(8.0f), sv, zv), _mm512_maskz_loadu_ps(m, xs + g0), acc);
+    }
+    _mm512_store_ps(c, acc);
+#else
+    for (int l = 0; l < 16; ++l) c[l] = 0.f;
+    for (int g = 0; g < groups; ++g) {
+        const float s = bf16_to_float(p[2 * g]), z = bf16_to_float(p[2 * g + 1]);
+        c[g % 16] = std::fma(std::fma(-8.0f, s, z), xs[g], c[g % 16]);
+    }
+#endif
+    return lane_tree16(c);
+}
+
 // Rows r0..r1 of a rows-form int4 matrix [N, K] (group 32) on one prepared input: xd per group the 16 even then the
-// 16 odd inputs (bf16-rounded), xs per group Σx in input order → y[r] rounded to bf16.
+// 16 odd inputs (bf16-rounded), xs per group Σx in input order → y[r] = bf16(Σ_lanes Σ_g s_g·t_g + the zero term),
+// t_g lane j = q[2j]·x[2j] + q[2j+1]·x[2j+1] of group g (a multiply, then an FMA), each lane a chain of FMAs.
 void lane_rows(const float* xd, const float* xs, int K, const uint8_t* codes, const uint16_t* sz, int r0, int r1,
                float* y) {
     const int groups = K / 32;
     for (int r = r0; r < r1; ++r) {
         const uint8_t* q = codes + (size_t)r * (K / 2);
         const uint16_t* p = sz + (size_t)r * groups * 2;
-        float c = 0.f;
         alignas(64) float a[16];
 #if defined(__AVX512F__)
         __m512 acc = _mm512_setzero_ps();
@@ -886,9 +910,10 @@ void lane_rows(const float* xd, const float* xs, int K, const uint8_t* codes, co
             const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
             __m512 t = _mm512_mul_ps(lo, _mm512_loadu_ps(xd + 32 * gi));
             t = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xd + 32 * gi + 16), t);
-            const float s = bf16_to_float(p[2 * gi]), z = bf16_to_float(p[2 * gi + 1]);
-            acc = _mm512_fmadd_ps(t, _mm512_set1_ps(s), acc);
-            c = std::fma(std::fma(-8.0f, s, z), xs[gi], c);
+            uint32_t pair;                                  // (s, z): s the low bf16
+            std::memcpy(&pair, p + 2 * gi, 4);
+            const __m512 sv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_set1_epi32((int)pair), 16));
+            acc = _mm512_fmadd_ps(t, sv, acc);
         }
         _mm512_store_ps(a, acc);
 #elif defined(__AVX2__) && defined(__FMA__)
@@ -903,27 +928,25 @@ void lane_rows(const float* xd, const float* xs, int K, const uint8_t* codes, co
             __m256 t1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v1, low)), _mm256_loadu_ps(xe + 8));
             t0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v0, 4)), _mm256_loadu_ps(xe + 16), t0);
             t1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v1, 4)), _mm256_loadu_ps(xe + 24), t1);
-            const float s = bf16_to_float(p[2 * gi]), z = bf16_to_float(p[2 * gi + 1]);
-            acc0 = _mm256_fmadd_ps(t0, _mm256_set1_ps(s), acc0);
-            acc1 = _mm256_fmadd_ps(t1, _mm256_set1_ps(s), acc1);
-            c = std::fma(std::fma(-8.0f, s, z), xs[gi], c);
+            const __m256 sv = _mm256_set1_ps(bf16_to_float(p[2 * gi]));
+            acc0 = _mm256_fmadd_ps(t0, sv, acc0);
+            acc1 = _mm256_fmadd_ps(t1, sv, acc1);
         }
         _mm256_store_ps(a, acc0);
         _mm256_store_ps(a + 8, acc1);
 #else
         for (int j = 0; j < 16; ++j) a[j] = 0.f;
         for (int gi = 0; gi < groups; ++gi) {
-            const float s = bf16_to_float(p[2 * gi]), z = bf16_to_float(p[2 * gi + 1]);
+            const float s = bf16_to_float(p[2 * gi]);
             for (int j = 0; j < 16; ++j) {
                 const uint8_t b = q[16 * gi + j];
                 float t = float(b & 15) * xd[32 * gi + j];
                 t = std::fma(float(b >> 4), xd[32 * gi + 16 + j], t);
                 a[j] = std::fma(t, s, a[j]);
             }
-            c = std::fma(std::fma(-8.0f, s, z), xs[gi], c);
         }
 #endif
-        y[r] = bf16_round(lane_tree16(a) + c);
+        y[r] = bf16_round(lane_tree16(a) + lane_zero_term(p, xs, groups));
     }
 }
 
