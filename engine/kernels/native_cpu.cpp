@@ -826,15 +826,17 @@ void ggml_ffn(const float* x, int H, int I, const uint8_t* gate, int gt, const u
 //     computes (int4_tile / int4_tile_bf16), so every pick is bitwise int4_ffn's.
 //   order 0 (rows: the GPU kernels' int4 form, codes [out][in/2] byte j = q[2j] | q[2j+1] << 4, (s, z) bf16
 //     [out][in/32][2]; what a CUDA machine's RAM tier holds): the same function, each row's Σq·x over 16 lanes
-//     (lane j: inputs 2j and 2j+1 of each group) summed in a fixed tree, so AVX-512, AVX2 and the scalar form
-//     give the same bits.
+//     (lane j: inputs 2j and 2j+1 of each group) summed in a fixed tree, so AVX-512F, AVX2 and the scalar form
+//     give the same bits; with AVX512_BF16 (lane_rows_bf16) two groups a step as bf16 pairs of (128 + q)·x, another
+//     summation (within a bf16 rounding of the others: tests/engine/test_lane_kernel.py).
 //   The sum over picks is out = y·w, then out + y'·w' ... per token (moe_forward's one-token sum, moe_tail's),
 //   computed after every pick is done: which thread computed which part never changes a bit.
 //   Work: (pick, row chunk) items of gate|up over the team, then each pick's silu, then (pick, chunk) items of
 //   down, then the sum over H-column chunks; a layer's experts and each expert's rows are split alike, so one
 //   pick or 32 keep every thread busy.
-//   Refuses (returns 1) what it was not written for: no SwiGLU limit (a layout with one stays on the Python path),
-//   group 32, rows multiple of 64 for cols.
+//   Refuses (returns 1) what it was not written for: groups other than 32, cols rows not a multiple of 64. Its
+//   silu(gate)·up is int4_ffn's as written at this region's writing, with no SwiGLU limit: where int4_ffn gains a
+//   `limit`, this step must take the same one (or the lane must not take such models: engine.kernels.lane.supports).
 // lane_read: the host's DRAM read rate the lane is set beside: `threads` pinned threads stream disjoint parts of a
 //   buffer (64-byte loads summed into a checksum, so the reads stay).
 // lane_isa: the kernels built here: 3 AVX-512 + BF16 dot products, 2 AVX-512F, 1 AVX2 + FMA, 0 scalar.
