@@ -1082,15 +1082,17 @@ void ggml_ffn(const float* x, int H, int I, const uint8_t* gate, int gt, const u
 //     computes (int4_tile / int4_tile_bf16), so every pick is bitwise int4_ffn's.
 //   order 0 (rows: the GPU kernels' int4 form, codes [out][in/2] byte j = q[2j] | q[2j+1] << 4, (s, z) bf16
 //     [out][in/32][2]; what a CUDA machine's RAM tier holds): the same function, each row's Σq·x over 16 lanes
-//     (lane j: inputs 2j and 2j+1 of each group) summed in a fixed tree, so AVX-512, AVX2 and the scalar form
-//     give the same bits.
+//     (lane j: inputs 2j and 2j+1 of each group) summed in a fixed tree, so AVX-512F, AVX2 and the scalar form
+//     give the same bits; with AVX512_BF16 (lane_rows_bf16) two groups a step as bf16 pairs of (128 + q)·x, another
+//     summation (within a bf16 rounding of the others: tests/engine/test_lane_kernel.py).
 //   The sum over picks is out = y·w, then out + y'·w' ... per token (moe_forward's one-token sum, moe_tail's),
 //   computed after every pick is done: which thread computed which part never changes a bit.
 //   Work: (pick, row chunk) items of gate|up over the team, then each pick's silu, then (pick, chunk) items of
 //   down, then the sum over H-column chunks; a layer's experts and each expert's rows are split alike, so one
 //   pick or 32 keep every thread busy.
-//   Refuses (returns 1) what it was not written for: no SwiGLU limit (a layout with one stays on the Python path),
-//   group 32, rows multiple of 64 for cols.
+//   Refuses (returns 1) what it was not written for: groups other than 32, cols rows not a multiple of 64. Its
+//   silu(gate)·up is int4_ffn's as written at this region's writing, with no SwiGLU limit: where int4_ffn gains a
+//   `limit`, this step must take the same one (or the lane must not take such models: engine.kernels.lane.supports).
 // lane_read: the host's DRAM read rate the lane is set beside: `threads` pinned threads stream disjoint parts of a
 //   buffer (64-byte loads summed into a checksum, so the reads stay).
 // lane_isa: the kernels built here: 3 AVX-512 + BF16 dot products, 2 AVX-512F, 1 AVX2 + FMA, 0 scalar.
@@ -1122,15 +1124,76 @@ inline float lane_tree16(float* a) {            // a fixed summation tree over 1
     return a[0];
 }
 
+// Σ_g (z_g - eight·s_g)·xs_g of one row (eight: 8; 136 where the sums hold 128 + q), lane l summing the groups g ≡ l (mod 16) in order, then lane_tree16.
+inline float lane_zero_term(const uint16_t* p, const float* xs, int groups, float eight = 8.0f) {
+    alignas(64) float c[16];
+#if defined(__AVX512F__)
+    __m512 acc = _mm512_setzero_ps();
+    const __m512i hi16 = _mm512_set1_epi32((int)0xffff0000u);
+    for (int g0 = 0; g0 < groups; g0 += 16) {
+        const __mmask16 m = groups - g0 >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (groups - g0)) - 1);
+        const __m512i v = _mm512_maskz_loadu_epi32(m, (const void*)(p + 2 * g0));
+        const __m512 sv = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+        const __m512 zv = _mm512_castsi512_ps(_mm512_and_si512(v, hi16));
+        acc = _mm512_fmadd_ps(_mm512_fnmadd_ps(_mm512_set1_ps(eight), sv, zv), _mm512_maskz_loadu_ps(m, xs + g0), acc);
+    }
+    _mm512_store_ps(c, acc);
+#else
+    for (int l = 0; l < 16; ++l) c[l] = 0.f;
+    for (int g = 0; g < groups; ++g) {
+        const float s = bf16_to_float(p[2 * g]), z = bf16_to_float(p[2 * g + 1]);
+        c[g % 16] = std::fma(std::fma(-eight, s, z), xs[g], c[g % 16]);
+    }
+#endif
+    return lane_tree16(c);
+}
+
+#if defined(__AVX512BF16__)
+// lane_rows with bf16 dot products: 32 code bytes (two groups) a step, each weight the bf16 of 128 + q (exact), two
+// weights a 32-bit lane (bytes 2j, 2j+1 of a group: lo nibbles q[4j], q[4j+2]; hi nibbles q[4j+1], q[4j+3]) against
+// the input pairs xlo, xhi (8 a group each); Σ(128 + q)·x·s less 128·s·Σx goes into the zero term (z - 136s).
+void lane_rows_bf16(const uint32_t* xlo, const uint32_t* xhi, const float* xs, int K, const uint8_t* codes,
+                    const uint16_t* sz, int r0, int r1, float* y) {
+    const int groups = K / 32;
+    const __m512i nib = _mm512_set1_epi32(0x000f000f), bias = _mm512_set1_epi32(0x43004300);
+    const __m512i sidx = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    for (int r = r0; r < r1; ++r) {
+        const uint8_t* q = codes + (size_t)r * (K / 2);
+        const uint16_t* p = sz + (size_t)r * groups * 2;
+        __m512 acc = _mm512_setzero_ps();
+        for (int gi = 0; gi < groups; gi += 2) {
+            const bool two = gi + 1 < groups;
+            const __mmask16 m = two ? (__mmask16)0xffff : (__mmask16)0x00ff;
+            if (!(gi & 3)) _mm_prefetch((const char*)(q + 16 * gi) + PREFETCH, _MM_HINT_T0);
+            const __m256i raw = two ? _mm256_loadu_si256((const __m256i*)(q + 16 * gi))
+                                    : _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i*)(q + 16 * gi)));
+            const __m512i v = _mm512_cvtepu8_epi16(raw);
+            const __m512i lo = _mm512_ternarylogic_epi32(v, nib, bias, 0xea);                       // (A & B) | C
+            const __m512i hi = _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 4), nib, bias, 0xea);
+            __m512 ga = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)lo,
+                                         (__m512bh)_mm512_maskz_loadu_epi32(m, (const void*)(xlo + 8 * gi)));
+            ga = _mm512_dpbf16_ps(ga, (__m512bh)hi, (__m512bh)_mm512_maskz_loadu_epi32(m, (const void*)(xhi + 8 * gi)));
+            const __m512i pairs = _mm512_castsi128_si512(two ? _mm_loadl_epi64((const __m128i*)(p + 2 * gi))
+                                                             : _mm_cvtsi32_si128(*(const int*)(p + 2 * gi)));
+            const __m512 sv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_permutexvar_epi32(sidx, pairs), 16));
+            acc = _mm512_fmadd_ps(ga, sv, acc);
+        }
+        alignas(64) float a[16];
+        _mm512_store_ps(a, acc);
+        y[r] = bf16_round(lane_tree16(a) + lane_zero_term(p, xs, groups, 136.0f));
+    }
+}
+#endif
+
 // Rows r0..r1 of a rows-form int4 matrix [N, K] (group 32) on one prepared input: xd per group the 16 even then the
-// 16 odd inputs (bf16-rounded), xs per group Σx in input order → y[r] rounded to bf16.
-void lane_rows(const float* xd, const float* xs, int K, const uint8_t* codes, const uint16_t* sz, int r0, int r1,
+// 16 odd inputs (bf16-rounded), xs per group Σx in input order → y[r] = bf16(Σ_lanes Σ_g s_g·t_g + the zero term),
+// t_g lane j = q[2j]·x[2j] + q[2j+1]·x[2j+1] of group g (a multiply, then an FMA), each lane a chain of FMAs.
+[[maybe_unused]] void lane_rows(const float* xd, const float* xs, int K, const uint8_t* codes, const uint16_t* sz, int r0, int r1,
                float* y) {
     const int groups = K / 32;
     for (int r = r0; r < r1; ++r) {
         const uint8_t* q = codes + (size_t)r * (K / 2);
         const uint16_t* p = sz + (size_t)r * groups * 2;
-        float c = 0.f;
         alignas(64) float a[16];
 #if defined(__AVX512F__)
         __m512 acc = _mm512_setzero_ps();
@@ -1142,9 +1205,10 @@ void lane_rows(const float* xd, const float* xs, int K, const uint8_t* codes, co
             const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
             __m512 t = _mm512_mul_ps(lo, _mm512_loadu_ps(xd + 32 * gi));
             t = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xd + 32 * gi + 16), t);
-            const float s = bf16_to_float(p[2 * gi]), z = bf16_to_float(p[2 * gi + 1]);
-            acc = _mm512_fmadd_ps(t, _mm512_set1_ps(s), acc);
-            c = std::fma(std::fma(-8.0f, s, z), xs[gi], c);
+            uint32_t pair;                                  // (s, z): s the low bf16
+            std::memcpy(&pair, p + 2 * gi, 4);
+            const __m512 sv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_set1_epi32((int)pair), 16));
+            acc = _mm512_fmadd_ps(t, sv, acc);
         }
         _mm512_store_ps(a, acc);
 #elif defined(__AVX2__) && defined(__FMA__)
@@ -1159,27 +1223,25 @@ void lane_rows(const float* xd, const float* xs, int K, const uint8_t* codes, co
             __m256 t1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v1, low)), _mm256_loadu_ps(xe + 8));
             t0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v0, 4)), _mm256_loadu_ps(xe + 16), t0);
             t1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v1, 4)), _mm256_loadu_ps(xe + 24), t1);
-            const float s = bf16_to_float(p[2 * gi]), z = bf16_to_float(p[2 * gi + 1]);
-            acc0 = _mm256_fmadd_ps(t0, _mm256_set1_ps(s), acc0);
-            acc1 = _mm256_fmadd_ps(t1, _mm256_set1_ps(s), acc1);
-            c = std::fma(std::fma(-8.0f, s, z), xs[gi], c);
+            const __m256 sv = _mm256_set1_ps(bf16_to_float(p[2 * gi]));
+            acc0 = _mm256_fmadd_ps(t0, sv, acc0);
+            acc1 = _mm256_fmadd_ps(t1, sv, acc1);
         }
         _mm256_store_ps(a, acc0);
         _mm256_store_ps(a + 8, acc1);
 #else
         for (int j = 0; j < 16; ++j) a[j] = 0.f;
         for (int gi = 0; gi < groups; ++gi) {
-            const float s = bf16_to_float(p[2 * gi]), z = bf16_to_float(p[2 * gi + 1]);
+            const float s = bf16_to_float(p[2 * gi]);
             for (int j = 0; j < 16; ++j) {
                 const uint8_t b = q[16 * gi + j];
                 float t = float(b & 15) * xd[32 * gi + j];
                 t = std::fma(float(b >> 4), xd[32 * gi + 16 + j], t);
                 a[j] = std::fma(t, s, a[j]);
             }
-            c = std::fma(std::fma(-8.0f, s, z), xs[gi], c);
         }
 #endif
-        y[r] = bf16_round(lane_tree16(a) + c);
+        y[r] = bf16_round(lane_tree16(a) + lane_zero_term(p, xs, groups));
     }
 }
 
@@ -1187,7 +1249,7 @@ void lane_rows(const float* xd, const float* xs, int K, const uint8_t* codes, co
 // tiles read (cols + BF16: bf16 pairs; rows: each group's even inputs then its odd ones).
 struct LaneInput {
     std::vector<float> xr, xs, xd;
-    std::vector<uint32_t> xp;
+    std::vector<uint32_t> xp, xlo, xhi;
     void prepare(const float* x, int K, int g, int order) {
         xr.resize(K);
         xs.resize(K / g);
@@ -1197,6 +1259,20 @@ struct LaneInput {
             for (int k = gi * g; k < (gi + 1) * g; ++k) s += xr[k];
             xs[gi] = s;
         }
+#if defined(__AVX512BF16__)
+        if (order == 0) {                                // lane_rows_bf16's pairs
+            xlo.resize(K / 4);
+            xhi.resize(K / 4);
+            auto bits = [&](int k) { uint32_t u; std::memcpy(&u, &xr[k], 4); return u >> 16; };
+            for (int gi = 0; gi < K / 32; ++gi)
+                for (int j = 0; j < 8; ++j) {
+                    const int k = 32 * gi + 4 * j;
+                    xlo[8 * gi + j] = bits(k) | bits(k + 2) << 16;
+                    xhi[8 * gi + j] = bits(k + 1) | bits(k + 3) << 16;
+                }
+            return;
+        }
+#endif
         if (order == 0) {
             xd.resize(K);
             for (int gi = 0; gi < K / 32; ++gi)
@@ -1225,7 +1301,11 @@ void lane_chunk(const LaneInput& in, int K, int N, int g, int order, const uint8
                 int c, float* y) {
     if (order == 0) {
         const int r0 = c * LANE_ROWS_ROWS, r1 = r0 + LANE_ROWS_ROWS < N ? r0 + LANE_ROWS_ROWS : N;
+#if defined(__AVX512BF16__)
+        lane_rows_bf16(in.xlo.data(), in.xhi.data(), in.xs.data(), K, codes, sz, r0, r1, y);
+#else
         lane_rows(in.xd.data(), in.xs.data(), K, codes, sz, r0, r1, y);
+#endif
         return;
     }
     const int r0 = c * LANE_ROWS, r1 = r0 + LANE_ROWS < N ? r0 + LANE_ROWS : N;
