@@ -186,7 +186,8 @@ def main():
     model_dir, store, store4 = work / "model", work / "store", work / "store-int4"
     shape = {**QWEN3_30B_A3B, "num_hidden_layers": args.layers}
     t0 = time.perf_counter()
-    syn = synthesize(model_dir, store, num_hidden_layers=args.layers) if not (store / mf.MANIFEST).exists() else {"reused": True}
+    have = (store / mf.MANIFEST).exists() or (work / "synth-q4_k_m.gguf").exists()
+    syn = synthesize(model_dir, store, num_hidden_layers=args.layers) if not have else {"reused": True}
     syn4 = (synthesize(work / "model-int4", store4, num_hidden_layers=args.layers, quant="int4")
             if not (store4 / mf.MANIFEST).exists() else {"reused": True})
     for f in Path(args.tokenizer).iterdir():
@@ -226,6 +227,7 @@ def main():
 
     def make_q4():
         conv = gguf_convert(model_dir, store, llama / "src", bf16, timeout_s=max(1, clock.left() - 120))
+        shutil.rmtree(store)        # Kiln reads store-int4; the device's 64 GiB hold the bf16 store or its GGUF+Q4
         quant = quantize(llama / "bin", bf16, q4, timeout_s=max(1, clock.left() - 60))
         bf16.unlink()
         return {"convert": {k: v for k, v in conv.items() if k != "log_tail"}, "quantize": quant}

@@ -101,6 +101,12 @@ class Penalties:
         self.seen = torch.zeros(slots, vocab, dtype=torch.bool, device=device)
         self.counts = torch.zeros(slots, vocab, dtype=torch.int32, device=device)
 
+    def clone(self) -> Penalties:
+        """A copy of the counts (a capture's eager warm-up records into it, not into the requests')."""
+        out = Penalties.__new__(Penalties)
+        out.seen, out.counts = self.seen.clone(), self.counts.clone()
+        return out
+
     def reset(self, slot: int, prompt: list[int]) -> None:
         self.seen[slot].zero_()
         self.counts[slot].zero_()

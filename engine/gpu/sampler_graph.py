@@ -105,11 +105,7 @@ class SamplerGraphs:
             with torch.cuda.stream(self.stream):
                 # eager once (the sort's and scan's workspaces, kernels chosen) on copies of the counts, which the
                 # replay that follows the capture records into
-                warm = None
-                if penalties is not None:
-                    warm = Penalties.__new__(Penalties)
-                    warm.seen, warm.counts = penalties.seen.clone(), penalties.counts.clone()
-                draw(logits, floats, ints, how, warm, slots)
+                draw(logits, floats, ints, how, penalties.clone() if penalties is not None else None, slots)
                 graph = torch.cuda.CUDAGraph()
                 # thread_local: the server's other threads may make CUDA calls that are not part of this capture.
                 with torch.cuda.graph(graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"):
