@@ -8,9 +8,9 @@ import torch.nn.functional as F
 
 def swiglu(g: torch.Tensor, u: torch.Tensor, limit: float | None = None) -> torch.Tensor:
     """silu(g)·u; with a limit (glm5_next's swiglu_limit, handed to a provider by use_swiglu_limit) g is clamped
-    from above and u both ways first, as transformers' Glm5NextTextExperts._apply_gate does. No limit (None or 0):
-    exactly the two ops every other model computes, so their results keep every bit."""
-    if limit:
+    from above and u both ways first, as transformers' Glm5NextTextExperts._apply_gate does. No limit (None, 0 or
+    +inf): exactly the two ops every other model computes, so their results keep every bit."""
+    if limit and limit != float("inf"):
         g, u = g.clamp(max=limit), u.clamp(-limit, limit)
     return F.silu(g) * u
 
