@@ -29,7 +29,7 @@ def test_calibrated_hot_set_takes_39_percent(n_experts):
 
 
 def test_uniform_draws_are_distinct_and_flat():
-    b = BenchRouting("uniform", 64, 6, [3], seed=1)
+    b = BenchRouting("uniform", 64, 6, [3], seed=1, pool=8000)
     ids = torch.cat([b(3, torch.zeros(1000, 6, dtype=torch.long)) for _ in range(8)])
     assert all(len(set(r)) == 6 for r in ids.tolist())
     counts = torch.bincount(ids.view(-1), minlength=64).double()
