@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine.engine_config import EngineConfig
-from engine.routing_trace import BenchRouting, calibrate, hot_count, install, uniforms
+from engine.routing_trace import BenchRouting, RoutedBlock, calibrate, hot_count, install, uniforms
 
 
 @pytest.mark.parametrize("n_experts", [128, 288])
@@ -102,7 +102,7 @@ def test_the_provider_gets_the_drawn_picks(arch, tiny_checkpoint, tmp_path):
     expected = [(l, sorted(set(replay(l, torch.zeros(t, 4, dtype=torch.long)).view(-1).tolist())))
                 for t in rows for l in moe]
     assert uni == expected, (ck_layers, uni[:4], expected[:4])
-    blocks = [m for m in model.modules() if getattr(m, "bench", None) is not None]
+    blocks = [m for m in model.modules() if isinstance(m, RoutedBlock) and m.bench is not None]
     assert len(blocks) == len(moe)
 
 
