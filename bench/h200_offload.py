@@ -6,7 +6,7 @@ also builds every weight it measures.
       --layers 8 --budget-s 540
 
 What it does, in order, writing the JSON after every step (a call cut short leaves what it measured):
-1. Weights: `engine synth` (the Qwen3-30B-A3B shape, seed 0, as the other H200 benches; --layers of its 48, 24
+1. Weights: engine.synth.synthesize, what `engine synth` runs (the Qwen3-30B-A3B shape, seed 0, as the other H200 benches; --layers of its 48, 24
    in the earlier runs) twice in subprocesses — bf16 (for llama.cpp) and int4 records (Kiln's store) — and the
    bf16 checkpoint through llama.cpp's own converter (bench/gguf_from_store.py) and `llama-quantize Q4_K_M`; the
    int4 synth runs beside the conversion.
@@ -89,12 +89,16 @@ def llama_n_cpu_moe(budget_bytes_here: int, tensors: dict[str, int], cfg: dict, 
 
 # ------------------------------------------------------------------ weights
 
-TINY = ["--hidden", "256", "--experts", "16", "--top-k", "4", "--moe-intermediate", "256", "--device", "cpu"]
+TINY = dict(hidden_size=256, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=256)
 
 
 def synth_cmd(out: Path, store: Path, layers: int, quant: str, tiny: bool = False) -> list[str]:
-    return [sys.executable, "-m", "engine", "synth", "--out", str(out), "--store", str(store), "--layers", str(layers),
-            "--quant", quant, *(TINY if tiny else [])]
+    """engine.synth.synthesize (what `engine synth` runs) in a child, so this process has not touched CUDA when
+    llama.cpp's GPU peaks are read; by function, not the CLI, so the device needs no click."""
+    shape = dict(num_hidden_layers=layers, **(TINY if tiny else {}))
+    call = (f"from engine.synth import synthesize; print(synthesize({str(out)!r}, {str(store)!r}, quant={quant!r}, "
+            f"device={'cpu' if tiny else None!r}, **{shape!r}))")
+    return [sys.executable, "-c", call]
 
 
 def run_synth(cmd: list[str], log_path: Path, timeout_s: float) -> dict:
@@ -103,7 +107,8 @@ def run_synth(cmd: list[str], log_path: Path, timeout_s: float) -> dict:
         r = subprocess.run(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, timeout=timeout_s)
     if r.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd[2:])} exited {r.returncode}: {log_path.read_text()[-1500:]}")
-    return {"command": " ".join(["python", *cmd[1:]]), "seconds": round(time.perf_counter() - t0, 1)}
+    return {"command": " ".join(["python", *cmd[1:]]), "seconds": round(time.perf_counter() - t0, 1),
+            "result": log_path.read_text()[-600:]}
 
 
 # ------------------------------------------------------------------ Kiln
