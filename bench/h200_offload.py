@@ -22,7 +22,9 @@ What it does, in order, writing the JSON after every step (a call cut short leav
 4. Kiln in-process (LLM.load: the entry `engine serve` uses) per budget and routing (engine.routing_trace,
    --bench-routing: uniform, calibrated, model), temperature 1 seeded: a warm-up, an untimed 8k prompt, a timed
    8k prefill, then STEPS decoded tokens of one stream. GPU peak of nvidia-smi memory.used polled every 100 ms.
-   The placement plan (engine.tiers.placement) at the end of each run is kept.
+   The placement plan (engine.tiers.placement) at the end of each run is kept. Order: the offloading budgets'
+   calibrated and uniform runs first, then the rest, the model's routing, and last the placement's A/B (uniform
+   routing with --placement cache, the tiers' behaviour before the plan) where it offloads.
 5. Targets (issue 32): decode >= 1.5x llama.cpp under calibrated, >= 1.0x under uniform, 8k prefill >= 1.0x; the
    model's routing is reported, not judged.
 Not done here, for the call's time: llama-server through HTTP, Kiln through `engine serve` (bench/h200_served.py
@@ -113,14 +115,14 @@ def run_synth(cmd: list[str], log_path: Path, timeout_s: float) -> dict:
 
 # ------------------------------------------------------------------ Kiln
 
-def kiln_run(model_dir: Path, store: Path, b: dict, routing: str, args, vocab: int) -> dict:
+def kiln_run(model_dir: Path, store: Path, b: dict, routing: str, args, vocab: int, placement: str = "auto") -> dict:
     import torch
     from engine.llm import LLM, SamplingParams
     ctx = args.prefill + args.steps + 256
     cuda = not args.tiny
     knobs = dict(device="cuda" if cuda else "cpu", max_context=ctx, max_batch=1, experts="auto",
                  gpu_slots=b["gpu_slots"] if cuda else None, ram_slots=b["records"] - (b["gpu_slots"] if cuda else 0) + 64, readers=16, bench_routing=routing,
-                 bench_routing_seed=args.seed)
+                 bench_routing_seed=args.seed, placement=placement)
     out: dict = {"routing": routing, "engine_config": {k: v for k, v in knobs.items()}}
     with GpuMemoryPeak() as mem:
         t0 = time.perf_counter()
@@ -185,6 +187,8 @@ def main() -> int:
     ap.add_argument("--prefill", type=int, default=8192)
     ap.add_argument("--reps", type=int, default=1, help="llama-bench -r")
     ap.add_argument("--seed", type=int, default=1, help="--bench-routing-seed")
+    ap.add_argument("--no-placement-ab", dest="placement_ab", action="store_false",
+                    help="skip the last run: uniform routing with --placement cache at the offloading budgets")
     ap.add_argument("--tiny", action="store_true", help="the CPU dry run: a 16-expert, 256-wide checkpoint, Kiln on "
                     "the CPU, llama.cpp's CPU binaries; every step runs, no figure means anything")
     ap.add_argument("--budget-s", type=float, default=540, help="stop starting steps that would pass this; "
@@ -259,40 +263,53 @@ def main() -> int:
         res.setdefault("budgets", {})[f"{b:g}"] = {"kiln": kb, "llama_cpp": lb}
     save()
 
-    # 3. llama.cpp, once per budget (no CUDA in this process yet)
+    # 3. llama.cpp, once per budget (no CUDA in this process yet); budgets of the same N share one run
+    by_n: dict[int, dict] = {}
     for b, (kb, lb) in plans.items():
         name = f"{b:g}gib"
+        if lb["n_cpu_moe"] in by_n:
+            r = dict(by_n[lb["n_cpu_moe"]], same_run_as_budget=by_n[lb["n_cpu_moe"]]["budget"])
+            r["over_budget"] = (r.get("gpu_memory_peak_gib") or 0) > kb["budget_gib_here"]
+            res["llama_cpp"][name] = r
+            continue
         try:
             need(clock, 60, f"llama-bench at {name}")
         except Skipped as e:
             res["skipped"].append(str(e))
             continue
         r = llama_bench(w, gguf, lb["n_cpu_moe"], timeout_s=min(clock.left() - 10, 240))
-        r["n_cpu_moe"] = lb["n_cpu_moe"]
+        r["n_cpu_moe"], r["budget"] = lb["n_cpu_moe"], name
+        by_n[lb["n_cpu_moe"]] = r
         r["over_budget"] = (r.get("gpu_memory_peak_gib") or 0) > kb["budget_gib_here"]
         res["llama_cpp"][name] = r
         save()
         log(f"llama.cpp {name} N={lb['n_cpu_moe']}: decode {r.get('decode_tps')} prefill "
             f"{r.get(f'prefill_tps_{args.prefill}')} peak {r.get('gpu_memory_peak_gib')} GiB")
 
-    # 4. Kiln per budget and routing
-    for b, (kb, lb) in plans.items():
-        name = f"{b:g}gib"
-        for routing in routings:
-            try:
-                need(clock, 45, f"Kiln at {name} under {routing} routing")
-            except Skipped as e:
-                res["skipped"].append(str(e))
-                continue
-            try:
-                r = kiln_run(model4, store4, kb, routing, args, vocab)
-            except Exception as e:          # one failed run must not lose the others' figures
-                r = {"error": f"{type(e).__name__}: {e}"[-2000:]}
-            r["over_budget"] = (r.get("gpu_memory_peak_gib") or 0) > kb["budget_gib_here"]
-            res["kiln"].setdefault(name, {})[routing] = r
-            save()
-            log(f"Kiln {name} {routing}: decode {r.get('decode_tps')} prefill {r.get('prefill_tps')} "
-                f"peak {r.get('gpu_memory_peak_gib')} GiB")
+    # 4. Kiln per budget and routing, the judged ones first: the offloading budgets' calibrated and uniform runs,
+    # then the model's routing, then (the placement's A/B) uniform routing with --placement cache where it offloads
+    offload = [b for b in budgets if not plans[b][0]["all_resident"]]
+    order = [(b, r, "auto") for b in budgets for r in routings if r != "model"]
+    order.sort(key=lambda x: x[0] not in offload)
+    order += [(b, "model", "auto") for b in budgets if "model" in routings]
+    order += [(b, "uniform", "cache") for b in offload if args.placement_ab and "uniform" in routings]
+    for b, routing, placement in order:
+        name, kb = f"{b:g}gib", plans[b][0]
+        key = routing if placement == "auto" else f"{routing}_placement_{placement}"
+        try:
+            need(clock, 45, f"Kiln at {name} under {key} routing")
+        except Skipped as e:
+            res["skipped"].append(str(e))
+            continue
+        try:
+            r = kiln_run(model4, store4, kb, routing, args, vocab, placement)
+        except Exception as e:          # one failed run must not lose the others' figures
+            r = {"error": f"{type(e).__name__}: {e}"[-2000:]}
+        r["over_budget"] = (r.get("gpu_memory_peak_gib") or 0) > kb["budget_gib_here"]
+        res["kiln"].setdefault(name, {})[key] = r
+        save()
+        log(f"Kiln {name} {key}: decode {r.get('decode_tps')} prefill {r.get('prefill_tps')} "
+            f"peak {r.get('gpu_memory_peak_gib')} GiB ({clock.elapsed()} s)")
 
     # 5. targets and the table
     rows, verdicts = [], {}
@@ -300,8 +317,10 @@ def main() -> int:
         name = f"{b:g}gib"
         peer = res["llama_cpp"].get(name, {})
         pd, pp = peer.get("decode_tps"), peer.get(f"prefill_tps_{args.prefill}")
-        for routing in routings:
-            k = res["kiln"].get(name, {}).get(routing, {})
+        for routing in [*routings, "uniform_placement_cache"]:
+            k = res["kiln"].get(name, {}).get(routing)
+            if k is None:
+                continue
             kd, kp = k.get("decode_tps"), k.get("prefill_tps")
             dr = round(kd / pd, 3) if kd and pd else None
             pr = round(kp / pp, 3) if kp and pp else None
@@ -312,7 +331,7 @@ def main() -> int:
             if routing in TARGETS and dr is not None:
                 verdicts[f"{name}_{routing}_decode"] = {"x": dr, "target": TARGETS[routing],
                                                         "met": dr >= TARGETS[routing]}
-            if routing != "model" and pr is not None:
+            if routing in TARGETS and pr is not None:
                 verdicts[f"{name}_{routing}_prefill_8k"] = {"x": pr, "target": PREFILL_TARGET,
                                                             "met": pr >= PREFILL_TARGET}
     res["table"], res["targets"] = rows, verdicts
