@@ -162,6 +162,15 @@ class BenchRouting:
             d.update(zipf_s=self.s, hot_share=HOT_SHARE, hot_experts=hot_count(self.n), hot_picks_target=HOT_PICKS)
         return d
 
+    def mark(self) -> dict:
+        """The pools' positions now (device copies), for rewind: a CUDA graph's eager warm-up step is replayed
+        right after, and must draw what the replay draws (engine.gpu.graphs)."""
+        return {l: p.clone() for l, p in self.pos.items()}
+
+    def rewind(self, mark: dict) -> None:
+        for l, p in self.pos.items():
+            p.copy_(mark[l])
+
     def __call__(self, layer: int, ids: torch.Tensor) -> torch.Tensor:
         t, pos = ids.shape[0], self.pos[layer]
         rows = (pos + torch.arange(t, device=pos.device)) % self.pool_size
