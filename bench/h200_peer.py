@@ -84,8 +84,8 @@ def llama_env(bin_dir: Path) -> dict:
 
 
 class GpuMemoryPeak:
-    """Peak memory.used of GPU 0 while the block runs, from `nvidia-smi -lms 200` (None where there is none):
-    the evidence that a placement stays inside the 24 GiB budget."""
+    """Peak memory.used of GPU 0 while the block runs, from `nvidia-smi -lms 100` (None where there is none):
+    the evidence that a placement stays inside the 24 GiB budget (../shared/BENCH.md: polled at least every 100 ms)."""
 
     def __enter__(self):
         self.peak_mib = self.idle_mib = None
@@ -94,7 +94,7 @@ class GpuMemoryPeak:
             return self
         q = ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"]
         self.idle_mib = int(subprocess.run(q, capture_output=True, text=True).stdout.split()[0])
-        self.proc = subprocess.Popen([*q, "-lms", "200"], stdout=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen([*q, "-lms", "100"], stdout=subprocess.PIPE, text=True)
         self.peak_mib = self.idle_mib
 
         def read():

@@ -72,43 +72,13 @@ def resident_bound(tb: dict, lanes: dict) -> dict:
 
 # ------------------------------------------------------------------ in-process (LLM, the entry the server uses)
 
-class UniformRouting:
-    """Bench only, labelled in the results: each Qwen3-MoE block's routing of a decode step replaced by a uniform
-    top-k trace (each token's k experts drawn without replacement) — the expert cache's worst case, which the
-    random checkpoint's own router does not give. The trace is drawn in advance on the device and indexed by a
-    device step counter, so a decode step stays one CUDA graph; prefill (more rows than the batch) keeps the
-    model's router. The weights stay the router's (they do not move any byte)."""
-
-    def __init__(self, model, steps: int = 1024, seed: int = 5):
-        blocks = [layer.mlp for layer in model.layers if hasattr(layer.mlp, "route")]
-        cfg, dev, rows = model.cfg, model.device, model.kv.slots
-        g = torch.Generator(device=dev).manual_seed(seed)
-        self.trace = torch.rand(steps, len(blocks), rows, cfg.n_experts, generator=g, device=dev).argsort(-1)[..., :cfg.top_k]
-        self.step = torch.zeros(1, dtype=torch.long, device=dev)
-        self.steps = steps
-        for i, block in enumerate(blocks):
-            block.route = self._route(block.route, i, i + 1 == len(blocks), rows)
-
-    def _route(self, real, i: int, last: bool, rows: int):
-        def route(logits, top_k, renormalize, dtype):
-            ids, weights = real(logits, top_k, renormalize, dtype)
-            t = logits.shape[0]
-            if t > rows:
-                return ids, weights
-            drawn = self.trace.index_select(0, self.step % self.steps)[0, i, :t].to(ids.dtype)
-            if last:
-                self.step.add_(1)
-            return drawn, weights
-        return route
-
-
 def inprocess(model_dir, store, kw: dict, vocab, steps, prefill, sampled, uniform: bool = False) -> tuple[dict, dict]:
     from engine.llm import LLM, SamplingParams
     t0 = time.perf_counter()
+    if uniform:          # the routers' choice drawn uniformly (engine.routing_trace, --bench-routing; prefill too)
+        kw = {**kw, "bench_routing": "uniform"}
     llm = LLM.load(model_dir, store, device="cuda", max_context=prefill + 512, max_batch=STREAMS, **kw)
     load_s = time.perf_counter() - t0
-    if uniform:
-        UniformRouting(llm.model)
 
     def make(prompt, n, temp, seed):
         p = SamplingParams(max_tokens=n, temperature=temp, seed=seed, ignore_eos=True)
@@ -118,7 +88,7 @@ def inprocess(model_dir, store, kw: dict, vocab, steps, prefill, sampled, unifor
         res = measure(make, vocab, steps, prefill, sampled, llm.counters)
         res["load_s"] = round(load_s, 1)
         if uniform:
-            res["routing"] = "uniform top-k per token (a synthetic trace on the device, labelled; UniformRouting)"
+            res["routing"] = "uniform top-k per token, prefill and decode (--bench-routing uniform, labelled)"
         g = llm.model.graphs
         res["provider"] = type(llm.model.provider).__name__
         res["zero_copy"] = getattr(llm.model.provider, "zero_copy", None) is not None

@@ -14,12 +14,14 @@ Modes (../shared/BENCH.md, "Routing"):
               BENCH.md's s ≈ 0.66 / 0.63 are the Zipf *weight* share of the hottest 11.4 %; drawn without
               replacement (a token cannot pick one hot expert twice) they give 0.365 / 0.378 of the picks.
 
-How a draw is made, so that it runs in every provider path and inside a captured CUDA graph:
-no RNG state and no host value. Each MoE layer keeps a step counter (an int64 on the model's device, advanced
-in place by each call); a token's noise is a hash (splitmix64, in int64 tensor ops) of (seed, layer, counter,
-row, expert), turned into a Gumbel variate; the top-k of log-weight + Gumbel is a draw without replacement with
-probabilities proportional to the weights (the Gumbel-top-k trick). The same seed and the same sequence of calls
-give the same picks on the CPU and on CUDA, eager or replayed.
+How a draw is made, so that it runs in every provider path and inside a captured CUDA graph, at a few tiny
+kernels a layer: at install, each MoE layer gets a pool of POOL tokens' picks, drawn on the CPU from a hash
+(splitmix64 in int64 tensor ops) of (seed, layer, token, expert) turned into Gumbel variates — the top-k of
+log-weight + Gumbel is a draw without replacement with probabilities proportional to the weights (the Gumbel-top-k
+trick) — and kept on the model's device. A call of t rows reads the pool's next t tokens (a position counter on
+the device, advanced in place: no host value, so a graph replay reads the next ones too). No RNG state: the same
+seed and the same sequence of calls give the same picks, on the CPU and on CUDA, eager or replayed. The pool
+repeats every POOL tokens of a layer, far beyond any cache's reuse distance here.
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ import torch
 from torch import nn
 
 MODES = ("model", "uniform", "calibrated")
+POOL = 16384               # tokens' picks drawn per layer at install
 HOT_SHARE = 0.114          # the seed's VRAM cache: this share of the experts ...
 HOT_PICKS = 0.39           # ... served this share of one stream's picks
 
@@ -125,7 +128,8 @@ class BenchRouting:
     """The drawn routing of one model (see the module docstring): __call__(layer, ids) → ids of the same shape,
     dtype and device, drawn for this call."""
 
-    def __init__(self, mode: str, n_experts: int, top_k: int, layers, *, seed: int = 0, device="cpu"):
+    def __init__(self, mode: str, n_experts: int, top_k: int, layers, *, seed: int = 0, device="cpu",
+                 pool: int = POOL):
         if mode not in MODES or mode == "model":
             raise ValueError(f"bench routing {mode!r} is not one of {', '.join(m for m in MODES if m != 'model')}")
         if not 0 < top_k <= n_experts:
@@ -133,7 +137,8 @@ class BenchRouting:
         self.mode, self.n, self.k, self.seed = mode, n_experts, top_k, int(seed)
         self.device = torch.device(device)
         layers = sorted(layers)
-        self.counters = {l: torch.zeros(1, dtype=torch.int64, device=self.device) for l in layers}
+        self.pool_size = pool
+        self.pos = {l: torch.zeros(1, dtype=torch.int64, device=self.device) for l in layers}
         self.s = calibrate(n_experts, top_k) if mode == "calibrated" else 0.0
         self.logw: dict[int, torch.Tensor | None] = {}
         g = torch.Generator().manual_seed(self.seed)
@@ -144,6 +149,12 @@ class BenchRouting:
         if mode == "calibrated":
             for l in layers:
                 self.ranks[l] = torch.argsort(self.logw[l].cpu(), descending=True).tolist()
+        self.pool = {}
+        for l in layers:                 # drawn in blocks on the CPU: [pool, E] float32 at once would be large
+            logw = self.logw[l].cpu() if self.logw[l] is not None else None
+            picks = [draw(logw, uniforms(self.seed, l, torch.tensor([i]), min(1024, pool - i * 1024), n_experts),
+                          top_k) for i in range((pool + 1023) // 1024)]
+            self.pool[l] = torch.cat(picks).to(self.device)
 
     def describe(self) -> dict:
         d = {"mode": self.mode, "seed": self.seed, "experts": self.n, "top_k": self.k}
@@ -151,11 +162,20 @@ class BenchRouting:
             d.update(zipf_s=self.s, hot_share=HOT_SHARE, hot_experts=hot_count(self.n), hot_picks_target=HOT_PICKS)
         return d
 
+    def mark(self) -> dict:
+        """The pools' positions now (device copies), for rewind: a CUDA graph's eager warm-up step is replayed
+        right after, and must draw what the replay draws (engine.gpu.graphs)."""
+        return {l: p.clone() for l, p in self.pos.items()}
+
+    def rewind(self, mark: dict) -> None:
+        for l, p in self.pos.items():
+            p.copy_(mark[l])
+
     def __call__(self, layer: int, ids: torch.Tensor) -> torch.Tensor:
-        c = self.counters[layer]
-        u = uniforms(self.seed, layer, c, ids.shape[0], self.n)
-        c.add_(1)
-        return draw(self.logw[layer], u, self.k).to(ids.dtype)
+        t, pos = ids.shape[0], self.pos[layer]
+        rows = (pos + torch.arange(t, device=pos.device)) % self.pool_size
+        pos.add_(t)
+        return self.pool[layer].index_select(0, rows).to(ids.dtype)
 
 
 class RoutedBlock(nn.Module):

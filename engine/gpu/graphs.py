@@ -140,8 +140,13 @@ class DecodeGraphs:
         rec = Recorder(self.pool)
         with torch.cuda.stream(self.stream):
             # Eager first, on this step's own inputs (it writes the same KV entries the replay will):
-            # Triton compiles, cuBLAS picks its kernels, a provider makes its slot tables.
+            # Triton compiles, cuBLAS picks its kernels, a provider makes its slot tables. Bench routing
+            # (engine.routing_trace) draws again at the replay: its position goes back, so graphs and eager draw alike.
+            bench = self.model.bench_routing
+            mark = bench.mark() if bench is not None else None
             self._forward(b, kv_len)
+            if bench is not None:
+                bench.rewind(mark)
             self.stream.synchronize()
             with provider.capturing(rec):
                 try:

@@ -26,6 +26,10 @@ How a layer's plan is chosen (Planner.plan, every `every` picks of a layer):
 - cache when skew > noise + ENTER and gain > churn; back to static only when skew < noise + LEAVE (LEAVE <
   ENTER: hysteresis) or the churn exceeds the gain by half again, so a layer near the edge does not flap.
 Each change is one log line; the plan is in counters()["placement"] (and on /metrics: kiln_placement_*).
+Where a plan acts: zero-copy decode's promotions and write-backs (engine.tiers.zero_copy) and the CPU lane's
+promotions (TieredExperts._promote). The piecewise decode and prefill (TieredExperts._place, moe_forward's waves)
+must copy a pick into a slot to compute it on the GPU, so there a static layer's residents can still be evicted by
+the tiers' policy; only the promotions are held.
 """
 from __future__ import annotations
 

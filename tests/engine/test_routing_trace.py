@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine.engine_config import EngineConfig
-from engine.routing_trace import BenchRouting, calibrate, hot_count, install, uniforms
+from engine.routing_trace import BenchRouting, RoutedBlock, calibrate, hot_count, install, uniforms
 
 
 @pytest.mark.parametrize("n_experts", [128, 288])
@@ -29,7 +29,7 @@ def test_calibrated_hot_set_takes_39_percent(n_experts):
 
 
 def test_uniform_draws_are_distinct_and_flat():
-    b = BenchRouting("uniform", 64, 6, [3], seed=1)
+    b = BenchRouting("uniform", 64, 6, [3], seed=1, pool=8000)
     ids = torch.cat([b(3, torch.zeros(1000, 6, dtype=torch.long)) for _ in range(8)])
     assert all(len(set(r)) == 6 for r in ids.tolist())
     counts = torch.bincount(ids.view(-1), minlength=64).double()
@@ -102,7 +102,7 @@ def test_the_provider_gets_the_drawn_picks(arch, tiny_checkpoint, tmp_path):
     expected = [(l, sorted(set(replay(l, torch.zeros(t, 4, dtype=torch.long)).view(-1).tolist())))
                 for t in rows for l in moe]
     assert uni == expected, (ck_layers, uni[:4], expected[:4])
-    blocks = [m for m in model.modules() if getattr(m, "bench", None) is not None]
+    blocks = [m for m in model.modules() if isinstance(m, RoutedBlock) and m.bench is not None]
     assert len(blocks) == len(moe)
 
 
@@ -112,3 +112,50 @@ def test_install_model_routing_is_a_no_op(tiny_checkpoint):
     assert install(model, "model") is None
     b = install(model, "calibrated", seed=2)
     assert b.describe()["zipf_s"] == calibrate(16, 4) and b.describe()["hot_experts"] == 2
+
+
+def test_rewind_draws_the_same_picks_again():
+    """What a graph's eager warm-up step does before its capture (engine.gpu.graphs): mark, draw, rewind: the
+    next draw (the replay's) is the one the warm-up drew."""
+    b = BenchRouting("uniform", 32, 4, [0], seed=2)
+    ids = torch.zeros(2, 4, dtype=torch.long)
+    mark = b.mark()
+    first = b(0, ids)
+    b.rewind(mark)
+    assert torch.equal(b(0, ids), first) and not torch.equal(b(0, ids), first)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (graphs)")
+@pytest.mark.parametrize("placement", ["resident", "tiered", "zero_copy"])
+def test_drawn_routing_inside_cuda_graphs_equals_eager(tiny_checkpoint, tmp_path, placement):
+    """On CUDA, the draws run inside the captured decode step: graph decode and eager decode with the same seed
+    give the same logits step by step (the same picks), for every provider path; and they differ from the
+    model's own routing."""
+    from engine.loader import load_model
+    from engine.store.pack import pack_store
+    ck = tiny_checkpoint("qwen3_moe", experts=16, top_k=4, layers=3)
+    store = tmp_path / "store"
+    pack_store(ck, store, dtype=torch.bfloat16)
+    kw = {"experts": "tiered" if placement != "resident" else "resident", "cpu_experts": "off",
+          "gpu_slots": 16 if placement != "resident" else None, "zero_copy": "on" if placement == "zero_copy" else "off",
+          "ram_slots": {"tiered": 9, "zero_copy": 40}.get(placement)}
+
+    def run(graphs: bool, routing: str):
+        m = load_model(ck, store_dir=store, device="cuda", max_context=512, max_batch=2, cuda_graphs=graphs,
+                       bench_routing=routing, bench_routing_seed=5, **kw)
+        out = []
+        with torch.inference_mode():
+            tok = int(m.prefill(torch.tensor([5, 17, 200, 42, 99, 7]), 0).argmax())
+            for i in range(10):
+                logits = m.decode_step([tok], [0], [6 + i]).float()
+                tok = int(logits.argmax())
+                out.append(logits.cpu())
+        m.provider.close()
+        return out, m.graphs
+    graph, g = run(True, "uniform")
+    eager, _ = run(False, "uniform")
+    own, _ = run(True, "model")
+    assert g is not None and g.replays > 0
+    for a, b in zip(graph, eager):
+        assert float((a - b).norm() / b.norm()) < 1e-2
+    assert any(float((a - b).norm() / b.norm()) > 0.05 for a, b in zip(graph, own))
