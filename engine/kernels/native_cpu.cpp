@@ -14,6 +14,8 @@
 // add_rms_norm, attn_decode: the rest of a one-token decode layer (residual add + RMSNorm; rotary, KV write
 //   and attention over the cache), in the torch forms' operation order where it is elementwise (built with
 //   -ffp-contract=off, so a*b + c*d is not fused into an FMA unless written so).
+// The "exact prefill rows" region: many tokens of one sequence, each row computed by the one-token kernels' own
+//   operations (int4_gemv is int4_gemv_rows with M = 1; attn_decode and attn_rows share rope_kv_write/attend_head).
 // The GEMVs and the attention split their work over `threads` OpenMP threads (torch's own libgomp once torch
 // is loaded).
 #include <algorithm>
