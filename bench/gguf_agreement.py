@@ -170,9 +170,10 @@ def main(argv=None) -> int:
         ids, prompts = doc_ids(tok, a.positions), prompt_ids(tok)
         ref = ga.reference_logprobs(m["checkpoint"], ids)
         entry = doc["models"].setdefault(name, {"checkpoint": m["checkpoint"], "types": {}})
-        for q, f in m["files"].items():
-            if a.types and q not in a.types.split(","):
+        for q in (a.types.split(",") if a.types else list(m["files"])):
+            if q not in m["files"]:
                 continue
+            f = m["files"][q]
             log(f"{name} {q}: measuring")
             r = measure_file(Path(f["path"]), ref, ids, prompts, a.threads, a.llama_threads)
             entry["types"][q] = r
