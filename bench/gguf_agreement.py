@@ -124,7 +124,7 @@ def measure_file(path: Path, ref, ids, prompts, threads: int, llama_threads: int
     res["kiln_seconds"] = round(time.perf_counter() - t0, 1)
     res["kiln_vs_llama"] = ga.compare_topn(top, kiln, topn_is_reference=True)
     res["llama_vs_reference"] = ga.compare_topn(top, ref, topn_is_reference=False)
-    res["kiln_vs_reference"] = {**ga.compare_full(ref, kiln),
+    res["kiln_vs_reference"] = {**ga.compare_full(ref[:len(top)], kiln[:len(top)]),
                                 "kl_mean_nats_lower_bound": ga.compare_topn(ga.topn_of(kiln[:len(top)], N_PROBS), ref,
                                                                             topn_is_reference=False)[
                                     "kl_mean_nats_lower_bound"]}
