@@ -93,53 +93,11 @@ class KilnServer:
         self.p.wait(60)
 
 
-# llama.cpp's CPU dot products quantize the activations first (ggml-cpu.c type_traits_cpu[].vec_dot_type): Q8_0
-# (32 values, an fp16 scale) for Q4_0/Q5_0/Q8_0 weights, Q8_1 for Q4_1/Q5_1 (the same rounding), Q8_K (256 values,
-# an fp32 scale) for the K-quants and IQ4_XS. GGML type codes → (block, fp16 scale).
-ACT_QUANT = {2: (32, True), 3: (32, True), 6: (32, True), 7: (32, True), 8: (32, True), 20: (32, True),
-             10: (256, False), 11: (256, False), 12: (256, False), 13: (256, False), 14: (256, False), 23: (256, False)}
-
-
-def _round_activations(x, code: int):
-    import torch
-    if code not in ACT_QUANT or x.shape[-1] % ACT_QUANT[code][0]:
-        return x
-    block, half = ACT_QUANT[code]
-    xb = x.float().reshape(*x.shape[:-1], -1, block)
-    d = xb.abs().amax(-1, keepdim=True) / 127
-    if half:
-        d = d.half().float()
-    q = torch.where(d > 0, torch.round(xb / torch.where(d > 0, d, torch.ones_like(d))), torch.zeros_like(xb))
-    return (q.clamp(-127, 127) * d).reshape(x.shape).to(x.dtype).contiguous()
-
-
-def probe_q8_activations(path: Path, ids, top, ref, threads: int) -> dict:
-    """PROBE (--probe-act-q8): Kiln with its activations rounded as llama.cpp's CPU dot products round them, before
-    every native per-type matmul (engine.kernels.native.ggml_matmul: attention projections and the experts of a
-    prefill). If llama.cpp's activation quantization is the distance between the two, this moves Kiln toward
-    llama.cpp. Paths that do not go through ggml_matmul (a dequantized head, a one-token expert) keep float
-    activations."""
-    from engine.kernels import native
-    from engine.llm import LLM
-    orig = native.ggml_matmul
-    native.ggml_matmul = lambda code, x, w, out: orig(code, _round_activations(x, code), w, out)
-    try:
-        llm = LLM.load(path, max_context=2048, max_batch=1, threads=threads)
-        try:
-            kiln = ga.kiln_logprobs(llm, ids)
-        finally:
-            llm.close()
-    finally:
-        native.ggml_matmul = orig
-    return {"kiln_act_q8_vs_llama": ga.compare_topn(top, kiln, topn_is_reference=True),
-            "kiln_act_q8_vs_reference": ga.compare_full(ref[:len(top)], kiln[:len(top)])}
-
-
 def first_difference(a: str, b: str) -> int | None:
     return None if a == b else next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-def measure_file(path: Path, ref, ids, prompts, threads: int, llama_threads: int, probe: bool = False) -> dict:
+def measure_file(path: Path, ref, ids, prompts, threads: int, llama_threads: int) -> dict:
     from engine.llm import LLM
     from tool.checks.llama_cpp import LlamaServerProcess
     from tool.programs import llama_cpp_program
@@ -150,16 +108,6 @@ def measure_file(path: Path, ref, ids, prompts, threads: int, llama_threads: int
         top = ga.llama_topn(base, ids, N_PROBS)
         llama_greedy = {g: ga.greedy_llama(base, p, MAX_TOKENS) for g, p in prompts.items()}
     res["llama_seconds"] = round(time.perf_counter() - t0, 1)
-    if probe:       # the probe alone: Kiln with llama.cpp's activation rounding, beside the float Kiln, same llama
-        res["probe"] = probe_q8_activations(path, ids, top, ref, threads)
-        llm = LLM.load(path, max_context=2048, max_batch=1, threads=threads)
-        try:
-            kiln = ga.kiln_logprobs(llm, ids)
-        finally:
-            llm.close()
-        res["probe"]["kiln_float_vs_llama"] = ga.compare_topn(top, kiln, topn_is_reference=True)
-        res["probe"]["llama_vs_reference"] = ga.compare_topn(top, ref, topn_is_reference=False)
-        return res
     t0 = time.perf_counter()
     llm = LLM.load(path, max_context=2048, max_batch=1, threads=threads)
     try:
@@ -198,9 +146,6 @@ def main(argv=None) -> int:
     ap.add_argument("--llama-threads", type=int, default=1,
                     help="llama-server's --threads: its one-token requests wait at a barrier per op, and on this shared "
                          "2-core host a second thread made each take a median 442 ms instead of tens")
-    ap.add_argument("--probe-act-q8", action="store_true",
-                    help="a probe instead: Kiln with its activations rounded as llama.cpp's dot products round them "
-                         "(probe_q8_activations), beside the float Kiln, against the same llama-server")
     ap.add_argument("--index", action="store_true", help="add the result's row to bench/results/index.jsonl")
     a = ap.parse_args(argv)
     from engine.kernels.cpu import set_compute_threads
@@ -230,12 +175,7 @@ def main(argv=None) -> int:
                 continue
             f = m["files"][q]
             log(f"{name} {q}: measuring")
-            r = measure_file(Path(f["path"]), ref, ids, prompts, a.threads, a.llama_threads, a.probe_act_q8)
-            if a.probe_act_q8:
-                entry.setdefault("probe_act_q8", {})[q] = r
-                write_result(a.out, doc)
-                log(f"{name} {q} probe: {json.dumps(r['probe'])}")
-                continue
+            r = measure_file(Path(f["path"]), ref, ids, prompts, a.threads, a.llama_threads)
             entry["types"][q] = r
             doc["host_load_end"] = host_load()
             write_result(a.out, doc)
