@@ -191,11 +191,18 @@ def _post(url: str, body: dict, timeout: float = 600) -> dict:
 def llama_topn(base: str, ids: list[int], n_probs: int = 20) -> list[tuple[list[int], list[float]]]:
     """llama-server (`base`: http://127.0.0.1:PORT) teacher-forced: for each k in 1..len(ids)-1, the top-N
     (token ids, log-probabilities) it gives the token after ids[:k], before sampling (post_sampling_probs false:
-    a softmax of the full logits, llama.cpp's get_token_probabilities)."""
+    a softmax of the full logits, llama.cpp's get_token_probabilities). ignore_eos: a position whose top token
+    ends the text would otherwise stop before a token, and give no probabilities; its bias acts in the sampler,
+    after the probabilities are read from the logits."""
     out = []
     for k in range(1, len(ids)):
-        r = _post(f"{base}/completion", {"prompt": ids[:k], "n_predict": 1, "n_probs": n_probs, "temperature": 0,
-                                         "cache_prompt": True})
+        body = {"prompt": ids[:k], "n_predict": 1, "n_probs": n_probs, "temperature": 0, "cache_prompt": True,
+                "ignore_eos": True}
+        r = _post(f"{base}/completion", body)
+        if not r.get("completion_probabilities"):
+            # Its top token was part of a UTF-8 character: llama-server holds the text, and its probabilities,
+            # until the character completes; a few more tokens release them (the first entry is this position's).
+            r = _post(f"{base}/completion", {**body, "n_predict": 8})
         top = r["completion_probabilities"][0]["top_logprobs"]
         out.append(([int(t["id"]) for t in top], [float(t["logprob"]) for t in top]))
     return out
