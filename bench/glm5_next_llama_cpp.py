@@ -63,16 +63,25 @@ def post(url: str, body: dict) -> dict:
 
 
 def first_top(base: str, prefix: list[int]) -> dict[int, float]:
-    """llama-server's top-N logprobs of the token after `prefix` (an uncached forward: no prompt cache). This
-    llama-server leaves completion_probabilities out where the request stops inside an incomplete UTF-8 sequence
-    (the stand-in vocabulary's byte tokens) and for n_predict 1: more tokens are asked for until it is there; only
-    the first's are read."""
-    for n in (2, 4, 8, 16, 32):
-        r = post(f"{base}/completion", {"prompt": prefix, "n_predict": n, "n_probs": TOPN, "temperature": 0,
-                                        "cache_prompt": False, "ignore_eos": True})
-        if r.get("completion_probabilities"):
-            return {int(t["id"]): float(t["logprob"]) for t in r["completion_probabilities"][0]["top_logprobs"]}
-    raise RuntimeError(f"llama-server gave no completion_probabilities after {len(prefix)} tokens")
+    """llama-server's top-N logprobs of the token after `prefix` (an uncached forward: no prompt cache).
+
+    This llama-server drops a token's probabilities where the token is held back inside an incomplete UTF-8
+    sequence (the stand-in vocabulary's byte tokens), and then completion_probabilities[0] is the NEXT token's
+    (seen: tokens [165, 19, …], probabilities listed first for 19); with n_predict 1 it lists none. So the entry is
+    read only where its `id` is the first sampled token; else that token is banned by logit_bias (a sampler: the
+    pre-sampling logprobs reported are unchanged) and the request repeated, until the first token is one it lists."""
+    bias: list[list] = []
+    for _ in range(12):
+        r = post(f"{base}/completion", {"prompt": prefix, "n_predict": 2, "n_probs": TOPN, "temperature": 0,
+                                        "cache_prompt": False, "ignore_eos": True, "return_tokens": True,
+                                        "logit_bias": bias})
+        probs, toks = r.get("completion_probabilities") or [], r.get("tokens") or []
+        if probs and toks and int(probs[0]["id"]) == int(toks[0]):
+            return {int(t["id"]): float(t["logprob"]) for t in probs[0]["top_logprobs"]}
+        if not toks:
+            raise RuntimeError(f"llama-server returned no tokens after {len(prefix)} tokens")
+        bias.append([int(toks[0]), False])
+    raise RuntimeError(f"llama-server gave no aligned completion_probabilities after {len(prefix)} tokens")
 
 
 def llama_side(exe: Path, gguf: Path, seq: list[int], prompt: int, steps: int) -> dict:
