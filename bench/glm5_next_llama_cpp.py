@@ -14,8 +14,9 @@ one random token sequence (prompt of --prompt tokens, then --positions teacher-f
     /completion each, no prompt cache: an uncached forward of the prefix), and its greedy continuation.
 Figures: top-1 agreement and max |Δ logprob| over llama.cpp's top-10 tokens at each position; greedy tokens equal.
 
-Variants isolate a part: `base`; `all-pools` (index_topk covers every pool, so the indexer's choice cannot
-matter). The base file is also quantized (Q8_0, Q4_K_M) and each side run on the same quantized file.
+Variants: `base` (its file also quantized, Q8_0 and Q4_K_M, each side run on the same quantized file);
+`all-pools` (index_topk covers every pool: the indexer's choice cannot matter); `kda-silenced`/`dsa-silenced` (one
+kind's attention output zeroed in the flat form). The last three localise a disagreement where there is one.
 The two conversion findings of the earlier trial are checked directly: the flat form with
 `linear_attn_config.gate_lower_bound: null` (converter output lacks `kda.gate_lower_bound`?) and a one-kind model
 (llama.cpp refuses it?).
