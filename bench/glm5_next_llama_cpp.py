@@ -14,8 +14,9 @@ one random token sequence (prompt of --prompt tokens, then --positions teacher-f
     /completion each, no prompt cache: an uncached forward of the prefix), and its greedy continuation.
 Figures: top-1 agreement and max |Δ logprob| over llama.cpp's top-10 tokens at each position; greedy tokens equal.
 
-Variants isolate a part: `base`; `all-pools` (index_topk covers every pool, so the indexer's choice cannot
-matter). The base file is also quantized (Q8_0, Q4_K_M) and each side run on the same quantized file.
+Variants: `base` (its file also quantized, Q8_0 and Q4_K_M, each side run on the same quantized file);
+`all-pools` (index_topk covers every pool: the indexer's choice cannot matter); `kda-silenced`/`dsa-silenced` (one
+kind's attention output zeroed in the flat form). The last three localise a disagreement where there is one.
 The two conversion findings of the earlier trial are checked directly: the flat form with
 `linear_attn_config.gate_lower_bound: null` (converter output lacks `kda.gate_lower_bound`?) and a one-kind model
 (llama.cpp refuses it?).
@@ -62,6 +63,28 @@ def post(url: str, body: dict) -> dict:
         return json.loads(r.read())
 
 
+def first_top(base: str, prefix: list[int]) -> dict[int, float]:
+    """llama-server's top-N logprobs of the token after `prefix` (an uncached forward: no prompt cache).
+
+    This llama-server drops a token's probabilities where the token is held back inside an incomplete UTF-8
+    sequence (the stand-in vocabulary's byte tokens), and then completion_probabilities[0] is the NEXT token's
+    (seen: tokens [165, 19, …], probabilities listed first for 19); with n_predict 1 it lists none. So the entry is
+    read only where its `id` is the first sampled token; else that token is banned by logit_bias (a sampler: the
+    pre-sampling logprobs reported are unchanged) and the request repeated, until the first token is one it lists."""
+    bias: list[list] = []
+    for _ in range(12):
+        r = post(f"{base}/completion", {"prompt": prefix, "n_predict": 2, "n_probs": TOPN, "temperature": 0,
+                                        "cache_prompt": False, "ignore_eos": True, "return_tokens": True,
+                                        "logit_bias": bias})
+        probs, toks = r.get("completion_probabilities") or [], r.get("tokens") or []
+        if probs and toks and int(probs[0]["id"]) == int(toks[0]):
+            return {int(t["id"]): float(t["logprob"]) for t in probs[0]["top_logprobs"]}
+        if not toks:
+            raise RuntimeError(f"llama-server returned no tokens after {len(prefix)} tokens")
+        bias.append([int(toks[0]), False])
+    raise RuntimeError(f"llama-server gave no aligned completion_probabilities after {len(prefix)} tokens")
+
+
 def llama_side(exe: Path, gguf: Path, seq: list[int], prompt: int, steps: int) -> dict:
     """llama-server's teacher-forced top-N logprobs after each prefix seq[:i+1], i in [prompt-1, len-1), and its
     greedy continuation of seq[:prompt]."""
@@ -70,12 +93,11 @@ def llama_side(exe: Path, gguf: Path, seq: list[int], prompt: int, steps: int) -
         base = srv.url.removesuffix("/v1")
         forced = []
         for i in range(prompt - 1, len(seq) - 1):
-            r = post(f"{base}/completion", {"prompt": seq[:i + 1], "n_predict": 1, "n_probs": TOPN, "temperature": 0,
-                                            "cache_prompt": False, "ignore_eos": True})
-            forced.append({int(t["id"]): float(t["logprob"]) for t in r["completion_probabilities"][0]["top_logprobs"]})
-        r = post(f"{base}/completion", {"prompt": seq[:prompt], "n_predict": steps, "temperature": 0, "top_k": 1,
+            forced.append(first_top(base, seq[:i + 1]))
+        # a few tokens past `steps`: the tokens of a trailing incomplete UTF-8 sequence are held back
+        r = post(f"{base}/completion", {"prompt": seq[:prompt], "n_predict": steps + 8, "temperature": 0, "top_k": 1,
                                         "cache_prompt": False, "ignore_eos": True, "return_tokens": True})
-        return {"forced": forced, "greedy": [int(t) for t in r["tokens"]]}
+        return {"forced": forced, "greedy": [int(t) for t in r["tokens"]][:steps]}
     finally:
         srv.stop()
 
@@ -108,16 +130,18 @@ def vs_full(a: torch.Tensor, b: torch.Tensor, prompt: int) -> dict:
 
 def vs_llama(kiln: torch.Tensor, forced: list[dict], prompt: int) -> dict:
     k = kiln[prompt - 1:-1]
-    agree, worst, first = 0, 0.0, None
+    agree, first, per = 0, None, []
     for i, row in enumerate(forced):
         lt = max(row, key=row.get)
         same = lt == int(k[i].argmax())
         agree += same
         if not same and first is None:
             first = i
-        worst = max(worst, max(abs(lp - float(k[i, t])) for t, lp in row.items()))
-    return {"positions": len(forced), "top1_agree": agree / len(forced), "max_abs_dlogprob_topn": worst,
-            "first_top1_disagreement": first}
+        per.append(round(max(abs(lp - float(k[i, t])) for t, lp in row.items()), 5))
+    off = [prompt + i for i, d in enumerate(per) if d > 1e-3]
+    return {"positions": len(forced), "top1_agree": agree / len(forced), "max_abs_dlogprob_topn": max(per),
+            "first_top1_disagreement": first, "per_position_max_abs_dlogprob": per,
+            "prefix_lengths_off_by_1e-3": off}
 
 
 def greedy_cmp(a: list[int], b: list[int]) -> dict:

@@ -58,7 +58,7 @@ def one_thread():
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     from tests.fixtures.tiny_models import make_tiny_glm5_next
-    # n_group 1 as GLM-5.3-Flash: llama.cpp's glm5-next reads no expert groups (the bench notes it)
+    # n_group 1, as GLM-5.3-Flash
     return make_tiny_glm5_next(tmp_path_factory.mktemp("glm5") / "ck", hidden=HIDDEN, n_group=1, topk_group=1)
 
 
