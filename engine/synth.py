@@ -53,6 +53,27 @@ SHAPES = {"qwen3-30b-a3b": ("qwen3_moe", QWEN3_30B_A3B), "glm-5.3-flash": ("glm5
 EXPERT_KEYS = {"qwen3_moe": "num_experts", "glm5_next": "n_routed_experts"}
 
 
+def randomize_skewed(model: torch.nn.Module, experts: int, seed: int) -> torch.nn.Module:
+    """A transformers model's weights, in place, far from its init: correction biases spread, norms near one, and the
+    routers spread so a few experts are strongly preferred (routing skewed, as real routing is). The random
+    checkpoints of the tests and of the GGUF agreement bench."""
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.08 if "embed" not in name else 0.5, generator=g)
+            elif "e_score_correction_bias" in name:
+                p.copy_(torch.linspace(-0.3, 0.3, p.numel())[torch.randperm(p.numel(), generator=g)])
+            elif "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+            else:
+                p.normal_(0.0, 0.05, generator=g)
+        for name, p in model.named_parameters():
+            if name.endswith("gate.weight") and p.shape[0] == experts:
+                p.mul_(torch.linspace(0.5, 3.0, experts)[:, None])
+    return model
+
+
 def synth_config(arch: str = "qwen3_moe", **over) -> dict:
     over = {k: v for k, v in over.items() if v is not None}
     if arch == "glm5_next":

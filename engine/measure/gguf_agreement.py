@@ -31,6 +31,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from engine.synth import randomize_skewed
+
 REPO = Path(__file__).resolve().parents[2]
 # The six gates' prompts (tool/checks: load, chat, reasoning, tools, speed; context's needle question, without its
 # fill of thousands of tokens), asked as the gates ask: one user turn through the model's chat template.
@@ -153,20 +155,7 @@ def random_moe_checkpoint(arch: str, out: str | os.PathLike, tokenizer_dir: str 
         raise ValueError(f"unknown arch {arch} (qwen3_moe or glm4_moe)")
     torch.manual_seed(seed)
     model = cls(cfg).eval()
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() >= 2:
-                p.normal_(0.0, 0.5 if "embed" in name else 0.08, generator=g)
-            elif "e_score_correction_bias" in name:
-                p.copy_(torch.linspace(-0.3, 0.3, p.numel())[torch.randperm(p.numel(), generator=g)])
-            elif "norm" in name:
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
-            else:
-                p.normal_(0.0, 0.05, generator=g)
-        for name, p in model.named_parameters():
-            if name.endswith("gate.weight") and p.shape[0] == experts:
-                p.mul_(torch.linspace(0.5, 3.0, experts)[:, None])
+    randomize_skewed(model, experts, seed)
     model.save_pretrained(str(out))
     return out
 

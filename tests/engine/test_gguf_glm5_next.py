@@ -47,12 +47,7 @@ def _convert(ckpt: Path, out: Path, types: str = "F32") -> dict[str, Path]:
     return {t: Path(p) for t, p in json.loads(r.stdout).items()}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

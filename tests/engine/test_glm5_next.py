@@ -20,13 +20,7 @@ PROMPT_LEN, STEPS = 40, 64          # 40 tokens: 10 pools of 4; index_topk 8 kee
 ATOL = 1e-4
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # Tiny shapes: on 2 shared cores a second intra-op thread costs more in synchronisation than it computes.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
