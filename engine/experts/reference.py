@@ -39,7 +39,12 @@ def moe_reference(x, topk_ids, topk_weights, get_views, limit: float | None = No
         rows = slice(start, start + n)
         start += n
         gate, up, down = get_views(e)
-        y = expert_ffn(xs[rows], gate.to(x.dtype), up.to(x.dtype), down.to(x.dtype), limit)
+        xr = xs[rows]
+        if xr.data_ptr() % 64:
+            # A slice starting mid-row: on some CPUs (AMD EPYC here) the BLAS sums a GEMV whose vector is not
+            # 64-byte aligned in another order, so it would not give a gather's bits (what every provider computes).
+            xr = xr.clone()
+        y = expert_ffn(xr, gate.to(x.dtype), up.to(x.dtype), down.to(x.dtype), limit)
         out.index_add_(0, toks[rows], y * ws[rows].to(y.dtype))
     return out
 
