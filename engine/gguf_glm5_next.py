@@ -193,14 +193,20 @@ def transform(kind: str, ts: list[torch.Tensor], c: dict) -> torch.Tensor:
     raise AssertionError(kind)
 
 
-def expected_shapes(c: dict, src: dict) -> dict[str, list[int]]:
-    """Each GGUF tensor's ggml shape as the config makes it (the converter's layout of tensor_shapes)."""
+def _tensor_shapes(c: dict) -> tuple[Glm5Spec, list[int], dict]:
+    """The config's spec, its MoE layers and every transformers tensor's shape (glm5_next_config.tensor_shapes)."""
     spec = Glm5Spec.from_config(c)
     moe = [l for l in range(c["num_hidden_layers"]) if l >= c["first_k_dense_replace"]]
-    shapes = tensor_shapes(spec, layers=c["num_hidden_layers"], hidden=c["hidden_size"], vocab=c["vocab_size"],
-                           heads=c["num_attention_heads"], intermediate=c["intermediate_size"], moe_layers=moe,
-                           experts=c["n_routed_experts"],
-                           shared_intermediate=c["moe_intermediate_size"] * c["n_shared_experts"])
+    return spec, moe, tensor_shapes(spec, layers=c["num_hidden_layers"], hidden=c["hidden_size"],
+                                    vocab=c["vocab_size"], heads=c["num_attention_heads"],
+                                    intermediate=c["intermediate_size"], moe_layers=moe,
+                                    experts=c["n_routed_experts"],
+                                    shared_intermediate=c["moe_intermediate_size"] * c["n_shared_experts"])
+
+
+def expected_shapes(c: dict, src: dict) -> dict[str, list[int]]:
+    """Each GGUF tensor's ggml shape as the config makes it (the converter's layout of tensor_shapes)."""
+    spec, moe, shapes = _tensor_shapes(c)
     want: dict[str, list[int]] = {}
     heads, r = c["num_attention_heads"], c["kv_lora_rank"]
     for name, (gguf, kind, more) in src.items():
@@ -223,10 +229,5 @@ def expected_shapes(c: dict, src: dict) -> dict[str, list[int]]:
 
 def required(c: dict) -> list[str]:
     """The transformers names the model reads (lm_head only where not tied)."""
-    spec = Glm5Spec.from_config(c)
-    moe = [l for l in range(c["num_hidden_layers"]) if l >= c["first_k_dense_replace"]]
-    names = tensor_shapes(spec, layers=c["num_hidden_layers"], hidden=c["hidden_size"], vocab=c["vocab_size"],
-                          heads=c["num_attention_heads"], intermediate=c["intermediate_size"], moe_layers=moe,
-                          experts=c["n_routed_experts"],
-                          shared_intermediate=c["moe_intermediate_size"] * c["n_shared_experts"])
+    names = _tensor_shapes(c)[2]
     return [n for n in names if not (n == "lm_head.weight" and c["tie_word_embeddings"])]
