@@ -118,7 +118,9 @@ def build_weights(args, work: Path, shm: Path, clock: Clock, res: dict, save) ->
     if not q4.exists():
         need(clock, 40 if args.tiny else 200, "conversion (convert_hf_to_gguf.py) and llama-quantize Q4_K_M")
         t0 = time.perf_counter()
-        out = shm / "gguf"
+        # the bf16 GGUF where it fits: /dev/shm (RAM) first, else the disk beside the rest
+        fits = res["slice"]["fits_by"]
+        out = (shm if fits["shm"] >= args.moe_layers or shm == work else work) / "gguf"
         r = subprocess.run([sys.executable, str(SCRIPT), str(model), str(out), "--llama-cpp", str(args.llama_src),
                             "--store", str(store), "--base", "BF16", "--types", "BF16,Q4_K_M",
                             "--llama-quantize", str(Path(args.llama_bin) / "llama-quantize")],
@@ -370,7 +372,8 @@ def main() -> int:
     rec = ExpertLayout(cfg0["hidden_size"], cfg0["moe_intermediate_size"], torch.uint8, "rows", "int4").record_bytes
     shm_free = shutil.disk_usage(shm).free
     res["slice"] = glm5_slice.disk_plan(lambda n: slice_config(n, args.tiny), rec, shutil.disk_usage(work).free,
-                                        shm_free if shm != work else 0, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+                                        shm_free, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    res["slice"]["bf16_beside_the_rest"] = shm == work      # one filesystem: the plan's two bounds overlap
     res["slice"]["moe_layers_run"] = args.moe_layers
     save()
     try:
@@ -386,6 +389,12 @@ def main() -> int:
     records = len(m4.moe_layers) * m4.experts_per_layer
     plan = placements(cfg, records, gguf_tensors(q4))
     res["placements"] = plan
+    res["checkpoint"] = {"layers": cfg["num_hidden_layers"], "moe_layers": len(m4.moe_layers),
+                         "experts": m4.experts_per_layer, "top_k": cfg["num_experts_per_tok"],
+                         "record_bytes": m4.record_bytes, "store_bytes": records * m4.record_bytes,
+                         "non_expert_bytes_per_token": glm5_slice.non_expert_bytes_per_token(cfg),
+                         "full_model_non_expert_bytes_per_token": glm5_slice.non_expert_bytes_per_token(
+                             slice_config(glm5_slice.FULL_MOE_LAYERS, args.tiny))}
     save()
 
     # 4. llama.cpp first: no CUDA in this process yet
