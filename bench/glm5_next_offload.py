@@ -144,12 +144,16 @@ def build_weights(args, work: Path, shm: Path, clock: Clock, res: dict, save) ->
 def placements(cfg: dict, records: int, tensors: dict[str, int]) -> dict:
     per_layer = expert_bytes_by_layer(tensors, cfg["num_hidden_layers"])
     peer = glm5_slice.n_cpu_moe_for_share(per_layer, glm5_slice.SEED_GPU_SHARE)
-    lfl_gpu = round(peer["share_of_expert_bytes_on_gpu"] * records)
+    # at least one slot: a CUDA tiered provider refuses none (engine/tiers/__init__.py); one record more than
+    # llama.cpp's where its share is 0 %, said in the JSON
+    lfl_gpu = max(1, round(peer["share_of_expert_bytes_on_gpu"] * records))
     return {"llama_cpp": peer,
             "resident": {"gpu_slots": records, "ram_slots": 0, "records": records},
             "like_for_like": {"gpu_slots": lfl_gpu, "ram_slots": records - lfl_gpu, "records": records,
                               "shares": {"gpu": round(lfl_gpu / records, 4), "ram": round(1 - lfl_gpu / records, 4),
-                                         "store": 0.0}},
+                                         "store": 0.0},
+                              "note": "GPU slots at llama.cpp's share of the expert bytes, at least 1 (a CUDA tiered "
+                                      "provider needs one)"},
             "three_tier": glm5_slice.seed_tiers(records)}
 
 
@@ -184,8 +188,11 @@ def lane_window(a: dict, b: dict, tokens: int) -> dict:
         out[lane] = {"bytes_per_token": int(by / n), "busy_seconds_per_token": round(busy / n, 6)}
     if "served" in b:
         served = {k: b["served"][k] - a["served"].get(k, 0) for k in b["served"]}
-        tot = sum(served.values()) or 1
-        out["served_share"] = {k: round(v / tot, 4) for k, v in served.items()}
+    else:
+        key = 'kiln_expert_served_total{{tier="{}"}}'
+        served = {t: b.get(key.format(t), 0) - a.get(key.format(t), 0) for t in ("gpu", "ram", "store")}
+    tot = sum(served.values()) or 1
+    out["served_share"] = {k: round(v / tot, 4) for k, v in served.items()}
     return out
 
 

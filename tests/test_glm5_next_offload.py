@@ -134,14 +134,15 @@ def test_bad_arguments_exit_2_in_one_line(tmp_path):
         assert r.returncode == 2 and what in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_the_tiny_pipeline_runs_end_to_end_on_the_cpu(tmp_path):
-    """Every step of the H200 call on toy widths: one routing, the resident and three-tier placements, then the
-    three-tier one served. Its figures mean nothing; that each step ran and measured what it says is the test."""
+    """Every step of the H200 call on toy widths, one routing and the three-tier placement (in-process, then served)
+    to keep CI short. Its figures mean nothing; that each step ran and measured what it says is the test."""
     llama = _llama_cpp()
     out = tmp_path / "out.json"
     r = subprocess.run([sys.executable, "-m", "bench.glm5_next_offload", "--tiny", "--work", str(tmp_path / "w"),
                         "--llama-bin", str(llama / "bin"), "--llama-src", str(llama), "--out", str(out),
-                        "--routings", "calibrated", "--placements", "resident,three_tier", "--prefills", "64",
+                        "--routings", "calibrated", "--placements", "three_tier", "--prefills", "64",
                         "--steps", "4", "--budget-s", "900"],
                        capture_output=True, text=True, cwd=REPO, timeout=1200)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
@@ -160,5 +161,5 @@ def test_the_tiny_pipeline_runs_end_to_end_on_the_cpu(tmp_path):
     served = doc["kiln"]["three_tier_served"]["calibrated"]
     assert served["decode_tps"] > 0 and "-m engine serve" in served["command"]
     assert served["lanes_per_token"]["disk"]["bytes_per_token"] > 0      # read from /metrics' lane counters
-    assert doc["kiln"]["resident"]["calibrated"]["lanes_per_token"]["disk"]["bytes_per_token"] == 0
+    assert set(doc["kiln"]) == {"three_tier", "three_tier_served"} and doc["table"][0]["placement"] == "three_tier"
     assert "| three_tier | calibrated |" in r.stdout
