@@ -202,8 +202,10 @@ def timed_runs(make, vocab: int, args, counters) -> dict:
     concurrent([make(prompt_ids(args.prefills[0], vocab, 4), 2, 4)])                         # the long shapes
     out: dict = {}
     for n in args.prefills:
+        a = counters()
         pre = summarize(concurrent([make(prompt_ids(n, vocab, 3), 2, 3)]))
         out[f"prefill_tps_{n}"] = round(n / pre["ttft_s"], 1)
+        out[f"prefill_lanes_{n}"] = lane_window(a, counters(), 2)      # the whole prompt's bytes (and 2 tokens')
     c0 = counters()
     one = summarize(concurrent([make(prompt_ids(128, vocab, 1), args.steps, 1)]))
     c1 = counters()
@@ -265,20 +267,30 @@ def kiln_served(model: Path, store: Path, kw: dict, vocab: int, args, log_path: 
 
 # ------------------------------------------------------------------ bounds and verdicts
 
-def attach_bound(run: dict, lanes: dict | None, resident_step_s: float | None) -> None:
-    """t >= max(t_gpu, B_pcie/BW_pcie, B_disk/BW_disk, B_cpu/BW_cpu) per decode token; t_gpu the resident step."""
+def lane_bound(window: dict, lanes: dict, t_gpu: float, tokens: int, tps: float | None) -> dict:
+    """t >= max(t_gpu, B_pcie/BW_pcie, B_disk/BW_disk, B_cpu/BW_cpu) for `tokens` tokens, each lane's bytes over the
+    rate measured in this call; the bound in tok/s beside the measured `tps`."""
+    b = {k: v["bytes_per_token"] for k, v in window.items() if k in ("gpu", "pcie", "disk", "cpu")}
+    t = {"gpu": max(t_gpu, b["gpu"] / (lanes["hbm_gbps"] * 1e9)), "pcie": b["pcie"] / (lanes["pcie_h2d_pinned_gbps"] * 1e9),
+         "disk": b["disk"] / (lanes["disk_odirect_random_16t_gbps"] * 1e9),
+         "cpu": b["cpu"] / (lanes["dram_read_16t_gbps"] * 1e9)}
+    bound = tokens / max(t.values()) if max(t.values()) > 0 else None
+    return {"lane_seconds": {k: round(v, 6) for k, v in t.items()}, "binding_lane": max(t, key=t.get),
+            "bound_tps": round(bound, 1) if bound else None,
+            "fraction_of_bound": round(tps / bound, 3) if bound and tps else None}
+
+
+def attach_bound(run: dict, lanes: dict | None, resident: dict | None, prefills: list[int]) -> None:
+    """Decode (per token) and each prefill (the whole prompt) beside its lane bound; t_gpu the resident run's time
+    for the same work in this call (its decode step, its prefill of the same length)."""
     if not lanes or "lanes_per_token" not in run:
         run["bound"] = None
         return
-    b = {k: v["bytes_per_token"] for k, v in run["lanes_per_token"].items() if k in ("gpu", "pcie", "disk", "cpu")}
-    t = {"gpu": max(resident_step_s or 0.0, b["gpu"] / (lanes["hbm_gbps"] * 1e9)),
-         "pcie": b["pcie"] / (lanes["pcie_h2d_pinned_gbps"] * 1e9),
-         "disk": b["disk"] / (lanes["disk_odirect_random_16t_gbps"] * 1e9),
-         "cpu": b["cpu"] / (lanes["dram_read_16t_gbps"] * 1e9)}
-    bound = 1 / max(t.values()) if max(t.values()) > 0 else None
-    run["bound"] = {"lane_seconds_per_token": {k: round(v, 6) for k, v in t.items()}, "binding_lane": max(t, key=t.get),
-                    "bound_tps": round(bound, 1) if bound else None,
-                    "fraction_of_bound": round(run["decode_tps"] / bound, 3) if bound and run.get("decode_tps") else None}
+    step = 1 / resident["decode_tps"] if resident and resident.get("decode_tps") else 0.0
+    run["bound"] = lane_bound(run["lanes_per_token"], lanes, step, 1, run.get("decode_tps"))
+    for n in prefills:
+        t_gpu = n / resident[f"prefill_tps_{n}"] if resident and resident.get(f"prefill_tps_{n}") else 0.0
+        run[f"prefill_bound_{n}"] = lane_bound(run[f"prefill_lanes_{n}"], lanes, t_gpu, n, run.get(f"prefill_tps_{n}"))
 
 
 def verdicts(res: dict, args) -> tuple[list[dict], dict]:
@@ -298,6 +310,7 @@ def verdicts(res: dict, args) -> tuple[list[dict], dict]:
             row["prefill_8k_x"] = (round(r[p8] / peer[p8], 3) if peer.get(p8) and r.get(p8) else None)
             row["bound_tps"] = (r.get("bound") or {}).get("bound_tps")
             row["fraction_of_bound"] = (r.get("bound") or {}).get("fraction_of_bound")
+            row["prefill_8k_bound_tps"] = (r.get(f"prefill_bound_{args.prefills[0]}") or {}).get("bound_tps")
             row["gpu_peak_gib"] = r.get("gpu_memory_peak_gib")
             rows.append(row)
             if routing != "calibrated" or placement.endswith("_served"):
@@ -450,9 +463,9 @@ def main() -> int:
                 r = kiln_inprocess(model, store, kw, vocab, args)
         except Exception as e:          # one failed run must not lose the others' figures
             r = {"error": f"{type(e).__name__}: {e}"[-2000:]}
-        resident = res["kiln"].get("resident", {}).get("calibrated", {}).get("decode_tps")
+        resident = res["kiln"].get("resident", {}).get("calibrated")
         if "error" not in r:
-            attach_bound(r, lanes, 1 / resident if resident and base != "resident" else None)
+            attach_bound(r, lanes, resident if base != "resident" else None, args.prefills)
         res["kiln"].setdefault(placement, {})[routing] = r
         save()
         log(f"Kiln {placement} {routing}: decode {r.get('decode_tps')} prefill "
@@ -464,7 +477,7 @@ def main() -> int:
     res["table"], res["targets"] = rows, judged
     save()
     if rows:
-        print(table(rows, list(rows[0].keys())))
+        table(rows, list(rows[0].keys()))          # the harness prints it
     log("targets:", json.dumps(judged))
     log("wrote", out, f"in {clock.elapsed()} s")
     return 0
