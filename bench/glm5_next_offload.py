@@ -51,6 +51,7 @@ from bench.harness import (REPO, STREAMS, completions_client, concurrent, dram_r
 from bench.h200_offload import run_synth
 from bench.h200_peer import Clock, GpuMemoryPeak, Skipped, Work, llama_bench, llama_env, need
 from engine.measure import glm5_slice
+from engine.synth import stand_in_tokenizer
 from engine.measure.peer import expert_bytes_by_layer, gguf_tensors
 
 ROUTINGS = ("calibrated", "uniform", "model")
@@ -65,7 +66,6 @@ TINY_SHAPE = dict(hidden_size=256, n_routed_experts=16, num_experts_per_tok=4, m
                   index_n_heads=4, index_topk=64, index_kpool=4,
                   linear_attn_config={"head_dim": 64, "num_heads": 4, "short_conv_kernel_size": 4,
                                       "gate_lower_bound": -5.0, "safe_gate": True})
-EOS = "<|endoftext|>"
 
 
 # ------------------------------------------------------------------ weights
@@ -83,26 +83,6 @@ def synth_cmd(out: Path, store: Path, moe_layers: int, tiny: bool) -> list[str]:
     return [sys.executable, "-c", call]
 
 
-def stand_in_tokenizer(model_dir: Path, vocab_size: int) -> None:
-    """A byte-level BPE tokenizer over the 256 byte symbols, one merge and an end token, padded with [PADi] to the
-    model's vocabulary: Kiln loads it (tokenizer.json, generic fast class), the converter writes it as it is
-    (`kiln_stand_in`; scripts/glm5_next_gguf.py). The bench sends token ids, so no text passes through it."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    symbols = sorted(pre_tokenizers.ByteLevel.alphabet())
-    vocab = {s: i for i, s in enumerate(symbols)}
-    vocab["ĠĠ"] = len(vocab)
-    vocab[EOS] = len(vocab)
-    for i in range(len(vocab), vocab_size):
-        vocab[f"[PAD{i}]"] = i
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[("Ġ", "Ġ")]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([EOS])
-    tok.save(str(model_dir / "tokenizer.json"))
-    (model_dir / "tokenizer_config.json").write_text(json.dumps(
-        {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS, "pad_token": EOS, "kiln_stand_in": True}))
-
-
 def build_weights(args, work: Path, shm: Path, clock: Clock, res: dict, save) -> tuple[Path, Path, Path]:
     """Kiln's model + int4 store in --work, llama.cpp's Q4_K_M beside them (each reused where already there)."""
     from engine.store import manifest as mf
@@ -112,7 +92,7 @@ def build_weights(args, work: Path, shm: Path, clock: Clock, res: dict, save) ->
         need(clock, 20 if args.tiny else 60, "engine synth (int4)")
         cmd = synth_cmd(model, store, args.moe_layers, args.tiny)
         res["synth_int4"] = run_synth(cmd, work / "synth-int4.log", clock.left())
-        stand_in_tokenizer(model, json.loads((model / "config.json").read_text())["vocab_size"])
+        stand_in_tokenizer(model, json.loads((model / "config.json").read_text())["vocab_size"])   # ids only
         model_manifest.write(model)
         save()
     if not q4.exists():
@@ -295,7 +275,7 @@ def attach_bound(run: dict, lanes: dict | None, resident: dict | None, prefills:
 
 def verdicts(res: dict, args) -> tuple[list[dict], dict]:
     rows, judged = [], {}
-    peer = res["llama_cpp"].get("bench", {})
+    peer = res["llama_cpp"].get("llama_bench", {})
     p8 = f"prefill_tps_{args.prefills[0]}"
     for placement, by_routing in res["kiln"].items():
         for routing, r in by_routing.items():
@@ -425,7 +405,7 @@ def main() -> int:
         need(clock, 30 if args.tiny else 90, "llama-bench")
         r = llama_bench(w, q4, plan["llama_cpp"]["n_cpu_moe"], timeout_s=min(clock.left() - 10, 300))
         r["n_cpu_moe"] = plan["llama_cpp"]["n_cpu_moe"]
-        res["llama_cpp"]["bench"] = r
+        res["llama_cpp"]["llama_bench"] = r
         log(f"llama.cpp N={r['n_cpu_moe']}: decode {r.get('decode_tps')} prefill "
             f"{[r.get(f'prefill_tps_{n}') for n in args.prefills]} peak {r.get('gpu_memory_peak_gib')} GiB")
     except Skipped as e:

@@ -134,6 +134,47 @@ def test_bad_arguments_exit_2_in_one_line(tmp_path):
         assert r.returncode == 2 and what in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 
+def test_llama_cpps_converter_reads_kilns_int4_experts_from_the_store(tmp_path):
+    """scripts/glm5_next_gguf.py --store: the GGUF's expert tensors are the store's int4 records dequantized (bf16),
+    every expert in its place; the stand-in vocabulary goes in as written."""
+    import gguf
+    import torch
+    from engine.quant.records import dequantize_matrix, matrix_bytes
+    from engine.store import manifest as mf
+    from engine.synth import stand_in_tokenizer, synthesize
+
+    llama = _llama_cpp()
+    shape = dict(hidden_size=256, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=256,
+                 intermediate_size=512, vocab_size=320, num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=32,
+                 q_lora_rank=64, qk_nope_head_dim=32, v_head_dim=32, index_head_dim=16, index_n_heads=2,
+                 index_topk=16, index_kpool=4, linear_attn_config={"head_dim": 32, "num_heads": 2,
+                 "short_conv_kernel_size": 4, "gate_lower_bound": -5.0, "safe_gate": True})
+    model, store = tmp_path / "m", tmp_path / "s"
+    synthesize(model, store, device="cpu", quant="int4", arch="glm5_next", num_hidden_layers=5, **shape)
+    stand_in_tokenizer(model, 320)
+    r = subprocess.run([sys.executable, str(REPO / "scripts" / "glm5_next_gguf.py"), str(model), str(tmp_path / "g"),
+                        "--llama-cpp", str(llama), "--store", str(store), "--types", "F32"],
+                       capture_output=True, text=True, cwd=REPO, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    reader = gguf.GGUFReader(json.loads(r.stdout)["F32"])
+    tensors = {t.name: t for t in reader.tensors}
+    m = mf.load(store)
+    q = m.layout.quantized
+    for layer in (3, 4):
+        for name, which, region in (("ffn_gate_exps", 0, "gate"), ("ffn_down_exps", 2, "down")):
+            got = torch.from_numpy(tensors[f"blk.{layer}.{name}.weight"].data.copy())
+            for e in range(4):
+                with open(store / mf.DATA, "rb") as f:
+                    f.seek(m.record(layer, e).offset)
+                    rec = torch.frombuffer(bytearray(f.read(m.record_bytes)), dtype=torch.uint8)
+                t = q.record_types(rec)[which]
+                _, _, o, k = q.regions[region]
+                want = dequantize_matrix(t, q.region(rec, region)[:matrix_bytes(t, o, k)], o, k).to(torch.bfloat16).float()
+                assert torch.equal(got[e], want), (layer, name, e)
+    tokens = reader.fields["tokenizer.ggml.tokens"]
+    assert len(tokens.data) == 320 and bytes(tokens.parts[tokens.data[257]]).decode() == "<|endoftext|>"
+
+
 @pytest.mark.slow
 def test_the_tiny_pipeline_runs_end_to_end_on_the_cpu(tmp_path):
     """Every step of the H200 call on toy widths, one routing and the three-tier placement (in-process, then served)
@@ -151,7 +192,7 @@ def test_the_tiny_pipeline_runs_end_to_end_on_the_cpu(tmp_path):
     assert doc["gguf"]["q4_k_m_bytes"] > 0 and "--store" in doc["gguf"]["command"]
     tensors = doc["placements"]["llama_cpp"]
     assert tensors["n_cpu_moe"] == 5 and tensors["share_of_expert_bytes_on_gpu"] == 0.0   # 2 MoE layers: 0 % nearest
-    peer = doc["llama_cpp"]["bench"]
+    peer = doc["llama_cpp"]["llama_bench"]
     assert peer["decode_tps"] > 0 and peer["prefill_tps_64"] > 0 and "--n-cpu-moe 5" in peer["command"]
     tier = doc["kiln"]["three_tier"]["calibrated"]
     assert tier["decode_tps"] > 0 and tier["provider"] == "TieredExperts"
