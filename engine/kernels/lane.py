@@ -28,7 +28,7 @@ from engine.quant.records import FOUR_BIT, group_size
 
 _P, _I = ctypes.c_void_p, ctypes.c_int
 SIGNATURES = {
-    "lane_int4_moe": ([_P, _I, _I, _I, _I, _I, _P, _I, _P, _P, _P, _P, _I, _P, _I], _I),
+    "lane_int4_moe": ([_P, _I, _I, _I, _I, _I, _P, _I, _P, _P, _P, _P, _I, _P, _I, ctypes.c_float], _I),
     "lane_read": ([_P, ctypes.c_int64, _I, _P, _I], ctypes.c_uint64),
     "lane_isa": ([], _I),
 }
@@ -96,10 +96,11 @@ class Team:
 
 
 def moe(x: torch.Tensor, tokens: list[int], records: list[int], weights: list[float], quant, team: Team,
-        so: ctypes.CDLL | None = None) -> torch.Tensor:
+        so: ctypes.CDLL | None = None, limit: float | None = None) -> torch.Tensor:
     """x [T, H] (any float dtype; read as fp32) and n picks — tokens[p], the host address of its record records[p],
     its router weight weights[p] — → fp32 [T, H]: Σ_p weights[p]·FFN(records[p], x[tokens[p]]) per token, in the
-    picks' order (moe_forward's order: experts ascending). The caller keeps the records resident for the call."""
+    picks' order (moe_forward's order: experts ascending). The caller keeps the records resident for the call.
+    limit: the SwiGLU limit (glm5_next's swiglu_limit; None: none), as int4_ffn and moe_forward take it."""
     so = so or lib()
     order, offs = offsets(quant)
     xf = x.float().contiguous()
@@ -111,7 +112,7 @@ def moe(x: torch.Tensor, tokens: list[int], records: list[int], weights: list[fl
     w = (ctypes.c_float * max(1, n))(*weights)
     off = (ctypes.c_int64 * 6)(*offs, *([0] * (6 - len(offs))))
     rc = so.lane_int4_moe(xf.data_ptr(), t, h, quant.intermediate, 32, order, off, n, tok, recs, w, out.data_ptr(),
-                          team.threads, team._cpus, len(team.cpus))
+                          team.threads, team._cpus, len(team.cpus), native._limit(limit))
     if rc:
         raise ValueError(f"lane_int4_moe refused the shapes (hidden {h}, intermediate {quant.intermediate}, "
                          f"{quant.scheme} {quant.order})")

@@ -1093,8 +1093,7 @@ void ggml_ffn(const float* x, int H, int I, const uint8_t* gate, int gt, const u
 //   down, then the sum over H-column chunks; a layer's experts and each expert's rows are split alike, so one
 //   pick or 32 keep every thread busy.
 //   Refuses (returns 1) what it was not written for: groups other than 32, cols rows not a multiple of 64. Its
-//   silu(gate)·up is int4_ffn's as written at this region's writing, with no SwiGLU limit: where int4_ffn gains a
-//   `limit`, this step must take the same one (or the lane must not take such models: engine.kernels.lane.supports).
+//   silu(gate)·up is int4_ffn's: swiglu() with the same `limit` (glm5_next's swiglu_limit; 0: none).
 // lane_read: the host's DRAM read rate the lane is set beside: `threads` pinned threads stream disjoint parts of a
 //   buffer (64-byte loads summed into a checksum, so the reads stay).
 // lane_isa: the kernels built here: 3 AVX-512 + BF16 dot products, 2 AVX-512F, 1 AVX2 + FMA, 0 scalar.
@@ -1344,7 +1343,7 @@ int lane_isa() {
 // ncpus]); ncpus 0: unpinned. → 0, or 1 where the shapes are not ones this kernel computes (nothing written).
 int lane_int4_moe(const float* x, int T, int H, int I, int g, int order, const int64_t* off, int n,
                   const int32_t* tok, const uint64_t* recs, const float* w, float* out, int threads,
-                  const int* cpus, int ncpus) {
+                  const int* cpus, int ncpus, float limit) {
     if (g != 32 || H % 32 || I % 32 || n < 0 || T < 1 || (order == 1 && (H % 64 || (2 * I) % 64)) ||
         (order != 0 && order != 1))
         return 1;
@@ -1381,7 +1380,7 @@ int lane_int4_moe(const float* x, int T, int H, int I, int g, int order, const i
         for (int p = 0; p < n; ++p) {                      // int4_ffn's silu(gate)·up, then down's input
             const float* a = gu.data() + (size_t)p * 2 * I;
             std::vector<float> h(I);
-            for (int i = 0; i < I; ++i) h[i] = (a[i] / (1.0f + std::exp(-a[i]))) * a[I + i];
+            swiglu(a, a + I, I, limit, h.data());
             hin[p].prepare(h.data(), I, g, order);
         }
         const int64_t d_codes = order == 1 ? off[2] : off[4], d_sz = order == 1 ? off[3] : off[5];

@@ -429,12 +429,10 @@ class TieredExperts(ExpertProvider):
         host = "cpu"
         xs, ids, ws = x.to(host), topk_ids.to(host), topk_weights.to(host)
         routes = [r for r in group_routes(ids) if r.expert in on_cpu]
-        # 4-bit records: the layer's picks in one native call, the GIL released (the lane kernel has no swiglu
-        # clamp, so a model with a limit, glm5_next, takes the waves)
-        args = None if self.swiglu_limit else native_picks(self.layout, xs, ws, routes,
-                                                             lambda e: self.ram.arena.host_address(ram_slots[e]))
+        # 4-bit records: the layer's picks in one native call, the GIL released (a SwiGLU limit, glm5_next's, too)
+        args = native_picks(self.layout, xs, ws, routes, lambda e: self.ram.arena.host_address(ram_slots[e]))
         if args is not None:
-            fut = self.lane.submit(lane_kernel.moe, *args, self.lane.team)
+            fut = self.lane.submit(lane_kernel.moe, *args, self.lane.team, None, self.swiglu_limit)
         else:
             views = [self.layout.views(self.ram.arena.tensor(ram_slots[e], self.layout.dtype)) for e in experts]
             fut = self.lane.submit(moe_forward, xs, ws, routes, lambda wave: views, len(experts), self.swiglu_limit)

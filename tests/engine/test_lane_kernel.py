@@ -73,6 +73,27 @@ def test_rows_picks_are_the_int4_function_on_any_thread_count():
     assert not torch.equal(outs[0], want)             # the oracle is not what ran
 
 
+@pytest.mark.parametrize("order", ["cols", "rows"])
+def test_a_swiglu_limit_clamps_as_int4_ffn_and_the_reference_do(order):
+    """glm5_next's swiglu_limit on the lane (it took moe_forward's slow path before): cols bitwise int4_ffn with the
+    same limit, rows within a bf16 rounding of the reference with it; a limit that binds changes the output."""
+    q, recs = records(order, 5)
+    x = torch.randn(3, H, generator=torch.Generator().manual_seed(4)) * 40     # gate/up far past the limit
+    picks = [recs[i] for i in WHICH]
+    got = lane.moe(x, TOKENS, [r.data_ptr() for r in picks], WEIGHTS, q, lane.Team(2), limit=0.5)
+    free = lane.moe(x, TOKENS, [r.data_ptr() for r in picks], WEIGHTS, q, lane.Team(2))
+    if order == "cols":
+        want = per_pick_sum(lambda xt, r: native.int4_ffn(xt.contiguous(), r, q.regions, 32, limit=0.5), x, TOKENS,
+                            picks, WEIGHTS)
+        assert torch.equal(got, want)
+    else:
+        want = per_pick_sum(lambda xt, r: quant_ffn_reference(q, r, xt.view(1, -1), limit=0.5).view(-1), x, TOKENS,
+                            picks, WEIGHTS)
+        # twice the unclamped test's atol: a gate a bf16 rounding either side of the limit is clamped on one side only
+        torch.testing.assert_close(got, want, rtol=2 ** -6, atol=2 ** -5 * float(want.abs().max()))
+    assert not torch.allclose(got, free)
+
+
 def test_one_pick_and_a_bf16_input():
     """One pick (a layer's lone CPU pick) and a bf16 x (a CUDA model's hidden state), read as fp32."""
     q, recs = records("cols", 1)
@@ -151,10 +172,12 @@ def _provider(store, mode, rates, cpus, device="cpu"):
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA device"))])
-def test_the_tiered_lane_computes_a_layer_in_one_kernel_call(int4_store, monkeypatch, device):
+@pytest.mark.parametrize("limit", [None, 0.1])
+def test_the_tiered_lane_computes_a_layer_in_one_kernel_call(int4_store, monkeypatch, device, limit):
     """The tiered provider's CPU lane on int4 records: a decode layer's CPU picks go to lane.moe in ONE call on the
     lane's pinned team (a spy on the real function counts them), the CPU rate is measured with it, and the layer's
-    output is the slot side's within a bf16 rounding (cuda: the GPU's int4 kernels; cpu: the same, interpreted)."""
+    output is the slot side's within a bf16 rounding (cuda: the GPU's int4 kernels; cpu: the same, interpreted).
+    With a SwiGLU limit (glm5_next's) too: the lane takes it rather than falling back to moe_forward."""
     ck, store = int4_store
     calls = []
     real = lane.moe
@@ -164,6 +187,7 @@ def test_the_tiered_lane_computes_a_layer_in_one_kernel_call(int4_store, monkeyp
     with torch.inference_mode():
         for mode, rates in (("off", None), ("on", "pcie=10,disk=5")):
             prov = _provider(store, mode, rates, cpus, device)
+            prov.use_swiglu_limit(limit)
             try:
                 layer = prov.manifest.moe_layers[1]
                 x = torch.randn(1, prov.layout.hidden, generator=torch.Generator().manual_seed(5)).to(device)
