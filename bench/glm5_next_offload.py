@@ -392,6 +392,7 @@ def main() -> int:
     res["checkpoint"] = {"layers": cfg["num_hidden_layers"], "moe_layers": len(m4.moe_layers),
                          "experts": m4.experts_per_layer, "top_k": cfg["num_experts_per_tok"],
                          "record_bytes": m4.record_bytes, "store_bytes": records * m4.record_bytes,
+                         "vocab_bytes": cfg["vocab_size"] * cfg["hidden_size"] * 2,     # the embedding table, bf16
                          "non_expert_bytes_per_token": glm5_slice.non_expert_bytes_per_token(cfg),
                          "full_model_non_expert_bytes_per_token": glm5_slice.non_expert_bytes_per_token(
                              slice_config(glm5_slice.FULL_MOE_LAYERS, args.tiny))}
@@ -432,7 +433,7 @@ def main() -> int:
         base = placement.removesuffix("_served")
         kw = knobs(plan[base], base, routing, args)
         try:
-            need(clock, 45 if args.tiny else 60, f"Kiln {placement} under {routing} routing")
+            need(clock, 45 if args.tiny else 90, f"Kiln {placement} under {routing} routing")
         except Skipped as e:
             res["skipped"].append(str(e))
             continue

@@ -43,8 +43,11 @@ def main_glm5(args) -> int:
                "published / given, not measured": "3090 VRAM 936 GB/s, bf16 tensor 71 TFLOP/s (spec), PCIe 4.0 x16 "
                    "25 GB/s, NVMe 7 GB/s (the seed's array while serving), 8-channel DDR4-3200 204.8 GB/s peak; the "
                    "seed's 19.47 tok/s, its ~43 tok/s floor, its 969 tok/s 32k prefill (ANCHORS.md)",
-               "assumed": "the GPU's fixed cost per layer the H200's; prefill compute scaled by the bf16 rates "
-                          "(H200 790 measured, 3090 71 spec); every chunk of a prompt picks every expert"},
+               "assumed": "the GPU's fixed cost per layer the H200's, no tiered host step (optimistic); prefill "
+                          "compute scaled by the bf16 rates (H200 790 measured, 3090 71 spec); every chunk of a prompt "
+                          "picks every expert; the seed's tier shares (11.4 % GPU, 39.9 % RAM) held on the box, which "
+                          "Kiln's own files do not fit today (kiln_files_on_the_box: bf16 attention and vocabulary, "
+                          "int4 records 1.66x the seed's)"},
            **res}
     write_result(Path(out), doc)
     print("PROJECTION, not measured: 45-layer GLM-5.3-Flash on the seed's 3090 box (PCIe "
@@ -61,6 +64,10 @@ def main_glm5(args) -> int:
     for r in res["prefill"]:
         t = r["lane_seconds"]
         print(f"| {r['tokens']} | {r['chunk']} | {t['gpu']} | {t['pcie']} | {t['disk']} | {r['binding_lane']} | {r['projected_tps']} |")
+    fit = res["kiln_files_on_the_box"]
+    print(f"\nKiln's own files on the box: {fit['gpu_slots_kiln_formula']} GPU slots by its budget formula "
+          f"(the seed's tiers: {fit['seed_tiers_records']['gpu']}), {fit['ram_tier_records_at_42_5_gib']} records in "
+          f"a 42.5 GiB RAM tier (the seed's: {fit['seed_tiers_records']['ram']}), of {fit['records']}")
     print("wrote", out)
     return 0
 

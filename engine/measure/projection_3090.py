@@ -139,6 +139,7 @@ def glm5_inputs(bench: dict) -> dict:
     return {"layers_measured": ck["layers"], "moe_layers_measured": moe, "record_bytes": ck["record_bytes"],
             "non_expert_bytes_per_token_measured": ck["non_expert_bytes_per_token"],
             "non_expert_bytes_per_token_full": ck["full_model_non_expert_bytes_per_token"],
+            "vocab_bytes": ck.get("vocab_bytes", 0),
             "h200_hbm_gbps": lanes["hbm_gbps"], "h200_dram_read_16t_gbps": lanes["dram_read_16t_gbps"],
             "h200_cpu_lane_gbps": cpu_gbps,
             "h200_resident_decode_tps": res["decode_tps"],
@@ -192,5 +193,13 @@ def project_glm5(x: dict, box: dict = GLM5_BOX, chunks=(8192, 32768)) -> dict:
             prefill.append({"chunk": chunk, "tokens": tokens, "passes": passes,
                             "lane_seconds": {k: round(v, 3) for k, v in t.items()}, "binding_lane": binding,
                             "projected_tps": round(tokens / t[binding], 1)})
+    # what the box holds of Kiln's own files: the rows above take the seed's shares, which its 3.05-bpw records
+    # and quantized attention fit; Kiln keeps non-expert weights in bf16 and its int4 records are larger
+    non_expert_file = x["non_expert_bytes_per_token_full"] + x.get("vocab_bytes", 0)
+    room = box["vram_bytes"] - non_expert_file - x.get("workspace_bytes", int(1.5 * GIB))
+    records = moe * GLM5_EXPERTS
+    fit = {"gpu_slots_kiln_formula": max(0, int(room // rec)), "ram_tier_records_at_42_5_gib": int(42.5 * GIB // rec),
+           "records": records, "non_expert_bf16_bytes_on_gpu": int(non_expert_file),
+           "seed_tiers_records": {"gpu": round(SEED_GPU_SHARE * records), "ram": round(SEED_RAM_SHARE * records)}}
     return {"fixed_gpu_seconds_per_layer": round(fixed_layer, 7), "cpu_lane_gbps": round(cpu_gbps, 1),
-            "decode": rows, "prefill": prefill, "seed": SEED, "targets": GLM5_TARGETS}
+            "decode": rows, "prefill": prefill, "kiln_files_on_the_box": fit, "seed": SEED, "targets": GLM5_TARGETS}
