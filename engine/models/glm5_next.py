@@ -40,6 +40,7 @@ from engine.kv_cache import SlotCaches, untouched_zeros
 from engine.models.common import MLP, WeightSource, rms_norm, sigmoid_grouped_topk
 from engine.routing_trace import RoutedBlock
 from engine.dense_weights import Projection
+from engine.kernels import triton_decode, triton_glm5
 from engine.gpu.graphs import DecodeGraphs
 
 KDA_CHUNK = 64          # transformers' chunk_kimi_delta_attention chunk size
@@ -122,7 +123,10 @@ class HyperConnection:
         self.scale = w.get(f"{prefix}_scale", fp32=True)
         self.hc, self.iters, self.hc_eps, self.eps = spec.hc_mult, spec.hc_sinkhorn_iters, spec.hc_eps, eps
 
-    def __call__(self, streams: torch.Tensor):
+    def __call__(self, streams: torch.Tensor, fused: bool = False):
+        if fused:                       # one token per sequence on CUDA: the same function in two launches
+            return triton_glm5.hc_pre(streams, self.fn, self.base, self.scale, iters=self.iters, hc_eps=self.hc_eps,
+                                      eps=self.eps)
         hc, n = self.hc, streams.shape[0]
         flat = streams.reshape(n, -1).float()
         flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + self.eps)
@@ -233,7 +237,7 @@ class LinearAttention(nn.Module):
     def __init__(self, model: "Glm5Next", w: WeightSource, layer: int):
         super().__init__()
         p, s = f"model.layers.{layer}.self_attn", model.spec
-        self.caches, self.row = model.caches, model.caches.row[layer]
+        self.caches, self.row, self.fused = model.caches, model.caches.row[layer], model.fused
         self.heads, self.hd, self.eps, self.lower = s.linear_heads, s.linear_head_dim, model.cfg.rms_eps, s.lower_bound
         self.qkv = Projection(torch.cat([w.get(f"{p}.{n}_proj.weight") for n in "qkv"]))
         self.conv = torch.cat([w.get(f"{p}.{n}_conv1d.weight", fp32=True) for n in "qkv"]).squeeze(1)   # [C, K]
@@ -252,6 +256,12 @@ class LinearAttention(nn.Module):
         return -rate * torch.where(g > 20.0, g, torch.log1p(torch.exp(g)))
 
     def forward(self, h: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
+        if self.fused and isinstance(segments, StaticDecode):      # conv, gates, delta rule, output norm: one launch
+            out = triton_glm5.kda_decode(self.qkv(h), self.f_b(self.f_a(h)), self.b(h), self.g_b(self.g_a(h)),
+                                         self.conv, self.caches.conv[self.row], self.caches.state[self.row],
+                                         segments.idx, dt_bias=self.dt_bias, a_log=self.a_log, o_norm=self.o_norm,
+                                         lower=self.lower, eps=self.eps)
+            return self.o(out)
         mixed = self.qkv(h).float()                                   # [N, 3·qkv]; the conv runs in fp32
         g, beta = self.forget_gate(h), torch.sigmoid(self.b(h).float())
         if isinstance(segments, StaticDecode):
@@ -306,7 +316,7 @@ class Indexer:
 
     def __init__(self, model: "Glm5Next", w: WeightSource, prefix: str, layer: int):
         s = model.spec
-        self.caches, self.row = model.caches, model.caches.row["idx", layer]
+        self.caches, self.row, self.fused = model.caches, model.caches.row["idx", layer], model.fused
         self.heads, self.hd, self.kpool = s.index_heads, s.index_head_dim, s.index_kpool
         self.pools = s.index_topk // s.index_kpool
         self.wq_b, self.wk = Projection(w.get(f"{prefix}.wq_b.weight")), Projection(w.get(f"{prefix}.wk.weight"))
@@ -340,17 +350,21 @@ class Indexer:
         take = min(self.pools, n_pools)
         if not take:
             return tail, tail_ok
-        packed = self.caches.index[self.row, st.idx, :n_pools * kp].view(b, n_pools, kp, 2 * self.hd)
-        k, gate = packed.split(self.hd, dim=-1)
-        prob = (gate.float() + self.ape).softmax(dim=2).to(k.dtype)
-        pool_keys = (prob * k).sum(dim=2)                                           # [B, P, hd]
         q = self.wq_b(q_resid).view(b, self.heads, self.hd)
-        scores = F.relu(torch.matmul(q.float(), pool_keys.transpose(1, 2).float()) * self.hd ** -0.5)  # [B, heads, P]
-        w = self.weights(h).float() * self.heads ** -0.5
-        score = torch.matmul(w.unsqueeze(-2), scores).squeeze(-2)                   # [B, P]
         pool_end = torch.arange(n_pools, device=dev) * kp + kp - 1
         visible = pool_end[None, :] <= pos[:, None]
-        score = score.masked_fill(~visible, float("-inf"))
+        if self.fused:                  # pooling, scoring and the mask in one launch; the same sort below
+            score = triton_glm5.indexer_scores(q, self.weights(h), self.caches.index[self.row], self.ape, st.idx, pos,
+                                               n_pools, kp)
+        else:
+            packed = self.caches.index[self.row, st.idx, :n_pools * kp].view(b, n_pools, kp, 2 * self.hd)
+            k, gate = packed.split(self.hd, dim=-1)
+            prob = (gate.float() + self.ape).softmax(dim=2).to(k.dtype)
+            pool_keys = (prob * k).sum(dim=2)                                       # [B, P, hd]
+            scores = F.relu(torch.matmul(q.float(), pool_keys.transpose(1, 2).float()) * self.hd ** -0.5)
+            w = self.weights(h).float() * self.heads ** -0.5
+            score = torch.matmul(w.unsqueeze(-2), scores).squeeze(-2)               # [B, P]
+            score = score.masked_fill(~visible, float("-inf"))
         order = torch.sort(score, dim=-1, descending=True, stable=True).indices[:, :take]
         chosen = (order[:, :, None] * kp + span).reshape(b, take * kp)
         ok = visible.gather(1, order)[:, :, None].expand(b, take, kp).reshape(b, take * kp)   # no host read
@@ -391,7 +405,7 @@ class SparseAttention(nn.Module):
     def __init__(self, model: "Glm5Next", w: WeightSource, layer: int):
         super().__init__()
         p, s, c = f"model.layers.{layer}.self_attn", model.spec, model.cfg
-        self.caches, self.row, self.eps = model.caches, model.caches.row[layer], c.rms_eps
+        self.caches, self.row, self.eps, self.fused = model.caches, model.caches.row[layer], c.rms_eps, model.fused
         self.heads, self.nope, self.vd, self.rank = c.num_heads, s.qk_nope_head_dim, s.v_head_dim, s.kv_lora_rank
         self.q_a, self.q_norm = Projection(w.get(f"{p}.q_a_proj.weight")), w.get(f"{p}.q_a_layernorm.weight")
         self.q_b = Projection(w.get(f"{p}.q_b_proj.weight"))
@@ -437,6 +451,11 @@ class SparseAttention(nn.Module):
             self.indexer.write_static(h, st)
             shared = self.indexer.select_static(h, q_resid, st)
         keys, valid = shared
+        if self.fused:                  # absorbed projections over the selected latent rows, in any order
+            kv_b = self.kv_b.weight.t() if self.kv_b.cpu else self.kv_b.weight              # [out, in]
+            o = triton_glm5.mla_decode(q, kv_b, self.caches.latent[self.row], st.idx, keys, valid, nope=self.nope,
+                                       scale=self.scale)
+            return self.o(o), shared
         # Ascending keys, as forward reads them (`used`); the padding (not valid) sorts last and reads key 0.
         big = torch.iinfo(keys.dtype).max
         keys = torch.sort(torch.where(valid, keys, big), dim=1).values
@@ -453,7 +472,7 @@ class Layer(nn.Module):
     def __init__(self, model: "Glm5Next", w: WeightSource, layer: int):
         super().__init__()
         p, s, c = f"model.layers.{layer}", model.spec, model.cfg
-        self.kind, self.eps = s.layer_types[layer], c.rms_eps
+        self.kind, self.eps, self.fused = s.layer_types[layer], c.rms_eps, model.fused
         self.attn_hc, self.ffn_hc = (HyperConnection(w, f"{p}.hc_{n}", s, c.rms_eps) for n in ("attn", "ffn"))
         self.input_norm = w.get(f"{p}.input_layernorm.weight")
         self.post_norm = w.get(f"{p}.post_attention_layernorm.weight")
@@ -462,17 +481,19 @@ class Layer(nn.Module):
                     else ClampedMLP(w, f"{p}.mlp", s.swiglu_limit))
 
     def forward(self, streams: torch.Tensor, segments: list[Segment], shared: list | None):
-        post, comb, h = self.attn_hc(streams)
+        fused = self.fused and isinstance(segments, StaticDecode)
+        merge = triton_glm5.hc_merge if fused else HyperConnection.merge
+        post, comb, h = self.attn_hc(streams, fused)
         h = rms_norm(h, self.input_norm, self.eps)
         masks = shared                  # a KDA layer passes the last full layer's selection on
         if self.kind == KDA:
             out = self.attn(h, segments)
         else:
             out, masks = self.attn(h, segments, shared)
-        streams = HyperConnection.merge(post, comb, out, streams)
-        post, comb, h = self.ffn_hc(streams)
+        streams = merge(post, comb, out, streams)
+        post, comb, h = self.ffn_hc(streams, fused)
         out = self.mlp(rms_norm(h, self.post_norm, self.eps))
-        return HyperConnection.merge(post, comb, out, streams), masks
+        return merge(post, comb, out, streams), masks
 
 
 class ShapeChecked:
@@ -502,12 +523,19 @@ class Glm5Next(nn.Module):
     many sequences), the interface engine.llm drives every architecture through."""
 
     def __init__(self, cfg: ModelConfig, w: WeightSource, provider: ExpertProvider, caches: Glm5Caches, *,
-                 device, dtype: torch.dtype, **_kernels):
+                 device, dtype: torch.dtype, fused_kernels: bool = True, **_kernels):
         super().__init__()
-        # **_kernels: the fused/native kernel switches other models take; glm5_next has torch forms only (issue 28)
+        # **_kernels: the native kernel switch other models take; glm5_next's CPU forms are torch's
         self.cfg, self.spec, self.provider, self.caches = cfg, caches.spec, provider, caches
         provider.use_swiglu_limit(caches.spec.swiglu_limit)      # the routed experts' clamp, in every kernel
         self.device, self.dtype = torch.device(device), dtype
+        s = caches.spec
+        # decode_static on engine.kernels.triton_glm5's fused kernels where Triton runs (CUDA) and the shapes fit;
+        # off (EngineConfig.fused_kernels) for the torch forms, the A/B baseline. Read by the blocks built below.
+        self.fused = (fused_kernels and triton_decode.serves_on(self.device)
+                      and triton_glm5.shapes_ok(hc=s.hc_mult, linear_head_dim=s.linear_head_dim,
+                                                kv_lora_rank=s.kv_lora_rank, index_head_dim=s.index_head_dim,
+                                                index_kpool=s.index_kpool))
         w = ShapeChecked(w, tensor_shapes(caches.spec, layers=cfg.num_layers, hidden=cfg.hidden, vocab=cfg.vocab_size,
                                           heads=cfg.num_heads, intermediate=cfg.intermediate, moe_layers=cfg.moe_layers,
                                           experts=cfg.n_experts,
