@@ -44,6 +44,7 @@ from engine.kernels import triton_decode, triton_glm5
 from engine.gpu.graphs import DecodeGraphs
 
 KDA_CHUNK = 64          # transformers' chunk_kimi_delta_attention chunk size
+KDA_GROUP_BYTES = 256 << 20     # kda_chunked's per-chunk decay tensors, made this many bytes of chunks at a time
 
 
 # ---------------------------------------------------------------- caches
@@ -197,7 +198,10 @@ def kda_recurrent(q, k, v, g, beta, state):
 
 def kda_chunked(q, k, v, g, beta, state, chunk: int = KDA_CHUNK):
     """The same function in transformers' chunked form (chunk_kimi_delta_attention), for prefill: the WY
-    representation within each chunk of `chunk` tokens, the recurrence across chunks. Shapes as kda_recurrent."""
+    representation within each chunk of `chunk` tokens, the recurrence across chunks. Shapes as kda_recurrent.
+    The per-chunk decays [heads, C, C, dk] are made for KDA_GROUP_BYTES' worth of chunks at a time, not for the
+    whole prompt at once (at GLM-5.3-Flash's 64 heads × 128: 128 MiB a chunk, 64 GiB for 32k tokens), and the
+    chunk's triangular system (transformers' row-by-row substitution loop) is solved in one batched call."""
     q, k, v, g = (x.transpose(0, 1) for x in (q, k, v, g))           # [Hh, T, d]
     beta = beta.transpose(0, 1)
     heads, t, dk = k.shape
@@ -209,22 +213,27 @@ def kda_chunked(q, k, v, g, beta, state, chunk: int = KDA_CHUNK):
     g = g.cumsum(dim=-2)
     mask = torch.triu(torch.ones(chunk, chunk, dtype=torch.bool, device=q.device), diagonal=0)
     strict = torch.triu(torch.ones(chunk, chunk, dtype=torch.bool, device=q.device), diagonal=1)
-    decay = (g.unsqueeze(-2) - g.unsqueeze(-3)).masked_fill(strict[..., None], float("-inf")).exp()
-    attn = -(k_beta.unsqueeze(-2) * k.unsqueeze(-3) * decay).sum(dim=-1).masked_fill(mask, 0)
-    for i in range(1, chunk):
-        row, sub = attn[..., i, :i].clone(), attn[..., :i, :i].clone()
-        attn[..., i, :i] = row + (row.unsqueeze(-1) * sub).sum(-2)
-    attn = attn + torch.eye(chunk, dtype=attn.dtype, device=attn.device)
-    v = attn @ v_beta
-    k_cumdecay = attn @ (k_beta * g.exp())
-    out = torch.zeros_like(v)
-    for i in range(v.shape[1]):
-        q_i, k_i, g_i = q[:, i], k[:, i], g[:, i]
-        inter = (q_i * g_i.exp()) @ state
-        intra = (q_i.unsqueeze(-2) * k_i.unsqueeze(-3) * decay[:, i]).sum(dim=-1).masked_fill(strict, 0)
-        v_new = v[:, i] - k_cumdecay[:, i] @ state
-        out[:, i] = inter + intra @ v_new
-        state = state * g_i[:, -1].exp().unsqueeze(-1) + (k_i * (g_i[:, -1:] - g_i).exp()).transpose(-1, -2) @ v_new
+    eye = torch.eye(chunk, dtype=q.dtype, device=q.device)
+    out = torch.empty_like(v)
+    n = v.shape[1]
+    group = max(1, KDA_GROUP_BYTES // (heads * chunk * chunk * dk * q.element_size()))
+    for c0 in range(0, n, group):
+        grp = slice(c0, c0 + group)
+        decay = (g[:, grp].unsqueeze(-2) - g[:, grp].unsqueeze(-3)).masked_fill(strict[..., None], float("-inf")).exp()
+        attn = -(k_beta[:, grp].unsqueeze(-2) * k[:, grp].unsqueeze(-3) * decay).sum(dim=-1).masked_fill(mask, 0)
+        # transformers' loop makes rows i of X = attn + attn·X (X strictly lower), so X + I = (I - attn)⁻¹
+        attn = torch.linalg.solve_triangular(-attn, eye.expand_as(attn), upper=False, unitriangular=True)
+        v_grp = attn @ v_beta[:, grp]
+        k_cumdecay = attn @ (k_beta[:, grp] * g[:, grp].exp())
+        for j in range(v_grp.shape[1]):
+            i = c0 + j
+            q_i, k_i, g_i = q[:, i], k[:, i], g[:, i]
+            inter = (q_i * g_i.exp()) @ state
+            intra = (q_i.unsqueeze(-2) * k_i.unsqueeze(-3) * decay[:, j]).sum(dim=-1).masked_fill(strict, 0)
+            v_new = v_grp[:, j] - k_cumdecay[:, j] @ state
+            out[:, i] = inter + intra @ v_new
+            state = (state * g_i[:, -1].exp().unsqueeze(-1)
+                     + (k_i * (g_i[:, -1:] - g_i).exp()).transpose(-1, -2) @ v_new)
     out = out.reshape(heads, -1, out.shape[-1])[:, :t]
     return out.transpose(0, 1), state
 

@@ -236,3 +236,25 @@ def test_a_fused_static_decode_equals_the_torch_static_decode(flat_ckpt, monkeyp
         torch.testing.assert_close(fused.caches.state, plain.caches.state, atol=1e-5, rtol=0)
         torch.testing.assert_close(fused.caches.conv, plain.caches.conv, atol=1e-4, rtol=0)
     assert len({t for s in seqs for t in s[-STEPS:]}) > 3         # the tokens vary: the comparison compares something
+
+
+# ---------------------------------------------------------------- prefill
+
+@pytest.mark.parametrize("group_bytes", [1, None])     # 1: one chunk at a time; None: all of them in one group
+def test_kda_chunked_equals_the_recurrent_form_whatever_its_chunk_groups(monkeypatch, group_bytes):
+    """Prefill's chunked KDA (on CPU and CUDA alike, for any segment past one token) against the token-by-token
+    recurrence, over three chunks (the last one padded) from a non-zero state, chunk groups of one or all."""
+    from engine.models import glm5_next
+    if group_bytes is not None:
+        monkeypatch.setattr(glm5_next, "KDA_GROUP_BYTES", group_bytes)
+    g = torch.Generator().manual_seed(6)
+    t, heads, d = 150, 2, 16
+    q, k = _l2norm(torch.randn(t, heads, d, generator=g)) * d ** -0.5, _l2norm(torch.randn(t, heads, d, generator=g))
+    v = torch.randn(t, heads, d, generator=g)
+    gate = -5.0 * torch.sigmoid(torch.randn(t, heads, d, generator=g))     # the lower-bounded forget gate
+    beta = torch.sigmoid(torch.randn(t, heads, generator=g))
+    state = torch.randn(heads, d, d, generator=g) * 0.1
+    want, want_state = kda_recurrent(q, k, v, gate, beta, state)
+    got, got_state = glm5_next.kda_chunked(q, k, v, gate, beta, state)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(got_state, want_state, atol=1e-5, rtol=1e-4)
