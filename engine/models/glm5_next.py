@@ -45,6 +45,7 @@ from engine.gpu.graphs import DecodeGraphs
 
 KDA_CHUNK = 64          # transformers' chunk_kimi_delta_attention chunk size
 KDA_GROUP_BYTES = 256 << 20     # kda_chunked's per-chunk decay tensors, made this many bytes of chunks at a time
+PREFILL_QUERIES = 1024          # DSA prefill: queries selected and attended at a time (masks, scores [queries, keys])
 
 
 # ---------------------------------------------------------------- caches
@@ -176,6 +177,13 @@ class StaticDecode:
     idx: torch.Tensor
     pos: torch.Tensor
     kv_len: int
+
+
+def query_blocks(segments: list[Segment]):
+    """Each segment's queries as consecutive segments of at most PREFILL_QUERIES tokens."""
+    for s in segments:
+        for o in range(0, s.length, PREFILL_QUERIES):
+            yield Segment(s.slot, s.start + o, s.row + o, min(PREFILL_QUERIES, s.length - o))
 
 
 def _l2norm(x: torch.Tensor) -> torch.Tensor:
@@ -425,7 +433,7 @@ class SparseAttention(nn.Module):
         self.indexer = Indexer(model, w, f"{p}.indexer", layer) if s.indexer_types[layer] == "full" else None
 
     def forward(self, h: torch.Tensor, segments: list[Segment], shared: list | None):
-        """→ (output [N, H], each segment's key selection, for a shared layer after this one)."""
+        """→ (output [N, H], the key selection of each of query_blocks(segments), for a shared layer after this one)."""
         q_resid = rms_norm(self.q_a(h), self.q_norm, self.eps)
         q = self.q_b(q_resid).view(h.shape[0], self.heads, self.nope)
         latent = rms_norm(self.kv_a(h), self.kv_norm, self.eps)
@@ -433,11 +441,14 @@ class SparseAttention(nn.Module):
             return self._static(h, q, q_resid, latent, segments, shared)
         if self.indexer is not None:
             self.indexer.write(h, segments)
+        for s in segments:
+            self.caches.latent[self.row, s.slot, s.start:s.end] = latent[s.row:s.row + s.length]
         out, masks = torch.empty(h.shape[0], self.heads * self.vd, dtype=h.dtype, device=h.device), []
-        for i, s in enumerate(segments):
+        # Queries in blocks (a shared layer reads the blocks' masks in the same order): a prefill's masks and indexer
+        # scores are [queries, keys], O(T²) for a whole long prompt at once.
+        for i, s in enumerate(query_blocks(segments)):
             rows = slice(s.row, s.row + s.length)
             cache = self.caches.latent[self.row, s.slot]
-            cache[s.start:s.end] = latent[rows]
             mask = self.indexer.select(h, q_resid, s) if self.indexer is not None else shared[i]
             masks.append(mask)
             # Expand only the keys some query of the segment attends (a decode step: index_topk + the tail, not

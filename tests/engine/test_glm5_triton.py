@@ -25,6 +25,7 @@ from engine.kernels import triton_glm5 as tg  # noqa: E402
 from engine.models.glm5_next import HyperConnection, _l2norm, kda_recurrent  # noqa: E402
 
 DEV = torch.device("cuda" if CUDA else "cpu")
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 DTYPES = [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)]
 
 
@@ -258,3 +259,19 @@ def test_kda_chunked_equals_the_recurrent_form_whatever_its_chunk_groups(monkeyp
     got, got_state = glm5_next.kda_chunked(q, k, v, gate, beta, state)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(got_state, want_state, atol=1e-5, rtol=1e-4)
+
+
+def test_a_prefill_attends_in_query_blocks_with_the_same_logits(flat_ckpt, monkeypatch):
+    """DSA prefill selects and attends PREFILL_QUERIES queries at a time (its masks and scores are [queries, keys]:
+    O(T²) for a long prompt in one piece); blocks of 8 — pools of 4 split across blocks, a shared layer reading the
+    full layer's block masks — give the logits of one block."""
+    from engine.loader import load_model
+    from engine.models import glm5_next
+    model = load_model(flat_ckpt, dtype="float32", max_context=96, max_batch=1, fused_kernels=False)
+    tokens = torch.randint(0, 384, (70,), generator=torch.Generator().manual_seed(8)).tolist()
+    with torch.inference_mode():
+        whole = model.prefill(tokens, 0, all_logits=True)
+        monkeypatch.setattr(glm5_next, "PREFILL_QUERIES", 8)
+        assert len(list(glm5_next.query_blocks([glm5_next.Segment(0, 0, 0, 70)]))) == 9
+        blocked = model.prefill(tokens, 0, all_logits=True)
+    torch.testing.assert_close(blocked, whole, atol=1e-5, rtol=0)
