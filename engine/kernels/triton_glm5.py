@@ -405,7 +405,7 @@ def mla_decode(q: torch.Tensor, kv_b: torch.Tensor, latent: torch.Tensor, idx: t
         part = torch.empty(heads * bsz * splits, block_r, dtype=torch.float32, device=q.device)
         ml = torch.empty(heads * bsz * splits, 2, dtype=torch.float32, device=q.device)
     _mla_attention_kernel[(bsz, triton.cdiv(heads, MLA_HEADS), splits)](
-        q_lat, latent, idx, keys.contiguous(), valid.contiguous(), o_lat, part, ml, q_lat.stride(0), q_lat.stride(1),
+        q_lat, latent, idx, keys.contiguous(), valid.contiguous().view(torch.uint8), o_lat, part, ml, q_lat.stride(0), q_lat.stride(1),
         latent.stride(0), latent.stride(1), o_lat.stride(0), o_lat.stride(1), s, scale, bsz, H=heads, R=rank,
         BLOCK_R=block_r, BH=MLA_HEADS, CHUNK=chunk, SPLITS=splits, BLOCK_N=MLA_KEYS,
         F32=_f32_dots(q.dtype), num_warps=8 if rank >= 256 else 4, num_stages=2)

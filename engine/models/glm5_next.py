@@ -36,7 +36,7 @@ from engine.checkpoint import CheckpointError
 from engine.model_config import ModelConfig
 from engine.experts.provider import ExpertProvider
 from engine.glm5_next_config import DSA, KDA, Glm5Spec, SpecError, tensor_shapes
-from engine.kv_cache import SlotCaches, untouched_zeros
+from engine.kv_cache import SlotCaches, kv_bucket, untouched_zeros
 from engine.models.common import MLP, WeightSource, rms_norm, sigmoid_grouped_topk
 from engine.routing_trace import RoutedBlock
 from engine.dense_weights import Projection
@@ -625,7 +625,12 @@ class Glm5Next(nn.Module):
             logits = self.graphs.decode(tokens, slots, positions)
         else:
             ids = torch.as_tensor(tokens, dtype=torch.long, device=self.device).view(-1)
-            logits = self.head(self._run(ids, [Segment(s, p, i, 1) for i, (s, p) in enumerate(zip(slots, positions))]))
+            if self.fused:          # an eager CUDA step (no graphs, or a batch past them) on the fused kernels too
+                logits = self.decode_static(ids, torch.tensor(slots, device=self.device),
+                                            torch.tensor(positions, device=self.device),
+                                            kv_bucket(max(positions) + 1, self.max_len))
+            else:
+                logits = self.head(self._run(ids, [Segment(s, p, i, 1) for i, (s, p) in enumerate(zip(slots, positions))]))
         self.provider.after_decode_launch(b * self.cfg.top_k)
         return logits
 

@@ -221,7 +221,7 @@ def test_a_fused_static_decode_equals_the_torch_static_decode(flat_ckpt, monkeyp
         seqs = []
         for p, s in zip(prompts, slots):
             a, b = plain.prefill(p, s), fused.prefill(p, s)         # prefill: the torch forms in both
-            torch.testing.assert_close(b, a, atol=0, rtol=0)
+            torch.testing.assert_close(b, a, atol=1e-6, rtol=0)
             seqs.append(p + [int(a.argmax())])
         idx = torch.tensor(slots, device=dev)
         for _ in range(STEPS):
@@ -234,6 +234,9 @@ def test_a_fused_static_decode_equals_the_torch_static_decode(flat_ckpt, monkeyp
             assert got.argmax(-1).tolist() == want.argmax(-1).tolist()
             for s, t in zip(seqs, want.argmax(-1).tolist()):
                 s.append(t)
+        # decode_step without graphs: the fused model takes the same fused static step
+        last = ([s[-1] for s in seqs], slots, [len(s) - 1 for s in seqs])
+        torch.testing.assert_close(fused.decode_step(*last), plain.decode_step(*last), atol=2e-4, rtol=0)
         torch.testing.assert_close(fused.caches.state, plain.caches.state, atol=1e-5, rtol=0)
         torch.testing.assert_close(fused.caches.conv, plain.caches.conv, atol=1e-4, rtol=0)
     assert len({t for s in seqs for t in s[-STEPS:]}) > 3         # the tokens vary: the comparison compares something
@@ -275,3 +278,34 @@ def test_a_prefill_attends_in_query_blocks_with_the_same_logits(flat_ckpt, monke
         assert len(list(glm5_next.query_blocks([glm5_next.Segment(0, 0, 0, 70)]))) == 9
         blocked = model.prefill(tokens, 0, all_logits=True)
     torch.testing.assert_close(blocked, whole, atol=1e-5, rtol=0)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device: the fused step inside captured CUDA graphs")
+def test_cuda_graphs_replay_the_fused_step_as_the_torch_step(flat_ckpt):
+    """engine serve --device cuda's decode: graphs captured around the fused decode_static, against graphs of the
+    torch forms (fused_kernels off), three sequences of different lengths, 24 greedy steps, fp32."""
+    from engine.loader import load_model
+    tokens = torch.randint(0, 384, (64,), generator=torch.Generator().manual_seed(9)).tolist()
+    prompts, slots = [tokens[:9], tokens[:40], tokens[5:28]], [1, 0, 2]
+    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    runs = {}
+    try:
+        for fused in (True, False):
+            model = load_model(flat_ckpt, device="cuda", dtype="float32", max_context=128, max_batch=3,
+                               cuda_graphs=True, fused_kernels=fused)
+            assert model.fused == fused and model.graphs is not None
+            with torch.inference_mode():
+                seqs = [p + [int(model.prefill(p, s).argmax())] for p, s in zip(prompts, slots)]
+                rows = []
+                for _ in range(24):
+                    out = model.decode_step([q[-1] for q in seqs], slots, [len(q) - 1 for q in seqs])
+                    rows.append(out.float().cpu())
+                    for q, t in zip(seqs, out.argmax(-1).tolist()):
+                        q.append(t)
+            assert model.graphs.replays == 24
+            runs[fused] = torch.stack(rows), seqs
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
+    torch.testing.assert_close(runs[True][0], runs[False][0], atol=2e-4, rtol=0)
+    assert runs[True][1] == runs[False][1]
