@@ -415,6 +415,23 @@ def mla_decode(q: torch.Tensor, kv_b: torch.Tensor, latent: torch.Tensor, idx: t
     return o.transpose(0, 1).reshape(bsz, -1)
 
 
+def warm_mla(kv_b: torch.Tensor, latent: torch.Tensor, sizes, *, heads: int, nope: int, scale: float) -> int:
+    """Compile mla_decode for every selection size in `sizes` (its variants: engine.kernels.triton_decode.
+    attention_variant of the size) now, one launch each over slot 0's first key (the output dropped; the cache
+    only read), so a stream growing into a longer KV bucket does not stop mid-decode while Triton compiles (as
+    triton_decode.warm_attention does for the other models). → variants launched."""
+    first: dict[tuple[int, int], int] = {}
+    for s in sizes:
+        first.setdefault(attention_variant(s), s)
+    dev = latent.device
+    q = torch.zeros(1, heads, nope, dtype=latent.dtype, device=dev)
+    zero = torch.zeros(1, dtype=torch.long, device=dev)
+    for s in first.values():
+        mla_decode(q, kv_b, latent, zero, torch.zeros(1, s, dtype=torch.long, device=dev),
+                   torch.ones(1, s, dtype=torch.bool, device=dev), nope=nope, scale=scale)
+    return len(first)
+
+
 def indexer_scores(q: torch.Tensor, weights: torch.Tensor, index: torch.Tensor, ape: torch.Tensor,
                    idx: torch.Tensor, pos: torch.Tensor, n_pools: int, kpool: int) -> torch.Tensor:
     """The DSA indexer's pooled scores of one query per sequence: q [B, IH, D] (wq_b's), weights [B, IH]

@@ -148,6 +148,17 @@ def test_mla_decode_with_absorbed_projections_equals_the_expanded_form(dtype, to
     assert rel(got, want) < tol
 
 
+def test_warm_mla_compiles_each_variant_once_and_leaves_the_cache_alone():
+    g = torch.Generator().manual_seed(10)
+    heads, nope, vd, rank = 2, 16, 16, 16
+    kv_b = _rand(g, heads * (nope + vd), rank)
+    latent = _rand(g, 2, 320, rank)
+    before = latent.clone()
+    # 12 and 16 keys: one program's variant; 300: split over programs, another
+    assert tg.warm_mla(kv_b, latent, [12, 16, 300, 12], heads=heads, nope=nope, scale=0.25) == 2
+    assert torch.equal(latent, before)
+
+
 # ---------------------------------------------------------------- DSA indexer
 
 def _indexer(g, fused, *, heads, hd, kpool, topk, hidden, slots, max_len, dtype, ties):
