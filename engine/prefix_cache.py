@@ -21,11 +21,11 @@ whole blocks only. Outputs do not change: a reused prefix is the same positions 
 and the rest is prefilled from there exactly as a later chunk of a chunked prefill is.
 
 Caches with a recurrent state (glm5_next's KDA layers) can be resumed only where they kept a snapshot of it
-(SlotCaches.resumable), so a lookup reuses up to the holder's latest snapshot inside the shared blocks, not the
-shared blocks themselves. Where the two differ the prompt branches off one another prompt shares (a system
-prompt), and its prefill keeps a snapshot there (SlotCaches.keep_at) for the next prompt that shares it; it
-keeps one at its own last whole block too, and the cache adds the block boundaries its decode crosses, so a
-chat's next turn resumes after the last turn's reply.
+(SlotCaches.resumable), so a lookup reuses up to the holder's latest snapshot inside the shared blocks. Where
+that falls short of the shared blocks' end, the prompt branches off there from another that begins alike (a
+system prompt, say): its prefill keeps a snapshot at that branch point (SlotCaches.keep_at), so the next prompt
+that shares it resumes there. A prefill also keeps one at its prompt's last whole block, and the cache one at the
+latest block boundary its decode crossed, so a chat's next turn resumes after the last turn's reply.
 """
 from __future__ import annotations
 

@@ -16,6 +16,7 @@ from engine.llm import LLM, SamplingParams, Token
 from engine.loader import load_model
 from engine.prefix_cache import BLOCK, PrefixCache
 from engine.server.app import create_app
+from tests.engine.test_glm5_next_cuda import no_tf32  # noqa: F401  (a fixture: TF32 off for exact CUDA matmuls)
 from tests.fixtures.served import Served
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -60,20 +61,27 @@ def engines(ckpt):
         yield cached, plain
 
 
-def test_a_snapshot_holds_the_states_of_exactly_its_position(ckpt):
+@pytest.fixture(scope="module")
+def model(ckpt):
+    return load_model(ckpt, max_context=96, max_batch=4)
+
+
+def _states_after(model, seq: list[int], n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The KDA states a prefill of seq's first n tokens leaves (in a slot of its own)."""
+    caches = model.caches
+    other = caches.alloc()
+    model.prefill(seq[:n], other)
+    out = caches.state[:, other].clone(), caches.conv[:, other].clone()
+    caches.release(other)
+    return out
+
+
+def test_a_snapshot_holds_the_states_of_exactly_its_position(model):
     """Prefill keeps the states at the boundary the prefix cache asks for (mid-prefill), decode at each boundary it
     crosses; each equals the states a prefill of exactly that many tokens leaves, and not one token either side."""
-    model = load_model(ckpt, max_context=96, max_batch=3)
     caches = model.caches
     seq = prompt(1, 60)
     with torch.inference_mode():
-        def states_after(n: int) -> tuple[torch.Tensor, torch.Tensor]:
-            other = caches.alloc()
-            model.prefill(seq[:n], other)
-            out = caches.state[:, other].clone(), caches.conv[:, other].clone()
-            caches.release(other)
-            return out
-
         pc = PrefixCache(caches)                   # allocates the snapshots (prepare_reuse)
         slot, n = pc.admit(seq[:45])
         assert n == 0
@@ -83,10 +91,38 @@ def test_a_snapshot_holds_the_states_of_exactly_its_position(ckpt):
         kept = {p: (s.clone(), c.clone()) for p, (s, c) in caches.kept(slot).items()}
         assert sorted(kept) == [32, 48]
         for at in (32, 48):
-            for want, got in zip(states_after(at), kept[at]):
+            for want, got in zip(_states_after(model, seq, at), kept[at]):
                 torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
             for off in (at - 1, at + 1):           # a snapshot a token early or late is another state
-                assert (states_after(off)[0] - kept[at][0]).abs().max() > 1e-3
+                assert (_states_after(model, seq, off)[0] - kept[at][0]).abs().max() > 1e-3
+        pc.release(slot, seq[:50])
+
+
+def test_a_running_slots_prefix_is_copied_with_its_snapshot(model):
+    """Concurrent sharing: the prefix's latent and indexer rows and its snapshot go to the new slot, which then
+    prefills the rest as the uncached forward does, and holds the snapshot itself once the source is gone."""
+    caches = model.caches
+    a = prompt(11, 40)
+    b, c = a[:32] + prompt(12, 10), a[:32] + prompt(13, 10)
+    with torch.inference_mode():
+        pc = PrefixCache(caches)
+        src, _ = pc.admit(a)
+        model.prefill(a, src)
+        pc.publish(src, a)                         # running: its prefix may be copied, not taken
+        dst, n = pc.admit(b)
+        assert dst != src and n == 32
+        snap = caches.kept(src)[32]
+        for live, kept, want in zip((caches.state[:, dst], caches.conv[:, dst]), caches.kept(dst)[32], snap):
+            assert torch.equal(live, want) and torch.equal(kept, want)
+        rest = model.prefill(b[32:], dst, start=32, all_logits=True)
+        other = caches.alloc()
+        whole = model.prefill(b, other, all_logits=True)
+        caches.release(other)
+        torch.testing.assert_close(rest, whole[32:], atol=ATOL, rtol=0)
+        pc.release(src, None)                      # the source is gone (a failed step: nothing of it is kept)
+        pc.release(dst, b)
+        assert pc.admit(c) == (dst, 32)            # the copy's own snapshot serves the next one
+        pc.release(dst, c)
 
 
 def test_chat_turns_give_the_same_tokens_and_logprobs_reusing_the_last_reply(engines):
@@ -192,12 +228,31 @@ def test_metrics_count_hits_and_reused_tokens_over_http(engines):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the H200)")
-def test_on_cuda_decode_snapshots_from_captured_graphs_resume_chat_turns(ckpt):
+def test_on_cuda_a_decode_snapshot_behind_a_graph_replay_is_its_positions_states(ckpt, no_tf32):
+    """The decode step replays a captured graph; the snapshot at the boundary it crosses is a copy queued behind
+    the replay (Glm5Caches.after_decode), equal to the states a prefill to that position leaves."""
+    model = load_model(ckpt, device="cuda", dtype="float32", max_context=96, max_batch=2, cuda_graphs=True)
+    assert model.graphs is not None
+    seq = prompt(14, 60)
+    with torch.inference_mode():
+        pc = PrefixCache(model.caches)
+        slot, _ = pc.admit(seq[:40])
+        model.prefill(seq[:40], slot)
+        for p in range(40, 50):                    # crosses 48, every step a replay
+            model.decode_step([seq[p]], [slot], [p])
+        assert model.graphs.replays == 10
+        kept = model.caches.kept(slot)[48]
+        for want, got in zip(_states_after(model, seq, 48), kept):
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the H200)")
+def test_on_cuda_decode_snapshots_from_captured_graphs_resume_chat_turns(ckpt, no_tf32):
     """Decode replays CUDA graphs; the snapshots are device copies queued behind each replay (Glm5Caches.
     after_decode): chat turns resume from them and answer as the engine without the prefix cache."""
     # fp32, as the exactness tests are: in bf16 a prefill from a reused prefix rounds as another chunking does
-    with LLM.load(ckpt, device="cuda", dtype="float32", max_context=192, max_batch=3) as cached, \
-            LLM.load(ckpt, device="cuda", dtype="float32", max_context=192, max_batch=3,
+    with LLM.load(ckpt, device="cuda", dtype="float32", max_context=192, max_batch=3, cuda_graphs=True) as cached, \
+            LLM.load(ckpt, device="cuda", dtype="float32", max_context=192, max_batch=3, cuda_graphs=True,
                      prefix_cache=False) as plain:
         assert cached.model.graphs is not None, "the decode should replay graphs here"
         history, expect = prompt(9, 30), 0
@@ -207,4 +262,4 @@ def test_on_cuda_decode_snapshots_from_captured_graphs_resume_chat_turns(ckpt):
             expect += (len(history) + len(got) - 1) // BLOCK * BLOCK if turn < 2 else 0
             history = history + ids(got) + prompt(70 + turn, 9)
         assert reused(cached) == (2, expect)
-        assert cached.model.graphs.replays > 0
+        assert cached.counters()["decode_graph_replays"] > 0
