@@ -7,7 +7,7 @@ freezing them: a running stream waits at most one chunk and one step between its
 there is nobody to wait, and on CUDA a prompt is then prefilled ALONE_CHUNKS chunks at a time: each chunk pays the
 host's launches of every layer once, whatever its length. Where the model allows it, a batch's next step is
 launched before this one's tokens are read (engine.decode_ahead). A new prompt starts after the longest prefix a
-KV slot already holds (engine.prefix_cache), unless it asked for its prompt's logprobs (then every position is
+slot already holds and can resume from (engine.prefix_cache), unless it asked for its prompt's logprobs (then every position is
 prefilled, each chunk's logits kept). A step's rows that asked for logprobs get them from a table made on the device
 before the next step launches (engine.logprobs); rows that did not ask cost nothing, and decode ahead goes on.
 

@@ -49,6 +49,7 @@ from engine.gpu.graphs import DecodeGraphs
 log = logging.getLogger("engine.models")
 
 KDA_CHUNK = 64          # transformers' chunk_kimi_delta_attention chunk size
+SNAPSHOTS = 3           # KDA state snapshots a slot keeps (Glm5Caches): prompt's last block, branch point, decode's latest
 KDA_GROUP_BYTES = 256 << 20     # kda_chunked's per-chunk decay tensors, made this many bytes of chunks at a time
 PREFILL_QUERIES = 1024          # DSA prefill: queries selected and attended at a time (masks, scores [queries, keys])
 
@@ -58,7 +59,19 @@ PREFILL_QUERIES = 1024          # DSA prefill: queries selected and attended at 
 class Glm5Caches(SlotCaches):
     """Each layer kind's own cache, slot per sequence: KDA recurrent [heads, dk, dv] + conv [3·qkv, kernel-1]
     states (fp32, as transformers keeps them), the MLA latent [max_len, kv_lora_rank] and the indexer's key and
-    pool-gate score [max_len, 2·index_head_dim] per token (model dtype)."""
+    pool-gate score [max_len, 2·index_head_dim] per token (model dtype).
+
+    Prefix reuse (engine.prefix_cache): the latent and indexer rows are positional, valid for any prefix; the KDA
+    states are not (a delta-rule state cannot be cut back), so a slot is resumable only at positions where it kept
+    a snapshot of them: SNAPSHOTS per slot, each every KDA layer's recurrent and conv state at one block boundary.
+    Which ones: those the prefix cache asks for as a prefill passes them (keep_at: the prompt's last whole block,
+    and where it branched off another prompt), and the latest boundary its decode crossed, so a chat's next turn
+    resumes after the last reply. A full slot drops the lowest-positioned snapshot an earlier sequence left, then
+    its own lowest. At GLM-5.3-Flash's shape (34 KDA layers, 64 heads of 128) one snapshot is
+    34 × (64·128·128 + 3·8192·3) × 4 B = 145.6 MiB, as much as the slot's own live state; SNAPSHOTS of them per
+    slot, allocated only when the prefix cache is on (prepare_reuse; on the CPU as untouched pages)."""
+
+    reusable_prefix = True
 
     def __init__(self, spec: Glm5Spec, slots: int, max_len: int, *, dtype: torch.dtype, device):
         super().__init__(slots, max_len)
@@ -73,15 +86,102 @@ class Glm5Caches(SlotCaches):
                                 device=device)
         self.latent = untouched_zeros((len(dsa), slots, max_len, spec.kv_lora_rank), dtype, device)
         self.index = untouched_zeros((len(full), slots, max_len, 2 * spec.index_head_dim), dtype, device)
+        self.block = 0                  # the prefix cache's block; 0: it is off, and no snapshot is kept
+        self.snap_state = self.snap_conv = None
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.state, self.conv, self.latent, self.index))
+        kept = [t for t in (self.snap_state, self.snap_conv) if t is not None]
+        return sum(t.numel() * t.element_size() for t in [self.state, self.conv, self.latent, self.index] + kept)
 
     def reset(self, slot: int) -> None:
         # The recurrent states carry a sequence forward; the latent and indexer rows are read only up to its length.
+        # Its snapshots stay: they hold the prefix the prefix cache may hand the slot's next sequence.
         self.state[:, slot].zero_()
         self.conv[:, slot].zero_()
+
+    # --- snapshots of the KDA states at block boundaries (prefix reuse) ---
+    def prepare_reuse(self, block: int, snapshots: int = SNAPSHOTS) -> None:
+        self.block = block
+        dev = self.state.device
+        self.snap_state = untouched_zeros((self.state.shape[0], self.slots, snapshots) + self.state.shape[2:],
+                                          torch.float32, dev)
+        self.snap_conv = untouched_zeros((self.conv.shape[0], self.slots, snapshots) + self.conv.shape[2:],
+                                         torch.float32, dev)
+        self._at = [[None] * snapshots for _ in range(self.slots)]   # the position each snapshot is of
+        self._own = [set() for _ in range(self.slots)]      # the snapshots the slot's current sequence took
+        self._wanted: list[set[int]] = [set() for _ in range(self.slots)]
+        self._decoded: list[int | None] = [None] * self.slots    # its decode's latest snapshot
+
+    def resumable(self, slot: int, n: int) -> int:
+        return max((p for p in self._at[slot] if p is not None and p <= n), default=0)
+
+    def kept(self, slot: int) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """position → the slot's snapshot there: (recurrent, conv) states of every KDA layer."""
+        return {p: (self.snap_state[:, slot, j], self.snap_conv[:, slot, j])
+                for j, p in enumerate(self._at[slot]) if p is not None}
+
+    def resume(self, slot: int, n: int) -> None:
+        self._start(slot, n)
+        if n:
+            j = self._at[slot].index(n)
+            self.state[:, slot] = self.snap_state[:, slot, j]
+            self.conv[:, slot] = self.snap_conv[:, slot, j]
+
+    def copy_prefix(self, src: int, dst: int, n: int) -> None:
+        """Positions 0..n of slot `src` into `dst`, the KDA states from src's snapshot at n (into dst's live
+        states, and as dst's own snapshot at n: the prefix stays resumable there once src's is gone)."""
+        j = self._at[src].index(n)
+        self.latent[:, dst, :n] = self.latent[:, src, :n]
+        self.index[:, dst, :n] = self.index[:, src, :n]
+        self._start(dst, 0)
+        self._at[dst][0] = n
+        for live, kept in ((self.state, self.snap_state), (self.conv, self.snap_conv)):
+            kept[:, dst, 0] = kept[:, src, j]
+            live[:, dst] = kept[:, src, j]
+
+    def keep_at(self, slot: int, positions: set[int]) -> None:
+        self._wanted[slot] = set(positions)
+
+    def snapshot_points(self, slot: int, start: int, end: int) -> list[int]:
+        """The positions in (start, end] a prefill of that span of `slot` keeps the KDA states at, ascending."""
+        return sorted(p for p in self._wanted[slot] if start < p <= end) if self.block else []
+
+    def snapshot(self, slot: int, at: int, decode: bool = False) -> None:
+        """Every KDA layer's live states of `slot`, which are at position `at`, into a snapshot of the slot: decode's
+        own one (replaced as decode goes on), else a new one. A device copy queued behind the work before it, no
+        host read: after a decode step it runs outside the step's captured graph, behind its replay."""
+        at_ = self._at[slot]
+        if decode and self._decoded[slot] is not None:
+            j = self._decoded[slot]
+        elif at in at_:
+            j = at_.index(at)
+        else:
+            j = self._victim(slot)
+            self._own[slot].add(j)
+            if decode:
+                self._decoded[slot] = j
+        at_[j] = at
+        self.snap_state[:, slot, j] = self.state[:, slot]
+        self.snap_conv[:, slot, j] = self.conv[:, slot]
+
+    def after_decode(self, slots: list[int], positions: list[int]) -> None:
+        """After a decode step is launched (eager or a graph's replay): a sequence whose token was a block's last
+        keeps its states at the boundary."""
+        if self.block:
+            for slot, pos in zip(slots, positions):
+                if (pos + 1) % self.block == 0:
+                    self.snapshot(slot, pos + 1, decode=True)
+
+    def _start(self, slot: int, n: int) -> None:
+        """A new sequence in `slot` goes on from its first n positions: the snapshots past n are of another's."""
+        self._at[slot] = [p if p is not None and p <= n else None for p in self._at[slot]]
+        self._own[slot], self._wanted[slot], self._decoded[slot] = set(), set(), None
+
+    def _victim(self, slot: int) -> int:
+        """The snapshot a new one replaces: a free one, else the lowest an earlier sequence left, else the lowest."""
+        at = self._at[slot]
+        return min(range(len(at)), key=lambda j: (at[j] is not None, j in self._own[slot], at[j] or 0))
 
 
 # ---------------------------------------------------------------- blocks
@@ -626,7 +726,17 @@ class Glm5Next(nn.Module):
         ids = torch.as_tensor(ids, dtype=torch.long, device=self.device).view(-1)
         t = ids.shape[0]
         assert t > 0 and start + t <= self.max_len, f"{start}+{t} tokens exceed the cache's {self.max_len}"
-        h = self._run(ids, [Segment(slot, start, 0, t)])
+        # Run in pieces that end where the prefix cache wants the KDA states kept (Glm5Caches.keep_at; at most the
+        # prompt's last block and a branch point): the live states are then the snapshot, as a later chunk starts.
+        points = self.caches.snapshot_points(slot, start, start + t)
+        hs, at = [], start
+        for end in sorted(set(points) | {start + t}):
+            h = self._run(ids[at - start:end - start], [Segment(slot, at, 0, end - at)])
+            hs.append(h if all_logits else h[-1:])
+            if end in points:
+                self.caches.snapshot(slot, end)
+            at = end
+        h = torch.cat(hs) if len(hs) > 1 else hs[0]
         return self.head(h if all_logits else h[-1])
 
     def decode_step(self, tokens, slots: list[int], positions: list[int]) -> torch.Tensor:
@@ -645,6 +755,7 @@ class Glm5Next(nn.Module):
                                             kv_bucket(max(positions) + 1, self.max_len))
             else:
                 logits = self.head(self._run(ids, [Segment(s, p, i, 1) for i, (s, p) in enumerate(zip(slots, positions))]))
+        self.caches.after_decode(slots, positions)       # the KDA states at block boundaries (prefix reuse)
         self.provider.after_decode_launch(b * self.cfg.top_k)
         return logits
 
