@@ -38,6 +38,67 @@ def _rand(g, *shape, dtype=torch.float32, scale=1.0):
     return (torch.randn(*shape, generator=g) * scale).to(dtype).to(DEV)
 
 
+# ---------------------------------------------------------------- the GPU's compiler, without a GPU
+
+# Each kernel compiled for an H200 (sm_90: Triton's passes and ptxas, no device touched) at GLM-5.3-Flash's shapes
+# in bf16, with the launch options the wrappers use: what the interpreter cannot check (tl.dot's tile shapes, layouts,
+# shared memory). Run in a subprocess: this module's kernels are the interpreter's.
+AOT = r"""
+import json, torch
+torch.version.cuda = "12.4"          # engine.kernels imports Triton for a CUDA build of torch only
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from engine.kernels import triton_glm5 as tg
+
+def compile(fn, args, **options):
+    sig = {n: args[n] if isinstance(args[n], str) else "constexpr" for n in fn.arg_names}
+    const = {n: v for n, v in args.items() if not isinstance(v, str)}
+    return triton.compile(ASTSource(fn, sig, const), target=GPUTarget("cuda", 90, 32), options=options).metadata.shared
+
+b, f, i, p = "*bf16", "*fp32", "i32", "fp32"
+out = {"hc_dots": compile(tg._hc_dots_kernel, dict(x_ptr=b, fn_ptr=f, part_ptr=f, sq_ptr=f, K=i, CHUNK=1024, M=24,
+                          BLOCK_M=32, BLOCK_K=tg.HC_BLOCK_K, SPLITS=tg.HC_SPLITS), num_warps=4),
+       "hc_merge": compile(tg._hc_merge_kernel, dict(x_ptr=b, out_ptr=b, post_ptr=f, comb_ptr=f, new_ptr=b, H=i, HC=4,
+                           BLOCK_HC=4, BLOCK_H=tg.HC_BLOCK_H), num_warps=4),
+       "kda_decode": compile(tg._kda_decode_kernel, dict(mixed_ptr=b, fb_ptr=b, b_ptr=b, gate_ptr=b, convw_ptr=f,
+                             conv_ptr=f, state_ptr=f, idx_ptr="*i64", dt_bias_ptr=f, a_log_ptr=f, onorm_ptr=f,
+                             out_ptr=b, CS_SLOT=i, CS_CH=i, SS_SLOT=i, lower=p, eps=p, qscale=p, HEADS=64, D=128,
+                             BLOCK_D=128, KERNEL=4, HAS_LOWER=True), num_warps=4),
+       "mla_attention": compile(tg._mla_attention_kernel, dict(qlat_ptr=b, lat_ptr=b, idx_ptr="*i64", keys_ptr="*i64",
+                                valid_ptr="*u8", o_ptr=b, part_ptr=f, ml_ptr=f, QS_H=i, QS_B=i, LS_SLOT=i, LS_POS=i,
+                                OS_H=i, OS_B=i, S=i, scale=p, B=i, H=64, R=512, BLOCK_R=512, BH=tg.MLA_HEADS,
+                                CHUNK=128, SPLITS=32, BLOCK_N=tg.MLA_KEYS, F32=False), num_warps=8, num_stages=2),
+       "mla_combine": compile(tg._mla_combine_kernel, dict(part_ptr=f, ml_ptr=f, o_ptr=b, R=512, BLOCK_R=512,
+                              SPLITS=32), num_warps=4),
+       "indexer_scores": compile(tg._indexer_scores_kernel, dict(q_ptr=b, w_ptr=b, index_ptr=b, ape_ptr=f,
+                                 idx_ptr="*i64", pos_ptr="*i64", out_ptr=f, IS_SLOT=i, IS_POS=i, P=i, wscale=p,
+                                 qscale=p, IH=32, BLOCK_IH=32, D=128, BLOCK_D=128, KP=16, BP=tg.INDEX_POOLS,
+                                 F32=False), num_warps=4)}
+for tokens, block_h in ((1, 256), (16, 64)):         # hc_pre's tiles for one sequence and for 16
+    out[f"hc_mix_{tokens}"] = compile(tg._hc_mix_kernel, dict(x_ptr=b, part_ptr=f, sq_ptr=f, base_ptr=f, scale_ptr=f,
+                                      post_ptr=f, comb_ptr=f, out_ptr=b, N=i, K=i, H=i, eps=p, hc_eps=p, HC=4,
+                                      BLOCK_HC=4, ITERS=20, BLOCK_M=32, SPLITS=tg.HC_SPLITS, BLOCK_T=tokens,
+                                      BLOCK_H=block_h), num_warps=4)
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(CUDA, reason="on a GPU the kernels compile and run for real")
+def test_the_kernels_compile_for_an_h200_at_glm_5_3_flash_shapes():
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", AOT], env=env, capture_output=True, text=True,
+                         cwd=Path(__file__).resolve().parents[2])
+    assert run.returncode == 0, run.stderr[-4000:]
+    shared = json.loads(run.stdout.splitlines()[-1])
+    assert len(shared) == 8
+    assert max(shared.values()) <= 232448, shared        # an H200 block's shared memory (227 KiB)
+
+
 # ---------------------------------------------------------------- mHC
 
 def _hc(g, hc, hidden, iters):
