@@ -23,6 +23,10 @@ with index_kpool 4), and the logits differ from there by O(1); even transformers
 differs from its forward of the whole sequence at those positions. Kiln breaks ties by the lower pool index (a
 stable sort), which does not depend on the row's length: cached and uncached agree wherever scores tie, and equal
 transformers wherever they do not.
+
+On CUDA the static decode step (decode_static, and so the captured graphs) runs engine.kernels.triton_glm5's fused
+kernels for the mHC mixing, KDA, the MLA (over the latent, kv_b absorbed) and the indexer's scores (Glm5Next.fused,
+chosen at load); the torch forms here are their reference, and the CPU's path.
 """
 from __future__ import annotations
 
@@ -51,7 +55,9 @@ log = logging.getLogger("engine.models")
 KDA_CHUNK = 64          # transformers' chunk_kimi_delta_attention chunk size
 SNAPSHOTS = 3           # KDA state snapshots a slot keeps (Glm5Caches): prompt's last block, branch point, decode's latest
 KDA_GROUP_BYTES = 256 << 20     # kda_chunked's per-chunk decay tensors, made this many bytes of chunks at a time
-PREFILL_QUERIES = 1024          # DSA prefill: queries selected and attended at a time (masks, scores [queries, keys])
+# DSA prefill: queries selected and attended at a time (masks, scores [queries, keys]); the scheduler's CUDA prefill
+# (4 chunks of 512) runs as one block, a whole long prompt in blocks
+PREFILL_QUERIES = 2048
 
 
 # ---------------------------------------------------------------- caches
