@@ -337,6 +337,7 @@ def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: t
     (post [N, hc] fp32, comb [N, hc, hc] fp32, collapsed [N, H] in the streams' dtype). Two launches."""
     n, hc, hdim = streams.shape
     k, m = hc * hdim, fn.shape[0]
+    streams, fn = streams.contiguous(), fn.contiguous()          # the kernels index rows: no-ops for the model's own
     block_m = _pow2(m)
     splits = min(HC_SPLITS, _pow2(triton.cdiv(k, HC_BLOCK_K)))
     chunk = triton.cdiv(triton.cdiv(k, splits), HC_BLOCK_K) * HC_BLOCK_K
