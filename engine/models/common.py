@@ -32,7 +32,7 @@ from engine.gpu.graphs import DecodeGraphs
 from engine.kernels import native, triton_decode
 from engine.kernels.quant_cpu import native_ffn_group
 from engine.kv_cache import KVCache, kv_bucket, kv_buckets, select
-from engine.dense_weights import Int4Projection, Projection, Q8Projection, dense_projection
+from engine.dense_weights import Int4Projection, Projection, Q8Projection, dense_projection, gguf_projection
 from engine.sampling import Penalties, Picks, RowSpec, mode
 
 if TYPE_CHECKING:
@@ -52,6 +52,8 @@ class WeightSource(Protocol):
     def maybe(self, name: str) -> torch.Tensor | None: ...
 
     def blocks(self, name: str) -> tuple[str, torch.Tensor] | None: ...
+
+    def ggml_blocks(self, name: str) -> tuple[str, torch.Tensor] | None: ...
 
 
 def native_tail(model: "MoEModel", provider: ExpertProvider) -> native.MoETail | None:
@@ -118,8 +120,10 @@ class MLP(nn.Module):
 
     def __init__(self, w: WeightSource, prefix: str):
         super().__init__()
-        self.gate_up = Projection(torch.cat([w.get(f"{prefix}.gate_proj.weight"), w.get(f"{prefix}.up_proj.weight")]))
-        self.down = Projection(w.get(f"{prefix}.down_proj.weight"))
+        gate_up, down = [f"{prefix}.gate_proj", f"{prefix}.up_proj"], [f"{prefix}.down_proj"]
+        # a GGUF's own blocks where it holds them (shared experts, dense layers), else the float weights
+        self.gate_up = gguf_projection(w, gate_up) or Projection(torch.cat([w.get(f"{n}.weight") for n in gate_up]))
+        self.down = gguf_projection(w, down) or Projection(w.get(f"{down[0]}.weight"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x).chunk(2, dim=-1)
@@ -341,20 +345,25 @@ class MoEModel(nn.Module):
         self.scores = torch.empty(cfg.num_heads * kv.max_len) if self.native_decode else None
         self._native_layers: list | None = None      # _run_native's walk, made at its first step
         self._exact_prefill: bool | None = None      # exact_prefill, decided at the first prefill
-        self.embed = w.get("model.embed_tokens.weight")
         self.norm = w.get("model.norm.weight")
-        head = w.maybe("lm_head.weight")
-        self.lm_head = head if head is not None else self.embed       # tie_word_embeddings
-        # Natively, a vocabulary that is exactly 8-bit blocks (a GGUF's Q8_0, dequantized by engine convert) is
-        # held as them: 3.8x fewer bytes a token than float32, the same values (Q8Projection.exact checks).
-        q8 = Q8Projection.exact(self.lm_head) if self.native_decode else None
-        self.head = q8 or Projection(self.lm_head)                       # on the CPU a transposed copy (tied or not)
-        if head is None and q8 is not None:
-            self.embed = self.lm_head = None             # the embedding reads its rows from the blocks (q8.rows)
-        elif head is None and self.head.cpu:
-            # Tied on the CPU: the embedding reads its rows from that copy (the same values), so the vocabulary
-            # is held once, not twice (113 MB of SmolLM2's fp32 RSS; bench/demo_memory.py).
-            self.embed = self.lm_head = self.head.weight.t()
+        kept = self._gguf_vocabulary(w) if self.device.type == "cpu" else None
+        if kept is not None:            # a GGUF's own blocks: the head's and the embedding's rows, never floats
+            self.head, self.rows_from = kept
+            self.embed = self.lm_head = None
+        else:
+            self.embed = w.get("model.embed_tokens.weight")
+            head = w.maybe("lm_head.weight")
+            self.lm_head = head if head is not None else self.embed       # tie_word_embeddings
+            # Natively, a vocabulary that is exactly 8-bit blocks (a GGUF's Q8_0, dequantized by engine convert) is
+            # held as them: 3.8x fewer bytes a token than float32, the same values (Q8Projection.exact checks).
+            q8 = Q8Projection.exact(self.lm_head) if self.native_decode else None
+            self.head = self.rows_from = q8 or Projection(self.lm_head)   # on the CPU a transposed copy (tied or not)
+            if head is None and q8 is not None:
+                self.embed = self.lm_head = None             # the embedding reads its rows from the blocks (q8.rows)
+            elif head is None and self.head.cpu:
+                # Tied on the CPU: the embedding reads its rows from that copy (the same values), so the vocabulary
+                # is held once, not twice (113 MB of SmolLM2's fp32 RSS; bench/demo_memory.py).
+                self.embed = self.lm_head = self.head.weight.t()
         moe = set(cfg.moe_layers)
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, w, l, kv, self.build_moe(w, l) if l in moe else self.build_dense(w, l))
@@ -367,6 +376,19 @@ class MoEModel(nn.Module):
                                              scale=cfg.head_dim ** -0.5, window=cfg.sliding_window or 0)
             log.info("decode attention: %d variants for %d KV buckets ready in %.1f s", n, len(buckets),
                      time.perf_counter() - t0)
+
+    @staticmethod
+    def _gguf_vocabulary(w: WeightSource):
+        """(head, embedding) projections from a GGUF's own blocks of token_embd (and output, where untied: a
+        Q4_K_M's Q6_K), the embedding's rows read from its blocks (.rows); None where the file holds them as floats
+        or the checkpoint is not a GGUF."""
+        embed = gguf_projection(w, ["model.embed_tokens"], rows=True)
+        if embed is None:
+            return None
+        head = gguf_projection(w, ["lm_head"])
+        if head is None and (floats := w.maybe("lm_head.weight")) is not None:
+            head = Projection(floats)
+        return (head or embed), embed
 
     # per-architecture caches and blocks
     @staticmethod
@@ -393,7 +415,7 @@ class MoEModel(nn.Module):
         return self.kv.max_len
 
     def _run(self, ids: torch.Tensor, s: Step) -> torch.Tensor:
-        x = F.embedding(ids, self.embed) if self.embed is not None else self.head.rows(ids)
+        x = F.embedding(ids, self.embed) if self.embed is not None else self.rows_from.rows(ids)
         if s.native:
             return self._run_native(x, s)
         h = rms_norm(x, self.layers[0].input_norm, self.cfg.rms_eps)
@@ -438,7 +460,7 @@ class MoEModel(nn.Module):
         """_run_native's function on T tokens of one sequence (ids [1, T]) at positions start..: every row through
         the same kernels a decode step runs, the rows of a layer in one call each (exact_prefill) → h [T, H]."""
         t = ids.shape[1]
-        x = (F.embedding(ids, self.embed) if self.embed is not None else self.head.rows(ids)).view(t, -1).contiguous()
+        x = (F.embedding(ids, self.embed) if self.embed is not None else self.rows_from.rows(ids)).view(t, -1).contiguous()
         eps = self.cfg.rms_eps
         cos, sin = self.cos[start:start + t], self.sin[start:start + t]
         h = native.add_rms_norm_rows(x, None, self.layers[0].input_norm, eps)

@@ -40,10 +40,13 @@ from engine.kv_cache import SlotCaches, untouched_zeros
 from engine.models.common import MLP, WeightSource, rms_norm, sigmoid_grouped_topk
 from engine.routing_trace import RoutedBlock
 from engine.dense_weights import Projection
+from engine.kernels import triton_decode, triton_glm5
 from engine.gpu.graphs import DecodeGraphs
 
 KDA_CHUNK = 64          # transformers' chunk_kimi_delta_attention chunk size
 SNAPSHOTS = 3           # KDA state snapshots a slot keeps (Glm5Caches): prompt's last block, branch point, decode's latest
+KDA_GROUP_BYTES = 256 << 20     # kda_chunked's per-chunk decay tensors, made this many bytes of chunks at a time
+PREFILL_QUERIES = 1024          # DSA prefill: queries selected and attended at a time (masks, scores [queries, keys])
 
 
 # ---------------------------------------------------------------- caches
@@ -222,7 +225,10 @@ class HyperConnection:
         self.scale = w.get(f"{prefix}_scale", fp32=True)
         self.hc, self.iters, self.hc_eps, self.eps = spec.hc_mult, spec.hc_sinkhorn_iters, spec.hc_eps, eps
 
-    def __call__(self, streams: torch.Tensor):
+    def __call__(self, streams: torch.Tensor, fused: bool = False):
+        if fused:                       # one token per sequence on CUDA: the same function in two launches
+            return triton_glm5.hc_pre(streams, self.fn, self.base, self.scale, iters=self.iters, hc_eps=self.hc_eps,
+                                      eps=self.eps)
         hc, n = self.hc, streams.shape[0]
         flat = streams.reshape(n, -1).float()
         flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + self.eps)
@@ -273,6 +279,13 @@ class StaticDecode:
     kv_len: int
 
 
+def query_blocks(segments: list[Segment]):
+    """Each segment's queries as consecutive segments of at most PREFILL_QUERIES tokens."""
+    for s in segments:
+        for o in range(0, s.length, PREFILL_QUERIES):
+            yield Segment(s.slot, s.start + o, s.row + o, min(PREFILL_QUERIES, s.length - o))
+
+
 def _l2norm(x: torch.Tensor) -> torch.Tensor:
     return x / torch.sqrt((x * x).sum(dim=-1, keepdim=True) + 1e-6)    # as FLA's (and transformers') l2norm
 
@@ -293,7 +306,10 @@ def kda_recurrent(q, k, v, g, beta, state):
 
 def kda_chunked(q, k, v, g, beta, state, chunk: int = KDA_CHUNK):
     """The same function in transformers' chunked form (chunk_kimi_delta_attention), for prefill: the WY
-    representation within each chunk of `chunk` tokens, the recurrence across chunks. Shapes as kda_recurrent."""
+    representation within each chunk of `chunk` tokens, the recurrence across chunks. Shapes as kda_recurrent.
+    The per-chunk decays [heads, C, C, dk] are made for KDA_GROUP_BYTES' worth of chunks at a time, not for the
+    whole prompt at once (at GLM-5.3-Flash's 64 heads × 128: 128 MiB a chunk, 64 GiB for 32k tokens), and the
+    chunk's triangular system (transformers' row-by-row substitution loop) is solved in one batched call."""
     q, k, v, g = (x.transpose(0, 1) for x in (q, k, v, g))           # [Hh, T, d]
     beta = beta.transpose(0, 1)
     heads, t, dk = k.shape
@@ -305,22 +321,27 @@ def kda_chunked(q, k, v, g, beta, state, chunk: int = KDA_CHUNK):
     g = g.cumsum(dim=-2)
     mask = torch.triu(torch.ones(chunk, chunk, dtype=torch.bool, device=q.device), diagonal=0)
     strict = torch.triu(torch.ones(chunk, chunk, dtype=torch.bool, device=q.device), diagonal=1)
-    decay = (g.unsqueeze(-2) - g.unsqueeze(-3)).masked_fill(strict[..., None], float("-inf")).exp()
-    attn = -(k_beta.unsqueeze(-2) * k.unsqueeze(-3) * decay).sum(dim=-1).masked_fill(mask, 0)
-    for i in range(1, chunk):
-        row, sub = attn[..., i, :i].clone(), attn[..., :i, :i].clone()
-        attn[..., i, :i] = row + (row.unsqueeze(-1) * sub).sum(-2)
-    attn = attn + torch.eye(chunk, dtype=attn.dtype, device=attn.device)
-    v = attn @ v_beta
-    k_cumdecay = attn @ (k_beta * g.exp())
-    out = torch.zeros_like(v)
-    for i in range(v.shape[1]):
-        q_i, k_i, g_i = q[:, i], k[:, i], g[:, i]
-        inter = (q_i * g_i.exp()) @ state
-        intra = (q_i.unsqueeze(-2) * k_i.unsqueeze(-3) * decay[:, i]).sum(dim=-1).masked_fill(strict, 0)
-        v_new = v[:, i] - k_cumdecay[:, i] @ state
-        out[:, i] = inter + intra @ v_new
-        state = state * g_i[:, -1].exp().unsqueeze(-1) + (k_i * (g_i[:, -1:] - g_i).exp()).transpose(-1, -2) @ v_new
+    eye = torch.eye(chunk, dtype=q.dtype, device=q.device)
+    out = torch.empty_like(v)
+    n = v.shape[1]
+    group = max(1, KDA_GROUP_BYTES // (heads * chunk * chunk * dk * q.element_size()))
+    for c0 in range(0, n, group):
+        grp = slice(c0, c0 + group)
+        decay = (g[:, grp].unsqueeze(-2) - g[:, grp].unsqueeze(-3)).masked_fill(strict[..., None], float("-inf")).exp()
+        attn = -(k_beta[:, grp].unsqueeze(-2) * k[:, grp].unsqueeze(-3) * decay).sum(dim=-1).masked_fill(mask, 0)
+        # transformers' loop makes rows i of X = attn + attn·X (X strictly lower), so X + I = (I - attn)⁻¹
+        attn = torch.linalg.solve_triangular(-attn, eye.expand_as(attn), upper=False, unitriangular=True)
+        v_grp = attn @ v_beta[:, grp]
+        k_cumdecay = attn @ (k_beta[:, grp] * g[:, grp].exp())
+        for j in range(v_grp.shape[1]):
+            i = c0 + j
+            q_i, k_i, g_i = q[:, i], k[:, i], g[:, i]
+            inter = (q_i * g_i.exp()) @ state
+            intra = (q_i.unsqueeze(-2) * k_i.unsqueeze(-3) * decay[:, j]).sum(dim=-1).masked_fill(strict, 0)
+            v_new = v_grp[:, j] - k_cumdecay[:, j] @ state
+            out[:, i] = inter + intra @ v_new
+            state = (state * g_i[:, -1].exp().unsqueeze(-1)
+                     + (k_i * (g_i[:, -1:] - g_i).exp()).transpose(-1, -2) @ v_new)
     out = out.reshape(heads, -1, out.shape[-1])[:, :t]
     return out.transpose(0, 1), state
 
@@ -333,7 +354,7 @@ class LinearAttention(nn.Module):
     def __init__(self, model: "Glm5Next", w: WeightSource, layer: int):
         super().__init__()
         p, s = f"model.layers.{layer}.self_attn", model.spec
-        self.caches, self.row = model.caches, model.caches.row[layer]
+        self.caches, self.row, self.fused = model.caches, model.caches.row[layer], model.fused
         self.heads, self.hd, self.eps, self.lower = s.linear_heads, s.linear_head_dim, model.cfg.rms_eps, s.lower_bound
         self.qkv = Projection(torch.cat([w.get(f"{p}.{n}_proj.weight") for n in "qkv"]))
         self.conv = torch.cat([w.get(f"{p}.{n}_conv1d.weight", fp32=True) for n in "qkv"]).squeeze(1)   # [C, K]
@@ -352,6 +373,12 @@ class LinearAttention(nn.Module):
         return -rate * torch.where(g > 20.0, g, torch.log1p(torch.exp(g)))
 
     def forward(self, h: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
+        if self.fused and isinstance(segments, StaticDecode):      # conv, gates, delta rule, output norm: one launch
+            out = triton_glm5.kda_decode(self.qkv(h), self.f_b(self.f_a(h)), self.b(h), self.g_b(self.g_a(h)),
+                                         self.conv, self.caches.conv[self.row], self.caches.state[self.row],
+                                         segments.idx, dt_bias=self.dt_bias, a_log=self.a_log, o_norm=self.o_norm,
+                                         lower=self.lower, eps=self.eps)
+            return self.o(out)
         mixed = self.qkv(h).float()                                   # [N, 3·qkv]; the conv runs in fp32
         g, beta = self.forget_gate(h), torch.sigmoid(self.b(h).float())
         if isinstance(segments, StaticDecode):
@@ -406,7 +433,7 @@ class Indexer:
 
     def __init__(self, model: "Glm5Next", w: WeightSource, prefix: str, layer: int):
         s = model.spec
-        self.caches, self.row = model.caches, model.caches.row["idx", layer]
+        self.caches, self.row, self.fused = model.caches, model.caches.row["idx", layer], model.fused
         self.heads, self.hd, self.kpool = s.index_heads, s.index_head_dim, s.index_kpool
         self.pools = s.index_topk // s.index_kpool
         self.wq_b, self.wk = Projection(w.get(f"{prefix}.wq_b.weight")), Projection(w.get(f"{prefix}.wk.weight"))
@@ -440,17 +467,21 @@ class Indexer:
         take = min(self.pools, n_pools)
         if not take:
             return tail, tail_ok
-        packed = self.caches.index[self.row, st.idx, :n_pools * kp].view(b, n_pools, kp, 2 * self.hd)
-        k, gate = packed.split(self.hd, dim=-1)
-        prob = (gate.float() + self.ape).softmax(dim=2).to(k.dtype)
-        pool_keys = (prob * k).sum(dim=2)                                           # [B, P, hd]
         q = self.wq_b(q_resid).view(b, self.heads, self.hd)
-        scores = F.relu(torch.matmul(q.float(), pool_keys.transpose(1, 2).float()) * self.hd ** -0.5)  # [B, heads, P]
-        w = self.weights(h).float() * self.heads ** -0.5
-        score = torch.matmul(w.unsqueeze(-2), scores).squeeze(-2)                   # [B, P]
         pool_end = torch.arange(n_pools, device=dev) * kp + kp - 1
         visible = pool_end[None, :] <= pos[:, None]
-        score = score.masked_fill(~visible, float("-inf"))
+        if self.fused:                  # pooling, scoring and the mask in one launch; the same sort below
+            score = triton_glm5.indexer_scores(q, self.weights(h), self.caches.index[self.row], self.ape, st.idx, pos,
+                                               n_pools, kp)
+        else:
+            packed = self.caches.index[self.row, st.idx, :n_pools * kp].view(b, n_pools, kp, 2 * self.hd)
+            k, gate = packed.split(self.hd, dim=-1)
+            prob = (gate.float() + self.ape).softmax(dim=2).to(k.dtype)
+            pool_keys = (prob * k).sum(dim=2)                                       # [B, P, hd]
+            scores = F.relu(torch.matmul(q.float(), pool_keys.transpose(1, 2).float()) * self.hd ** -0.5)
+            w = self.weights(h).float() * self.heads ** -0.5
+            score = torch.matmul(w.unsqueeze(-2), scores).squeeze(-2)               # [B, P]
+            score = score.masked_fill(~visible, float("-inf"))
         order = torch.sort(score, dim=-1, descending=True, stable=True).indices[:, :take]
         chosen = (order[:, :, None] * kp + span).reshape(b, take * kp)
         ok = visible.gather(1, order)[:, :, None].expand(b, take, kp).reshape(b, take * kp)   # no host read
@@ -491,7 +522,7 @@ class SparseAttention(nn.Module):
     def __init__(self, model: "Glm5Next", w: WeightSource, layer: int):
         super().__init__()
         p, s, c = f"model.layers.{layer}.self_attn", model.spec, model.cfg
-        self.caches, self.row, self.eps = model.caches, model.caches.row[layer], c.rms_eps
+        self.caches, self.row, self.eps, self.fused = model.caches, model.caches.row[layer], c.rms_eps, model.fused
         self.heads, self.nope, self.vd, self.rank = c.num_heads, s.qk_nope_head_dim, s.v_head_dim, s.kv_lora_rank
         self.q_a, self.q_norm = Projection(w.get(f"{p}.q_a_proj.weight")), w.get(f"{p}.q_a_layernorm.weight")
         self.q_b = Projection(w.get(f"{p}.q_b_proj.weight"))
@@ -502,7 +533,7 @@ class SparseAttention(nn.Module):
         self.indexer = Indexer(model, w, f"{p}.indexer", layer) if s.indexer_types[layer] == "full" else None
 
     def forward(self, h: torch.Tensor, segments: list[Segment], shared: list | None):
-        """→ (output [N, H], each segment's key selection, for a shared layer after this one)."""
+        """→ (output [N, H], the key selection of each of query_blocks(segments), for a shared layer after this one)."""
         q_resid = rms_norm(self.q_a(h), self.q_norm, self.eps)
         q = self.q_b(q_resid).view(h.shape[0], self.heads, self.nope)
         latent = rms_norm(self.kv_a(h), self.kv_norm, self.eps)
@@ -510,11 +541,14 @@ class SparseAttention(nn.Module):
             return self._static(h, q, q_resid, latent, segments, shared)
         if self.indexer is not None:
             self.indexer.write(h, segments)
+        for s in segments:
+            self.caches.latent[self.row, s.slot, s.start:s.end] = latent[s.row:s.row + s.length]
         out, masks = torch.empty(h.shape[0], self.heads * self.vd, dtype=h.dtype, device=h.device), []
-        for i, s in enumerate(segments):
+        # Queries in blocks (a shared layer reads the blocks' masks in the same order): a prefill's masks and indexer
+        # scores are [queries, keys], O(T²) for a whole long prompt at once.
+        for i, s in enumerate(query_blocks(segments)):
             rows = slice(s.row, s.row + s.length)
             cache = self.caches.latent[self.row, s.slot]
-            cache[s.start:s.end] = latent[rows]
             mask = self.indexer.select(h, q_resid, s) if self.indexer is not None else shared[i]
             masks.append(mask)
             # Expand only the keys some query of the segment attends (a decode step: index_topk + the tail, not
@@ -537,6 +571,11 @@ class SparseAttention(nn.Module):
             self.indexer.write_static(h, st)
             shared = self.indexer.select_static(h, q_resid, st)
         keys, valid = shared
+        if self.fused:                  # absorbed projections over the selected latent rows, in any order
+            kv_b = self.kv_b.weight.t() if self.kv_b.cpu else self.kv_b.weight              # [out, in]
+            o = triton_glm5.mla_decode(q, kv_b, self.caches.latent[self.row], st.idx, keys, valid, nope=self.nope,
+                                       scale=self.scale)
+            return self.o(o), shared
         # Ascending keys, as forward reads them (`used`); the padding (not valid) sorts last and reads key 0.
         big = torch.iinfo(keys.dtype).max
         keys = torch.sort(torch.where(valid, keys, big), dim=1).values
@@ -553,7 +592,7 @@ class Layer(nn.Module):
     def __init__(self, model: "Glm5Next", w: WeightSource, layer: int):
         super().__init__()
         p, s, c = f"model.layers.{layer}", model.spec, model.cfg
-        self.kind, self.eps = s.layer_types[layer], c.rms_eps
+        self.kind, self.eps, self.fused = s.layer_types[layer], c.rms_eps, model.fused
         self.attn_hc, self.ffn_hc = (HyperConnection(w, f"{p}.hc_{n}", s, c.rms_eps) for n in ("attn", "ffn"))
         self.input_norm = w.get(f"{p}.input_layernorm.weight")
         self.post_norm = w.get(f"{p}.post_attention_layernorm.weight")
@@ -562,17 +601,19 @@ class Layer(nn.Module):
                     else ClampedMLP(w, f"{p}.mlp", s.swiglu_limit))
 
     def forward(self, streams: torch.Tensor, segments: list[Segment], shared: list | None):
-        post, comb, h = self.attn_hc(streams)
+        fused = self.fused and isinstance(segments, StaticDecode)
+        merge = triton_glm5.hc_merge if fused else HyperConnection.merge
+        post, comb, h = self.attn_hc(streams, fused)
         h = rms_norm(h, self.input_norm, self.eps)
         masks = shared                  # a KDA layer passes the last full layer's selection on
         if self.kind == KDA:
             out = self.attn(h, segments)
         else:
             out, masks = self.attn(h, segments, shared)
-        streams = HyperConnection.merge(post, comb, out, streams)
-        post, comb, h = self.ffn_hc(streams)
+        streams = merge(post, comb, out, streams)
+        post, comb, h = self.ffn_hc(streams, fused)
         out = self.mlp(rms_norm(h, self.post_norm, self.eps))
-        return HyperConnection.merge(post, comb, out, streams), masks
+        return merge(post, comb, out, streams), masks
 
 
 class ShapeChecked:
@@ -602,12 +643,19 @@ class Glm5Next(nn.Module):
     many sequences), the interface engine.llm drives every architecture through."""
 
     def __init__(self, cfg: ModelConfig, w: WeightSource, provider: ExpertProvider, caches: Glm5Caches, *,
-                 device, dtype: torch.dtype, **_kernels):
+                 device, dtype: torch.dtype, fused_kernels: bool = True, **_kernels):
         super().__init__()
-        # **_kernels: the fused/native kernel switches other models take; glm5_next has torch forms only (issue 28)
+        # **_kernels: the native kernel switch other models take; glm5_next's CPU forms are torch's
         self.cfg, self.spec, self.provider, self.caches = cfg, caches.spec, provider, caches
         provider.use_swiglu_limit(caches.spec.swiglu_limit)      # the routed experts' clamp, in every kernel
         self.device, self.dtype = torch.device(device), dtype
+        s = caches.spec
+        # decode_static on engine.kernels.triton_glm5's fused kernels where Triton runs (CUDA) and the shapes fit;
+        # off (EngineConfig.fused_kernels) for the torch forms, the A/B baseline. Read by the blocks built below.
+        self.fused = (fused_kernels and triton_decode.serves_on(self.device)
+                      and triton_glm5.shapes_ok(hc=s.hc_mult, linear_head_dim=s.linear_head_dim,
+                                                kv_lora_rank=s.kv_lora_rank, index_head_dim=s.index_head_dim,
+                                                index_kpool=s.index_kpool))
         w = ShapeChecked(w, tensor_shapes(caches.spec, layers=cfg.num_layers, hidden=cfg.hidden, vocab=cfg.vocab_size,
                                           heads=cfg.num_heads, intermediate=cfg.intermediate, moe_layers=cfg.moe_layers,
                                           experts=cfg.n_experts,
