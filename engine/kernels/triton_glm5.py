@@ -36,6 +36,7 @@ HC_SPLITS = 16          # mHC GEMV: programs sharing one token's row (4 × hidde
 HC_BLOCK_H = 256        # mHC collapse and merge: hidden elements per program
 HC_TOKENS = 16          # mHC mixing: tokens per program (the Sinkhorn's steps shared by them)
 MLA_HEADS = 16          # MLA: heads per program (tl.dot's smallest M)
+MLA_KEYS = 32           # MLA: latent rows per load (32 x 512 bf16: 32 KiB, two stages in shared memory)
 INDEX_POOLS = 16        # indexer: pools per program (tl.dot's smallest N)
 
 
@@ -287,20 +288,30 @@ if triton is not None:
         b = tl.program_id(0).to(tl.int64)
         p = tl.program_id(1) * BP + tl.arange(0, BP)
         pm = p < P
-        j = tl.arange(0, KP)
         d = tl.arange(0, BLOCK_D)
         dm = d < D
         ty = index_ptr.dtype.element_ty
         slot = tl.load(idx_ptr + b).to(tl.int64)
         pos = tl.load(pos_ptr + b)
-        rows = index_ptr + slot * IS_SLOT + (p[:, None, None] * KP + j[None, :, None]).to(tl.int64) * IS_POS
-        m3 = pm[:, None, None] & dm[None, None, :]
-        k = tl.load(rows + d[None, None, :], mask=m3, other=0.0).to(tl.float32)
-        g = tl.load(rows + D + d[None, None, :], mask=m3, other=0.0).to(tl.float32)
-        g = g + tl.load(ape_ptr + j[:, None] * D + d[None, :], mask=dm[None, :], other=0.0)[None, :, :]
-        e = tl.exp(g - tl.max(g, axis=1)[:, None, :])
-        prob = (e / tl.sum(e, axis=1)[:, None, :]).to(ty).to(tl.float32)
-        pool = tl.sum((prob * k).to(ty).to(tl.float32), axis=1).to(ty)             # [BP, D]
+        rows = index_ptr + slot * IS_SLOT + (p * KP).to(tl.int64)[:, None] * IS_POS + d[None, :]    # [BP, D]
+        m2 = pm[:, None] & dm[None, :]
+        # The softmax over a pool's KP tokens in three passes over them ([BP, D] tiles, not [BP, KP, D]: registers):
+        # the max, the sum of exps, then each token's rounded weight times its key.
+        top = tl.zeros([BP, BLOCK_D], dtype=tl.float32) - float("inf")
+        for j in range(KP):
+            gj = tl.load(rows + j * IS_POS + D, mask=m2, other=0.0).to(tl.float32)
+            top = tl.maximum(top, gj + tl.load(ape_ptr + j * D + d, mask=dm, other=0.0)[None, :])
+        tot = tl.zeros([BP, BLOCK_D], dtype=tl.float32)
+        for j in range(KP):
+            gj = tl.load(rows + j * IS_POS + D, mask=m2, other=0.0).to(tl.float32)
+            tot += tl.exp(gj + tl.load(ape_ptr + j * D + d, mask=dm, other=0.0)[None, :] - top)
+        pool = tl.zeros([BP, BLOCK_D], dtype=tl.float32)
+        for j in range(KP):
+            gj = tl.load(rows + j * IS_POS + D, mask=m2, other=0.0).to(tl.float32)
+            prob = (tl.exp(gj + tl.load(ape_ptr + j * D + d, mask=dm, other=0.0)[None, :] - top) / tot).to(ty)
+            kj = tl.load(rows + j * IS_POS, mask=m2, other=0.0)
+            pool += (prob.to(tl.float32) * kj.to(tl.float32)).to(ty).to(tl.float32)
+        pool = pool.to(ty)                                                          # [BP, D]
         ih = tl.arange(0, BLOCK_IH)
         ihm = ih < IH
         q = tl.load(q_ptr + b * IH * D + ih[:, None] * D + d[None, :], mask=ihm[:, None] & dm[None, :], other=0.0)
@@ -370,7 +381,7 @@ def kda_decode(mixed: torch.Tensor, f_b: torch.Tensor, b_proj: torch.Tensor, gat
         mixed.contiguous(), f_b.contiguous(), b_proj.contiguous(), gate.contiguous(), conv_w, conv, state, idx,
         dt_bias, a_log, o_norm, out, conv.stride(0), conv.stride(1), state.stride(0),
         0.0 if lower is None else float(lower), eps, d ** -0.5, HEADS=heads, D=d, BLOCK_D=_pow2(d), KERNEL=conv_w.shape[1],
-        HAS_LOWER=lower is not None, num_warps=8 if d >= 64 else 4)
+        HAS_LOWER=lower is not None, num_warps=4)     # 8 warps: ptxas spills 18 KB a thread (sm_90, d 128)
     return out
 
 
@@ -394,14 +405,31 @@ def mla_decode(q: torch.Tensor, kv_b: torch.Tensor, latent: torch.Tensor, idx: t
         part = torch.empty(heads * bsz * splits, block_r, dtype=torch.float32, device=q.device)
         ml = torch.empty(heads * bsz * splits, 2, dtype=torch.float32, device=q.device)
     _mla_attention_kernel[(bsz, triton.cdiv(heads, MLA_HEADS), splits)](
-        q_lat, latent, idx, keys.contiguous(), valid.contiguous(), o_lat, part, ml, q_lat.stride(0), q_lat.stride(1),
+        q_lat, latent, idx, keys.contiguous(), valid.contiguous().view(torch.uint8), o_lat, part, ml, q_lat.stride(0), q_lat.stride(1),
         latent.stride(0), latent.stride(1), o_lat.stride(0), o_lat.stride(1), s, scale, bsz, H=heads, R=rank,
-        BLOCK_R=block_r, BH=MLA_HEADS, CHUNK=chunk, SPLITS=splits, BLOCK_N=64,
-        F32=_f32_dots(q.dtype), num_warps=8 if rank >= 256 else 4)
+        BLOCK_R=block_r, BH=MLA_HEADS, CHUNK=chunk, SPLITS=splits, BLOCK_N=MLA_KEYS,
+        F32=_f32_dots(q.dtype), num_warps=8 if rank >= 256 else 4, num_stages=2)
     if splits > 1:
         _mla_combine_kernel[(heads * bsz,)](part, ml, o_lat, R=rank, BLOCK_R=block_r, SPLITS=splits, num_warps=4)
     o = torch.bmm(o_lat, w_vb.transpose(1, 2))                              # [H, B, vd]
     return o.transpose(0, 1).reshape(bsz, -1)
+
+
+def warm_mla(kv_b: torch.Tensor, latent: torch.Tensor, sizes, *, heads: int, nope: int, scale: float) -> int:
+    """Compile mla_decode for every selection size in `sizes` (its variants: engine.kernels.triton_decode.
+    attention_variant of the size) now, one launch each over slot 0's first key (the output dropped; the cache
+    only read), so a stream growing into a longer KV bucket does not stop mid-decode while Triton compiles (as
+    triton_decode.warm_attention does for the other models). → variants launched."""
+    first: dict[tuple[int, int], int] = {}
+    for s in sizes:
+        first.setdefault(attention_variant(s), s)
+    dev = latent.device
+    q = torch.zeros(1, heads, nope, dtype=latent.dtype, device=dev)
+    zero = torch.zeros(1, dtype=torch.long, device=dev)
+    for s in first.values():
+        mla_decode(q, kv_b, latent, zero, torch.zeros(1, s, dtype=torch.long, device=dev),
+                   torch.ones(1, s, dtype=torch.bool, device=dev), nope=nope, scale=scale)
+    return len(first)
 
 
 def indexer_scores(q: torch.Tensor, weights: torch.Tensor, index: torch.Tensor, ape: torch.Tensor,
@@ -414,5 +442,5 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, index: torch.Tensor, 
     _indexer_scores_kernel[(bsz, triton.cdiv(n_pools, INDEX_POOLS))](
         q.contiguous(), weights.contiguous(), index, ape, idx, pos, score, index.stride(0), index.stride(1), n_pools,
         ih ** -0.5, dim ** -0.5, IH=ih, BLOCK_IH=max(16, _pow2(ih)), D=dim, BLOCK_D=max(16, _pow2(dim)), KP=kpool,
-        BP=INDEX_POOLS, F32=_f32_dots(q.dtype), num_warps=8 if kpool * dim >= 1024 else 4)
+        BP=INDEX_POOLS, F32=_f32_dots(q.dtype), num_warps=4)
     return score

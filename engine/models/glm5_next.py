@@ -28,6 +28,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import logging
+import time
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -36,12 +39,14 @@ from engine.checkpoint import CheckpointError
 from engine.model_config import ModelConfig
 from engine.experts.provider import ExpertProvider
 from engine.glm5_next_config import DSA, KDA, Glm5Spec, SpecError, tensor_shapes
-from engine.kv_cache import SlotCaches, untouched_zeros
+from engine.kv_cache import SlotCaches, kv_bucket, kv_buckets, untouched_zeros
 from engine.models.common import MLP, WeightSource, rms_norm, sigmoid_grouped_topk
 from engine.routing_trace import RoutedBlock
 from engine.dense_weights import Projection
 from engine.kernels import triton_decode, triton_glm5
 from engine.gpu.graphs import DecodeGraphs
+
+log = logging.getLogger("engine.models")
 
 KDA_CHUNK = 64          # transformers' chunk_kimi_delta_attention chunk size
 SNAPSHOTS = 3           # KDA state snapshots a slot keeps (Glm5Caches): prompt's last block, branch point, decode's latest
@@ -682,6 +687,15 @@ class Glm5Next(nn.Module):
         self.head = Projection(head if head is not None else self.embed)
         self.layers = nn.ModuleList(Layer(self, w, l) for l in range(cfg.num_layers))
         self.graphs = None              # Glm5DecodeGraphs once use_cuda_graphs() is on (engine.llm reads it)
+        if self.fused and DSA in s.layer_types:      # at load, not in the first long stream: each bucket's MLA variant
+            t0, kp = time.perf_counter(), s.index_kpool
+            # select_static's selection size at each bucket: its best pools (at most index_topk's) and the tail
+            sizes = [min(s.index_topk // kp, n // kp) * kp + kp for n in kv_buckets(self.max_len)]
+            attn = next(layer.attn for layer in self.layers if layer.kind == DSA)
+            kv_b = attn.kv_b.weight.t() if attn.kv_b.cpu else attn.kv_b.weight
+            n = triton_glm5.warm_mla(kv_b, caches.latent[0], sizes, heads=attn.heads, nope=attn.nope, scale=attn.scale)
+            log.info("glm5 MLA decode: %d variants for %d KV buckets ready in %.1f s", n, len(sizes),
+                     time.perf_counter() - t0)
 
     @staticmethod
     def caches_for(config: dict, cfg: ModelConfig, slots: int, max_len: int, *, dtype, device,
@@ -751,7 +765,12 @@ class Glm5Next(nn.Module):
             logits = self.graphs.decode(tokens, slots, positions)
         else:
             ids = torch.as_tensor(tokens, dtype=torch.long, device=self.device).view(-1)
-            logits = self.head(self._run(ids, [Segment(s, p, i, 1) for i, (s, p) in enumerate(zip(slots, positions))]))
+            if self.fused:          # an eager CUDA step (no graphs, or a batch past them) on the fused kernels too
+                logits = self.decode_static(ids, torch.tensor(slots, device=self.device),
+                                            torch.tensor(positions, device=self.device),
+                                            kv_bucket(max(positions) + 1, self.max_len))
+            else:
+                logits = self.head(self._run(ids, [Segment(s, p, i, 1) for i, (s, p) in enumerate(zip(slots, positions))]))
         self.caches.after_decode(slots, positions)       # the KDA states at block boundaries (prefix reuse)
         self.provider.after_decode_launch(b * self.cfg.top_k)
         return logits

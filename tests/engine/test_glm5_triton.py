@@ -38,6 +38,67 @@ def _rand(g, *shape, dtype=torch.float32, scale=1.0):
     return (torch.randn(*shape, generator=g) * scale).to(dtype).to(DEV)
 
 
+# ---------------------------------------------------------------- the GPU's compiler, without a GPU
+
+# Each kernel compiled for an H200 (sm_90: Triton's passes and ptxas, no device touched) at GLM-5.3-Flash's shapes
+# in bf16, with the launch options the wrappers use: what the interpreter cannot check (tl.dot's tile shapes, layouts,
+# shared memory). Run in a subprocess: this module's kernels are the interpreter's.
+AOT = r"""
+import json, torch
+torch.version.cuda = "12.4"          # engine.kernels imports Triton for a CUDA build of torch only
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from engine.kernels import triton_glm5 as tg
+
+def compile(fn, args, **options):
+    sig = {n: args[n] if isinstance(args[n], str) else "constexpr" for n in fn.arg_names}
+    const = {n: v for n, v in args.items() if not isinstance(v, str)}
+    return triton.compile(ASTSource(fn, sig, const), target=GPUTarget("cuda", 90, 32), options=options).metadata.shared
+
+b, f, i, p = "*bf16", "*fp32", "i32", "fp32"
+out = {"hc_dots": compile(tg._hc_dots_kernel, dict(x_ptr=b, fn_ptr=f, part_ptr=f, sq_ptr=f, K=i, CHUNK=1024, M=24,
+                          BLOCK_M=32, BLOCK_K=tg.HC_BLOCK_K, SPLITS=tg.HC_SPLITS), num_warps=4),
+       "hc_merge": compile(tg._hc_merge_kernel, dict(x_ptr=b, out_ptr=b, post_ptr=f, comb_ptr=f, new_ptr=b, H=i, HC=4,
+                           BLOCK_HC=4, BLOCK_H=tg.HC_BLOCK_H), num_warps=4),
+       "kda_decode": compile(tg._kda_decode_kernel, dict(mixed_ptr=b, fb_ptr=b, b_ptr=b, gate_ptr=b, convw_ptr=f,
+                             conv_ptr=f, state_ptr=f, idx_ptr="*i64", dt_bias_ptr=f, a_log_ptr=f, onorm_ptr=f,
+                             out_ptr=b, CS_SLOT=i, CS_CH=i, SS_SLOT=i, lower=p, eps=p, qscale=p, HEADS=64, D=128,
+                             BLOCK_D=128, KERNEL=4, HAS_LOWER=True), num_warps=4),
+       "mla_attention": compile(tg._mla_attention_kernel, dict(qlat_ptr=b, lat_ptr=b, idx_ptr="*i64", keys_ptr="*i64",
+                                valid_ptr="*u8", o_ptr=b, part_ptr=f, ml_ptr=f, QS_H=i, QS_B=i, LS_SLOT=i, LS_POS=i,
+                                OS_H=i, OS_B=i, S=i, scale=p, B=i, H=64, R=512, BLOCK_R=512, BH=tg.MLA_HEADS,
+                                CHUNK=128, SPLITS=32, BLOCK_N=tg.MLA_KEYS, F32=False), num_warps=8, num_stages=2),
+       "mla_combine": compile(tg._mla_combine_kernel, dict(part_ptr=f, ml_ptr=f, o_ptr=b, R=512, BLOCK_R=512,
+                              SPLITS=32), num_warps=4),
+       "indexer_scores": compile(tg._indexer_scores_kernel, dict(q_ptr=b, w_ptr=b, index_ptr=b, ape_ptr=f,
+                                 idx_ptr="*i64", pos_ptr="*i64", out_ptr=f, IS_SLOT=i, IS_POS=i, P=i, wscale=p,
+                                 qscale=p, IH=32, BLOCK_IH=32, D=128, BLOCK_D=128, KP=16, BP=tg.INDEX_POOLS,
+                                 F32=False), num_warps=4)}
+for tokens, block_h in ((1, 256), (16, 64)):         # hc_pre's tiles for one sequence and for 16
+    out[f"hc_mix_{tokens}"] = compile(tg._hc_mix_kernel, dict(x_ptr=b, part_ptr=f, sq_ptr=f, base_ptr=f, scale_ptr=f,
+                                      post_ptr=f, comb_ptr=f, out_ptr=b, N=i, K=i, H=i, eps=p, hc_eps=p, HC=4,
+                                      BLOCK_HC=4, ITERS=20, BLOCK_M=32, SPLITS=tg.HC_SPLITS, BLOCK_T=tokens,
+                                      BLOCK_H=block_h), num_warps=4)
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(CUDA, reason="on a GPU the kernels compile and run for real")
+def test_the_kernels_compile_for_an_h200_at_glm_5_3_flash_shapes():
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", AOT], env=env, capture_output=True, text=True,
+                         cwd=Path(__file__).resolve().parents[2])
+    assert run.returncode == 0, run.stderr[-4000:]
+    shared = json.loads(run.stdout.splitlines()[-1])
+    assert len(shared) == 8
+    assert max(shared.values()) <= 232448, shared        # an H200 block's shared memory (227 KiB)
+
+
 # ---------------------------------------------------------------- mHC
 
 def _hc(g, hc, hidden, iters):
@@ -148,6 +209,17 @@ def test_mla_decode_with_absorbed_projections_equals_the_expanded_form(dtype, to
     assert rel(got, want) < tol
 
 
+def test_warm_mla_compiles_each_variant_once_and_leaves_the_cache_alone():
+    g = torch.Generator().manual_seed(10)
+    heads, nope, vd, rank = 2, 16, 16, 16
+    kv_b = _rand(g, heads * (nope + vd), rank)
+    latent = _rand(g, 2, 320, rank)
+    before = latent.clone()
+    # 12 and 16 keys: one program's variant; 300: split over programs, another
+    assert tg.warm_mla(kv_b, latent, [12, 16, 300, 12], heads=heads, nope=nope, scale=0.25) == 2
+    assert torch.equal(latent, before)
+
+
 # ---------------------------------------------------------------- DSA indexer
 
 def _indexer(g, fused, *, heads, hd, kpool, topk, hidden, slots, max_len, dtype, ties):
@@ -221,7 +293,7 @@ def test_a_fused_static_decode_equals_the_torch_static_decode(flat_ckpt, monkeyp
         seqs = []
         for p, s in zip(prompts, slots):
             a, b = plain.prefill(p, s), fused.prefill(p, s)         # prefill: the torch forms in both
-            torch.testing.assert_close(b, a, atol=0, rtol=0)
+            torch.testing.assert_close(b, a, atol=1e-6, rtol=0)
             seqs.append(p + [int(a.argmax())])
         idx = torch.tensor(slots, device=dev)
         for _ in range(STEPS):
@@ -234,6 +306,9 @@ def test_a_fused_static_decode_equals_the_torch_static_decode(flat_ckpt, monkeyp
             assert got.argmax(-1).tolist() == want.argmax(-1).tolist()
             for s, t in zip(seqs, want.argmax(-1).tolist()):
                 s.append(t)
+        # decode_step without graphs: the fused model takes the same fused static step
+        last = ([s[-1] for s in seqs], slots, [len(s) - 1 for s in seqs])
+        torch.testing.assert_close(fused.decode_step(*last), plain.decode_step(*last), atol=2e-4, rtol=0)
         torch.testing.assert_close(fused.caches.state, plain.caches.state, atol=1e-5, rtol=0)
         torch.testing.assert_close(fused.caches.conv, plain.caches.conv, atol=1e-4, rtol=0)
     assert len({t for s in seqs for t in s[-STEPS:]}) > 3         # the tokens vary: the comparison compares something
@@ -275,3 +350,34 @@ def test_a_prefill_attends_in_query_blocks_with_the_same_logits(flat_ckpt, monke
         assert len(list(glm5_next.query_blocks([glm5_next.Segment(0, 0, 0, 70)]))) == 9
         blocked = model.prefill(tokens, 0, all_logits=True)
     torch.testing.assert_close(blocked, whole, atol=1e-5, rtol=0)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device: the fused step inside captured CUDA graphs")
+def test_cuda_graphs_replay_the_fused_step_as_the_torch_step(flat_ckpt):
+    """engine serve --device cuda's decode: graphs captured around the fused decode_static, against graphs of the
+    torch forms (fused_kernels off), three sequences of different lengths, 24 greedy steps, fp32."""
+    from engine.loader import load_model
+    tokens = torch.randint(0, 384, (64,), generator=torch.Generator().manual_seed(9)).tolist()
+    prompts, slots = [tokens[:9], tokens[:40], tokens[5:28]], [1, 0, 2]
+    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    runs = {}
+    try:
+        for fused in (True, False):
+            model = load_model(flat_ckpt, device="cuda", dtype="float32", max_context=128, max_batch=3,
+                               cuda_graphs=True, fused_kernels=fused)
+            assert model.fused == fused and model.graphs is not None
+            with torch.inference_mode():
+                seqs = [p + [int(model.prefill(p, s).argmax())] for p, s in zip(prompts, slots)]
+                rows = []
+                for _ in range(24):
+                    out = model.decode_step([q[-1] for q in seqs], slots, [len(q) - 1 for q in seqs])
+                    rows.append(out.float().cpu())
+                    for q, t in zip(seqs, out.argmax(-1).tolist()):
+                        q.append(t)
+            assert model.graphs.replays == 24
+            runs[fused] = torch.stack(rows), seqs
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
+    torch.testing.assert_close(runs[True][0], runs[False][0], atol=2e-4, rtol=0)
+    assert runs[True][1] == runs[False][1]
