@@ -51,6 +51,7 @@ from bench.harness import (REPO, STREAMS, completions_client, concurrent, dram_r
 from bench.h200_offload import run_synth
 from bench.h200_peer import Clock, GpuMemoryPeak, Skipped, Work, llama_bench, llama_env, need
 from engine.measure import glm5_slice
+from engine.synth import stand_in_tokenizer
 from engine.measure.peer import expert_bytes_by_layer, gguf_tensors
 
 ROUTINGS = ("calibrated", "uniform", "model")
@@ -65,7 +66,6 @@ TINY_SHAPE = dict(hidden_size=256, n_routed_experts=16, num_experts_per_tok=4, m
                   index_n_heads=4, index_topk=64, index_kpool=4,
                   linear_attn_config={"head_dim": 64, "num_heads": 4, "short_conv_kernel_size": 4,
                                       "gate_lower_bound": -5.0, "safe_gate": True})
-EOS = "<|endoftext|>"
 
 
 # ------------------------------------------------------------------ weights
@@ -83,26 +83,6 @@ def synth_cmd(out: Path, store: Path, moe_layers: int, tiny: bool) -> list[str]:
     return [sys.executable, "-c", call]
 
 
-def stand_in_tokenizer(model_dir: Path, vocab_size: int) -> None:
-    """A byte-level BPE tokenizer over the 256 byte symbols, one merge and an end token, padded with [PADi] to the
-    model's vocabulary: Kiln loads it (tokenizer.json, generic fast class), the converter writes it as it is
-    (`kiln_stand_in`; scripts/glm5_next_gguf.py). The bench sends token ids, so no text passes through it."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    symbols = sorted(pre_tokenizers.ByteLevel.alphabet())
-    vocab = {s: i for i, s in enumerate(symbols)}
-    vocab["ĠĠ"] = len(vocab)
-    vocab[EOS] = len(vocab)
-    for i in range(len(vocab), vocab_size):
-        vocab[f"[PAD{i}]"] = i
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[("Ġ", "Ġ")]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([EOS])
-    tok.save(str(model_dir / "tokenizer.json"))
-    (model_dir / "tokenizer_config.json").write_text(json.dumps(
-        {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS, "pad_token": EOS, "kiln_stand_in": True}))
-
-
 def build_weights(args, work: Path, shm: Path, clock: Clock, res: dict, save) -> tuple[Path, Path, Path]:
     """Kiln's model + int4 store in --work, llama.cpp's Q4_K_M beside them (each reused where already there)."""
     from engine.store import manifest as mf
@@ -112,13 +92,15 @@ def build_weights(args, work: Path, shm: Path, clock: Clock, res: dict, save) ->
         need(clock, 20 if args.tiny else 60, "engine synth (int4)")
         cmd = synth_cmd(model, store, args.moe_layers, args.tiny)
         res["synth_int4"] = run_synth(cmd, work / "synth-int4.log", clock.left())
-        stand_in_tokenizer(model, json.loads((model / "config.json").read_text())["vocab_size"])
+        stand_in_tokenizer(model, json.loads((model / "config.json").read_text())["vocab_size"])   # ids only
         model_manifest.write(model)
         save()
     if not q4.exists():
         need(clock, 40 if args.tiny else 200, "conversion (convert_hf_to_gguf.py) and llama-quantize Q4_K_M")
         t0 = time.perf_counter()
-        out = shm / "gguf"
+        # the bf16 GGUF where it fits: /dev/shm (RAM) first, else the disk beside the rest
+        fits = res["slice"]["fits_by"]
+        out = (shm if fits["shm"] >= args.moe_layers or shm == work else work) / "gguf"
         r = subprocess.run([sys.executable, str(SCRIPT), str(model), str(out), "--llama-cpp", str(args.llama_src),
                             "--store", str(store), "--base", "BF16", "--types", "BF16,Q4_K_M",
                             "--llama-quantize", str(Path(args.llama_bin) / "llama-quantize")],
@@ -142,12 +124,16 @@ def build_weights(args, work: Path, shm: Path, clock: Clock, res: dict, save) ->
 def placements(cfg: dict, records: int, tensors: dict[str, int]) -> dict:
     per_layer = expert_bytes_by_layer(tensors, cfg["num_hidden_layers"])
     peer = glm5_slice.n_cpu_moe_for_share(per_layer, glm5_slice.SEED_GPU_SHARE)
-    lfl_gpu = round(peer["share_of_expert_bytes_on_gpu"] * records)
+    # at least one slot: a CUDA tiered provider refuses none (engine/tiers/__init__.py); one record more than
+    # llama.cpp's where its share is 0 %, said in the JSON
+    lfl_gpu = max(1, round(peer["share_of_expert_bytes_on_gpu"] * records))
     return {"llama_cpp": peer,
             "resident": {"gpu_slots": records, "ram_slots": 0, "records": records},
             "like_for_like": {"gpu_slots": lfl_gpu, "ram_slots": records - lfl_gpu, "records": records,
                               "shares": {"gpu": round(lfl_gpu / records, 4), "ram": round(1 - lfl_gpu / records, 4),
-                                         "store": 0.0}},
+                                         "store": 0.0},
+                              "note": "GPU slots at llama.cpp's share of the expert bytes, at least 1 (a CUDA tiered "
+                                      "provider needs one)"},
             "three_tier": glm5_slice.seed_tiers(records)}
 
 
@@ -182,8 +168,11 @@ def lane_window(a: dict, b: dict, tokens: int) -> dict:
         out[lane] = {"bytes_per_token": int(by / n), "busy_seconds_per_token": round(busy / n, 6)}
     if "served" in b:
         served = {k: b["served"][k] - a["served"].get(k, 0) for k in b["served"]}
-        tot = sum(served.values()) or 1
-        out["served_share"] = {k: round(v / tot, 4) for k, v in served.items()}
+    else:
+        key = 'kiln_expert_served_total{{tier="{}"}}'
+        served = {t: b.get(key.format(t), 0) - a.get(key.format(t), 0) for t in ("gpu", "ram", "store")}
+    tot = sum(served.values()) or 1
+    out["served_share"] = {k: round(v / tot, 4) for k, v in served.items()}
     return out
 
 
@@ -193,8 +182,10 @@ def timed_runs(make, vocab: int, args, counters) -> dict:
     concurrent([make(prompt_ids(args.prefills[0], vocab, 4), 2, 4)])                         # the long shapes
     out: dict = {}
     for n in args.prefills:
+        a = counters()
         pre = summarize(concurrent([make(prompt_ids(n, vocab, 3), 2, 3)]))
         out[f"prefill_tps_{n}"] = round(n / pre["ttft_s"], 1)
+        out[f"prefill_lanes_{n}"] = lane_window(a, counters(), 2)      # the whole prompt's bytes (and 2 tokens')
     c0 = counters()
     one = summarize(concurrent([make(prompt_ids(128, vocab, 1), args.steps, 1)]))
     c1 = counters()
@@ -256,25 +247,35 @@ def kiln_served(model: Path, store: Path, kw: dict, vocab: int, args, log_path: 
 
 # ------------------------------------------------------------------ bounds and verdicts
 
-def attach_bound(run: dict, lanes: dict | None, resident_step_s: float | None) -> None:
-    """t >= max(t_gpu, B_pcie/BW_pcie, B_disk/BW_disk, B_cpu/BW_cpu) per decode token; t_gpu the resident step."""
+def lane_bound(window: dict, lanes: dict, t_gpu: float, tokens: int, tps: float | None) -> dict:
+    """t >= max(t_gpu, B_pcie/BW_pcie, B_disk/BW_disk, B_cpu/BW_cpu) for `tokens` tokens, each lane's bytes over the
+    rate measured in this call; the bound in tok/s beside the measured `tps`."""
+    b = {k: v["bytes_per_token"] for k, v in window.items() if k in ("gpu", "pcie", "disk", "cpu")}
+    t = {"gpu": max(t_gpu, b["gpu"] / (lanes["hbm_gbps"] * 1e9)), "pcie": b["pcie"] / (lanes["pcie_h2d_pinned_gbps"] * 1e9),
+         "disk": b["disk"] / (lanes["disk_odirect_random_16t_gbps"] * 1e9),
+         "cpu": b["cpu"] / (lanes["dram_read_16t_gbps"] * 1e9)}
+    bound = tokens / max(t.values()) if max(t.values()) > 0 else None
+    return {"lane_seconds": {k: round(v, 6) for k, v in t.items()}, "binding_lane": max(t, key=t.get),
+            "bound_tps": round(bound, 1) if bound else None,
+            "fraction_of_bound": round(tps / bound, 3) if bound and tps else None}
+
+
+def attach_bound(run: dict, lanes: dict | None, resident: dict | None, prefills: list[int]) -> None:
+    """Decode (per token) and each prefill (the whole prompt) beside its lane bound; t_gpu the resident run's time
+    for the same work in this call (its decode step, its prefill of the same length)."""
     if not lanes or "lanes_per_token" not in run:
         run["bound"] = None
         return
-    b = {k: v["bytes_per_token"] for k, v in run["lanes_per_token"].items() if k in ("gpu", "pcie", "disk", "cpu")}
-    t = {"gpu": max(resident_step_s or 0.0, b["gpu"] / (lanes["hbm_gbps"] * 1e9)),
-         "pcie": b["pcie"] / (lanes["pcie_h2d_pinned_gbps"] * 1e9),
-         "disk": b["disk"] / (lanes["disk_odirect_random_16t_gbps"] * 1e9),
-         "cpu": b["cpu"] / (lanes["dram_read_16t_gbps"] * 1e9)}
-    bound = 1 / max(t.values()) if max(t.values()) > 0 else None
-    run["bound"] = {"lane_seconds_per_token": {k: round(v, 6) for k, v in t.items()}, "binding_lane": max(t, key=t.get),
-                    "bound_tps": round(bound, 1) if bound else None,
-                    "fraction_of_bound": round(run["decode_tps"] / bound, 3) if bound and run.get("decode_tps") else None}
+    step = 1 / resident["decode_tps"] if resident and resident.get("decode_tps") else 0.0
+    run["bound"] = lane_bound(run["lanes_per_token"], lanes, step, 1, run.get("decode_tps"))
+    for n in prefills:
+        t_gpu = n / resident[f"prefill_tps_{n}"] if resident and resident.get(f"prefill_tps_{n}") else 0.0
+        run[f"prefill_bound_{n}"] = lane_bound(run[f"prefill_lanes_{n}"], lanes, t_gpu, n, run.get(f"prefill_tps_{n}"))
 
 
 def verdicts(res: dict, args) -> tuple[list[dict], dict]:
     rows, judged = [], {}
-    peer = res["llama_cpp"].get("bench", {})
+    peer = res["llama_cpp"].get("llama_bench", {})
     p8 = f"prefill_tps_{args.prefills[0]}"
     for placement, by_routing in res["kiln"].items():
         for routing, r in by_routing.items():
@@ -289,6 +290,7 @@ def verdicts(res: dict, args) -> tuple[list[dict], dict]:
             row["prefill_8k_x"] = (round(r[p8] / peer[p8], 3) if peer.get(p8) and r.get(p8) else None)
             row["bound_tps"] = (r.get("bound") or {}).get("bound_tps")
             row["fraction_of_bound"] = (r.get("bound") or {}).get("fraction_of_bound")
+            row["prefill_8k_bound_tps"] = (r.get(f"prefill_bound_{args.prefills[0]}") or {}).get("bound_tps")
             row["gpu_peak_gib"] = r.get("gpu_memory_peak_gib")
             rows.append(row)
             if routing != "calibrated" or placement.endswith("_served"):
@@ -370,7 +372,8 @@ def main() -> int:
     rec = ExpertLayout(cfg0["hidden_size"], cfg0["moe_intermediate_size"], torch.uint8, "rows", "int4").record_bytes
     shm_free = shutil.disk_usage(shm).free
     res["slice"] = glm5_slice.disk_plan(lambda n: slice_config(n, args.tiny), rec, shutil.disk_usage(work).free,
-                                        shm_free if shm != work else 0, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+                                        shm_free, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    res["slice"]["bf16_beside_the_rest"] = shm == work      # one filesystem: the plan's two bounds overlap
     res["slice"]["moe_layers_run"] = args.moe_layers
     save()
     try:
@@ -386,6 +389,12 @@ def main() -> int:
     records = len(m4.moe_layers) * m4.experts_per_layer
     plan = placements(cfg, records, gguf_tensors(q4))
     res["placements"] = plan
+    res["checkpoint"] = {"layers": cfg["num_hidden_layers"], "moe_layers": len(m4.moe_layers),
+                         "experts": m4.experts_per_layer, "top_k": cfg["num_experts_per_tok"],
+                         "record_bytes": m4.record_bytes, "store_bytes": records * m4.record_bytes,
+                         "non_expert_bytes_per_token": glm5_slice.non_expert_bytes_per_token(cfg),
+                         "full_model_non_expert_bytes_per_token": glm5_slice.non_expert_bytes_per_token(
+                             slice_config(glm5_slice.FULL_MOE_LAYERS, args.tiny))}
     save()
 
     # 4. llama.cpp first: no CUDA in this process yet
@@ -396,7 +405,7 @@ def main() -> int:
         need(clock, 30 if args.tiny else 90, "llama-bench")
         r = llama_bench(w, q4, plan["llama_cpp"]["n_cpu_moe"], timeout_s=min(clock.left() - 10, 300))
         r["n_cpu_moe"] = plan["llama_cpp"]["n_cpu_moe"]
-        res["llama_cpp"]["bench"] = r
+        res["llama_cpp"]["llama_bench"] = r
         log(f"llama.cpp N={r['n_cpu_moe']}: decode {r.get('decode_tps')} prefill "
             f"{[r.get(f'prefill_tps_{n}') for n in args.prefills]} peak {r.get('gpu_memory_peak_gib')} GiB")
     except Skipped as e:
@@ -434,9 +443,9 @@ def main() -> int:
                 r = kiln_inprocess(model, store, kw, vocab, args)
         except Exception as e:          # one failed run must not lose the others' figures
             r = {"error": f"{type(e).__name__}: {e}"[-2000:]}
-        resident = res["kiln"].get("resident", {}).get("calibrated", {}).get("decode_tps")
+        resident = res["kiln"].get("resident", {}).get("calibrated")
         if "error" not in r:
-            attach_bound(r, lanes, 1 / resident if resident and base != "resident" else None)
+            attach_bound(r, lanes, resident if base != "resident" else None, args.prefills)
         res["kiln"].setdefault(placement, {})[routing] = r
         save()
         log(f"Kiln {placement} {routing}: decode {r.get('decode_tps')} prefill "
@@ -448,7 +457,7 @@ def main() -> int:
     res["table"], res["targets"] = rows, judged
     save()
     if rows:
-        print(table(rows, list(rows[0].keys())))
+        table(rows, list(rows[0].keys()))          # the harness prints it
     log("targets:", json.dumps(judged))
     log("wrote", out, f"in {clock.elapsed()} s")
     return 0

@@ -3,6 +3,8 @@
 
   python -m bench.projection_3090 --served H200_SERVED.json --quant bench/results/quant_gpu_kernels.json \
       [--out bench/results/<date>-projection-3090.json]
+  python -m bench.projection_3090 --glm5 GLM5_NEXT_OFFLOAD.json [--out bench/results/<date>-projection-3090-glm5.json]
+      (GLM-5.3-Flash, the seed's own model, from bench.glm5_next_offload's H200 run: issue 28)
 
 The model of a token and its inputs are engine/measure/projection_3090.py's; this writes and prints them.
 """
@@ -15,17 +17,66 @@ from datetime import date
 from pathlib import Path
 
 from bench.harness import write_result
-from engine.measure.projection_3090 import BOX, GIB, inputs, project
+from engine.measure.projection_3090 import BOX, GIB, GLM5_BOX, glm5_inputs, inputs, project, project_glm5
 
 REPO = Path(__file__).resolve().parent.parent
 
 
+def main_glm5(args) -> int:
+    bench = json.loads(Path(args.glm5).read_text())
+    try:
+        x = glm5_inputs(bench)
+    except (KeyError, TypeError) as e:
+        print(f"projection_3090: {args.glm5} lacks {e} (a bench.glm5_next_offload run on a GPU, with resident and "
+              f"three_tier calibrated runs and the lanes)", file=sys.stderr)
+        return 2
+    res = project_glm5(x)
+    out = args.out or str(REPO / "bench" / "results" / f"{date.today()}-projection-3090-glm5.json")
+    doc = {"label": "PROJECTION (not measured): full 45-layer GLM-5.3-Flash (3 dense + 42 MoE layers of 288 experts, "
+                    "int4 records) on the seed's 3090 box, from per-lane rates measured on the H200 machine",
+           "date": str(date.today()), "command": " ".join(["python -m bench.projection_3090", *sys.argv[1:]]),
+           "box": GLM5_BOX, "measured_inputs": x,
+           "sources": {
+               "measured on the H200 machine (bench/glm5_next_offload.py, " + args.glm5 + ")":
+                   "the resident decode step (the GPU lane's fixed cost per layer) and 32k prefill, the three-tier "
+                   "run's pick split and lane bytes, the CPU lane's rate, HBM rate",
+               "published / given, not measured": "3090 VRAM 936 GB/s, bf16 tensor 71 TFLOP/s (spec), PCIe 4.0 x16 "
+                   "25 GB/s, NVMe 7 GB/s (the seed's array while serving), 8-channel DDR4-3200 204.8 GB/s peak; the "
+                   "seed's 19.47 tok/s, its ~43 tok/s floor, its 969 tok/s 32k prefill (ANCHORS.md)",
+               "assumed": "the GPU's fixed cost per layer the H200's; prefill compute scaled by the bf16 rates "
+                          "(H200 790 measured, 3090 71 spec); every chunk of a prompt picks every expert"},
+           **res}
+    write_result(Path(out), doc)
+    print("PROJECTION, not measured: 45-layer GLM-5.3-Flash on the seed's 3090 box (PCIe "
+          f"{GLM5_BOX['pcie_gbps']} GB/s, NVMe {GLM5_BOX['nvme_gbps']} GB/s, CPU lane {res['cpu_lane_gbps']} GB/s)")
+    print("\n| split | picks gpu/ram/store | t_gpu ms | t_pcie ms | t_disk ms | t_cpu ms | binds | projected tok/s | seed | floor |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in res["decode"]:
+        p, t = r["picks_fraction"], r["lane_seconds_per_token"]
+        print(f"| {r['split']} | {p['gpu']:.2f}/{p['ram']:.2f}/{p['store']:.2f} | "
+              + " | ".join(f"{t[k] * 1e3:.2f}" for k in ("gpu", "pcie", "disk", "cpu"))
+              + f" | {r['binding_lane']} | {r['projected_decode_tps']} | {res['seed']['decode_tps']} | {res['seed']['floor_tps']} |")
+    print("\n| prefill tokens | chunk | t_gpu s | t_pcie s | t_disk s | binds | projected tok/s |")
+    print("|---|---|---|---|---|---|---|")
+    for r in res["prefill"]:
+        t = r["lane_seconds"]
+        print(f"| {r['tokens']} | {r['chunk']} | {t['gpu']} | {t['pcie']} | {t['disk']} | {r['binding_lane']} | {r['projected_tps']} |")
+    print("wrote", out)
+    return 0
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--served", required=True, help="bench.h200_served's JSON with resident and tiered_24gb runs")
-    ap.add_argument("--quant", required=True, help="bench.quant_gpu_kernels' JSON")
-    ap.add_argument("--out", default=str(REPO / "bench" / "results" / f"{date.today()}-projection-3090.json"))
+    ap.add_argument("--served", help="bench.h200_served's JSON with resident and tiered_24gb runs")
+    ap.add_argument("--quant", help="bench.quant_gpu_kernels' JSON")
+    ap.add_argument("--glm5", help="bench.glm5_next_offload's JSON (projects GLM-5.3-Flash instead)")
+    ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.glm5:
+        sys.exit(main_glm5(args))
+    if not (args.served and args.quant):
+        ap.error("--served and --quant are both needed (or --glm5)")
+    args.out = args.out or str(REPO / "bench" / "results" / f"{date.today()}-projection-3090.json")
     x = inputs(json.loads(Path(args.served).read_text()), json.loads(Path(args.quant).read_text()))
     res = project(x)
     doc = {"label": "PROJECTION (not measured): full 48-layer Qwen3-30B-A3B on a 3090 box, from measured per-lane rates",

@@ -142,9 +142,10 @@ class StackedProjection:
 def projection(parts: Sequence[tuple[str, str | int, torch.Tensor]], *, device: str | torch.device = "cpu",
                dtype: torch.dtype = torch.float32, rows: bool = False):
     """Matrices (name, ggml_type, raw blocks uint8 [out, row bytes]) of one input, stacked along the output in order,
-    as one projection: on the CPU 4-bit blocks that torch's int4 operand tiles as one Int4Projection (one call: the
-    native attention block takes it), else consecutive matrices of one type as one weight() each (their rows
-    concatenated) and several of those as a StackedProjection; elsewhere the float weights concatenated, dequantized
+    as one projection: on the CPU 4-bit blocks of one type that torch's int4 operand tiles as one Int4Projection (one
+    call: the native attention block takes it), else consecutive matrices of one type as one BlockProjection each
+    (their rows concatenated; weight() where no native kernel has the type, or for the vocabulary) and several of
+    those as a StackedProjection; elsewhere the float weights concatenated, dequantized
     once. rows: one matrix, the vocabulary (weight(rows=True))."""
     got = []
     for name, t, raw in parts:
@@ -171,7 +172,12 @@ def projection(parts: Sequence[tuple[str, str | int, torch.Tensor]], *, device: 
             runs[-1].append(part)
         else:
             runs.append([part])
-    out = [weight("+".join(p[0] for p in run), run[0][1], [sum(p[2].shape[0] for p in run), inp],
+    # Not the vocabulary: every run a BlockProjection where the native kernel computes its type (Q8_0 and 4-bit
+    # ones too, which weight() would hold as Q8Projection / Int4Projection), so the native attention block
+    # (engine.kernels.native.GgmlAttnBlock) reads q|k|v and o as the file's blocks in one call.
+    out = [BlockProjection(run[0][1], torch.cat([p[2] for p in run]), sum(p[2].shape[0] for p in run), inp)
+           if not rows and native_kernel(run[0][1]) else
+           weight("+".join(p[0] for p in run), run[0][1], [sum(p[2].shape[0] for p in run), inp],
                   torch.cat([p[2] for p in run]), rows=rows) for run in runs]
     return out[0] if len(out) == 1 else StackedProjection(out)
 

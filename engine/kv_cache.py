@@ -74,6 +74,15 @@ class SlotCaches:
         """Positions of the sequence now in `slot` that later prompts may want to resume from (block boundaries its
         prefill passes): a cache that resumes only where it kept its state keeps it there."""
 
+    # --- decode ahead (engine.decode_ahead): a step launched ahead and then not used is run again at the same
+    # positions; a cache whose state is its positions has nothing to do (the redone writes are the same) ---
+    def hold(self, slots: list[int]) -> None:
+        """A step is about to be launched ahead for `slots`: keep what undo() needs to put their state back."""
+
+    def undo(self, slots: list[int]) -> None:
+        """The step launched ahead is not used: put back, for those of `slots` hold() was given, the state it
+        advanced (the slots still running; an ended sequence's slot has been reset, and stays so)."""
+
     # --- slot allocation (the scheduler's thread only) ---
     def free_slots(self) -> int:
         return len(self._free)

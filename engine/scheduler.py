@@ -72,7 +72,7 @@ class Scheduler:
         self._defer = model.async_decode
         self._outbox: list[tuple[Callable[[object], None], object]] = []
         self._chain = config.decode_ahead and model.decode_ahead_ok   # decode ahead (engine.decode_ahead)
-        self._ahead = DecodeAhead()
+        self._ahead = DecodeAhead(model.caches)
         self._prefix = PrefixCache(model.caches) if config.prefix_cache and model.caches.reusable_prefix else None
         self._penalties: Penalties | None = None       # made at the first request that asks for a penalty
         self._thread = threading.Thread(target=self._loop, name="engine-scheduler", daemon=True)

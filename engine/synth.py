@@ -74,6 +74,25 @@ def randomize_skewed(model: torch.nn.Module, experts: int, seed: int) -> torch.n
     return model
 
 
+def stand_in_tokenizer(model_dir: Path, vocab_size: int, eos: str = "<|endoftext|>") -> None:
+    """A synthetic checkpoint's tokenizer, for benchmarks that send token ids: byte-level BPE over the 256 byte
+    symbols, one merge and an end token, padded with [PADi] to the model's vocabulary. Kiln loads it (tokenizer.json,
+    the generic fast class); scripts/glm5_next_gguf.py writes it into a GGUF as it is (`kiln_stand_in`)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    vocab = {s: i for i, s in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    vocab["ĠĠ"] = len(vocab)
+    vocab[eos] = len(vocab)
+    for i in range(len(vocab), vocab_size):
+        vocab[f"[PAD{i}]"] = i
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[("Ġ", "Ġ")]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([eos])
+    tok.save(str(Path(model_dir) / "tokenizer.json"))
+    (Path(model_dir) / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos, "pad_token": eos, "kiln_stand_in": True}))
+
+
 def synth_config(arch: str = "qwen3_moe", **over) -> dict:
     over = {k: v for k, v in over.items() if v is not None}
     if arch == "glm5_next":

@@ -40,6 +40,12 @@ def non_expert_bf16_bytes(cfg: dict) -> int:
     return sum(math.prod(s) * (4 if fp32 else 2) for s, fp32 in shapes.values())
 
 
+def non_expert_bytes_per_token(cfg: dict) -> int:
+    """The non-expert bytes one decode token reads: all of them but the embedding table, of which one row."""
+    h = cfg["hidden_size"]
+    return non_expert_bf16_bytes(cfg) - cfg["vocab_size"] * h * 2 + h * 2
+
+
 def layer_bytes(cfg: dict, int4_record: int) -> dict:
     """Bytes one MoE layer's experts take in each form."""
     e, w = cfg["n_routed_experts"], expert_weights(cfg)

@@ -19,6 +19,8 @@ engine/tiers/gpu.py; before that the RAM tier held what passed through it, dupli
 """
 from __future__ import annotations
 
+from engine.measure.glm5_slice import SEED_GPU_SHARE, SEED_RAM_SHARE
+
 GIB = 1 << 30
 
 # The 3090 box. Published or given figures, not measured by Kiln:
@@ -111,3 +113,84 @@ def project(x: dict, box: dict = BOX) -> dict:
                                     "lane_seconds_per_token": {kk: round(vv, 6) for kk, vv in t.items()},
                                     "binding_lane": binding, "projected_tps": round(1 / t[binding], 1)})
     return out
+
+
+# ------------------------------------------------------------------ GLM-5.3-Flash (issue 28)
+# The seed's own model on its own box: 45 layers (3 dense, 42 MoE of 288 experts, top-8), from what
+# bench/glm5_next_offload.py measured on the H200 machine on a slice of it. The box's CPU lane: 8-channel DDR4-3200
+# (8 x 25.6 GB/s peak, published); the lane's rate is the H200 host's measured one where that is lower.
+GLM5_BOX = dict(BOX, dram_peak_gbps=8 * 25.6, gpu_bf16_tflops=71.0)   # RTX 3090 tensor bf16, fp32 accumulate (spec)
+H200_BF16_TFLOPS = 790.0          # measured on the H200 machine (KINDS.md: 8192^3 bf16 products, 769-798)
+GLM5_LAYERS, GLM5_DENSE, GLM5_EXPERTS, GLM5_TOP_K = 45, 3, 288, 8
+SEED = {"decode_tps": 19.47, "floor_tps": 43.0, "prefill_tps": {"8192": 664.0, "32768": 969.0}}   # ANCHORS.md
+GLM5_TARGETS = {"decode_tps": 30.0, "prefill_tps_32768": 969.0}
+
+
+def glm5_inputs(bench: dict) -> dict:
+    """The measured figures the GLM-5.3-Flash projection uses, from bench.glm5_next_offload's JSON."""
+    ck, lanes = bench["checkpoint"], bench["lanes"]
+    res = bench["kiln"]["resident"]["calibrated"]
+    tier = bench["kiln"]["three_tier"]["calibrated"]
+    moe = ck["moe_layers"]
+    per_tok = {k: v["bytes_per_token"] / moe for k, v in tier["lanes_per_token"].items() if k != "served_share"}
+    busy = tier["lanes_per_token"]["cpu"]
+    cpu_gbps = (busy["bytes_per_token"] / busy["busy_seconds_per_token"] / 1e9) if busy["busy_seconds_per_token"] else None
+    longest = max(int(k.rsplit("_", 1)[1]) for k in res if k.startswith("prefill_tps_"))
+    return {"layers_measured": ck["layers"], "moe_layers_measured": moe, "record_bytes": ck["record_bytes"],
+            "non_expert_bytes_per_token_measured": ck["non_expert_bytes_per_token"],
+            "non_expert_bytes_per_token_full": ck["full_model_non_expert_bytes_per_token"],
+            "h200_hbm_gbps": lanes["hbm_gbps"], "h200_dram_read_16t_gbps": lanes["dram_read_16t_gbps"],
+            "h200_cpu_lane_gbps": cpu_gbps,
+            "h200_resident_decode_tps": res["decode_tps"],
+            "h200_resident_prefill": {"tokens": longest, "tps": res[f"prefill_tps_{longest}"]},
+            "three_tier_served_share": tier["lanes_per_token"]["served_share"],
+            "three_tier_lane_bytes_per_moe_layer": per_tok}
+
+
+def project_glm5(x: dict, box: dict = GLM5_BOX, chunks=(8192, 32768)) -> dict:
+    """Decode and 32k prefill of the 45-layer model on the box: each lane's bytes over the box's rate, the GPU lane's
+    fixed cost per layer the H200's (its resident step less its bytes at its HBM rate), under the tiers' pick split
+    measured on the H200 (the seed's shares, calibrated routing) and under the seed's own split (39/54/7)."""
+    moe, L = GLM5_LAYERS - GLM5_DENSE, GLM5_LAYERS
+    rec = x["record_bytes"]
+    non_expert_tok = x["non_expert_bytes_per_token_full"]        # from the full model's shapes
+    step = 1 / x["h200_resident_decode_tps"]
+    h200_bytes = x["non_expert_bytes_per_token_measured"] + x["moe_layers_measured"] * GLM5_TOP_K * rec
+    fixed_layer = max(0.0, step - h200_bytes / (x["h200_hbm_gbps"] * 1e9)) / x["layers_measured"]
+    cpu_gbps = min(box["dram_peak_gbps"], x["h200_cpu_lane_gbps"] or x["h200_dram_read_16t_gbps"])
+    picks = moe * GLM5_TOP_K * rec
+    rows = []
+    splits = {"measured_three_tier_split": x["three_tier_served_share"], "seed_split": SEED_SPLIT}
+    for name, p in splits.items():
+        # what each pick costs where it is served, from the H200 run's own lane bytes: the share of the RAM tier's
+        # picks computed on the CPU lane (the rest crossed PCIe) is the run's cpu bytes over its RAM-served bytes
+        ram_bytes = x["three_tier_served_share"].get("ram", 0.0) * GLM5_TOP_K * rec
+        on_cpu = min(1.0, x["three_tier_lane_bytes_per_moe_layer"]["cpu"] / ram_bytes) if ram_bytes else 0.0
+        b = {"gpu": non_expert_tok + (p["gpu"] + p["store"] + p["ram"] * (1 - on_cpu)) * picks,
+             "pcie": (p["store"] + p["ram"] * (1 - on_cpu)) * picks, "disk": p["store"] * picks,
+             "cpu": p["ram"] * on_cpu * picks}
+        t = {"gpu": L * fixed_layer + b["gpu"] / (box["vram_gbps"] * 1e9), "pcie": b["pcie"] / (box["pcie_gbps"] * 1e9),
+             "disk": b["disk"] / (box["nvme_gbps"] * 1e9), "cpu": b["cpu"] / (cpu_gbps * 1e9)}
+        binding = max(t, key=t.get)
+        rows.append({"split": name, "picks_fraction": {k: round(v, 4) for k, v in p.items()},
+                     "ram_picks_on_cpu_lane": round(on_cpu, 3), "bytes_per_token": {k: int(v) for k, v in b.items()},
+                     "lane_seconds_per_token": {k: round(v, 6) for k, v in t.items()}, "binding_lane": binding,
+                     "projected_decode_tps": round(1 / t[binding], 1)})
+    # prefill: the H200's resident GPU time a token scaled by layers and by the two cards' bf16 rates; each chunk of
+    # the prompt moves every expert not on the GPU over PCIe and reads the store's share from the NVMe
+    pre = x["h200_resident_prefill"]
+    t_gpu_tok = (1 / pre["tps"]) * L / x["layers_measured"] * H200_BF16_TFLOPS / box["gpu_bf16_tflops"]
+    shares = {"gpu": SEED_GPU_SHARE, "store": 1 - SEED_GPU_SHARE - SEED_RAM_SHARE}
+    all_experts = moe * GLM5_EXPERTS * rec
+    prefill = []
+    for chunk in chunks:
+        for tokens in (8192, 32768):
+            passes = -(-tokens // chunk)
+            t = {"gpu": tokens * t_gpu_tok, "pcie": passes * all_experts * (1 - shares["gpu"]) / (box["pcie_gbps"] * 1e9),
+                 "disk": passes * all_experts * shares["store"] / (box["nvme_gbps"] * 1e9)}
+            binding = max(t, key=t.get)
+            prefill.append({"chunk": chunk, "tokens": tokens, "passes": passes,
+                            "lane_seconds": {k: round(v, 3) for k, v in t.items()}, "binding_lane": binding,
+                            "projected_tps": round(tokens / t[binding], 1)})
+    return {"fixed_gpu_seconds_per_layer": round(fixed_layer, 7), "cpu_lane_gbps": round(cpu_gbps, 1),
+            "decode": rows, "prefill": prefill, "seed": SEED, "targets": GLM5_TARGETS}

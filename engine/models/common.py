@@ -31,8 +31,10 @@ from engine.experts.provider import ExpertProvider, Predictor
 from engine.gpu.graphs import DecodeGraphs
 from engine.kernels import native, triton_decode
 from engine.kernels.quant_cpu import native_ffn_group
+from engine.quant import ggml
 from engine.kv_cache import KVCache, kv_bucket, kv_buckets, select
 from engine.dense_weights import Int4Projection, Projection, Q8Projection, dense_projection, gguf_projection
+from engine.gguf_tensors import BlockProjection
 from engine.sampling import Penalties, Picks, RowSpec, mode
 
 if TYPE_CHECKING:
@@ -58,10 +60,15 @@ class WeightSource(Protocol):
 
 def native_tail(model: "MoEModel", provider: ExpertProvider) -> native.MoETail | None:
     """The native MoE half for a model's one-token CPU decode (engine.kernels.native.MoETail) where its provider
-    hands out host records (host_records) of a layout the native int4 FFN computes, else None."""
+    hands out host records (host_records) of a layout the native int4 FFN computes (MoETail) or of a GGUF's own
+    types (ggml: records, GgmlTail), else None."""
     quant = provider.layout.quantized
     if not provider.hands_out_host_records or quant is None or model.cfg.top_k > native.MAX_TOP_K:
         return None
+    if quant.mixed:         # a GGUF's experts in their own types (ggml: records): every type needs its kernel
+        if not all(native.ggml_supported(ggml.ggml_type(t).code) for t in quant.capacity):
+            return None
+        return native.GgmlTail(quant.regions, quant.hidden, quant.intermediate, model.cfg.top_k, provider.swiglu_limit)
     g = native_ffn_group(quant)
     return None if g is None else native.MoETail(quant.regions, quant.hidden, quant.intermediate, g, model.cfg.top_k,
                                                  provider.swiglu_limit)
@@ -235,18 +242,24 @@ class Attention(nn.Module):
         self.block_fits = (isinstance(self.qkv, Int4Projection) and isinstance(self.o, Int4Projection)
                            and self.q_norm is None and self.qkv.group == self.o.group
                            and max(self.qkv.in_features, self.o.in_features) <= native.MAX_K)
+        # Else q|k|v and o as a GGUF's own blocks of other types (engine.gguf_tensors): one call too (GgmlAttnBlock).
+        parts = getattr(self.qkv, "parts", [self.qkv])
+        self.ggml_fits = (not self.block_fits and self.q_norm is None and isinstance(self.o, BlockProjection)
+                          and all(isinstance(p, BlockProjection) for p in parts))
         self.block: native.AttnBlock | None = None
 
     def native_block(self, x: torch.Tensor, h: torch.Tensor, s: Step, post_norm: torch.Tensor) -> torch.Tensor:
         """The attention half of a native decode step (s.native): x += attention(h) in place → rms_norm(x)·post_norm."""
-        if not self.block_fits or not native.int4_ok():
+        if not (self.block_fits and native.int4_ok()) and not self.ggml_fits:
             return native.add_rms_norm(x, self.forward(h, s), post_norm, self.cfg.rms_eps)
         return self.native_attn_block()(x, h, s.slots[0], s.start, s.cos, s.sin, s.scores, post_norm)
 
     def native_attn_block(self) -> native.AttnBlock:
         if self.block is None:
             cfg = self.cfg
-            self.block = native.AttnBlock(self.qkv, self.o, self.kv.k[self.layer], self.kv.v[self.layer],
+            make = (native.AttnBlock if self.block_fits else
+                    lambda qkv, *a, **k: native.GgmlAttnBlock(getattr(qkv, "parts", [qkv]), *a, **k))
+            self.block = make(self.qkv, self.o, self.kv.k[self.layer], self.kv.v[self.layer],
                                           window=cfg.sliding_window or 0, num_heads=cfg.num_heads,
                                           num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, scale=self.scale,
                                           eps=cfg.rms_eps)
@@ -347,9 +360,10 @@ class MoEModel(nn.Module):
         self._exact_prefill: bool | None = None      # exact_prefill, decided at the first prefill
         self.norm = w.get("model.norm.weight")
         kept = self._gguf_vocabulary(w) if self.device.type == "cpu" else None
-        if kept is not None:            # a GGUF's own blocks: the head's and the embedding's rows, never floats
+        if kept is not None:            # a GGUF's own blocks: the head's (and the embedding's rows where quantized)
             self.head, self.rows_from = kept
-            self.embed = self.lm_head = None
+            self.lm_head = None
+            self.embed = w.get("model.embed_tokens.weight") if self.rows_from is None else None
         else:
             self.embed = w.get("model.embed_tokens.weight")
             head = w.maybe("lm_head.weight")
@@ -379,16 +393,17 @@ class MoEModel(nn.Module):
 
     @staticmethod
     def _gguf_vocabulary(w: WeightSource):
-        """(head, embedding) projections from a GGUF's own blocks of token_embd (and output, where untied: a
-        Q4_K_M's Q6_K), the embedding's rows read from its blocks (.rows); None where the file holds them as floats
-        or the checkpoint is not a GGUF."""
+        """(head, embedding) from a GGUF's own blocks: the output's (untied: a Q4_K_M's Q6_K) or token_embd's
+        (tied), and token_embd's blocks giving the embedding's rows (.rows; None where the file holds it as floats);
+        None where neither is quantized or the checkpoint is not a GGUF."""
         embed = gguf_projection(w, ["model.embed_tokens"], rows=True)
-        if embed is None:
-            return None
         head = gguf_projection(w, ["lm_head"])
-        if head is None and (floats := w.maybe("lm_head.weight")) is not None:
-            head = Projection(floats)
-        return (head or embed), embed
+        if head is None and embed is None:
+            return None
+        if head is None:
+            floats = w.maybe("lm_head.weight")
+            head = embed if floats is None else Projection(floats)
+        return head, embed
 
     # per-architecture caches and blocks
     @staticmethod
@@ -446,6 +461,7 @@ class MoEModel(nn.Module):
         if self._exact_prefill is None:
             self._exact_prefill = (self.native_decode and native.int4_ok()
                                    and all(layer.attn.block_fits and getattr(layer.mlp, "tail", None) is not None
+                                           and layer.mlp.tail.rows
                                            for layer in self.layers))
         return self._exact_prefill
 

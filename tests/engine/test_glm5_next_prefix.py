@@ -242,8 +242,9 @@ def test_on_cuda_a_decode_snapshot_behind_a_graph_replay_is_its_positions_states
             model.decode_step([seq[p]], [slot], [p])
         assert model.graphs.replays == 10
         kept = model.caches.kept(slot)[48]
-        for want, got in zip(_states_after(model, seq, 48), kept):
-            torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+        for want, got in zip(_states_after(model, seq, 48), kept):   # the fused kernels' rounding, not a token's
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        assert (_states_after(model, seq, 47)[0] - kept[0]).abs().max() > 1e-3
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the H200)")
