@@ -3,9 +3,10 @@ models engine.kernels.triton_decode serves. Each replaces a run of small torch o
 static step (decode_static, captured per batch and KV bucket as a CUDA graph), with the same function:
 
   hc_pre         mHC: the streams' RMS and the mixing GEMV (split over the row), then pre/post/comb with the
-                 Sinkhorn iterations in registers and the collapsed block input (HyperConnection.__call__:
-                 ~60 launches, most of them the 2·(iters-1) Sinkhorn normalisations, now 2)
-  hc_merge       mHC: post·out + combᵀ·streams (HyperConnection.merge), one launch
+                 Sinkhorn iterations in registers and the collapsed block input (HyperConnection.__call__: 137
+                 torch ops at 20 iterations, counted on the CPU, most of them the Sinkhorn's sums and divisions;
+                 now 2 launches)
+  hc_merge       mHC: post·out + combᵀ·streams (HyperConnection.merge: 4 ops), one launch
   kda_decode     KDA for one token per sequence: the short convolutions' window update, SiLU, l2-normed q/k,
                  the forget gate and beta, the gated delta rule on the recurrent state, and the gated RMSNorm
                  of the output (LinearAttention._decode and the forward around it), one program per (seq, head)
@@ -40,11 +41,10 @@ MLA_KEYS = 32           # MLA: latent rows per load (32 x 512 bf16: 32 KiB, two 
 INDEX_POOLS = 16        # indexer: pools per program (tl.dot's smallest N)
 
 
-def shapes_ok(*, hc: int, linear_head_dim: int, kv_lora_rank: int, index_head_dim: int, index_kpool: int) -> bool:
-    """The kernels hold a KDA head's state [d, d] and an MLA latent row in one block each: bounded sizes, a
-    power-of-two k-pool (its softmax runs over one block axis)."""
-    return (hc <= 16 and linear_head_dim <= 256 and kv_lora_rank <= 1024 and index_head_dim <= 256
-            and index_kpool <= 64 and index_kpool & (index_kpool - 1) == 0)
+def shapes_ok(*, hc: int, linear_head_dim: int, kv_lora_rank: int, index_head_dim: int) -> bool:
+    """The kernels hold the mHC matrices, a KDA head's state [d, d] (in registers: GLM-5.3-Flash's d = 128 is what
+    was compiled and checked), an MLA latent row and an indexer key in one block each: bounded sizes."""
+    return hc <= 16 and linear_head_dim <= 128 and kv_lora_rank <= 1024 and index_head_dim <= 256
 
 
 if triton is not None:

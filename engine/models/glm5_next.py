@@ -681,8 +681,7 @@ class Glm5Next(nn.Module):
         # off (EngineConfig.fused_kernels) for the torch forms, the A/B baseline. Read by the blocks built below.
         self.fused = (fused_kernels and triton_decode.serves_on(self.device)
                       and triton_glm5.shapes_ok(hc=s.hc_mult, linear_head_dim=s.linear_head_dim,
-                                                kv_lora_rank=s.kv_lora_rank, index_head_dim=s.index_head_dim,
-                                                index_kpool=s.index_kpool))
+                                                kv_lora_rank=s.kv_lora_rank, index_head_dim=s.index_head_dim))
         w = ShapeChecked(w, tensor_shapes(caches.spec, layers=cfg.num_layers, hidden=cfg.hidden, vocab=cfg.vocab_size,
                                           heads=cfg.num_heads, intermediate=cfg.intermediate, moe_layers=cfg.moe_layers,
                                           experts=cfg.n_experts,
