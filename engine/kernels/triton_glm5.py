@@ -421,9 +421,9 @@ def warm_mla(kv_b: torch.Tensor, latent: torch.Tensor, sizes, *, heads: int, nop
     attention_variant of the size) now, one launch each over slot 0's first key (the output dropped; the cache
     only read), so a stream growing into a longer KV bucket does not stop mid-decode while Triton compiles (as
     triton_decode.warm_attention does for the other models). → variants launched."""
-    first: dict[tuple[int, int], int] = {}
-    for s in sizes:
-        first.setdefault(attention_variant(s), s)
+    first: dict[tuple, int] = {}
+    for s in sizes:            # Triton also specialises an int argument on its divisibility by 16
+        first.setdefault((attention_variant(s), s % 16 == 0), s)
     dev = latent.device
     q = torch.zeros(1, heads, nope, dtype=latent.dtype, device=dev)
     zero = torch.zeros(1, dtype=torch.long, device=dev)

@@ -215,8 +215,8 @@ def test_warm_mla_compiles_each_variant_once_and_leaves_the_cache_alone():
     kv_b = _rand(g, heads * (nope + vd), rank)
     latent = _rand(g, 2, 320, rank)
     before = latent.clone()
-    # 12 and 16 keys: one program's variant; 300: split over programs, another
-    assert tg.warm_mla(kv_b, latent, [12, 16, 300, 12], heads=heads, nope=nope, scale=0.25) == 2
+    # 12 and 16 keys: one program (16 divisible by 16: its own specialisation); 300: split over programs
+    assert tg.warm_mla(kv_b, latent, [12, 16, 300, 12, 28], heads=heads, nope=nope, scale=0.25) == 3
     assert torch.equal(latent, before)
 
 
