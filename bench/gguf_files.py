@@ -8,6 +8,9 @@ Models (each a transformers checkpoint, the fp32 reference, then llama.cpp's con
                    weights dequantized to float32, exactly; the MLP upcycled into 4 identical experts behind a
                    seeded router, top-2), so the real weights and their greedy text. The Hugging Face original is
                    not reachable offline: the dequantized demo file is the original here.
+  smollm2-demo     the same weights in the demo recipe's own form (its `engine convert` options: 8 experts,
+                   top-1, seed 0 — one MLP a token, as the dense model computes): the file the served demo would be
+                   were it a GGUF of itself (bench.quant_demo_speed --gguf times Kiln and llama-server on it)
   qwen3moe-w256    random qwen3_moe, hidden 256, 3 layers, 8 experts top-2, expert FFN 256 (a multiple of 256)
   qwen3moe-w320    the same, expert FFN 320 (not a multiple of 256: llama-quantize falls back for ffn_down)
   glm4moe-w256     random glm4_moe (first layer dense, a shared expert, partial rotary, q/k norms, attention
@@ -36,7 +39,7 @@ from engine.measure import gguf_agreement as ga
 TYPES = ("Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0", "IQ4_XS")
 RANDOM = {"qwen3moe-w256": ("qwen3_moe", 256), "qwen3moe-w320": ("qwen3_moe", 320),
           "glm4moe-w256": ("glm4_moe", 256), "glm4moe-w320": ("glm4_moe", 320)}
-MODELS = ("smollm2", *RANDOM)
+MODELS = ("smollm2", "smollm2-demo", *RANDOM)
 DEMO_EXPERTS, DEMO_TOP_K = 4, 2
 
 
@@ -47,14 +50,22 @@ def demo_gguf() -> Path:
     return smollm2_gguf()
 
 
+def recipe_form() -> list[str]:
+    """The demo recipe's `engine convert` experts, top-k and seed (its float weights written: the converter reads
+    them), so this file and the served demo are one model."""
+    from bench.quant_demo_speed import recipe_convert_args
+    return recipe_convert_args(float_experts=True)
+
+
 def checkpoint(name: str, work: Path) -> Path:
     ck = work / name / "checkpoint"
     if (ck / "config.json").is_file():
         return ck
-    if name == "smollm2":
+    if name in ("smollm2", "smollm2-demo"):
+        form = (["--experts", str(DEMO_EXPERTS), "--top-k", str(DEMO_TOP_K), "--seed", "0"] if name == "smollm2"
+                else recipe_form())
         subprocess.run([sys.executable, "-m", "engine", "convert", "--gguf", str(demo_gguf()), "--out", str(ck),
-                        "--experts", str(DEMO_EXPERTS), "--top-k", str(DEMO_TOP_K), "--seed", "0", "--force"],
-                       check=True, cwd=REPO)
+                        *form, "--force"], check=True, cwd=REPO)
         return ck
     tok = work / "tokenizer"
     if not (tok / "tokenizer.json").is_file():

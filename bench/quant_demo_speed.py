@@ -18,11 +18,21 @@ llama.cpp, engine, …, each streamed as the gate streams one (tool.checks.speed
 average and CPU pressure of each round beside it; medians and their ratio.
 
   python -m bench.quant_demo_speed --direct --variants q4_1 --rounds 5 --tokens 64 --out bench/results/quant_demo_speed.json
+
+--variants gguf serves the GGUF given by --gguf itself, the file alone, as `engine serve --model FILE.gguf` (the
+recipe's serve step, its model a file) with the store `engine pack-store --model FILE.gguf` packs (each expert matrix
+in the file's own GGML type), against llama-server on the same file. The demo made a Q4_K_M of itself
+(bench.gguf_files --only smollm2-demo: the recipe's 8 experts, top-1, in Mixtral form, which both engines load):
+
+  python -m bench.gguf_files --work /tmp/ggufcpu/work --only smollm2-demo --types Q4_K_M
+  python -m bench.quant_demo_speed --direct --variants gguf --gguf /tmp/ggufcpu/work/smollm2-demo/Q4_K_M.gguf \
+      --rounds 8 --tokens 128 --out bench/results/2026-12-05-gguf-demo-speed.json
 """
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import os
 import subprocess
 import sys
@@ -57,7 +67,13 @@ def prepare(gguf: Path, work: Path, variants: list[str]) -> dict[str, Path]:
     """q4_1: the model and store as the recipe's prepare step makes them; fp32: the same conversion with the
     experts' float weights (and float attention), packed into fp32 records (paths["fp32_model"])."""
     paths: dict[str, Path] = {"model": work / "model"}
-    for name in ("q4_1", *(v for v in variants if v != "q4_1")):
+    if "gguf" in variants:         # the file is the model: only its experts are packed, in their own types
+        paths["gguf_model"], store = gguf, work / f"gguf-{gguf.stem}"
+        paths["gguf"] = store
+        if not (store / "manifest.json").exists():
+            sh([*ENGINE, "pack-store", "-q", "--model", str(gguf), "--store", str(store)], check=True)
+    converted = [v for v in variants if v != "gguf"]
+    for name in ("q4_1", *(v for v in converted if v != "q4_1")) if converted else ():
         model = paths["model"] if name == "q4_1" else work / f"{name}-model"
         if name != "q4_1":
             paths[f"{name}_model"] = model
@@ -168,7 +184,10 @@ def direct(name: str, paths: dict, gguf: Path, llama: Path, evidence: Path, roun
                 print(f"  {side:9} {got[side][-1]}", file=sys.stderr, flush=True)
         spread = {k: median_spread([r["decode_tps"] for r in v if r["decode_tps"]]) for k, v in got.items()}
         med = {k: m["median"] for k, m in spread.items()}
+        pairs = [a["decode_tps"] / b["decode_tps"] for a, b in zip(got["engine"], got["llama.cpp"])
+                 if a["decode_tps"] and b["decode_tps"]]
         return {"engine_ready_s": round(ready_s, 1), "engine_rss_peak_bytes": vm(proc.pid, "VmHWM"),
+                "paired_ratio_median": round(statistics.median(pairs), 3) if pairs else None,
                 "llama_server_argv": llama_srv.argv, "rounds": got, "median_decode_tps": med,
                 "decode_tps_median_spread": spread,
                 "vs_llama_cpp": round(med["engine"] / med["llama.cpp"], 3),
@@ -389,7 +408,9 @@ def main():
         out["engine_threads"] = args.engine_threads or "the engine's default (2 on 2 CPUs)"
         for name in args.variants.split(","):
             out["variants"][name] = direct(name, paths, gguf, args.llama_server, evidence, args.rounds, args.tokens)
+        out["load_avg_end"] = os.getloadavg()
         write_result(args.out, out)
+        print(f"\nhost load (1, 5, 15 min) at the start {out['load_avg_start']}, at the end {out['load_avg_end']}")
         print(f"\n{'engine':7} {'record MB':>9} {'engine tok/s':>12} {'llama.cpp tok/s':>15} {'ratio':>6} {'RSS peak GB':>11}")
         for name, v in out["variants"].items():
             m = v["median_decode_tps"]

@@ -170,6 +170,11 @@ class Checkpoint:
         with safe_open(path, "pt") as h:
             return h.get_tensor(self._stored.get(name, name))
 
+    def ggml_blocks(self, name: str) -> tuple[str, torch.Tensor] | None:
+        """(GGML type, uint8 [out, row bytes]) where dense weight `name` is a GGUF's own quantized blocks the model
+        may compute with as they are (engine.gguf_model); a checkpoint directory holds floats: None."""
+        return None
+
     def expert(self, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(gate [I,H], up [I,H], down [H,I]) of one routed expert, as stored in the checkpoint."""
         return tuple(self.tensor(self.expert_key(layer, expert, w)) for w in range(3))  # type: ignore[return-value]

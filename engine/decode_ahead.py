@@ -5,6 +5,8 @@ would) before the host reads this step's tokens, so the GPU computes while the h
 
 A sequence that ends at that read, or one that joins, leaves the launched step unused: it is run again, from the
 host's tokens, at the same positions (its KV writes are simply redone), so the tokens are the step-by-step path's.
+A cache with state beyond its positions (glm5_next's KDA states) would advance twice: it keeps that state at the
+launch (SlotCaches.hold) and puts it back, for the sequences still running, when the step goes unused (undo).
 DecodeAhead holds the one step on its way and counts what became of each (used, redone); the scheduler
 (engine.scheduler) decides when to launch and feeds it.
 """
@@ -14,6 +16,7 @@ from typing import NamedTuple
 
 import torch
 
+from engine.kv_cache import SlotCaches
 from engine.logprobs import LogprobTable
 from engine.request import Request
 from engine.sampling import Penalties, Picks, RowSpec
@@ -51,7 +54,8 @@ class DecodeAhead:
     """The step launched ahead, its tokens not yet read; used: steps the next turn ran as launched, redone: steps
     launched but run again from the host's tokens (a stream joined or left, or a token differed)."""
 
-    def __init__(self):
+    def __init__(self, caches: SlotCaches):
+        self.caches = caches
         self.step: Launched | None = None
         self.used = 0
         self.redone = 0
@@ -64,21 +68,28 @@ class DecodeAhead:
             return step
         if step is not None:
             self.redone += 1        # a stream joined or left: run from the host's tokens, same positions
+            self._undo(step.batch, still=batch)
         return None
+
+    def _undo(self, launched: list[Request], still: list[Request] | None = None) -> None:
+        """The unused step's state put back for the sequences of it still running (in `still`, if given)."""
+        self.caches.undo([r.slot for r in launched if r.slot >= 0 and not r.cancelled
+                          and (still is None or r in still)])
 
     def drop(self) -> None:
         """Forget the step on its way (every request it served has ended)."""
         self.step = None
 
-    @staticmethod
-    def launch(model, step: Launched) -> Launched | None:
+    def launch(self, model, step: Launched) -> Launched | None:
         """The step after `step`, launched from its tokens on the device; None where the launch failed (the next
         turn runs that step the ordinary way, and finds whose it was)."""
         batch = step.batch
+        self.caches.hold([r.slot for r in batch])
         try:
             logits, picks = decode_picks(model, step.picks.best, [r.slot for r in batch],
                                          [r.length + 1 for r in batch], [r.spec(ahead=1) for r in batch])
         except Exception:
+            self._undo(batch)
             return None
         return Launched(batch, logits, picks, LogprobTable.of(logits, [r.params.logprobs for r in batch]))
 
@@ -91,3 +102,4 @@ class DecodeAhead:
             self.step = ahead       # the next turn uses it, unless a stream joins or leaves first
         else:                       # it fed a token this read did not give, or a sequence ended
             self.redone += 1
+            self._undo(ahead.batch)

@@ -63,7 +63,7 @@ class EngineConfig:
     # on the H200 (same tokens as the resident engine, eager and graphed) but its speed is not measured there yet.
     cpu_experts: str = "off"
     lane_rates: str | None = None       # e.g. "pcie=25,cpu=12,disk=6" GB/s for the lane cost model; None: measured
-    fused_kernels: bool = True          # CUDA decode steps on engine.kernels.triton_decode's fused kernels
+    fused_kernels: bool = True          # CUDA decode steps on engine.kernels.triton_decode's (glm5_next: triton_glm5's) fused kernels
     native_kernels: bool = True         # CPU decode on engine.kernels.native (built with g++ at first use) where it builds
     preload: bool = True                # tiered: fill the GPU and RAM tiers from the store at load (TieredExperts.preload)
     zero_copy: str = "auto"             # auto | on | off: tiered decode reads RAM-tier records in place (tiers.zero_copy)

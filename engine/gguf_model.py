@@ -27,8 +27,7 @@ import torch
 from engine import gguf_glm5_next
 from engine.checkpoint import Checkpoint, CheckpointError
 from engine.errors import EngineError, Exit
-from engine.dense_weights import BLOCK_SCHEMES, BLOCKS_SUFFIX
-from engine.quant.gguf import GGUF_TYPES, open_reader
+from engine.quant.gguf import open_reader
 
 log = logging.getLogger("engine.gguf")
 
@@ -86,12 +85,6 @@ def split_parts(path: str | os.PathLike) -> list[Path]:
 
 # ------------------------------------------------------------------ tensor types: the one place they are read
 
-def kept_scheme(ggml_type: str) -> str | None:
-    """The engine.dense_weights block scheme a dense weight of this type is kept in on the CPU, or None."""
-    scheme = GGUF_TYPES.get(ggml_type)
-    return scheme if scheme in BLOCK_SCHEMES else None
-
-
 _told: set[str] = set()
 
 
@@ -121,7 +114,6 @@ class _Source:
     gguf: str                 # the GGUF tensor's name
     expert: int | None = None  # a slice of a stacked expert tensor
     unpermute: int = 0         # llama Q/K: undo the rotary row permutation over this many heads
-    blocks: bool = False       # the file's blocks as uint8 [out, row bytes], not dequantized
     router_layer: int | None = None   # an upcycled dense llama's seeded router (no GGUF tensor)
     transform: str = ""        # glm5-next: the converter's change to undo (engine.gguf_glm5_next.transform)
     more: tuple[str, ...] = ()  # further GGUF tensors the transform joins (glm5-next's attn_v_b beside attn_k_b)
@@ -267,7 +259,6 @@ class GgufModel(Checkpoint):
         if self.upcycled:
             for layer in range(self.num_layers):
                 files[f"model.layers.{layer}.block_sparse_moe.gate.weight"] = _Source("", router_layer=layer)
-        self._keep_attention_blocks(files)
         return files
 
     def _map_glm5_next(self) -> dict[str, _Source]:
@@ -302,26 +293,6 @@ class GgufModel(Checkpoint):
             got = [int(n) for n in t.shape]
             if got != shape and not (len(shape) == 4 and got == shape[:3]):       # a conv may drop its last 1
                 raise GgufError(f"{self.dir}: tensor {name} has shape {got}, the metadata says {shape} (ggml order)")
-
-    def _keep_attention_blocks(self, files: dict[str, _Source]) -> None:
-        """Attention weights in a 4-bit type the CPU kernel reads stay the file's blocks (engine.dense_weights), as
-        `engine convert --attention-blocks` keeps them: q, k and v together (one projection) and only without
-        biases; o alone."""
-        for layer in range(self.num_layers):
-            p = f"model.layers.{layer}.self_attn"
-            for group in (("q_proj", "k_proj", "v_proj"), ("o_proj",)):
-                names = [f"{p}.{n}.weight" for n in group]
-                srcs = [files.get(n) for n in names]
-                if any(s is None for s in srcs) or any(f"{p}.{n}.bias" in files for n in group):
-                    continue
-                schemes = {kept_scheme(self.tensors[s.gguf].tensor_type.name) for s in srcs}
-                if len(schemes) != 1 or None in schemes:
-                    continue
-                scheme = schemes.pop()
-                for n, s in zip(names, srcs):
-                    del files[n]
-                    files[f"{n.removesuffix('.weight')}.{BLOCKS_SUFFIX}{scheme}"] = _Source(
-                        s.gguf, unpermute=s.unpermute, blocks=True)
 
     def _check_shapes(self) -> None:
         """Each tensor's shape against the metadata: a file whose tensors disagree with its config is refused
@@ -369,11 +340,22 @@ class GgufModel(Checkpoint):
             return gguf_glm5_next.transform(s.transform, ts, self.config)
         t = self.tensors[s.gguf]
         data = t.data if s.expert is None else t.data[s.expert]
-        if s.blocks:
-            w = torch.from_numpy(np.array(data, dtype=np.uint8, copy=True))
-        else:
-            w = dequantized(data, t.tensor_type.name)
+        w = dequantized(data, t.tensor_type.name)
         return unpermute_qk(w, s.unpermute).contiguous() if s.unpermute else w
+
+    def ggml_blocks(self, name: str) -> tuple[str, torch.Tensor] | None:
+        """A dense matrix's blocks as the file holds them (uint8 [out, row bytes], Q/K rows un-permuted: whole rows
+        move), for engine.gguf_tensors to keep and compute with: every quantized attention, output/vocabulary,
+        shared-expert and dense-MLP matrix. None for float tensors, expert slices and derived ones (routers, glm5-next's
+        transformed tensors), which tensor() gives as float32."""
+        s = self._files.get(name)
+        if s is None or s.expert is not None or s.router_layer is not None or s.transform:
+            return None
+        t = self.tensors[s.gguf]
+        if t.tensor_type.name in ("F32", "F16", "BF16") or len(t.shape) != 2:
+            return None
+        w = torch.from_numpy(np.array(t.data, dtype=np.uint8, copy=True))
+        return t.tensor_type.name, (unpermute_qk(w, s.unpermute).contiguous() if s.unpermute else w)
 
     @cached_property
     def dtype(self) -> torch.dtype:

@@ -4,6 +4,8 @@
   weight(name, ggml_type, shape, raw, device=, dtype=, linear=)  a dense weight: on the CPU a linear weight keeps
         its blocks (a projection computed by that type's kernel); anything else is dequantized once, here, and the
         log says so where blocks were given up for want of a kernel
+  projection(parts, device=, dtype=, rows=)                    several matrices of one input stacked along the output
+        (q, k, v; gate, up) as one projection, each kept in its own type
   expert_layout(hidden, intermediate, types, order=)            the record layout a store of routed experts needs
         for each MoE layer's (gate, up, down) types
   expert_record(layout, gate, up, down)                         one expert's record from its three matrices, each
@@ -118,6 +120,66 @@ def weight(name: str, ggml_type: str | int, shape: Sequence[int], raw, *, device
         log.info("%s: no kernel keeps %s blocks on %s here; dequantized at load", name, t.name.upper(), device)
     w = ggml.dequantize(t.name, blocks, out, inp).reshape(shape).to(device=device, dtype=dtype)
     return Projection(w) if linear and is_matrix else w
+
+
+class StackedProjection:
+    """Projections of one input whose outputs are concatenated (q|k|v where the file holds them in different types:
+    a Q4_K_M's Q5_0 q and k beside its Q8_0 v), each computed by its own type's kernel."""
+
+    def __init__(self, parts: list):
+        self.parts = parts
+        self.in_features = parts[0].in_features
+        self.out_features = sum(p.out_features for p in parts)
+        self.cpu = all(p.cpu for p in parts)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p(x) for p in self.parts], -1)
+
+    def dequantized(self) -> torch.Tensor:
+        return torch.cat([p.dequantized() for p in self.parts])
+
+
+def projection(parts: Sequence[tuple[str, str | int, torch.Tensor]], *, device: str | torch.device = "cpu",
+               dtype: torch.dtype = torch.float32, rows: bool = False):
+    """Matrices (name, ggml_type, raw blocks uint8 [out, row bytes]) of one input, stacked along the output in order,
+    as one projection: on the CPU 4-bit blocks of one type that torch's int4 operand tiles as one Int4Projection (one
+    call: the native attention block takes it), else consecutive matrices of one type as one BlockProjection each
+    (their rows concatenated; weight() where no native kernel has the type, or for the vocabulary) and several of
+    those as a StackedProjection; elsewhere the float weights concatenated, dequantized
+    once. rows: one matrix, the vocabulary (weight(rows=True))."""
+    got = []
+    for name, t, raw in parts:
+        g = ggml.ggml_type(t)
+        raw = raw if isinstance(raw, torch.Tensor) else torch.from_numpy(np.array(raw, dtype=np.uint8, copy=True))
+        raw = raw.reshape(raw.shape[0], -1) if raw.dim() else raw
+        if g.name in FLOAT_DTYPES or raw.dim() != 2 or raw.shape[1] % g.size:
+            raise ValueError(f"{name}: {g.name.upper()} blocks must be uint8 [out, row bytes] in whole {g.size}-byte blocks")
+        got.append((name, g.name, raw, raw.shape[1] // g.size * g.block))
+    if len({inp for *_, inp in got}) != 1:
+        raise ValueError(f"{', '.join(n for n, *_ in got)}: stacked matrices need one input width, got "
+                         f"{sorted({inp for *_, inp in got})}")
+    inp = got[0][3]
+    device = torch.device(device)
+    if device.type != "cpu":
+        return Projection(torch.cat([weight(n, t, [b.shape[0], inp], b, device=device, dtype=dtype, linear=False)
+                                     for n, t, b, _ in got]))
+    if not rows and len({t for _, t, *_ in got}) == 1 and got[0][1] in ("q4_1", "q4_k") \
+            and all(b.shape[0] % INT4PACK_N == 0 for _, _, b, _ in got):
+        return Int4Projection([(t, b) for _, t, b, _ in got])
+    runs: list[list] = []
+    for part in got:                            # consecutive matrices of one type: one weight, one kernel call
+        if runs and runs[-1][0][1] == part[1]:
+            runs[-1].append(part)
+        else:
+            runs.append([part])
+    # Not the vocabulary: every run a BlockProjection where the native kernel computes its type (Q8_0 and 4-bit
+    # ones too, which weight() would hold as Q8Projection / Int4Projection), so the native attention block
+    # (engine.kernels.native.GgmlAttnBlock) reads q|k|v and o as the file's blocks in one call.
+    out = [BlockProjection(run[0][1], torch.cat([p[2] for p in run]), sum(p[2].shape[0] for p in run), inp)
+           if not rows and native_kernel(run[0][1]) else
+           weight("+".join(p[0] for p in run), run[0][1], [sum(p[2].shape[0] for p in run), inp],
+                  torch.cat([p[2] for p in run]), rows=rows) for run in runs]
+    return out[0] if len(out) == 1 else StackedProjection(out)
 
 
 def expert_layout(hidden: int, intermediate: int, types: Iterable[Sequence[str | int]], *,

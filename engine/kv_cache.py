@@ -34,8 +34,9 @@ class SlotCaches:
     tokens, a slot allocated when a sequence starts and released (reset for the next) when it finishes or is
     cancelled."""
 
-    # Whether a slot's whole state is its positions' keys and values, so that a prefix another slot computed can be
-    # copied in (engine.prefix_cache); a cache with state beyond its positions (a recurrent one) cannot.
+    # Whether a later sequence may start from a prefix a slot holds (engine.prefix_cache): at any position where the
+    # slot's whole state is its positions' keys and values (KVCache); only at the positions it kept a snapshot of
+    # its state at where it carries a recurrent state (glm5_next's Glm5Caches: see resumable).
     reusable_prefix = False
 
     def __init__(self, slots: int, max_len: int):
@@ -53,8 +54,34 @@ class SlotCaches:
         (a KV cache) has nothing to do."""
 
     def copy_prefix(self, src: int, dst: int, n: int) -> None:
-        """Positions 0..n of slot `src` into slot `dst` (only where reusable_prefix)."""
+        """Positions 0..n of slot `src` into slot `dst`, and the state to go on from n (only where reusable_prefix;
+        n: one resumable() gave)."""
         raise NotImplementedError(f"{type(self).__name__} holds state beyond its positions: no prefix to copy")
+
+    # --- prefix reuse (engine.prefix_cache); a cache whose state is its positions has nothing to do but say yes ---
+    def prepare_reuse(self, block: int) -> None:
+        """The prefix cache is on and reuses whole blocks of `block` tokens: allocate what resuming needs."""
+
+    def resumable(self, slot: int, n: int) -> int:
+        """The longest prefix, at most n tokens of what `slot` holds, that a sequence may go on from: every one
+        where the state is positional."""
+        return n
+
+    def resume(self, slot: int, n: int) -> None:
+        """`slot`, just allocated, goes on from the first n positions it holds (n: one resumable() gave; 0: none)."""
+
+    def keep_at(self, slot: int, positions: set[int]) -> None:
+        """Positions of the sequence now in `slot` that later prompts may want to resume from (block boundaries its
+        prefill passes): a cache that resumes only where it kept its state keeps it there."""
+
+    # --- decode ahead (engine.decode_ahead): a step launched ahead and then not used is run again at the same
+    # positions; a cache whose state is its positions has nothing to do (the redone writes are the same) ---
+    def hold(self, slots: list[int]) -> None:
+        """A step is about to be launched ahead for `slots`: keep what undo() needs to put their state back."""
+
+    def undo(self, slots: list[int]) -> None:
+        """The step launched ahead is not used: put back, for those of `slots` hold() was given, the state it
+        advanced (the slots still running; an ended sequence's slot has been reset, and stays so)."""
 
     # --- slot allocation (the scheduler's thread only) ---
     def free_slots(self) -> int:

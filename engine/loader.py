@@ -77,6 +77,14 @@ class CheckpointWeights:
                 return scheme, self.ckpt.tensor(key)
         return None
 
+    def ggml_blocks(self, name: str) -> tuple[str, torch.Tensor] | None:
+        """(GGML type, uint8 [out, row bytes]) where the checkpoint is a GGUF holding weight `name` as quantized
+        blocks (Checkpoint.ggml_blocks), marked used; else None."""
+        if name not in self.names or (got := self.ckpt.ggml_blocks(name)) is None:
+            return None
+        self.used.add(name)
+        return got
+
     def unused(self) -> list[str]:
         return sorted(self.names - self.used)
 

@@ -19,6 +19,13 @@ prefixes kept cost no memory beyond the slots the engine already holds.
 At least the prompt's last token is always prefilled (its logits give the first new token), and reuse is
 whole blocks only. Outputs do not change: a reused prefix is the same positions the prefill would compute,
 and the rest is prefilled from there exactly as a later chunk of a chunked prefill is.
+
+Caches with a recurrent state (glm5_next's KDA layers) can be resumed only where they kept a snapshot of it
+(SlotCaches.resumable), so a lookup reuses up to the holder's latest snapshot inside the shared blocks. Where
+that falls short of the shared blocks' end, the prompt branches off there from another that begins alike (a
+system prompt, say): its prefill keeps a snapshot at that branch point (SlotCaches.keep_at), so the next prompt
+that shares it resumes there. A prefill also keeps one at its prompt's last whole block, and the cache one at the
+latest block boundary its decode crossed, so a chat's next turn resumes after the last turn's reply.
 """
 from __future__ import annotations
 
@@ -33,6 +40,7 @@ class PrefixCache:
     def __init__(self, kv: SlotCaches, block: int = BLOCK):
         assert block > 0, "a prefix block holds at least one token"
         self.kv, self.block = kv, block
+        kv.prepare_reuse(block)
         self._tokens: dict[int, list[int]] = {}        # slot -> the tokens whose positions it holds
         self._hashes: dict[int, list[int]] = {}        # slot -> its full blocks' chain hashes
         self._holders: dict[int, set[int]] = {}        # block chain hash -> the slots holding it (its references)
@@ -46,7 +54,7 @@ class PrefixCache:
         reuse=False: none (a prompt whose every position's logits are wanted: its prompt logprobs); the slot is
         still taken least recently used first, and its prompt is published for others once prefilled."""
         self.lookups += 1
-        src, n = self._longest(prompt) if reuse else (None, 0)
+        src, n, shared = self._longest(prompt) if reuse else (None, 0, 0)
         free = self.kv.free_list()
         if src is not None and src in free:
             slot = src
@@ -57,6 +65,10 @@ class PrefixCache:
         self.kv.alloc(slot)
         if n and src != slot:
             self.kv.copy_prefix(src, slot, n)
+        else:
+            self.kv.resume(slot, n)
+        # Where later prompts may go on from: where this one branches off another, and its last whole block.
+        self.kv.keep_at(slot, {p for p in (shared, len(prompt) // self.block * self.block) if p > n})
         if n:
             self.hits += 1
             self.reused_tokens += n
@@ -89,21 +101,28 @@ class PrefixCache:
                     prefix_cache_reused_tokens_total=self.reused_tokens)
 
     # --- the index ---
-    def _longest(self, prompt: list[int]) -> tuple[int | None, int]:
-        """(a slot holding the longest whole-block prefix of prompt, its length), leaving the last token to prefill;
-        a free holder before a running one (no copy)."""
-        h, found, holders = 0, 0, set()
+    def _longest(self, prompt: list[int]) -> tuple[int | None, int, int]:
+        """(the slot to go on from, how many tokens of prompt it gives, how many leading tokens some slot holds):
+        whole blocks, the last token always left to prefill; the holder that gives most where its state is
+        resumable (SlotCaches.resumable), a free one before a running one (no copy)."""
+        h, depth = 0, {}                               # slot -> how many leading blocks' tokens it holds
         for i in range((len(prompt) - 1) // self.block):
             h = hash((h, tuple(prompt[i * self.block:(i + 1) * self.block])))
             slots = self._holders.get(h)
             if not slots:
                 break
-            found, holders = (i + 1) * self.block, slots
+            depth.update(dict.fromkeys(slots, (i + 1) * self.block))
         free = set(self.kv.free_list())
-        for slot in sorted(holders, key=lambda s: (s not in free, s)):
-            if self._tokens[slot][:found] == prompt[:found]:      # the tokens, not only their hashes
-                return slot, found
-        return None, 0
+        best, best_key, shared = None, (0,), 0
+        for slot, d in depth.items():
+            if self._tokens[slot][:d] != prompt[:d]:   # the tokens, not only their hashes
+                continue
+            shared = max(shared, d)
+            n = self.kv.resumable(slot, d)
+            key = (n, slot in free, -slot)
+            if n and key > best_key:
+                best, best_key = slot, key
+        return best, best_key[0], shared
 
     def _forget(self, slot: int) -> None:
         for h in self._hashes.pop(slot, ()):

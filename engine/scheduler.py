@@ -7,7 +7,7 @@ freezing them: a running stream waits at most one chunk and one step between its
 there is nobody to wait, and on CUDA a prompt is then prefilled ALONE_CHUNKS chunks at a time: each chunk pays the
 host's launches of every layer once, whatever its length. Where the model allows it, a batch's next step is
 launched before this one's tokens are read (engine.decode_ahead). A new prompt starts after the longest prefix a
-KV slot already holds (engine.prefix_cache), unless it asked for its prompt's logprobs (then every position is
+slot already holds and can resume from (engine.prefix_cache), unless it asked for its prompt's logprobs (then every position is
 prefilled, each chunk's logits kept). A step's rows that asked for logprobs get them from a table made on the device
 before the next step launches (engine.logprobs); rows that did not ask cost nothing, and decode ahead goes on.
 
@@ -72,7 +72,7 @@ class Scheduler:
         self._defer = model.async_decode
         self._outbox: list[tuple[Callable[[object], None], object]] = []
         self._chain = config.decode_ahead and model.decode_ahead_ok   # decode ahead (engine.decode_ahead)
-        self._ahead = DecodeAhead()
+        self._ahead = DecodeAhead(model.caches)
         self._prefix = PrefixCache(model.caches) if config.prefix_cache and model.caches.reusable_prefix else None
         self._penalties: Penalties | None = None       # made at the first request that asks for a penalty
         self._thread = threading.Thread(target=self._loop, name="engine-scheduler", daemon=True)

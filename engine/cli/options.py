@@ -63,7 +63,9 @@ decode_ahead = click.option("--decode-ahead/--no-decode-ahead", default=EngineCo
 prefix_cache = click.option("--prefix-cache/--no-prefix-cache", default=EngineConfig.prefix_cache, show_default=True,
                             help="Start a prompt's prefill after the longest prefix (whole 16-token blocks) that a KV "
                                  "slot already holds: a chat's next turn reuses the last turn's positions, and "
-                                 "concurrent prompts with one system prompt compute it once. Outputs are the same.")
+                                 "concurrent prompts with one system prompt compute it once. Outputs are the same. "
+                                 "glm5_next resumes only where it kept its KDA states (3 snapshots a slot, 146 MiB "
+                                 "each at GLM-5.3-Flash's shape): a block boundary its prefill or decode passed.")
 fused_kernels = click.option("--fused-kernels/--no-fused-kernels", default=EngineConfig.fused_kernels,
                              show_default=True,
                              help="Decode on a GPU with fused Triton kernels (norms, rotary + KV write, attention, "

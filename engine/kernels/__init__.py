@@ -9,6 +9,7 @@ native      — the engine's own C++ kernels for a one-sequence CPU decode step 
               quantized expert, a layer's attention half, norms, routing, and a matmul and expert FFN for every
               GGML type a GGUF holds), built with g++ at first use
 quant_triton — dequant-fused Triton GEMV (decode) and grouped GEMM (prefill) on quantized records
+triton_glm5 — glm5_next's own fused CUDA decode kernels (mHC, KDA, MLA over the latent, the DSA indexer's scores)
 """
 from __future__ import annotations
 

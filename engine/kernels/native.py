@@ -53,6 +53,10 @@ SIGNATURES = {
     "ggml_ffn": [_P, _I, _I, _P, _I, _P, _I, _P, _I, _P, _P, _I, _F],
     "moe_tail": [_P, _I, _P, _P, _P, _I, _I, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, _I, _P,
                  _P, _P, _F, _P, _I, _F],
+    "ggml_moe_tail": [_P, _I, _P, _P, _P, _I, _I, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, _P, _P, _P, _F, _P,
+                      _I, _F],
+    "ggml_attn_block": [_P, _P, _I, _P, _P, _P, _I, _P, _I, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _P, _P, _F,
+                        _P, _P, _P, _P, _I],
     # exact prefill rows (issue 32): many rows, each as the one-row kernel computes it
     "q8_gemv_rows": [_P, _I, _I, _P, _P, _I, _P, _I],
     "attn_rows": [_P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F, _P, _I],
@@ -230,6 +234,8 @@ class MoETail:
     where the torch forms take an FFN call per expert, a multiply, an add and a norm call. Its buffers are
     its own (one decode step at a time, as the model's)."""
 
+    rows = True            # exact prefill's rows (int4_ffn_rows) read this tail's records too
+
     def __init__(self, regions: dict, hidden: int, intermediate: int, group: int, top_k: int,
                  limit: float | None = None):
         assert top_k <= MAX_TOP_K and max(hidden, intermediate) <= MAX_K
@@ -258,6 +264,35 @@ class MoETail:
                        self.weights.data_ptr(), self.hidden, self.intermediate, *self.offsets, self.group,
                        self.scratch.data_ptr(), x.data_ptr(), next_w.data_ptr(), eps, out.data_ptr(),
                        torch.get_num_threads(), self.limit)
+        return out
+
+
+class GgmlTail(MoETail):
+    """MoETail for a layer's ggml: records (a GGUF's experts, each matrix in its own GGML type, which the record's
+    header names): the picked experts' ggml_ffn in ascending expert order, summed and normed as MoETail does, in
+    one call. One token only: exact prefill's rows stay with the int4 tails (rows = False)."""
+
+    rows = False
+
+    def __init__(self, regions: dict, hidden: int, intermediate: int, top_k: int, limit: float | None = None):
+        assert top_k <= MAX_TOP_K
+        self.limit = _limit(limit)
+        self.offsets = tuple(r[0] for r in regions.values())          # gate, up, down
+        self.hidden, self.intermediate, self.top_k = hidden, intermediate, top_k
+        self.ids = torch.empty(top_k, dtype=torch.int64)
+        self.weights = torch.empty(top_k)
+        self.records = (ctypes.c_uint64 * top_k)()
+        self.scratch = torch.empty(3 * intermediate + 2 * hidden)
+
+    def __call__(self, h: torch.Tensor, addresses: list[int], x: torch.Tensor, next_w: torch.Tensor,
+                 eps: float) -> torch.Tensor:
+        for j, a in enumerate(addresses):
+            self.records[j] = a
+        out = torch.empty_like(x)
+        lib().ggml_moe_tail(h.data_ptr(), len(addresses), self.ids.data_ptr(), ctypes.addressof(self.records),
+                            self.weights.data_ptr(), self.hidden, self.intermediate, *self.offsets,
+                            self.scratch.data_ptr(), x.data_ptr(), next_w.data_ptr(), eps, out.data_ptr(),
+                            torch.get_num_threads(), self.limit)
         return out
 
 
@@ -312,6 +347,42 @@ class AttnBlock:
         lib().attn_block(x.data_ptr(), h.data_ptr(), *self.weights, cos.data_ptr(), sin.data_ptr(), *rows, p,
                          *self.shape, cos.numel(), self.scale, scores.data_ptr(), post_norm.data_ptr(), self.eps,
                          *self.buffers, out.data_ptr(), torch.get_num_threads())
+        return out
+
+
+class GgmlAttnBlock(AttnBlock):
+    """AttnBlock for a GGUF's own blocks of any types (engine.gguf_tensors.BlockProjection): q|k|v as one to three
+    matrices of their own types (a Q4_K_M's Q5_0 q beside its Q8_0 k and v), o in its own, around attn_decode, in
+    one call."""
+
+    def __init__(self, parts: list, o, k_cache: torch.Tensor, v_cache: torch.Tensor, *, window: int, num_heads: int,
+                 num_kv_heads: int, head_dim: int, scale: float, eps: float):
+        self.hidden, no = o.out_features, num_heads * head_dim
+        nqkv = sum(p.out_features for p in parts)
+        self.scratch = torch.empty(nqkv + no + self.hidden)
+        buf = self.scratch.data_ptr()
+        self.k_cache, self.v_cache = k_cache, v_cache
+        n = len(parts)
+        self._ptrs = (ctypes.c_uint64 * n)(*(p.blocks.data_ptr() for p in parts))
+        self._types = (ctypes.c_int * n)(*(p.type.code for p in parts))
+        self._rows_n = (ctypes.c_int * n)(*(p.out_features for p in parts))
+        self._keep = (parts, o)                 # the blocks the pointers read
+        self.shape = (window, num_heads, num_kv_heads, head_dim)
+        self.buffers = (buf, buf + 4 * nqkv, buf + 4 * (nqkv + no))
+        self.scale, self.eps = scale, eps
+        self._rows: dict[int, tuple[int, int]] = {}
+        self.weights = (self.hidden, ctypes.addressof(self._ptrs), ctypes.addressof(self._types),
+                        ctypes.addressof(self._rows_n), n, o.blocks.data_ptr(), o.type.code)
+
+    def __call__(self, x: torch.Tensor, h: torch.Tensor, slot: int, p: int, cos: torch.Tensor, sin: torch.Tensor,
+                 scores: torch.Tensor, post_norm: torch.Tensor) -> torch.Tensor:
+        rows = self._rows.get(slot)
+        if rows is None:
+            rows = self._rows[slot] = (self.k_cache[slot].data_ptr(), self.v_cache[slot].data_ptr())
+        out = torch.empty_like(x)
+        lib().ggml_attn_block(x.data_ptr(), h.data_ptr(), *self.weights, cos.data_ptr(), sin.data_ptr(), *rows, p,
+                              *self.shape, cos.numel(), self.scale, scores.data_ptr(), post_norm.data_ptr(), self.eps,
+                              *self.buffers, out.data_ptr(), torch.get_num_threads())
         return out
 
 

@@ -626,6 +626,137 @@ inline float dot_float(int t, const uint8_t* b, const float* x, int n) {
 
 constexpr int GGML_ROWS = 16;        // rows of x an unpacked block is dotted with before the next chunk of x
 
+// ---------------------------------------------------------------- one-token dense GEMV (issue 29: a GGUF's own blocks)
+// The decode step's dense projections (attention, vocabulary, shared experts, a routed expert's matrices) multiply one
+// row of x: the blocks are unpacked straight into registers (no Unpacked buffer), 16 codes widened to fp32 at a time,
+// multiplied by x in fp32 and scaled per sub-block, round-robin over four accumulators so no FMA waits for the last.
+// The same products as gguf's dequantization then an fp32 matmul (x is not rounded), another summation order.
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define KILN_GEMV512 1
+struct Acc4 {
+    __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    int i = 0;
+    // acc += scale · Σ q·x over 16 codes (int8 in the low 16 bytes of q) and 16 inputs
+    inline void add16(__m128i q, const float* x, float scale) {
+        const __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), _mm512_loadu_ps(x));
+        a[i & 3] = _mm512_fmadd_ps(_mm512_set1_ps(scale), v, a[i & 3]);
+        ++i;
+    }
+    // acc += scale · Σ q·x over 32 codes (q) and 32 inputs: one sub-block of one scale
+    inline void add32(__m256i q, const float* x, float scale) {
+        __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q))), _mm512_loadu_ps(x));
+        v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1))), _mm512_loadu_ps(x + 16), v);
+        a[i & 3] = _mm512_fmadd_ps(_mm512_set1_ps(scale), v, a[i & 3]);
+        ++i;
+    }
+    inline float sum() const {
+        return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3])));
+    }
+};
+
+// 16 bytes → 32 codes: the low nibbles (weights 0..15), then the high ones (16..31), as ggml's 32-blocks order them
+inline __m256i nibbles32(const uint8_t* b) {
+    const __m128i v = _mm_loadu_si128((const __m128i*)b), low = _mm_set1_epi8(15);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), low), _mm_and_si128(v, low));
+}
+
+// 32 bytes → their low nibbles (32 codes) and their high nibbles (32 codes)
+inline void nibbles64(const uint8_t* b, __m256i& lo, __m256i& hi) {
+    const __m256i v = _mm256_loadu_si256((const __m256i*)b), low = _mm256_set1_epi8(15);
+    lo = _mm256_and_si256(v, low);
+    hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+}
+
+// Σ w·x over one row of K weights of type t (one of gemv512_type's); xs32: x's sums per 32 inputs (for the mins).
+inline float gemv512_row(int t, const uint8_t* row, const float* x, const float* xs32, int K) {
+    Acc4 acc;
+    float mins = 0.f;
+    switch (t) {
+        case 2: case 3: case 6: case 7: case 8: {      // q4_0, q4_1, q5_0, q5_1, q8_0: 32-weight blocks
+            const int size = t == 2 ? 18 : t == 3 ? 20 : t == 6 ? 22 : t == 7 ? 24 : 34;
+            for (int bi = 0; bi < K / 32; ++bi) {
+                const uint8_t* b = row + (size_t)bi * size;
+                const float d = f16_at(b);
+                __m256i q;
+                if (t == 8) {
+                    q = _mm256_loadu_si256((const __m256i*)(b + 2));
+                } else if (t == 2 || t == 3) {
+                    q = nibbles32(b + (t == 2 ? 2 : 4));
+                    if (t == 2) q = _mm256_sub_epi8(q, _mm256_set1_epi8(8));
+                } else {
+                    uint32_t qh;
+                    std::memcpy(&qh, b + (t == 6 ? 2 : 4), 4);
+                    q = _mm256_or_si256(nibbles32(b + (t == 6 ? 6 : 8)),
+                                        _mm256_and_si256(_mm256_movm_epi8(qh), _mm256_set1_epi8(16)));
+                    if (t == 6) q = _mm256_sub_epi8(q, _mm256_set1_epi8(16));
+                }
+                acc.add32(q, x + 32 * bi, d);
+                if (t == 3 || t == 7) mins += f16_at(b + 2) * xs32[bi];
+            }
+            return acc.sum() + mins;
+        }
+        case 12: case 13: {                            // q4_k, q5_k: 8 sub-blocks of 32, 6-bit (scale, min)
+            const bool five = t == 13;
+            const int size = five ? 176 : 144;
+            for (int bi = 0; bi < K / 256; ++bi) {
+                const uint8_t* b = row + (size_t)bi * size;
+                const float d = f16_at(b), dmin = f16_at(b + 2);
+                const uint8_t* qs = b + (five ? 48 : 16);
+                uint32_t qh[8];
+                if (five) {                            // bit j of byte r: sub-block j's weight r, fifth bit
+                    for (int j = 0; j < 8; ++j)
+                        qh[j] = (uint32_t)_mm256_movemask_epi8(_mm256_slli_epi16(
+                            _mm256_loadu_si256((const __m256i*)(b + 16)), 7 - j));
+                }
+                for (int c = 0; c < 4; ++c) {
+                    __m256i lo, hi;
+                    nibbles64(qs + 32 * c, lo, hi);
+                    if (five) {
+                        lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_movm_epi8(qh[2 * c]), _mm256_set1_epi8(16)));
+                        hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_movm_epi8(qh[2 * c + 1]), _mm256_set1_epi8(16)));
+                    }
+                    int sc, m;
+                    scale_min_k4(2 * c, b + 4, sc, m);
+                    acc.add32(lo, x + 256 * bi + 64 * c, d * float(sc));
+                    mins += dmin * float(m) * xs32[8 * bi + 2 * c];
+                    scale_min_k4(2 * c + 1, b + 4, sc, m);
+                    acc.add32(hi, x + 256 * bi + 64 * c + 32, d * float(sc));
+                    mins += dmin * float(m) * xs32[8 * bi + 2 * c + 1];
+                }
+            }
+            return acc.sum() - mins;
+        }
+        case 14: {                                     // q6_k: 16 sub-blocks of 16, int8 scales
+            const __m256i low = _mm256_set1_epi8(15), two = _mm256_set1_epi8(3), off = _mm256_set1_epi8(32);
+            for (int bi = 0; bi < K / 256; ++bi) {
+                const uint8_t* b = row + (size_t)bi * 210;
+                const float d = f16_at(b + 208);
+                const int8_t* sc = (const int8_t*)(b + 192);
+                for (int h = 0; h < 2; ++h) {
+                    const __m256i ql0 = _mm256_loadu_si256((const __m256i*)(b + 64 * h));
+                    const __m256i ql1 = _mm256_loadu_si256((const __m256i*)(b + 64 * h + 32));
+                    const __m256i qh = _mm256_loadu_si256((const __m256i*)(b + 128 + 32 * h));
+                    const __m256i q[4] = {
+                        _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(ql0, low), _mm256_slli_epi16(_mm256_and_si256(qh, two), 4)), off),
+                        _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(ql1, low), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), two), 4)), off),
+                        _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), low), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), two), 4)), off),
+                        _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), low), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), two), 4)), off)};
+                    const float* xb = x + 256 * bi + 128 * h;
+                    for (int g = 0; g < 4; ++g) {       // 32 weights l + 32g: sub-blocks 8h + 2g and 8h + 2g + 1
+                        acc.add16(_mm256_castsi256_si128(q[g]), xb + 32 * g, d * float(sc[8 * h + 2 * g]));
+                        acc.add16(_mm256_extracti128_si256(q[g], 1), xb + 32 * g + 16, d * float(sc[8 * h + 2 * g + 1]));
+                    }
+                }
+            }
+            return acc.sum();
+        }
+    }
+    return 0.f;
+}
+
+inline bool gemv512_type(int t) { return t == 2 || t == 3 || t == 6 || t == 7 || t == 8 || t == 12 || t == 13 || t == 14; }
+#endif
+
 // y [M, N] = x [M, K] · Wᵀ, W [N, K] in GGML type t (rows of K/block·size bytes, K a multiple of the block).
 void ggml_mm(int t, const float* x, int M, int K, const uint8_t* w, int N, float* y, int threads) {
     const GgmlType gt = ggml_type(t);
@@ -645,6 +776,19 @@ void ggml_mm(int t, const float* x, int M, int K, const uint8_t* w, int N, float
             xs16[(size_t)m * (K / 16) + g] = s;
         }
     const int blocks = K / gt.block;
+#ifdef KILN_GEMV512
+    if (M == 1 && gemv512_type(t)) {             // one token: the register-unpacking GEMV above
+        for (int g = 0; g < K / 32; ++g) xs16[g] = xs16[2 * g] + xs16[2 * g + 1];     // in place: sums per 32
+#pragma omp parallel for num_threads(threads) schedule(static)
+        for (int n = 0; n < N; ++n) {
+            const uint8_t* row = w + (size_t)n * row_bytes;
+            _mm_prefetch((const char*)row + PREFETCH, _MM_HINT_T0);
+            y[n] = gemv512_row(t, row, x, xs16, K);
+        }
+        delete[] xs16;
+        return;
+    }
+#endif
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int n = 0; n < N; ++n) {
         const uint8_t* row = w + (size_t)n * row_bytes;
@@ -1068,6 +1212,49 @@ void ggml_ffn(const float* x, int H, int I, const uint8_t* gate, int gt, const u
     ggml_mm(ut, x, 1, H, up, I, u, threads);
     swiglu(g, u, I, limit, h);
     ggml_mm(dt, h, 1, I, down, H, y, threads);
+}
+
+// attn_block for a GGUF's own blocks: q|k|v as up to 3 consecutive matrices (ptrs[i] of GGML type types[i], rows[i]
+// output rows each, [rows, H]) → qkv, attn_decode, o [H, nh·hd] of type o_type → x += o, h_out = rms_norm(x)·post_w.
+// qkv, o_buf, r: scratch of Σrows, nh·hd and H floats.
+void ggml_attn_block(float* x, const float* h, int H, const uint64_t* ptrs, const int* types, const int* rows,
+                     int nparts, const uint8_t* o_w, int o_type, const float* cos, const float* sin, float* kc,
+                     float* vc, int p, int window, int nh, int nkv, int hd, int rot, float scale, float* scores,
+                     const float* post_w, float eps, float* qkv, float* o_buf, float* r, float* h_out, int threads) {
+    float* at = qkv;
+    for (int i = 0; i < nparts; ++i) {
+        ggml_mm(types[i], h, 1, H, reinterpret_cast<const uint8_t*>(ptrs[i]), rows[i], at, threads);
+        at += rows[i];
+    }
+    attn_decode(qkv, cos, sin, kc, vc, p, window, nh, nkv, hd, rot, scale, scores, o_buf, threads);
+    ggml_mm(o_type, o_buf, 1, nh * hd, o_w, H, r, threads);
+    add_rms_norm(x, r, post_w, eps, H, h_out);
+}
+
+// moe_tail for a layer's ggml: records (each matrix in its own GGML type, named by the record's header: bytes 4..6
+// its gate, up and down type codes; offs: each matrix's byte offset in the record): the k picked experts' ggml_ffn
+// in ascending expert order, out = y·w (+ y'·w' ...) as moe_tail sums them, then add_rms_norm(x, out, next_w) into
+// h_out. scratch: 3I + 2H floats.
+void ggml_moe_tail(const float* h, int k, const int64_t* ids, const uint64_t* recs, const float* w, int H, int I,
+                   int64_t gate_off, int64_t up_off, int64_t down_off, float* scratch, float* x, const float* next_w,
+                   float eps, float* h_out, int threads, float limit) {
+    float *y = scratch + 3 * I, *out = y + H;
+    bool done[64] = {};
+    for (int n = 0; n < k; ++n) {
+        int j = -1;                                   // the lowest expert id not yet computed
+        for (int t = 0; t < k; ++t)
+            if (!done[t] && (j < 0 || ids[t] < ids[j])) j = t;
+        done[j] = true;
+        const uint8_t* rec = reinterpret_cast<const uint8_t*>(recs[j]);
+        ggml_ffn(h, H, I, rec + gate_off, rec[4], rec + up_off, rec[5], rec + down_off, rec[6], scratch, y, threads,
+                 limit);
+        const float wj = w[j];
+        if (n == 0)
+            for (int i = 0; i < H; ++i) out[i] = y[i] * wj;
+        else
+            for (int i = 0; i < H; ++i) out[i] = out[i] + y[i] * wj;
+    }
+    add_rms_norm(x, out, next_w, eps, H, h_out);
 }
 
 }  // extern "C"

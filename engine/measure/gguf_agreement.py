@@ -8,9 +8,11 @@ checkpoints; tests/engine/test_gguf_llama_agreement.py runs it on one small file
                    teacher-forced: one /completion request per position (prompt = the tokens so far, one token
                    predicted, n_probs N); its prompt cache keeps the prefix, so each request evaluates one token
                    (llama-server has no prompt log-probabilities, `echo`)
-  Kiln's side      kiln_logprobs: the engine's full log-probabilities at every position, IN-PROCESS through the
-                   LLM object `engine serve` serves (LLM.load on the GGUF alone): Kiln's /v1/completions has no
-                   logprobs yet. The one seam to swap for the HTTP API once it has them.
+                   llama_full: the same with n_probs the vocabulary (llama-server lists every token): exact KL
+  Kiln's side      kiln_prompt_topn: `engine serve --model FILE.gguf`'s top-20 at every position over HTTP, the
+                   prompt's logprobs (/v1/completions, echo, max_tokens 0), as a client asks; kiln_logprobs: the
+                   full distribution in-process (LLM.load on the GGUF alone, the object the server serves), which
+                   an exact KL needs and the API (top-20 at most) cannot give; compare_served holds the two equal
   compare          compare_full (two full distributions: top-1 agreement, exact KL) and compare_topn (a top-N
                    side against a full one: KL over the N tokens and one bin for the rest, a LOWER BOUND of the
                    full KL: merging outcomes never raises KL)
@@ -183,7 +185,11 @@ def llama_topn(base: str, ids: list[int], n_probs: int = 20) -> list[tuple[list[
     a softmax of the full logits, llama.cpp's get_token_probabilities). ignore_eos: a position whose top token
     ends the text would otherwise stop before a token, and give no probabilities; its bias acts in the sampler,
     after the probabilities are read from the logits."""
-    out = []
+    return list(llama_positions(base, ids, n_probs))
+
+
+def llama_positions(base: str, ids: list[int], n_probs: int):
+    """llama_topn's entries, one position at a time (a whole-vocabulary list per position is held once)."""
     for k in range(1, len(ids)):
         body = {"prompt": ids[:k], "n_predict": 1, "n_probs": n_probs, "temperature": 0, "cache_prompt": True,
                 "ignore_eos": True}
@@ -193,18 +199,63 @@ def llama_topn(base: str, ids: list[int], n_probs: int = 20) -> list[tuple[list[
             # until the character completes; a few more tokens release them (the first entry is this position's).
             r = _post(f"{base}/completion", {**body, "n_predict": 8})
         top = r["completion_probabilities"][0]["top_logprobs"]
-        out.append(([int(t["id"]) for t in top], [float(t["logprob"]) for t in top]))
-    return out
+        yield [int(t["id"]) for t in top], [float(t["logprob"]) for t in top]
 
 
 def kiln_logprobs(llm, ids: list[int]) -> torch.Tensor:
-    """Kiln's log-probabilities at every position [n, vocab]: the model of `llm` (engine.llm.LLM, loaded as
-    `engine serve` loads it) prefills the tokens whole with every position's logits, on a KV slot the idle
-    scheduler does not use at the time. In-process until /v1/completions has logprobs; then this is the one
-    function to replace with an HTTP call (which gives top-N: compare with compare_topn)."""
+    """Kiln's log-probabilities at every position [n, vocab], IN-PROCESS: the model of `llm` (engine.llm.LLM,
+    loaded as `engine serve` loads it) prefills the tokens whole with every position's logits, on a KV slot the idle
+    scheduler does not use at the time. The API gives a top-20 (kiln_prompt_topn); this full form is what an exact
+    KL needs, and compare_served checks it is what the server serves."""
     with torch.inference_mode():
         logits = llm.model.prefill(list(ids), 0, all_logits=True).float()
     return F.log_softmax(logits, -1)
+
+
+def text_ids(tokenizer) -> dict[str, int | None]:
+    """Each token text the API shows (engine.server.logprobs.token_text, the server's own) to its id; None where two
+    ids show as one text (partial UTF-8 characters, both U+FFFD)."""
+    from engine.server.logprobs import token_text
+    text = token_text(tokenizer)
+    out: dict[str, int | None] = {}
+    for i in range(len(tokenizer)):
+        s = text(i)[0]
+        out[s] = None if s in out else i
+    return out
+
+
+def kiln_prompt_topn(base: str, ids: list[int], n: int, texts: dict[str, int | None]) -> tuple[list, int]:
+    """Kiln's top-N at every position through its HTTP API, as a client asks (`base`: http://127.0.0.1:PORT of
+    `engine serve`): POST /v1/completions {prompt: ids, echo, max_tokens: 0, logprobs: n}, the prompt's logprobs
+    alone. Entry k-1 is the distribution after ids[:k] (llama_topn's form). The API keys its top-N by token text;
+    `texts` (text_ids) maps them back to ids, and an entry whose text two ids share is left out (returned: how many
+    were, summed over positions). The chosen token the API adds beyond the N is dropped, so each entry is the N
+    most likely (or fewer, where texts collide)."""
+    r = _post(f"{base}/v1/completions", {"prompt": list(ids), "max_tokens": 0, "echo": True, "logprobs": n,
+                                         "temperature": 0})
+    tops = r["choices"][0]["logprobs"]["top_logprobs"]
+    if len(tops) != len(ids) or tops[0] is not None:
+        raise ValueError(f"prompt logprobs: {len(tops)} entries for {len(ids)} tokens")
+    out, ambiguous = [], 0
+    for top in tops[1:]:
+        items = list(top.items())[:n]
+        kept = [(texts.get(s), v) for s, v in items]
+        ambiguous += sum(i is None for i, _ in kept)
+        kept = [(i, v) for i, v in kept if i is not None]
+        out.append(([i for i, _ in kept], [float(v) for _, v in kept]))
+    return out, ambiguous
+
+
+def llama_full(base: str, ids: list[int], vocab: int) -> torch.Tensor:
+    """llama-server's whole distribution at every position [len(ids)-1, vocab]: llama_topn with n_probs the
+    vocabulary (llama-server lists every token when asked; measured on the 49,152-token SmolLM2: 49,152 entries,
+    ~0.4 s a position), so KL against it is exact rather than a bound."""
+    out = torch.full((len(ids) - 1, vocab), -math.inf, dtype=torch.float32)
+    for k, (tids, lps) in enumerate(llama_positions(base, ids, vocab)):
+        if len(tids) != vocab:
+            raise ValueError(f"llama-server listed {len(tids)} of {vocab} tokens at position {k + 1}")
+        out[k, torch.tensor(tids)] = torch.tensor(lps, dtype=torch.float32)
+    return out
 
 
 def greedy_llama(base: str, ids: list[int], max_tokens: int) -> str:
@@ -258,3 +309,15 @@ def topn_of(full: torch.Tensor, n: int) -> list[tuple[list[int], list[float]]]:
     """A full side's top-N in llama_topn's form (to bound both sides' KL over the same kind of bins)."""
     v, i = full.topk(n, -1)
     return [(a.tolist(), b.tolist()) for a, b in zip(i, v.double())]
+
+
+def compare_served(served: list[tuple[list[int], list[float]]], full: torch.Tensor) -> dict:
+    """The API's top-N (kiln_prompt_topn) against the in-process full distribution of the same model: the largest
+    difference of a served log-probability from the in-process one, and on how many positions the served top-1 is
+    the in-process argmax. Equal within float noise: the in-process full form is what the server serves."""
+    n = min(len(served), len(full))
+    diff, same = 0.0, 0
+    for (tids, lps), row in zip(served[:n], full[:n]):
+        diff = max(diff, float((torch.tensor(lps, dtype=torch.float64) - row[tids].double()).abs().max()))
+        same += int(tids[0] == int(row.argmax()))
+    return {"positions": n, "max_abs_logprob_diff": round(diff, 7), "top1_same": same}

@@ -31,8 +31,10 @@ from engine.experts.provider import ExpertProvider, Predictor
 from engine.gpu.graphs import DecodeGraphs
 from engine.kernels import native, triton_decode
 from engine.kernels.quant_cpu import native_ffn_group
+from engine.quant import ggml
 from engine.kv_cache import KVCache, kv_bucket, kv_buckets, select
-from engine.dense_weights import Int4Projection, Projection, Q8Projection, dense_projection
+from engine.dense_weights import Int4Projection, Projection, Q8Projection, dense_projection, gguf_projection
+from engine.gguf_tensors import BlockProjection
 from engine.sampling import Penalties, Picks, RowSpec, mode
 
 if TYPE_CHECKING:
@@ -53,13 +55,20 @@ class WeightSource(Protocol):
 
     def blocks(self, name: str) -> tuple[str, torch.Tensor] | None: ...
 
+    def ggml_blocks(self, name: str) -> tuple[str, torch.Tensor] | None: ...
+
 
 def native_tail(model: "MoEModel", provider: ExpertProvider) -> native.MoETail | None:
     """The native MoE half for a model's one-token CPU decode (engine.kernels.native.MoETail) where its provider
-    hands out host records (host_records) of a layout the native int4 FFN computes, else None."""
+    hands out host records (host_records) of a layout the native int4 FFN computes (MoETail) or of a GGUF's own
+    types (ggml: records, GgmlTail), else None."""
     quant = provider.layout.quantized
     if not provider.hands_out_host_records or quant is None or model.cfg.top_k > native.MAX_TOP_K:
         return None
+    if quant.mixed:         # a GGUF's experts in their own types (ggml: records): every type needs its kernel
+        if not all(native.ggml_supported(ggml.ggml_type(t).code) for t in quant.capacity):
+            return None
+        return native.GgmlTail(quant.regions, quant.hidden, quant.intermediate, model.cfg.top_k, provider.swiglu_limit)
     g = native_ffn_group(quant)
     return None if g is None else native.MoETail(quant.regions, quant.hidden, quant.intermediate, g, model.cfg.top_k,
                                                  provider.swiglu_limit)
@@ -118,8 +127,10 @@ class MLP(nn.Module):
 
     def __init__(self, w: WeightSource, prefix: str):
         super().__init__()
-        self.gate_up = Projection(torch.cat([w.get(f"{prefix}.gate_proj.weight"), w.get(f"{prefix}.up_proj.weight")]))
-        self.down = Projection(w.get(f"{prefix}.down_proj.weight"))
+        gate_up, down = [f"{prefix}.gate_proj", f"{prefix}.up_proj"], [f"{prefix}.down_proj"]
+        # a GGUF's own blocks where it holds them (shared experts, dense layers), else the float weights
+        self.gate_up = gguf_projection(w, gate_up) or Projection(torch.cat([w.get(f"{n}.weight") for n in gate_up]))
+        self.down = gguf_projection(w, down) or Projection(w.get(f"{down[0]}.weight"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x).chunk(2, dim=-1)
@@ -231,18 +242,24 @@ class Attention(nn.Module):
         self.block_fits = (isinstance(self.qkv, Int4Projection) and isinstance(self.o, Int4Projection)
                            and self.q_norm is None and self.qkv.group == self.o.group
                            and max(self.qkv.in_features, self.o.in_features) <= native.MAX_K)
+        # Else q|k|v and o as a GGUF's own blocks of other types (engine.gguf_tensors): one call too (GgmlAttnBlock).
+        parts = getattr(self.qkv, "parts", [self.qkv])
+        self.ggml_fits = (not self.block_fits and self.q_norm is None and isinstance(self.o, BlockProjection)
+                          and all(isinstance(p, BlockProjection) for p in parts))
         self.block: native.AttnBlock | None = None
 
     def native_block(self, x: torch.Tensor, h: torch.Tensor, s: Step, post_norm: torch.Tensor) -> torch.Tensor:
         """The attention half of a native decode step (s.native): x += attention(h) in place → rms_norm(x)·post_norm."""
-        if not self.block_fits or not native.int4_ok():
+        if not (self.block_fits and native.int4_ok()) and not self.ggml_fits:
             return native.add_rms_norm(x, self.forward(h, s), post_norm, self.cfg.rms_eps)
         return self.native_attn_block()(x, h, s.slots[0], s.start, s.cos, s.sin, s.scores, post_norm)
 
     def native_attn_block(self) -> native.AttnBlock:
         if self.block is None:
             cfg = self.cfg
-            self.block = native.AttnBlock(self.qkv, self.o, self.kv.k[self.layer], self.kv.v[self.layer],
+            make = (native.AttnBlock if self.block_fits else
+                    lambda qkv, *a, **k: native.GgmlAttnBlock(getattr(qkv, "parts", [qkv]), *a, **k))
+            self.block = make(self.qkv, self.o, self.kv.k[self.layer], self.kv.v[self.layer],
                                           window=cfg.sliding_window or 0, num_heads=cfg.num_heads,
                                           num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, scale=self.scale,
                                           eps=cfg.rms_eps)
@@ -341,20 +358,26 @@ class MoEModel(nn.Module):
         self.scores = torch.empty(cfg.num_heads * kv.max_len) if self.native_decode else None
         self._native_layers: list | None = None      # _run_native's walk, made at its first step
         self._exact_prefill: bool | None = None      # exact_prefill, decided at the first prefill
-        self.embed = w.get("model.embed_tokens.weight")
         self.norm = w.get("model.norm.weight")
-        head = w.maybe("lm_head.weight")
-        self.lm_head = head if head is not None else self.embed       # tie_word_embeddings
-        # Natively, a vocabulary that is exactly 8-bit blocks (a GGUF's Q8_0, dequantized by engine convert) is
-        # held as them: 3.8x fewer bytes a token than float32, the same values (Q8Projection.exact checks).
-        q8 = Q8Projection.exact(self.lm_head) if self.native_decode else None
-        self.head = q8 or Projection(self.lm_head)                       # on the CPU a transposed copy (tied or not)
-        if head is None and q8 is not None:
-            self.embed = self.lm_head = None             # the embedding reads its rows from the blocks (q8.rows)
-        elif head is None and self.head.cpu:
-            # Tied on the CPU: the embedding reads its rows from that copy (the same values), so the vocabulary
-            # is held once, not twice (113 MB of SmolLM2's fp32 RSS; bench/demo_memory.py).
-            self.embed = self.lm_head = self.head.weight.t()
+        kept = self._gguf_vocabulary(w) if self.device.type == "cpu" else None
+        if kept is not None:            # a GGUF's own blocks: the head's (and the embedding's rows where quantized)
+            self.head, self.rows_from = kept
+            self.lm_head = None
+            self.embed = w.get("model.embed_tokens.weight") if self.rows_from is None else None
+        else:
+            self.embed = w.get("model.embed_tokens.weight")
+            head = w.maybe("lm_head.weight")
+            self.lm_head = head if head is not None else self.embed       # tie_word_embeddings
+            # Natively, a vocabulary that is exactly 8-bit blocks (a GGUF's Q8_0, dequantized by engine convert) is
+            # held as them: 3.8x fewer bytes a token than float32, the same values (Q8Projection.exact checks).
+            q8 = Q8Projection.exact(self.lm_head) if self.native_decode else None
+            self.head = self.rows_from = q8 or Projection(self.lm_head)   # on the CPU a transposed copy (tied or not)
+            if head is None and q8 is not None:
+                self.embed = self.lm_head = None             # the embedding reads its rows from the blocks (q8.rows)
+            elif head is None and self.head.cpu:
+                # Tied on the CPU: the embedding reads its rows from that copy (the same values), so the vocabulary
+                # is held once, not twice (113 MB of SmolLM2's fp32 RSS; bench/demo_memory.py).
+                self.embed = self.lm_head = self.head.weight.t()
         moe = set(cfg.moe_layers)
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, w, l, kv, self.build_moe(w, l) if l in moe else self.build_dense(w, l))
@@ -367,6 +390,20 @@ class MoEModel(nn.Module):
                                              scale=cfg.head_dim ** -0.5, window=cfg.sliding_window or 0)
             log.info("decode attention: %d variants for %d KV buckets ready in %.1f s", n, len(buckets),
                      time.perf_counter() - t0)
+
+    @staticmethod
+    def _gguf_vocabulary(w: WeightSource):
+        """(head, embedding) from a GGUF's own blocks: the output's (untied: a Q4_K_M's Q6_K) or token_embd's
+        (tied), and token_embd's blocks giving the embedding's rows (.rows; None where the file holds it as floats);
+        None where neither is quantized or the checkpoint is not a GGUF."""
+        embed = gguf_projection(w, ["model.embed_tokens"], rows=True)
+        head = gguf_projection(w, ["lm_head"])
+        if head is None and embed is None:
+            return None
+        if head is None:
+            floats = w.maybe("lm_head.weight")
+            head = embed if floats is None else Projection(floats)
+        return head, embed
 
     # per-architecture caches and blocks
     @staticmethod
@@ -393,7 +430,7 @@ class MoEModel(nn.Module):
         return self.kv.max_len
 
     def _run(self, ids: torch.Tensor, s: Step) -> torch.Tensor:
-        x = F.embedding(ids, self.embed) if self.embed is not None else self.head.rows(ids)
+        x = F.embedding(ids, self.embed) if self.embed is not None else self.rows_from.rows(ids)
         if s.native:
             return self._run_native(x, s)
         h = rms_norm(x, self.layers[0].input_norm, self.cfg.rms_eps)
@@ -424,6 +461,7 @@ class MoEModel(nn.Module):
         if self._exact_prefill is None:
             self._exact_prefill = (self.native_decode and native.int4_ok()
                                    and all(layer.attn.block_fits and getattr(layer.mlp, "tail", None) is not None
+                                           and layer.mlp.tail.rows
                                            for layer in self.layers))
         return self._exact_prefill
 
@@ -438,7 +476,7 @@ class MoEModel(nn.Module):
         """_run_native's function on T tokens of one sequence (ids [1, T]) at positions start..: every row through
         the same kernels a decode step runs, the rows of a layer in one call each (exact_prefill) → h [T, H]."""
         t = ids.shape[1]
-        x = (F.embedding(ids, self.embed) if self.embed is not None else self.head.rows(ids)).view(t, -1).contiguous()
+        x = (F.embedding(ids, self.embed) if self.embed is not None else self.rows_from.rows(ids)).view(t, -1).contiguous()
         eps = self.cfg.rms_eps
         cos, sin = self.cos[start:start + t], self.sin[start:start + t]
         h = native.add_rms_norm_rows(x, None, self.layers[0].input_norm, eps)

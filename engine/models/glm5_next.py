@@ -23,10 +23,17 @@ with index_kpool 4), and the logits differ from there by O(1); even transformers
 differs from its forward of the whole sequence at those positions. Kiln breaks ties by the lower pool index (a
 stable sort), which does not depend on the row's length: cached and uncached agree wherever scores tie, and equal
 transformers wherever they do not.
+
+On CUDA the static decode step (decode_static, and so the captured graphs) runs engine.kernels.triton_glm5's fused
+kernels for the mHC mixing, KDA, the MLA (over the latent, kv_b absorbed) and the indexer's scores (Glm5Next.fused,
+chosen at load); the torch forms here are their reference, and the CPU's path.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import logging
+import time
 
 import torch
 import torch.nn.functional as F
@@ -36,13 +43,21 @@ from engine.checkpoint import CheckpointError
 from engine.model_config import ModelConfig
 from engine.experts.provider import ExpertProvider
 from engine.glm5_next_config import DSA, KDA, Glm5Spec, SpecError, tensor_shapes
-from engine.kv_cache import SlotCaches, untouched_zeros
+from engine.kv_cache import SlotCaches, kv_bucket, kv_buckets, untouched_zeros
 from engine.models.common import MLP, WeightSource, rms_norm, sigmoid_grouped_topk
 from engine.routing_trace import RoutedBlock
 from engine.dense_weights import Projection
+from engine.kernels import triton_decode, triton_glm5
 from engine.gpu.graphs import DecodeGraphs
 
+log = logging.getLogger("engine.models")
+
 KDA_CHUNK = 64          # transformers' chunk_kimi_delta_attention chunk size
+SNAPSHOTS = 3           # KDA state snapshots a slot keeps (Glm5Caches): prompt's last block, branch point, decode's latest
+KDA_GROUP_BYTES = 256 << 20     # kda_chunked's per-chunk decay tensors, made this many bytes of chunks at a time
+# DSA prefill: queries selected and attended at a time (masks, scores [queries, keys]); the scheduler's CUDA prefill
+# (4 chunks of 512) runs as one block, a whole long prompt in blocks
+PREFILL_QUERIES = 2048
 
 
 # ---------------------------------------------------------------- caches
@@ -50,7 +65,19 @@ KDA_CHUNK = 64          # transformers' chunk_kimi_delta_attention chunk size
 class Glm5Caches(SlotCaches):
     """Each layer kind's own cache, slot per sequence: KDA recurrent [heads, dk, dv] + conv [3·qkv, kernel-1]
     states (fp32, as transformers keeps them), the MLA latent [max_len, kv_lora_rank] and the indexer's key and
-    pool-gate score [max_len, 2·index_head_dim] per token (model dtype)."""
+    pool-gate score [max_len, 2·index_head_dim] per token (model dtype).
+
+    Prefix reuse (engine.prefix_cache): the latent and indexer rows are positional, valid for any prefix; the KDA
+    states are not (a delta-rule state cannot be cut back), so a slot is resumable only at positions where it kept
+    a snapshot of them: SNAPSHOTS per slot, each every KDA layer's recurrent and conv state at one block boundary.
+    Which ones: those the prefix cache asks for as a prefill passes them (keep_at: the prompt's last whole block,
+    and where it branched off another prompt), and the latest boundary its decode crossed, so a chat's next turn
+    resumes after the last reply. A full slot drops the lowest-positioned snapshot an earlier sequence left, then
+    its own lowest. At GLM-5.3-Flash's shape (34 KDA layers, 64 heads of 128) one snapshot is
+    34 × (64·128·128 + 3·8192·3) × 4 B = 145.6 MiB, as much as the slot's own live state; SNAPSHOTS of them per
+    slot, allocated only when the prefix cache is on (prepare_reuse; on the CPU as untouched pages)."""
+
+    reusable_prefix = True
 
     def __init__(self, spec: Glm5Spec, slots: int, max_len: int, *, dtype: torch.dtype, device):
         super().__init__(slots, max_len)
@@ -65,15 +92,118 @@ class Glm5Caches(SlotCaches):
                                 device=device)
         self.latent = untouched_zeros((len(dsa), slots, max_len, spec.kv_lora_rank), dtype, device)
         self.index = untouched_zeros((len(full), slots, max_len, 2 * spec.index_head_dim), dtype, device)
+        self.block = 0                  # the prefix cache's block; 0: it is off, and no snapshot is kept
+        self.snap_state = self.snap_conv = None
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.state, self.conv, self.latent, self.index))
+        kept = [t for t in (self.snap_state, self.snap_conv) if t is not None]
+        return sum(t.numel() * t.element_size() for t in [self.state, self.conv, self.latent, self.index] + kept)
 
     def reset(self, slot: int) -> None:
         # The recurrent states carry a sequence forward; the latent and indexer rows are read only up to its length.
+        # Its snapshots stay: they hold the prefix the prefix cache may hand the slot's next sequence.
         self.state[:, slot].zero_()
         self.conv[:, slot].zero_()
+
+    # --- decode ahead: a redone step would advance the KDA states twice, so a launch ahead keeps them first ---
+    def hold(self, slots: list[int]) -> None:
+        # A device copy queued behind the step before it (no host read): 145.6 MiB a slot at GLM-5.3-Flash's shape.
+        self._held = (list(slots), self.state[:, slots].clone(), self.conv[:, slots].clone())
+
+    def undo(self, slots: list[int]) -> None:
+        held, self._held = getattr(self, "_held", None), None
+        if held is None:
+            return
+        kept, state, conv = held
+        rows = [i for i, s in enumerate(kept) if s in set(slots)]
+        if rows:
+            back = [kept[i] for i in rows]
+            self.state[:, back] = state[:, rows]
+            self.conv[:, back] = conv[:, rows]
+
+    # --- snapshots of the KDA states at block boundaries (prefix reuse) ---
+    def prepare_reuse(self, block: int, snapshots: int = SNAPSHOTS) -> None:
+        self.block = block
+        dev = self.state.device
+        self.snap_state = untouched_zeros((self.state.shape[0], self.slots, snapshots) + self.state.shape[2:],
+                                          torch.float32, dev)
+        self.snap_conv = untouched_zeros((self.conv.shape[0], self.slots, snapshots) + self.conv.shape[2:],
+                                         torch.float32, dev)
+        self._at = [[None] * snapshots for _ in range(self.slots)]   # the position each snapshot is of
+        self._own = [set() for _ in range(self.slots)]      # the snapshots the slot's current sequence took
+        self._wanted: list[set[int]] = [set() for _ in range(self.slots)]
+        self._decoded: list[int | None] = [None] * self.slots    # its decode's latest snapshot
+
+    def resumable(self, slot: int, n: int) -> int:
+        return max((p for p in self._at[slot] if p is not None and p <= n), default=0)
+
+    def kept(self, slot: int) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """position → the slot's snapshot there: (recurrent, conv) states of every KDA layer."""
+        return {p: (self.snap_state[:, slot, j], self.snap_conv[:, slot, j])
+                for j, p in enumerate(self._at[slot]) if p is not None}
+
+    def resume(self, slot: int, n: int) -> None:
+        self._start(slot, n)
+        if n:
+            j = self._at[slot].index(n)
+            self.state[:, slot] = self.snap_state[:, slot, j]
+            self.conv[:, slot] = self.snap_conv[:, slot, j]
+
+    def copy_prefix(self, src: int, dst: int, n: int) -> None:
+        """Positions 0..n of slot `src` into `dst`, the KDA states from src's snapshot at n (into dst's live
+        states, and as dst's own snapshot at n: the prefix stays resumable there once src's is gone)."""
+        j = self._at[src].index(n)
+        self.latent[:, dst, :n] = self.latent[:, src, :n]
+        self.index[:, dst, :n] = self.index[:, src, :n]
+        self._start(dst, 0)
+        self._at[dst][0] = n
+        for live, kept in ((self.state, self.snap_state), (self.conv, self.snap_conv)):
+            kept[:, dst, 0] = kept[:, src, j]
+            live[:, dst] = kept[:, src, j]
+
+    def keep_at(self, slot: int, positions: set[int]) -> None:
+        self._wanted[slot] = set(positions)
+
+    def snapshot_points(self, slot: int, start: int, end: int) -> list[int]:
+        """The positions in (start, end] a prefill of that span of `slot` keeps the KDA states at, ascending."""
+        return sorted(p for p in self._wanted[slot] if start < p <= end) if self.block else []
+
+    def snapshot(self, slot: int, at: int, decode: bool = False) -> None:
+        """Every KDA layer's live states of `slot`, which are at position `at`, into a snapshot of the slot: decode's
+        own one (replaced as decode goes on), else a new one. A device copy queued behind the work before it, no
+        host read: after a decode step it runs outside the step's captured graph, behind its replay."""
+        at_ = self._at[slot]
+        if decode and self._decoded[slot] is not None:
+            j = self._decoded[slot]
+        elif at in at_:
+            j = at_.index(at)
+        else:
+            j = self._victim(slot)
+            self._own[slot].add(j)
+            if decode:
+                self._decoded[slot] = j
+        at_[j] = at
+        self.snap_state[:, slot, j] = self.state[:, slot]
+        self.snap_conv[:, slot, j] = self.conv[:, slot]
+
+    def after_decode(self, slots: list[int], positions: list[int]) -> None:
+        """After a decode step is launched (eager or a graph's replay): a sequence whose token was a block's last
+        keeps its states at the boundary."""
+        if self.block:
+            for slot, pos in zip(slots, positions):
+                if (pos + 1) % self.block == 0:
+                    self.snapshot(slot, pos + 1, decode=True)
+
+    def _start(self, slot: int, n: int) -> None:
+        """A new sequence in `slot` goes on from its first n positions: the snapshots past n are of another's."""
+        self._at[slot] = [p if p is not None and p <= n else None for p in self._at[slot]]
+        self._own[slot], self._wanted[slot], self._decoded[slot] = set(), set(), None
+
+    def _victim(self, slot: int) -> int:
+        """The snapshot a new one replaces: a free one, else the lowest an earlier sequence left, else the lowest."""
+        at = self._at[slot]
+        return min(range(len(at)), key=lambda j: (at[j] is not None, j in self._own[slot], at[j] or 0))
 
 
 # ---------------------------------------------------------------- blocks
@@ -122,7 +252,10 @@ class HyperConnection:
         self.scale = w.get(f"{prefix}_scale", fp32=True)
         self.hc, self.iters, self.hc_eps, self.eps = spec.hc_mult, spec.hc_sinkhorn_iters, spec.hc_eps, eps
 
-    def __call__(self, streams: torch.Tensor):
+    def __call__(self, streams: torch.Tensor, fused: bool = False):
+        if fused:                       # one token per sequence on CUDA: the same function in two launches
+            return triton_glm5.hc_pre(streams, self.fn, self.base, self.scale, iters=self.iters, hc_eps=self.hc_eps,
+                                      eps=self.eps)
         hc, n = self.hc, streams.shape[0]
         flat = streams.reshape(n, -1).float()
         flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + self.eps)
@@ -173,6 +306,13 @@ class StaticDecode:
     kv_len: int
 
 
+def query_blocks(segments: list[Segment]):
+    """Each segment's queries as consecutive segments of at most PREFILL_QUERIES tokens."""
+    for s in segments:
+        for o in range(0, s.length, PREFILL_QUERIES):
+            yield Segment(s.slot, s.start + o, s.row + o, min(PREFILL_QUERIES, s.length - o))
+
+
 def _l2norm(x: torch.Tensor) -> torch.Tensor:
     return x / torch.sqrt((x * x).sum(dim=-1, keepdim=True) + 1e-6)    # as FLA's (and transformers') l2norm
 
@@ -193,7 +333,10 @@ def kda_recurrent(q, k, v, g, beta, state):
 
 def kda_chunked(q, k, v, g, beta, state, chunk: int = KDA_CHUNK):
     """The same function in transformers' chunked form (chunk_kimi_delta_attention), for prefill: the WY
-    representation within each chunk of `chunk` tokens, the recurrence across chunks. Shapes as kda_recurrent."""
+    representation within each chunk of `chunk` tokens, the recurrence across chunks. Shapes as kda_recurrent.
+    The per-chunk decays [heads, C, C, dk] are made for KDA_GROUP_BYTES' worth of chunks at a time, not for the
+    whole prompt at once (at GLM-5.3-Flash's 64 heads × 128: 128 MiB a chunk, 64 GiB for 32k tokens), and the
+    chunk's triangular system (transformers' row-by-row substitution loop) is solved in one batched call."""
     q, k, v, g = (x.transpose(0, 1) for x in (q, k, v, g))           # [Hh, T, d]
     beta = beta.transpose(0, 1)
     heads, t, dk = k.shape
@@ -205,22 +348,27 @@ def kda_chunked(q, k, v, g, beta, state, chunk: int = KDA_CHUNK):
     g = g.cumsum(dim=-2)
     mask = torch.triu(torch.ones(chunk, chunk, dtype=torch.bool, device=q.device), diagonal=0)
     strict = torch.triu(torch.ones(chunk, chunk, dtype=torch.bool, device=q.device), diagonal=1)
-    decay = (g.unsqueeze(-2) - g.unsqueeze(-3)).masked_fill(strict[..., None], float("-inf")).exp()
-    attn = -(k_beta.unsqueeze(-2) * k.unsqueeze(-3) * decay).sum(dim=-1).masked_fill(mask, 0)
-    for i in range(1, chunk):
-        row, sub = attn[..., i, :i].clone(), attn[..., :i, :i].clone()
-        attn[..., i, :i] = row + (row.unsqueeze(-1) * sub).sum(-2)
-    attn = attn + torch.eye(chunk, dtype=attn.dtype, device=attn.device)
-    v = attn @ v_beta
-    k_cumdecay = attn @ (k_beta * g.exp())
-    out = torch.zeros_like(v)
-    for i in range(v.shape[1]):
-        q_i, k_i, g_i = q[:, i], k[:, i], g[:, i]
-        inter = (q_i * g_i.exp()) @ state
-        intra = (q_i.unsqueeze(-2) * k_i.unsqueeze(-3) * decay[:, i]).sum(dim=-1).masked_fill(strict, 0)
-        v_new = v[:, i] - k_cumdecay[:, i] @ state
-        out[:, i] = inter + intra @ v_new
-        state = state * g_i[:, -1].exp().unsqueeze(-1) + (k_i * (g_i[:, -1:] - g_i).exp()).transpose(-1, -2) @ v_new
+    eye = torch.eye(chunk, dtype=q.dtype, device=q.device)
+    out = torch.empty_like(v)
+    n = v.shape[1]
+    group = max(1, KDA_GROUP_BYTES // (heads * chunk * chunk * dk * q.element_size()))
+    for c0 in range(0, n, group):
+        grp = slice(c0, c0 + group)
+        decay = (g[:, grp].unsqueeze(-2) - g[:, grp].unsqueeze(-3)).masked_fill(strict[..., None], float("-inf")).exp()
+        attn = -(k_beta[:, grp].unsqueeze(-2) * k[:, grp].unsqueeze(-3) * decay).sum(dim=-1).masked_fill(mask, 0)
+        # transformers' loop makes rows i of X = attn + attn·X (X strictly lower), so X + I = (I - attn)⁻¹
+        attn = torch.linalg.solve_triangular(-attn, eye.expand_as(attn), upper=False, unitriangular=True)
+        v_grp = attn @ v_beta[:, grp]
+        k_cumdecay = attn @ (k_beta[:, grp] * g[:, grp].exp())
+        for j in range(v_grp.shape[1]):
+            i = c0 + j
+            q_i, k_i, g_i = q[:, i], k[:, i], g[:, i]
+            inter = (q_i * g_i.exp()) @ state
+            intra = (q_i.unsqueeze(-2) * k_i.unsqueeze(-3) * decay[:, j]).sum(dim=-1).masked_fill(strict, 0)
+            v_new = v_grp[:, j] - k_cumdecay[:, j] @ state
+            out[:, i] = inter + intra @ v_new
+            state = (state * g_i[:, -1].exp().unsqueeze(-1)
+                     + (k_i * (g_i[:, -1:] - g_i).exp()).transpose(-1, -2) @ v_new)
     out = out.reshape(heads, -1, out.shape[-1])[:, :t]
     return out.transpose(0, 1), state
 
@@ -233,7 +381,7 @@ class LinearAttention(nn.Module):
     def __init__(self, model: "Glm5Next", w: WeightSource, layer: int):
         super().__init__()
         p, s = f"model.layers.{layer}.self_attn", model.spec
-        self.caches, self.row = model.caches, model.caches.row[layer]
+        self.caches, self.row, self.fused = model.caches, model.caches.row[layer], model.fused
         self.heads, self.hd, self.eps, self.lower = s.linear_heads, s.linear_head_dim, model.cfg.rms_eps, s.lower_bound
         self.qkv = Projection(torch.cat([w.get(f"{p}.{n}_proj.weight") for n in "qkv"]))
         self.conv = torch.cat([w.get(f"{p}.{n}_conv1d.weight", fp32=True) for n in "qkv"]).squeeze(1)   # [C, K]
@@ -252,6 +400,12 @@ class LinearAttention(nn.Module):
         return -rate * torch.where(g > 20.0, g, torch.log1p(torch.exp(g)))
 
     def forward(self, h: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
+        if self.fused and isinstance(segments, StaticDecode):      # conv, gates, delta rule, output norm: one launch
+            out = triton_glm5.kda_decode(self.qkv(h), self.f_b(self.f_a(h)), self.b(h), self.g_b(self.g_a(h)),
+                                         self.conv, self.caches.conv[self.row], self.caches.state[self.row],
+                                         segments.idx, dt_bias=self.dt_bias, a_log=self.a_log, o_norm=self.o_norm,
+                                         lower=self.lower, eps=self.eps)
+            return self.o(out)
         mixed = self.qkv(h).float()                                   # [N, 3·qkv]; the conv runs in fp32
         g, beta = self.forget_gate(h), torch.sigmoid(self.b(h).float())
         if isinstance(segments, StaticDecode):
@@ -306,7 +460,7 @@ class Indexer:
 
     def __init__(self, model: "Glm5Next", w: WeightSource, prefix: str, layer: int):
         s = model.spec
-        self.caches, self.row = model.caches, model.caches.row["idx", layer]
+        self.caches, self.row, self.fused = model.caches, model.caches.row["idx", layer], model.fused
         self.heads, self.hd, self.kpool = s.index_heads, s.index_head_dim, s.index_kpool
         self.pools = s.index_topk // s.index_kpool
         self.wq_b, self.wk = Projection(w.get(f"{prefix}.wq_b.weight")), Projection(w.get(f"{prefix}.wk.weight"))
@@ -340,17 +494,21 @@ class Indexer:
         take = min(self.pools, n_pools)
         if not take:
             return tail, tail_ok
-        packed = self.caches.index[self.row, st.idx, :n_pools * kp].view(b, n_pools, kp, 2 * self.hd)
-        k, gate = packed.split(self.hd, dim=-1)
-        prob = (gate.float() + self.ape).softmax(dim=2).to(k.dtype)
-        pool_keys = (prob * k).sum(dim=2)                                           # [B, P, hd]
         q = self.wq_b(q_resid).view(b, self.heads, self.hd)
-        scores = F.relu(torch.matmul(q.float(), pool_keys.transpose(1, 2).float()) * self.hd ** -0.5)  # [B, heads, P]
-        w = self.weights(h).float() * self.heads ** -0.5
-        score = torch.matmul(w.unsqueeze(-2), scores).squeeze(-2)                   # [B, P]
         pool_end = torch.arange(n_pools, device=dev) * kp + kp - 1
         visible = pool_end[None, :] <= pos[:, None]
-        score = score.masked_fill(~visible, float("-inf"))
+        if self.fused:                  # pooling, scoring and the mask in one launch; the same sort below
+            score = triton_glm5.indexer_scores(q, self.weights(h), self.caches.index[self.row], self.ape, st.idx, pos,
+                                               n_pools, kp)
+        else:
+            packed = self.caches.index[self.row, st.idx, :n_pools * kp].view(b, n_pools, kp, 2 * self.hd)
+            k, gate = packed.split(self.hd, dim=-1)
+            prob = (gate.float() + self.ape).softmax(dim=2).to(k.dtype)
+            pool_keys = (prob * k).sum(dim=2)                                       # [B, P, hd]
+            scores = F.relu(torch.matmul(q.float(), pool_keys.transpose(1, 2).float()) * self.hd ** -0.5)
+            w = self.weights(h).float() * self.heads ** -0.5
+            score = torch.matmul(w.unsqueeze(-2), scores).squeeze(-2)               # [B, P]
+            score = score.masked_fill(~visible, float("-inf"))
         order = torch.sort(score, dim=-1, descending=True, stable=True).indices[:, :take]
         chosen = (order[:, :, None] * kp + span).reshape(b, take * kp)
         ok = visible.gather(1, order)[:, :, None].expand(b, take, kp).reshape(b, take * kp)   # no host read
@@ -391,7 +549,7 @@ class SparseAttention(nn.Module):
     def __init__(self, model: "Glm5Next", w: WeightSource, layer: int):
         super().__init__()
         p, s, c = f"model.layers.{layer}.self_attn", model.spec, model.cfg
-        self.caches, self.row, self.eps = model.caches, model.caches.row[layer], c.rms_eps
+        self.caches, self.row, self.eps, self.fused = model.caches, model.caches.row[layer], c.rms_eps, model.fused
         self.heads, self.nope, self.vd, self.rank = c.num_heads, s.qk_nope_head_dim, s.v_head_dim, s.kv_lora_rank
         self.q_a, self.q_norm = Projection(w.get(f"{p}.q_a_proj.weight")), w.get(f"{p}.q_a_layernorm.weight")
         self.q_b = Projection(w.get(f"{p}.q_b_proj.weight"))
@@ -402,7 +560,7 @@ class SparseAttention(nn.Module):
         self.indexer = Indexer(model, w, f"{p}.indexer", layer) if s.indexer_types[layer] == "full" else None
 
     def forward(self, h: torch.Tensor, segments: list[Segment], shared: list | None):
-        """→ (output [N, H], each segment's key selection, for a shared layer after this one)."""
+        """→ (output [N, H], the key selection of each of query_blocks(segments), for a shared layer after this one)."""
         q_resid = rms_norm(self.q_a(h), self.q_norm, self.eps)
         q = self.q_b(q_resid).view(h.shape[0], self.heads, self.nope)
         latent = rms_norm(self.kv_a(h), self.kv_norm, self.eps)
@@ -410,11 +568,14 @@ class SparseAttention(nn.Module):
             return self._static(h, q, q_resid, latent, segments, shared)
         if self.indexer is not None:
             self.indexer.write(h, segments)
+        for s in segments:
+            self.caches.latent[self.row, s.slot, s.start:s.end] = latent[s.row:s.row + s.length]
         out, masks = torch.empty(h.shape[0], self.heads * self.vd, dtype=h.dtype, device=h.device), []
-        for i, s in enumerate(segments):
+        # Queries in blocks (a shared layer reads the blocks' masks in the same order): a prefill's masks and indexer
+        # scores are [queries, keys], O(T²) for a whole long prompt at once.
+        for i, s in enumerate(query_blocks(segments)):
             rows = slice(s.row, s.row + s.length)
             cache = self.caches.latent[self.row, s.slot]
-            cache[s.start:s.end] = latent[rows]
             mask = self.indexer.select(h, q_resid, s) if self.indexer is not None else shared[i]
             masks.append(mask)
             # Expand only the keys some query of the segment attends (a decode step: index_topk + the tail, not
@@ -437,6 +598,11 @@ class SparseAttention(nn.Module):
             self.indexer.write_static(h, st)
             shared = self.indexer.select_static(h, q_resid, st)
         keys, valid = shared
+        if self.fused:                  # absorbed projections over the selected latent rows, in any order
+            kv_b = self.kv_b.weight.t() if self.kv_b.cpu else self.kv_b.weight              # [out, in]
+            o = triton_glm5.mla_decode(q, kv_b, self.caches.latent[self.row], st.idx, keys, valid, nope=self.nope,
+                                       scale=self.scale)
+            return self.o(o), shared
         # Ascending keys, as forward reads them (`used`); the padding (not valid) sorts last and reads key 0.
         big = torch.iinfo(keys.dtype).max
         keys = torch.sort(torch.where(valid, keys, big), dim=1).values
@@ -453,7 +619,7 @@ class Layer(nn.Module):
     def __init__(self, model: "Glm5Next", w: WeightSource, layer: int):
         super().__init__()
         p, s, c = f"model.layers.{layer}", model.spec, model.cfg
-        self.kind, self.eps = s.layer_types[layer], c.rms_eps
+        self.kind, self.eps, self.fused = s.layer_types[layer], c.rms_eps, model.fused
         self.attn_hc, self.ffn_hc = (HyperConnection(w, f"{p}.hc_{n}", s, c.rms_eps) for n in ("attn", "ffn"))
         self.input_norm = w.get(f"{p}.input_layernorm.weight")
         self.post_norm = w.get(f"{p}.post_attention_layernorm.weight")
@@ -462,17 +628,19 @@ class Layer(nn.Module):
                     else ClampedMLP(w, f"{p}.mlp", s.swiglu_limit))
 
     def forward(self, streams: torch.Tensor, segments: list[Segment], shared: list | None):
-        post, comb, h = self.attn_hc(streams)
+        fused = self.fused and isinstance(segments, StaticDecode)
+        merge = triton_glm5.hc_merge if fused else HyperConnection.merge
+        post, comb, h = self.attn_hc(streams, fused)
         h = rms_norm(h, self.input_norm, self.eps)
         masks = shared                  # a KDA layer passes the last full layer's selection on
         if self.kind == KDA:
             out = self.attn(h, segments)
         else:
             out, masks = self.attn(h, segments, shared)
-        streams = HyperConnection.merge(post, comb, out, streams)
-        post, comb, h = self.ffn_hc(streams)
+        streams = merge(post, comb, out, streams)
+        post, comb, h = self.ffn_hc(streams, fused)
         out = self.mlp(rms_norm(h, self.post_norm, self.eps))
-        return HyperConnection.merge(post, comb, out, streams), masks
+        return merge(post, comb, out, streams), masks
 
 
 class ShapeChecked:
@@ -502,12 +670,18 @@ class Glm5Next(nn.Module):
     many sequences), the interface engine.llm drives every architecture through."""
 
     def __init__(self, cfg: ModelConfig, w: WeightSource, provider: ExpertProvider, caches: Glm5Caches, *,
-                 device, dtype: torch.dtype, **_kernels):
+                 device, dtype: torch.dtype, fused_kernels: bool = True, **_kernels):
         super().__init__()
-        # **_kernels: the fused/native kernel switches other models take; glm5_next has torch forms only (issue 28)
+        # **_kernels: the native kernel switch other models take; glm5_next's CPU forms are torch's
         self.cfg, self.spec, self.provider, self.caches = cfg, caches.spec, provider, caches
         provider.use_swiglu_limit(caches.spec.swiglu_limit)      # the routed experts' clamp, in every kernel
         self.device, self.dtype = torch.device(device), dtype
+        s = caches.spec
+        # decode_static on engine.kernels.triton_glm5's fused kernels where Triton runs (CUDA) and the shapes fit;
+        # off (EngineConfig.fused_kernels) for the torch forms, the A/B baseline. Read by the blocks built below.
+        self.fused = (fused_kernels and triton_decode.serves_on(self.device)
+                      and triton_glm5.shapes_ok(hc=s.hc_mult, linear_head_dim=s.linear_head_dim,
+                                                kv_lora_rank=s.kv_lora_rank, index_head_dim=s.index_head_dim))
         w = ShapeChecked(w, tensor_shapes(caches.spec, layers=cfg.num_layers, hidden=cfg.hidden, vocab=cfg.vocab_size,
                                           heads=cfg.num_heads, intermediate=cfg.intermediate, moe_layers=cfg.moe_layers,
                                           experts=cfg.n_experts,
@@ -518,6 +692,15 @@ class Glm5Next(nn.Module):
         self.head = Projection(head if head is not None else self.embed)
         self.layers = nn.ModuleList(Layer(self, w, l) for l in range(cfg.num_layers))
         self.graphs = None              # Glm5DecodeGraphs once use_cuda_graphs() is on (engine.llm reads it)
+        if self.fused and DSA in s.layer_types:      # at load, not in the first long stream: each bucket's MLA variant
+            t0, kp = time.perf_counter(), s.index_kpool
+            # select_static's selection size at each bucket: its best pools (at most index_topk's) and the tail
+            sizes = [min(s.index_topk // kp, n // kp) * kp + kp for n in kv_buckets(self.max_len)]
+            attn = next(layer.attn for layer in self.layers if layer.kind == DSA)
+            kv_b = attn.kv_b.weight.t() if attn.kv_b.cpu else attn.kv_b.weight
+            n = triton_glm5.warm_mla(kv_b, caches.latent[0], sizes, heads=attn.heads, nope=attn.nope, scale=attn.scale)
+            log.info("glm5 MLA decode: %d variants for %d KV buckets ready in %.1f s", n, len(sizes),
+                     time.perf_counter() - t0)
 
     @staticmethod
     def caches_for(config: dict, cfg: ModelConfig, slots: int, max_len: int, *, dtype, device,
@@ -564,7 +747,17 @@ class Glm5Next(nn.Module):
         ids = torch.as_tensor(ids, dtype=torch.long, device=self.device).view(-1)
         t = ids.shape[0]
         assert t > 0 and start + t <= self.max_len, f"{start}+{t} tokens exceed the cache's {self.max_len}"
-        h = self._run(ids, [Segment(slot, start, 0, t)])
+        # Run in pieces that end where the prefix cache wants the KDA states kept (Glm5Caches.keep_at; at most the
+        # prompt's last block and a branch point): the live states are then the snapshot, as a later chunk starts.
+        points = self.caches.snapshot_points(slot, start, start + t)
+        hs, at = [], start
+        for end in sorted(set(points) | {start + t}):
+            h = self._run(ids[at - start:end - start], [Segment(slot, at, 0, end - at)])
+            hs.append(h if all_logits else h[-1:])
+            if end in points:
+                self.caches.snapshot(slot, end)
+            at = end
+        h = torch.cat(hs) if len(hs) > 1 else hs[0]
         return self.head(h if all_logits else h[-1])
 
     def decode_step(self, tokens, slots: list[int], positions: list[int]) -> torch.Tensor:
@@ -577,7 +770,13 @@ class Glm5Next(nn.Module):
             logits = self.graphs.decode(tokens, slots, positions)
         else:
             ids = torch.as_tensor(tokens, dtype=torch.long, device=self.device).view(-1)
-            logits = self.head(self._run(ids, [Segment(s, p, i, 1) for i, (s, p) in enumerate(zip(slots, positions))]))
+            if self.fused:          # an eager CUDA step (no graphs, or a batch past them) on the fused kernels too
+                logits = self.decode_static(ids, torch.tensor(slots, device=self.device),
+                                            torch.tensor(positions, device=self.device),
+                                            kv_bucket(max(positions) + 1, self.max_len))
+            else:
+                logits = self.head(self._run(ids, [Segment(s, p, i, 1) for i, (s, p) in enumerate(zip(slots, positions))]))
+        self.caches.after_decode(slots, positions)       # the KDA states at block boundaries (prefix reuse)
         self.provider.after_decode_launch(b * self.cfg.top_k)
         return logits
 

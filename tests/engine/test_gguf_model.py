@@ -138,3 +138,27 @@ def test_a_gguf_loads_on_cuda_and_computes_as_on_the_cpu(arch, tiny_gguf):
     cpu = _logits(load_model(path, max_context=64))
     gpu = _logits(load_model(path, max_context=64, device="cuda", dtype="float32")).cpu()
     torch.testing.assert_close(gpu, cpu, atol=2e-3, rtol=0)
+
+
+@pytest.mark.parametrize("qtype", ["Q5_0", "Q8_0"])
+def test_dense_weights_keep_the_files_blocks_and_compute_their_dequantization(qtype, tiny_gguf, monkeypatch):
+    """Attention and the output stay the file's own blocks (engine.gguf_tensors: no float copy), a decode step's
+    attention half is one native call on them (GgmlAttnBlock) and a routed expert's one-token FFN, sum and norm
+    another (GgmlTail); the logits are those of the same file with every tensor dequantized to float32 (fp32
+    summation order apart)."""
+    from engine.dense_weights import Projection
+    from engine.kernels import native
+    if native.lib() is None:
+        pytest.skip("no C++ compiler: the native kernels are not built")
+    _, path = tiny_gguf("mixtral", qtype)
+    kept = load_model(path, max_context=64)
+    attn = kept.layers[0].attn
+    assert not isinstance(attn.qkv, Projection) and not isinstance(attn.o, Projection)
+    assert attn.ggml_fits                  # a decode step's attention half: one native call (GgmlAttnBlock)
+    assert not isinstance(kept.head, Projection)                                # no float output
+    if qtype == "Q5_0":           # its experts are ggml: records (Q8_0's are the one-type q8_0 scheme)
+        assert isinstance(kept.layers[0].mlp.tail, native.GgmlTail)
+    got = _logits(kept)
+    monkeypatch.setattr(GgufModel, "ggml_blocks", lambda self, name: None)      # every tensor as float32
+    want = _logits(load_model(path, max_context=64))
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-4 * float(want.abs().max()))
