@@ -146,7 +146,7 @@ def measure_file(path: Path, ref, ids, prompts, threads: int, llama_threads: int
         del llm
         gc.collect()
     ref = ref[:len(ids) - 1]
-    res["served_text_collisions_dropped"] = ambiguous
+    res["served_entries_text_shared"] = ambiguous
     res["kiln_http_vs_inprocess"] = ga.compare_served(served, kiln)
     if full:
         # top-1 from the API's answer; KL exact (llama's whole distribution against Kiln's in-process one, which

@@ -224,26 +224,27 @@ def text_ids(tokenizer) -> dict[str, int | None]:
     return out
 
 
+UNKNOWN = -1     # an id for a served token whose text two tokens share: agrees with nothing, weighs in no bin
+
+
 def kiln_prompt_topn(base: str, ids: list[int], n: int, texts: dict[str, int | None]) -> tuple[list, int]:
     """Kiln's top-N at every position through its HTTP API, as a client asks (`base`: http://127.0.0.1:PORT of
     `engine serve`): POST /v1/completions {prompt: ids, echo, max_tokens: 0, logprobs: n}, the prompt's logprobs
     alone. Entry k-1 is the distribution after ids[:k] (llama_topn's form). The API keys its top-N by token text;
-    `texts` (text_ids) maps them back to ids, and an entry whose text two ids share is left out (returned: how many
-    were, summed over positions). The chosen token the API adds beyond the N is dropped, so each entry is the N
-    most likely (or fewer, where texts collide)."""
+    `texts` (text_ids) maps them back to ids, and an entry whose text two ids share gets UNKNOWN, in its place (a
+    top-1 so named counts as a disagreement: top-1 agreement through the API is never overstated); returned beside:
+    how many entries, over all positions, are UNKNOWN. The chosen token the API adds beyond the N is dropped."""
     r = _post(f"{base}/v1/completions", {"prompt": list(ids), "max_tokens": 0, "echo": True, "logprobs": n,
                                          "temperature": 0})
     tops = r["choices"][0]["logprobs"]["top_logprobs"]
     if len(tops) != len(ids) or tops[0] is not None:
         raise ValueError(f"prompt logprobs: {len(tops)} entries for {len(ids)} tokens")
-    out, ambiguous = [], 0
+    out, unknown = [], 0
     for top in tops[1:]:
-        items = list(top.items())[:n]
-        kept = [(texts.get(s), v) for s, v in items]
-        ambiguous += sum(i is None for i, _ in kept)
-        kept = [(i, v) for i, v in kept if i is not None]
-        out.append(([i for i, _ in kept], [float(v) for _, v in kept]))
-    return out, ambiguous
+        kept = [(texts.get(s), float(v)) for s, v in list(top.items())[:n]]
+        unknown += sum(i is None for i, _ in kept)
+        out.append(([UNKNOWN if i is None else i for i, _ in kept], [v for _, v in kept]))
+    return out, unknown
 
 
 def llama_full(base: str, ids: list[int], vocab: int) -> torch.Tensor:
@@ -282,8 +283,9 @@ def compare_full(ref: torch.Tensor, other: torch.Tensor) -> dict:
 
 def _binned(top_ids: list[int], top_lp: list[float], full: torch.Tensor) -> tuple[list[float], list[float]]:
     """(the top-N side's, the full side's) probabilities over the N tokens plus one bin for the rest."""
-    p = [math.exp(x) for x in top_lp]
-    q = full[top_ids].double().exp().tolist()
+    known = [(i, x) for i, x in zip(top_ids, top_lp) if i != UNKNOWN]      # an UNKNOWN's mass stays in the rest
+    p = [math.exp(x) for _, x in known]
+    q = full[[i for i, _ in known]].double().exp().tolist()
     return p + [max(0.0, 1.0 - sum(p))], q + [max(0.0, 1.0 - sum(q))]
 
 
@@ -314,10 +316,12 @@ def topn_of(full: torch.Tensor, n: int) -> list[tuple[list[int], list[float]]]:
 def compare_served(served: list[tuple[list[int], list[float]]], full: torch.Tensor) -> dict:
     """The API's top-N (kiln_prompt_topn) against the in-process full distribution of the same model: the largest
     difference of a served log-probability from the in-process one, and on how many positions the served top-1 is
-    the in-process argmax. Equal within float noise: the in-process full form is what the server serves."""
+    the in-process argmax (an UNKNOWN top-1 is not). Equal within float noise: the in-process full form is what the
+    server serves."""
     n = min(len(served), len(full))
     diff, same = 0.0, 0
     for (tids, lps), row in zip(served[:n], full[:n]):
-        diff = max(diff, float((torch.tensor(lps, dtype=torch.float64) - row[tids].double()).abs().max()))
+        known = [(i, x) for i, x in zip(tids, lps) if i != UNKNOWN]
+        diff = max(diff, max((abs(x - float(row[i])) for i, x in known), default=0.0))
         same += int(tids[0] == int(row.argmax()))
     return {"positions": n, "max_abs_logprob_diff": round(diff, 7), "top1_same": same}
