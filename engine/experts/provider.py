@@ -59,6 +59,13 @@ class ExpertProvider:
         order, served and counted as forward would; None where this provider computes them itself (the default)."""
         return None
 
+    def host_record_table(self, layers: int, top_k: int) -> torch.Tensor | None:
+        """The host addresses of the records host_records would hand out without reading anything, int64 [layers,
+        experts] (0: not resident), for a native step that routes inside one call (engine.kernels.native.DecodeLayers)
+        and gives host_records each layer's picks after; valid until the next host_records. None where host_records
+        would say None for top_k picks a layer (the default)."""
+        return None
+
     def graph_pairs_ok(self, pairs: int) -> bool:
         """A captured decode step may hold `pairs` (token, expert) picks a layer (default: any number)."""
         return True

@@ -66,6 +66,7 @@ SIGNATURES = {
     "router_topk_rows": [_P, _I, _I, _P, _I, _I, _I, _P, _P],
     "int4_ffn_rows": [_P, _I, _I, _I, _P, _P, _P, _P, _I, _P, _I, _F],
     "moe_sum_rows": [_P, _I, _I, _P, _P, _I, _P, _P, _F, _P],
+    "decode_layers": [_P, _P, _P, _I, _I, _P, _P, _I, _I, _P, _P, _P, _P, _P, _P, _I],
 }
 ROWS = ("q8_gemv_rows", "attn_rows", "add_rms_norm_rows", "attn_block_rows", "router_topk_rows", "int4_ffn_rows",
         "moe_sum_rows")
@@ -162,6 +163,7 @@ def load(path: Path) -> ctypes.CDLL:
         fn = getattr(so, name)
         fn.argtypes, fn.restype = args, None
     so.ggml_supported.restype = _I
+    so.decode_layers.restype = _I
     # The exact prefill's rows calls are few and long (a layer's rows each): they let the GIL go, so the server's
     # other threads (streaming, HTTP) run meanwhile.
     so.released = ctypes.CDLL(str(path))
@@ -384,6 +386,63 @@ class GgmlAttnBlock(AttnBlock):
                               *self.shape, cos.numel(), self.scale, scores.data_ptr(), post_norm.data_ptr(), self.eps,
                               *self.buffers, out.data_ptr(), torch.get_num_threads())
         return out
+
+
+class _Shape(ctypes.Structure):          # native_cpu.cpp's StepShape
+    _fields_ = [(n, ctypes.c_int32) for n in ("L", "H", "nqkv", "g", "window", "nh", "nkv", "hd", "rot", "max_len",
+                                              "E", "k", "renorm", "I", "fg")] + \
+               [(n, ctypes.c_float) for n in ("scale", "eps", "limit")] + \
+               [(n, ctypes.c_int64) for n in ("gu_off", "gu_sz_off", "d_off", "d_sz_off")]
+
+
+class _Layer(ctypes.Structure):          # native_cpu.cpp's StepLayer
+    _fields_ = [(n, ctypes.c_void_p) for n in ("qkv_p", "qkv_sz", "o_p", "o_sz", "k_cache", "v_cache", "post_w",
+                                               "gate", "next_w")]
+
+
+class DecodeLayers:
+    """A one-token decode step's layers in one native call (decode_layers): per layer AttnBlock's call, the router
+    and MoETail's call, the same kernels in the same order as the per-layer walk (MoEModel._run_native), so the
+    same bits, without its ~100 Python calls a step. The experts' records come from a table of host addresses
+    [layers, experts] (0: not resident); a layer whose picks are not all there comes back to the caller, which
+    makes them resident (the provider's host_records) and resumes. Buffers are its own (one step at a time)."""
+
+    def __init__(self, blocks: list[AttnBlock], tails: list[MoETail], post_norms: list[torch.Tensor],
+                 gates: list[torch.Tensor], next_norms: list[torch.Tensor], num_experts: int, renormalize: bool):
+        b, t = blocks[0], tails[0]
+        max_len = b.k_cache.shape[1]                  # k_cache: [slots, max_len, nkv, hd] of a layer
+        window, nh, nkv, hd = b.shape
+        nqkv = b.weights[3]
+        self.layers = len(blocks)
+        self.shape = _Shape(L=self.layers, H=b.hidden, nqkv=nqkv, g=b.weights[6], window=window, nh=nh, nkv=nkv,
+                            hd=hd, rot=0, max_len=max_len, E=num_experts, k=t.top_k, renorm=int(renormalize),
+                            I=t.intermediate, fg=t.group, scale=b.scale, eps=b.eps, limit=t.limit,
+                            gu_off=t.offsets[0], gu_sz_off=t.offsets[1], d_off=t.offsets[2], d_sz_off=t.offsets[3])
+        self.table = (_Layer * self.layers)()
+        self._keep = (post_norms, gates, next_norms)        # the pointers' owners
+        for i, (blk, post, gate, nxt) in enumerate(zip(blocks, post_norms, gates, next_norms)):
+            assert blk.shape == b.shape and blk.weights[3] == nqkv and blk.weights[6] == b.weights[6]
+            assert gate.is_contiguous() and gate.dtype == torch.float32 and gate.shape[0] == num_experts
+            assert blk.k_cache.is_contiguous() and blk.v_cache.is_contiguous() and blk.k_cache.shape[1] == max_len
+            _, qp, qs, _, op, os_, _ = blk.weights
+            self.table[i] = _Layer(qp, qs, op, os_, blk.k_cache.data_ptr(), blk.v_cache.data_ptr(),
+                                   post.data_ptr(), gate.data_ptr(), nxt.data_ptr())
+        self.scratch = torch.empty(nqkv + nh * hd + b.hidden + 3 * t.intermediate + 2 * b.hidden)
+        self.ids = torch.empty(self.layers, t.top_k, dtype=torch.int64)
+        self.weights = torch.empty(self.layers, t.top_k)
+        self._shape_p, self._table_p = ctypes.addressof(self.shape), ctypes.addressof(self.table)
+
+    def __call__(self, x: torch.Tensor, h: torch.Tensor, records: torch.Tensor, start: int, resume: bool, slot: int,
+                 p: int, cos: torch.Tensor, sin: torch.Tensor, scores: torch.Tensor) -> int:
+        """Layers start.. on one token at position p of KV slot `slot`: x [H] the residual stream and h [H] (the
+        input norm of layer `start`, or with `resume` its post-attention norm, its routing in self.ids/weights),
+        both updated in place; records int64 [layers, experts] host addresses → the layer count when done (h then
+        the final norm's output), else the layer whose picks (self.ids[layer]) are not resident."""
+        self.shape.rot = cos.numel()
+        return lib().decode_layers(self._shape_p, self._table_p, records.data_ptr(), start, int(resume),
+                                   x.data_ptr(), h.data_ptr(), slot, p, cos.data_ptr(), sin.data_ptr(),
+                                   scores.data_ptr(), self.scratch.data_ptr(), self.ids.data_ptr(),
+                                   self.weights.data_ptr(), torch.get_num_threads())
 
 
 def router_topk(x: torch.Tensor, gate: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:

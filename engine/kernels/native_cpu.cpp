@@ -1117,6 +1117,66 @@ void router_topk(const float* x, int H, const float* gate, int E, int k, int ren
         for (int j = 0; j < k; ++j) w[j] = w[j] / picked;
 }
 
+// ================================================================ a whole decode step's layers (issue 32)
+// decode_layers: a one-token decode step's layers in one call (engine.kernels.native.DecodeLayers): per layer
+// attn_block, router_topk and moe_tail, the very calls the per-layer path makes from Python, in its order (so its
+// bits); what it saves is a step's ~100 Python calls and their argument marshalling. The picked experts' records
+// come from `records` [L][E] (host addresses, 0: not resident): where a pick is not there, the layer's routing is
+// left in ids/w and its index returned, and the caller makes the records resident and calls again from there.
+
+struct StepShape {            // what every layer shares (native.DecodeLayers' _Shape mirrors it)
+    int32_t L, H, nqkv, g, window, nh, nkv, hd, rot, max_len, E, k, renorm, I, fg;
+    float scale, eps, limit;
+    int64_t gu_off, gu_sz_off, d_off, d_sz_off;
+};
+
+struct StepLayer {            // one layer's weights and caches (native.DecodeLayers' _Layer mirrors it)
+    const uint8_t* qkv_p;
+    const uint16_t* qkv_sz;
+    const uint8_t* o_p;
+    const uint16_t* o_sz;
+    float* k_cache;           // this layer's [slots, max_len, nkv, hd]
+    float* v_cache;
+    const float* post_w;
+    const float* gate;        // router [E, H]
+    const float* next_w;      // the next layer's input norm, or the final norm
+};
+
+// x [H] the residual stream (updated in place); h [H]: on entry the input norm of layer `from` (routed 0) or, where
+// the call resumes a layer whose records were missing (routed 1), that layer's post-attention norm, its routing in
+// ids/w; on return (L) the final norm's output. ids [L][k], w [L][k]: each layer's picks. scratch: nqkv + nh·hd + H
+// + 3I + 2H floats; scores: nh·(p + 1). → L when done, else the layer whose picks are not all in `records`.
+int decode_layers(const StepShape* s, const StepLayer* layers, const uint64_t* records, int from, int routed,
+                  float* x, float* h, int slot, int p, const float* cos, const float* sin, float* scores,
+                  float* scratch, int64_t* ids, float* w, int threads) {
+    float* qkv = scratch;
+    float* o_buf = qkv + s->nqkv;
+    float* r = o_buf + (size_t)s->nh * s->hd;
+    float* moe = r + s->H;
+    const size_t slot_rows = (size_t)slot * s->max_len * s->nkv * s->hd;
+    uint64_t recs[64];
+    for (int l = from; l < s->L; ++l) {
+        const StepLayer& ly = layers[l];
+        int64_t* lid = ids + (size_t)l * s->k;
+        float* lw = w + (size_t)l * s->k;
+        if (!(l == from && routed)) {
+            // attn_block reads h into its GEMV's own copy before it writes h_out: h may be both
+            attn_block(x, h, s->H, ly.qkv_p, ly.qkv_sz, s->nqkv, ly.o_p, ly.o_sz, s->g, cos, sin,
+                       ly.k_cache + slot_rows, ly.v_cache + slot_rows, p, s->window, s->nh, s->nkv, s->hd, s->rot,
+                       s->scale, scores, ly.post_w, s->eps, qkv, o_buf, r, h, threads);
+            router_topk(h, s->H, ly.gate, s->E, s->k, s->renorm, lid, lw);
+        }
+        for (int j = 0; j < s->k; ++j) {
+            recs[j] = records[(size_t)l * s->E + lid[j]];
+            if (!recs[j]) return l;
+        }
+        // moe_tail reads h in every expert's FFN and writes h_out only at its end: h may be both
+        moe_tail(h, s->k, lid, recs, lw, s->H, s->I, s->gu_off, s->gu_sz_off, s->d_off, s->d_sz_off, s->fg, moe, x,
+                 ly.next_w, s->eps, h, threads, s->limit);
+    }
+    return s->L;
+}
+
 // y [N] = Σ_b d[n, b] · Σ_{i<32} q[n, 32b + i] · x[32b + i]; q int8 [N, K], d fp32 [N, K/32], K % 32 == 0.
 void q8_gemv_rows(const float* x, int M, int K, const int8_t* q, const float* d, int N, float* y, int threads);
 

@@ -357,6 +357,7 @@ class MoEModel(nn.Module):
         # native: the attention's scores, one row per head over the whole cache
         self.scores = torch.empty(cfg.num_heads * kv.max_len) if self.native_decode else None
         self._native_layers: list | None = None      # _run_native's walk, made at its first step
+        self._step_layers: native.DecodeLayers | bool | None = None   # the walk in one call (_decode_layers)
         self._exact_prefill: bool | None = None      # exact_prefill, decided at the first prefill
         self.norm = w.get("model.norm.weight")
         kept = self._gguf_vocabulary(w) if self.device.type == "cpu" else None
@@ -444,6 +445,8 @@ class MoEModel(nn.Module):
         machinery: x, the step's own residual stream, is updated in place; each h is new."""
         eps = self.cfg.rms_eps
         h = native.add_rms_norm(x, None, self.layers[0].input_norm, eps)
+        if (step := self._decode_layers()) is not None:
+            return self._run_decode_layers(step, x, h, s)
         for attn, post_norm, mlp, next_norm in self._native_walk():
             h = attn.native_block(x, h, s, post_norm)
             if getattr(mlp, "tail", None) is None or (h_next := mlp.native_step(x, h, next_norm, eps)) is None:
@@ -464,6 +467,41 @@ class MoEModel(nn.Module):
                                            and layer.mlp.tail.rows
                                            for layer in self.layers))
         return self._exact_prefill
+
+    def _decode_layers(self) -> native.DecodeLayers | None:
+        """The whole walk of _run_native in one native call (native.DecodeLayers), where every layer's halves are
+        the one-call kinds (exact_prefill: AttnBlock, MoETail), its router a plain softmax top-k (MoE blocks with
+        `renormalize`) and the provider hands out a table of its host records; else None (the walk above).
+        Decided at the first native step."""
+        if self._step_layers is None:
+            blocks = [layer.mlp for layer in self.layers]
+            ok = (self.exact_prefill and self.provider.host_record_table(len(self.layers), self.cfg.top_k) is not None
+                  and all(getattr(b, "renormalize", None) is not None and b.layer == i and b.gate.is_contiguous()
+                          for i, b in enumerate(blocks))
+                  and len({b.renormalize for b in blocks}) == 1)
+            walk = self._native_walk()
+            self._step_layers = native.DecodeLayers(
+                [a.native_attn_block() for a, *_ in walk], [b.tail for b in blocks], [w[1] for w in walk],
+                [b.gate for b in blocks], [w[3] for w in walk], self.cfg.n_experts,
+                blocks[0].renormalize) if ok else False
+        return self._step_layers or None
+
+    def _run_decode_layers(self, step: native.DecodeLayers, x: torch.Tensor, h: torch.Tensor, s: Step) -> torch.Tensor:
+        """_run_native's walk in native.DecodeLayers' calls: the provider books each layer's picks after the call
+        (host_records, in layer order, as the walk's calls would), and a layer whose records are not resident comes
+        back here to be fetched (booked first, so the RAM tier evicts as the walk would) and resumed."""
+        provider, n = self.provider, len(self.layers)
+        start, booked, resume = 0, 0, False
+        while True:
+            stop = step(x, h, provider.host_record_table(n, self.cfg.top_k), start, resume, s.slots[0], s.start,
+                        s.cos, s.sin, s.scores)
+            ids = step.ids.tolist()
+            for layer in range(booked, stop):
+                provider.host_records(layer, ids[layer])
+            if stop == n:
+                return h
+            provider.host_records(stop, ids[stop])       # a miss: read into the RAM tier, then resume there
+            start, booked, resume = stop, stop + 1, True
 
     def _native_walk(self) -> list:
         if self._native_layers is None:

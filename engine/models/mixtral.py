@@ -12,6 +12,8 @@ from engine.routing_trace import BenchRouting, RoutedBlock
 
 
 class MixtralBlock(RoutedBlock):
+    renormalize = True           # the top-k's weights renormalised (native_step's routing; native.DecodeLayers reads it)
+
     def __init__(self, model: MoEModel, w: WeightSource, layer: int):
         super().__init__()
         self.layer, self.provider, self.top_k = layer, model.provider, model.cfg.top_k
@@ -29,7 +31,7 @@ class MixtralBlock(RoutedBlock):
     def native_step(self, x: torch.Tensor, h: torch.Tensor, next_norm: torch.Tensor, eps: float) -> torch.Tensor | None:
         """A native decode step's MoE half (MoEModel._run_native): route h, compute the picked experts from
         their host records, x += their sum → rms_norm(x)·next_norm; None where the provider computes them."""
-        experts = self.tail.route(h, self.gate, True)
+        experts = self.tail.route(h, self.gate, self.renormalize)
         addresses = self.provider.host_records(self.layer, experts)
         return None if addresses is None else self.tail(h, addresses, x, next_norm, eps)
 

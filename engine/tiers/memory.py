@@ -36,5 +36,17 @@ class InMemoryExperts(ExpertProvider):
         base, stride = recs.data_ptr(), recs.stride(0) * recs.element_size()
         return [base + e * stride for e in experts]
 
+    def host_record_table(self, layers: int, top_k: int) -> torch.Tensor | None:
+        """ExpertProvider.host_record_table: every record is resident (None on a CUDA device)."""
+        if getattr(self, "_table", None) is None:
+            if any(r.device.type != "cpu" for r in self.records.values()):
+                return None
+            experts = max(len(r) for r in self.records.values())
+            self._table = torch.zeros(layers, experts, dtype=torch.int64)
+            for layer, recs in self.records.items():
+                step = recs.stride(0) * recs.element_size()
+                self._table[layer, :len(recs)] = recs.data_ptr() + step * torch.arange(len(recs))
+        return self._table
+
     def counters(self) -> dict:
         return {"provider": "memory", "served": {"gpu": 0, "ram": self._served, "store": 0}, "store_read_bytes": 0}

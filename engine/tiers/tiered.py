@@ -276,6 +276,28 @@ class TieredExperts(ExpertProvider):
             self.served["store" if e in from_store else "ram"] += 1
         return [self.ram.arena.host_address(slots[e]) for e in experts]
 
+    def host_record_table(self, layers: int, top_k: int) -> torch.Tensor | None:
+        """ExpertProvider.host_record_table: the RAM tier's resident records (None with a slot tier, or where a
+        token's picks exceed the RAM tier, as host_records). Kept up to date from the RAM cache's changes."""
+        if self.gpu is not None or top_k > self.wave:
+            return None
+        cache = self.ram.cache
+        table = getattr(self, "_host_table", None)
+        if table is None or table.shape[0] != layers or cache.changes is not self._host_changes:
+            if cache.changes is None:               # the set the cache collects its changed keys in (ours)
+                cache.changes = set()
+            self._host_changes = cache.changes
+            table = self._host_table = torch.zeros(layers, self.manifest.experts_per_layer, dtype=torch.int64)
+            changed = list(cache.resident())
+        else:
+            changed = list(cache.changes)
+        rows = table.numpy()
+        for key in changed:
+            slot = cache.slot_of(key)
+            rows[key.layer, key.expert] = 0 if slot is None else self.ram.arena.host_address(slot)
+        cache.changes.clear()
+        return table
+
     def counters(self) -> dict:
         gpu = self.gpu.cache if self.gpu is not None else ExpertCache("gpu", 0)     # the CPU has no GPU tier
         tiers = {name: {"slots": c.capacity, **c.stats.as_dict()} for name, c in (("gpu", gpu), ("ram", self.ram.cache))}

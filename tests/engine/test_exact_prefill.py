@@ -88,6 +88,38 @@ def test_prefill_chunked_prefill_and_decode_give_the_same_bits(model):
 
 
 @NATIVE
+def test_a_decode_step_in_one_native_call_is_the_layer_walk(demo_shaped, threads):
+    """native.DecodeLayers (a one-token step's layers in one call) against the per-layer walk it replaces
+    (MoEModel._run_native's loop): the same logits bit for bit, and the provider serves and counts the same picks
+    per tier, RAM hits, misses and evictions. A 3-slot RAM tier for 16 records, so layers' records are missing
+    mid-step: the call comes back, the walk's own host_records reads them, and it resumes there."""
+    from engine.loader import load_model
+    from tests.engine.test_native_cpu import counts
+    from tests.fixtures.decode import greedy
+    kept, store = demo_shaped
+    one, walk = (load_model(kept, store_dir=store, device="cpu", max_context=128, max_batch=1, ram_slots=3)
+                 for _ in range(2))
+    walk._step_layers = False                    # the per-layer walk, as before this path
+    stops = []
+    orig = native.DecodeLayers.__call__
+    native.DecodeLayers.__call__ = lambda self, *a: stops.append(orig(self, *a)) or stops[-1]
+    try:
+        with torch.inference_mode():
+            prompt = tokens(4, 9)
+            (toks, rows), (want, want_rows) = (greedy(m, prompt, 24) for m in (one, walk))
+    finally:
+        native.DecodeLayers.__call__ = orig
+    assert isinstance(one._step_layers, native.DecodeLayers)
+    assert toks == want
+    for a, b in zip(rows, want_rows):
+        assert torch.equal(a, b)
+    assert counts(one.provider.counters()) == counts(walk.provider.counters())
+    layers = len(one.layers)
+    assert stops.count(layers) == 23                  # every decode step finished in it ...
+    assert any(s < layers for s in stops)             # ... some after a layer's records were read mid-step
+
+
+@NATIVE
 def test_exact_prefill_is_the_torch_forms_function(demo_shaped, model):
     """The rows path computes the model's function: the torch forms' prefill (native kernels off) within the
     bf16 activations' rounding, the same greedy token."""
