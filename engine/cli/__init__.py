@@ -8,7 +8,16 @@ turns into one line and its exit code (tests/engine/test_errors.py checks both b
 from __future__ import annotations
 
 import importlib
+import os
 import sys
+
+# Before any command imports torch (libgomp reads it once): OpenMP threads that wait spin briefly, then sleep.
+# libgomp's default spins ~300,000 times (milliseconds) first; on a host whose cores other work shares, a waiting
+# thread that spins holds the core its teammate needs, and the CPU demo's decode fell to a few tok/s under load
+# (bench/README.md, "The CPU demo beside llama.cpp"). 1,000 spins still cover the microsecond gaps between the
+# parallel regions of a native decode step (native.DecodeLayers). A caller's own setting wins.
+if "GOMP_SPINCOUNT" not in os.environ and "OMP_WAIT_POLICY" not in os.environ:
+    os.environ["GOMP_SPINCOUNT"] = "1000"
 
 import click
 
