@@ -9,13 +9,15 @@ beside `llama-bench` on the same file and Kiln's own int4 records of the same we
 
 1. engine synth's checkpoint (seed 0, --layers of the 48; --tiny: h200_peer's 2-layer shape on the CPU): bf16 (what
    llama.cpp converts) and int4 records (Kiln's own), Qwen2's tokenizer (--tokenizer).
-2. Kiln, int4 records, all resident: `engine serve` through HTTP, greedy and temperature 1 (one server, both).
-3. llama.cpp's converter (bench/gguf_from_store.py) -> GGUF bf16 -> `llama-quantize Q4_K_M`; what each tensor type
-   of the file runs on in Kiln's CUDA path (cuda_paths: the experts' Triton kernel, or dequantized at load).
-4. `llama-bench -p PREFILL -n STEPS -r 2` on the Q4_K_M (tg and pp8192), all on the GPU.
-5. Kiln on the Q4_K_M alone: `engine serve --model FILE.gguf`, greedy and temperature 1, the same requests.
-6. Agreement on the file (not judged; last): teacher-forced top-1 of Kiln's server on the GGUF against llama-server
-   on the same GGUF, --agree-positions positions of one random prompt.
+2. llama.cpp's converter (bench/gguf_from_store.py) -> GGUF bf16 -> `llama-quantize Q4_K_M`; what each tensor type
+   of the file runs on in Kiln's CUDA path (engine.measure.peer.cuda_paths: the experts' Triton kernel, or
+   dequantized at load); the lanes (HBM) for the bound.
+3. `llama-bench -p PREFILL -n STEPS -r 2` on the Q4_K_M (tg and pp8192), all on the GPU.
+4. Kiln on the Q4_K_M alone: `engine serve --model FILE.gguf --device cuda --experts resident` through HTTP, greedy
+   and temperature 1 (seeded), h200_served's requests (bench.harness.measure), one server for both.
+   Then, on that server (not judged): its teacher-forced top-1 against llama-server's on the same file, all on the
+   GPU, --agree-positions positions of one random prompt (the Q4_K_M's mixed types as Kiln computes them, checked).
+5. Kiln's own int4 records of the same weights, all resident, served the same way (context; last, where time allows).
 Targets (issue 29): Kiln's decode on the file >= 1.1x llama-bench's tg, its 8k prefill >= 1.0x llama-bench's pp.
 Each speed beside the HBM bound of the file's bytes a token (engine.measure.peer, lanes measured in the run).
 Writes --out after every part (a part that fails or does not fit --budget-s is recorded as such); prints a table.
@@ -57,11 +59,13 @@ def llama_bench(bin_dir: Path, gguf: Path, prompt: int, steps: int, reps: int, e
     return out
 
 
-def kiln_both(model: Path, store: Path | None, flags: list[str], args, vocab: int, log_path: Path) -> dict:
-    """One `engine serve`, greedy then temperature 1 (seeded): the same requests as every H200 bench."""
+def kiln_both(model: Path, store: Path | None, flags: list[str], args, vocab: int, log_path: Path, then=None) -> dict:
+    """One `engine serve`, greedy then temperature 1 (seeded): the same requests as every H200 bench; then(base), if
+    given, asks the same server more (its answer under "then"). --tiny: greedy alone (the sampled requests'
+    320-token warm-up takes minutes on two shared cores; the sampled HTTP path is the same code either way)."""
     with kiln_server(model, store, flags, args.prefill + 512, log_path, args.device) as (base, load_s, command):
         out = {"load_s": load_s, "command": command}
-        for key, sampled in (("greedy", False), ("sampled", True)):
+        for key, sampled in (("greedy", False), ("sampled", True))[:1 if args.tiny else 2]:
             r = measure_served(base, vocab, args.steps, args.prefill, sampled)
             m = r.pop("metrics_end") or {}
             r.pop("window_1_stream", None)
@@ -69,27 +73,43 @@ def kiln_both(model: Path, store: Path | None, flags: list[str], args, vocab: in
             out[key] = r
             log(f"  {key}: decode {r['decode_tps']} tok/s, 4 streams {r['decode_tps_4_streams_aggregate']}, "
                 f"{args.prefill} prefill {r['prefill_tps']} tok/s")
+        if then is not None:
+            try:
+                out["then"] = then(base)
+            except Exception as e:          # the speeds above stand without it
+                out["then"] = {"error": f"{type(e).__name__}: {str(e)[-2000:]}"}
         return out
 
 
-def agreement(bin_dir: Path, q4: Path, args, vocab: int, extra: list[str], log_path: Path) -> dict:
-    """Teacher-forced top-1 on one random prompt: llama-server's (its n_probs) against Kiln's served prompt
-    logprobs (/v1/completions echo), both on the Q4_K_M alone."""
-    from engine.gguf_model import GgufModel, load_tokenizer
+def agree_ids(args, vocab: int) -> list[int]:
+    return prompt_ids(args.agree_positions + 1, vocab, 7)
+
+
+def llama_top1(bin_dir: Path, q4: Path, ids: list[int]) -> dict:
+    """llama-server on the Q4_K_M, all on the GPU: its top-1 after each prefix of ids (teacher-forced, n_probs 1)."""
     from tool.checks.llama_cpp import LlamaServerProcess
-    ids = prompt_ids(args.agree_positions + 1, vocab, 7)
     srv = LlamaServerProcess(bin_dir / "llama-server", q4, ctx=2048)
-    srv.argv += ["-ngl", "99", *extra]
+    srv.argv += ["-ngl", "99"]
     with srv:
-        llama = ga.llama_topn(srv.url.removesuffix("/v1"), ids, 1)
+        top = [t[0][0] if t[0] else None for t in ga.llama_topn(srv.url.removesuffix("/v1"), ids, 1)]
+    return {"top1": top, "command": " ".join(["llama-server", *srv.argv[1:]])}
+
+
+def kiln_top1_against(llama: dict, q4: Path, ids: list[int]):
+    """then= for kiln_both: Kiln's served top-1 after each prefix of ids (/v1/completions echo + logprobs, the
+    server's own prompt logprobs) against llama-server's on the same file."""
+    from engine.gguf_model import GgufModel, load_tokenizer
     texts = ga.text_ids(load_tokenizer(GgufModel(q4)))
-    with kiln_server(q4, None, args.kiln_flags, 2048, log_path, args.device) as (base, _, _):
+
+    def ask(base: str) -> dict:
         kiln, ambiguous = ga.kiln_prompt_topn(base, ids, 1, texts)
-    pairs = [(k[0][0], l[0][0]) for k, l in zip(kiln, llama) if k[0] and l[0]]
-    same = sum(a == b for a, b in pairs)
-    return {"positions": len(pairs), "top1_agree": round(same / max(1, len(pairs)), 4), "target": f">= {AGREE_TARGET}",
-            "verdict": "met" if pairs and same / len(pairs) >= AGREE_TARGET else "missed",
-            "ambiguous_texts_dropped": ambiguous, "llama_server": " ".join(srv.argv[1:])}
+        pairs = [(k[0][0], l) for k, l in zip(kiln, llama["top1"]) if k[0] and l is not None]
+        same = sum(a == b for a, b in pairs)
+        rate = same / len(pairs) if pairs else 0.0
+        return {"positions": len(pairs), "top1_agree": round(rate, 4), "target": f">= {AGREE_TARGET}",
+                "verdict": "met" if pairs and rate >= AGREE_TARGET else "missed", "ambiguous_texts_dropped": ambiguous,
+                "llama_server": llama["command"]}
+    return ask
 
 
 def main():
@@ -179,14 +199,7 @@ def main():
     log("weights:", result["checkpoint"])
     save()
 
-    # 2. Kiln's own int4 records of the same weights
-    log("kiln int4 records:")
-    runs["kiln_int4_records"] = part("kiln int4 records served", 60 if not args.tiny else 30,
-                                     lambda: kiln_both(model_dir, store4, args.kiln_flags, args, vocab,
-                                                       work / "serve-int4.log"))
-    save()
-
-    # 3. the file: llama.cpp's converter, then llama-quantize
+    # 2. the file: llama.cpp's converter, then llama-quantize
     def make_q4():
         conv = gguf_convert(model_dir, store, src, bf16, timeout_s=max(1, clock.left() - 120))
         if not args.tiny:
@@ -200,32 +213,42 @@ def main():
     if q4.exists():
         result["gguf"].update(path=str(q4), bytes=q4.stat().st_size, tensor_types=ga.tensor_types(q4))
         result["cuda_paths"] = cuda_paths(q4)
-        if not args.tiny:
-            from bench.harness import measure_lanes
-            record = 4 << 20
-            result["lanes"] = {k: round(v, 2) for k, v in measure_lanes(q4, record, q4.stat().st_size // record).items()}
-            result["lanes"]["dram_read_16t_gbps"] = 1.0      # unused: nothing of the file lives in RAM here
-            result["bound"] = lane_bound(token_bytes(gguf_tensors(q4), cfg, 0), result["lanes"])
+        if not args.tiny:           # the bound: the file's bytes a token (all on the GPU) over HBM measured now
+            def lanes():
+                from bench.harness import measure_lanes
+                record = 4 << 20
+                got = {k: round(v, 2) for k, v in measure_lanes(q4, record, q4.stat().st_size // record).items()}
+                return {**got, "dram_read_16t_gbps": None}      # nothing of the file lives in RAM: no CPU lane
+            result["lanes"] = part("lanes (HBM, PCIe, disk)", 30, lanes)
+            if result["lanes"].get("hbm_gbps"):
+                result["bound"] = lane_bound(token_bytes(gguf_tensors(q4), cfg, 0),
+                                             {**result["lanes"], "dram_read_16t_gbps": 1.0})   # cpu bytes are 0
     save()
     if not q4.exists():
         log("no Q4_K_M: nothing more to measure")
         return
 
-    # 4. llama-bench on the file, all on the GPU
+    # 3. llama-bench on the file, all on the GPU
     runs["llama_bench_q4_k_m"] = part("llama-bench Q4_K_M", 20 if args.tiny else 40, lambda: llama_bench(
         bin_dir, q4, args.prefill, args.steps, 1 if args.tiny else 2, bench_extra, max(1, clock.left() - 5)))
     log("llama-bench:", runs["llama_bench_q4_k_m"])
     save()
 
-    # 5. Kiln on the file alone
+    # 4. Kiln on the file alone; then, on the same server, its top-1 against llama-server's on the file (not judged)
+    ids = agree_ids(args, vocab)
+    llama = part("llama-server top-1 on the Q4_K_M", 20 if args.tiny else 40, lambda: llama_top1(bin_dir, q4, ids))
+    then = kiln_top1_against(llama, q4, ids) if "top1" in llama else None
     log("kiln on the GGUF alone:")
     runs["kiln_gguf_q4_k_m"] = part("kiln serves the Q4_K_M alone", 30 if args.tiny else 90,
-                                    lambda: kiln_both(q4, None, args.kiln_flags, args, vocab, work / "serve-gguf.log"))
+                                    lambda: kiln_both(q4, None, args.kiln_flags, args, vocab, work / "serve-gguf.log", then))
+    result["agreement_q4_k_m"] = runs["kiln_gguf_q4_k_m"].pop("then", None) or {"llama_server": llama}
     save()
 
-    # 6. agreement on the file (not judged)
-    result["agreement_q4_k_m"] = part("top-1 against llama-server", 30 if args.tiny else 60,
-                                      lambda: agreement(bin_dir, q4, args, vocab, [], work / "serve-agree.log"))
+    # 5. Kiln's own int4 records of the same weights (context, not judged: last, where the call's time allows)
+    log("kiln int4 records:")
+    runs["kiln_int4_records"] = part("kiln int4 records served", 60 if not args.tiny else 30,
+                                     lambda: kiln_both(model_dir, store4, args.kiln_flags, args, vocab,
+                                                       work / "serve-int4.log"))
     save()
 
     # the table
