@@ -96,6 +96,11 @@ def main():
                              ("tokenizer.ggml.padding_token_id", w.add_pad_token_id)):
                 if (v := scalar(key)) is not None:
                     add(v)
+            # the model directory's chat template (h200 benches copy Qwen2's tokenizer there), as the converter's
+            # SpecialVocab would add it from a Hugging Face checkpoint: a GGUF served alone needs one
+            template = Path(args.model) / "chat_template.jinja"
+            if template.is_file():
+                w.add_chat_template(template.read_text())
 
     model = FromStore(args.model, gguf.LlamaFileType.MOSTLY_BF16, args.out, eager=True)
     model.write()

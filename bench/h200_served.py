@@ -37,6 +37,7 @@ import shutil
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from datetime import date
 from pathlib import Path
 
@@ -104,27 +105,40 @@ def inprocess(model_dir, store, kw: dict, vocab, steps, prefill, sampled, unifor
 
 # ------------------------------------------------------------------ served (engine serve, HTTP)
 
-def served(model_dir, store, args: list[str], vocab, steps, prefill, sampled, log_path: Path) -> dict:
+@contextmanager
+def kiln_server(model, store, args: list[str], ctx: int, log_path: Path, device: str = "cuda"):
+    """A real `engine serve` subprocess (model: a checkpoint directory, or a GGUF file alone where store is None)
+    on a free port; yields (base URL, seconds to ready, the command), stopped on leaving."""
     port = free_port()
     base = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "engine", "serve", "--model", str(model_dir), "--store", str(store), "--device", "cuda",
-           "--port", str(port), "--ctx", str(prefill + 512), "--max-batch", str(STREAMS), "--served-name", "synth",
-           "--log-level", "warning", *args]
+    cmd = [sys.executable, "-m", "engine", "serve", "--model", str(model), *(["--store", str(store)] if store else []),
+           "--device", device, "--port", str(port), "--ctx", str(ctx), "--max-batch", str(STREAMS),
+           "--served-name", "synth", "--log-level", "warning", *args]
     logf = open(log_path, "w")
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         load_s = wait_ready(proc, base, log_path, "engine serve")
-        usage: list[dict] = []
-        res = measure(completions_client(base, "synth", usage), vocab, steps, prefill, sampled, lambda: metrics(base))
-        res["load_s"] = round(load_s, 1)
-        res["streamed_usage_last"] = usage[-1] if usage else None
-        res["streamed_usage_seen"] = len(usage)
-        res["metrics_end"] = metrics(base)
-        res["command"] = " ".join(["python3", "-m", "engine", "serve", *cmd[4:]])
-        return res
+        yield base, round(load_s, 1), " ".join(["python3", "-m", "engine", "serve", *cmd[4:]])
     finally:
         stop(proc)
         logf.close()
+
+
+def measure_served(base: str, vocab, steps, prefill, sampled) -> dict:
+    """bench.harness.measure's requests through a running `engine serve`'s HTTP API, /metrics beside them."""
+    usage: list[dict] = []
+    res = measure(completions_client(base, "synth", usage), vocab, steps, prefill, sampled, lambda: metrics(base))
+    res["streamed_usage_last"] = usage[-1] if usage else None
+    res["streamed_usage_seen"] = len(usage)
+    res["metrics_end"] = metrics(base)
+    return res
+
+
+def served(model_dir, store, args: list[str], vocab, steps, prefill, sampled, log_path: Path) -> dict:
+    with kiln_server(model_dir, store, args, prefill + 512, log_path) as (base, load_s, command):
+        res = measure_served(base, vocab, steps, prefill, sampled)
+        res.update(load_s=load_s, command=command)
+        return res
 
 
 def window_bytes(res: dict, served_side: bool) -> dict:

@@ -229,7 +229,10 @@ def wait_ready(proc: subprocess.Popen, base: str, log_path: Path, what: str, lim
 
 
 def stop(proc: subprocess.Popen) -> None:
-    """SIGTERM the server's process group (started with start_new_session), SIGKILL after 30 s."""
+    """SIGTERM the server's process group (started with start_new_session), SIGKILL after 30 s. A server that
+    already exited (a refused model) is left as it is, so its own error is the one raised."""
+    if proc.poll() is not None:
+        return
     os.killpg(proc.pid, signal.SIGTERM)
     try:
         proc.wait(30)

@@ -87,6 +87,33 @@ def test_a_real_gguf_is_read_back_by_layer(tmp_path):
     assert peer.expert_bytes_by_layer(tensors, 2) == [2 * 2 * 3 * 4 * 4, 2 * 5 * 4 * 4]
 
 
+def test_each_type_of_a_q4_k_m_file_names_its_cuda_path(tmp_path):
+    """A real GGUF holding what llama-quantize's Q4_K_M of the qwen3moe slice holds (Q4_K and Q6_K experts, Q8_0 and
+    Q6_K dense matrices, F32 norms) and one type Kiln lacks: each (type, role) is named with the path Kiln's CUDA
+    serving takes, and the foreign type as NO KERNEL (bench.h200_gguf records this beside its speeds)."""
+    import gguf
+    q = gguf.GGMLQuantizationType
+    path = tmp_path / "q4km.gguf"
+    w = gguf.GGUFWriter(str(path), "qwen3moe")
+    raw = {"blk.0.ffn_gate_exps.weight": (q.Q4_K, (2, 4, 144)), "blk.0.ffn_up_exps.weight": (q.Q4_K, (2, 4, 144)),
+           "blk.0.ffn_down_exps.weight": (q.Q6_K, (2, 4, 210)), "blk.0.attn_q.weight": (q.Q8_0, (8, 34 * 8)),
+           "output.weight": (q.Q6_K, (8, 210)), "blk.0.attn_k.weight": (q.TQ1_0, (8, 54))}
+    for name, (ty, shape) in raw.items():
+        w.add_tensor(name, np.zeros(shape, np.uint8), raw_dtype=ty)
+    w.add_tensor("blk.0.attn_norm.weight", np.ones(256, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    assert peer.cuda_paths(path) == {
+        "F32: float, as it is": {"dense": 1},
+        "Q4_K: triton, quant_triton mixed-type expert kernels": {"expert": 2},
+        "Q6_K: dequantized at load (logged)": {"dense": 1},
+        "Q6_K: triton, quant_triton mixed-type expert kernels": {"expert": 1},
+        "Q8_0: dequantized at load (logged)": {"dense": 1},
+        "TQ1_0: NO KERNEL": {"dense": 1}}
+
+
 def phase_file(d: Path, phase: str, body: dict) -> None:
     (d / f"peer-{phase}.json").write_text(json.dumps({"phase": phase, **body}))
 

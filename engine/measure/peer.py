@@ -27,6 +27,30 @@ def gguf_tensors(gguf_path: Path) -> dict[str, int]:
     return {t.name: int(t.n_bytes) for t in gguf.GGUFReader(gguf_path).tensors}
 
 
+def cuda_paths(gguf_path: Path) -> dict[str, dict[str, int]]:
+    """What Kiln's CUDA serving path computes each tensor type of a GGUF with, by the engine's own rules, as
+    "TYPE: path" -> {"expert"|"dense": tensors}. Routed experts (*_exps) become ggml records read by
+    engine.kernels.quant_triton's mixed-type kernels (_ggml_weights decodes every type of engine.quant.ggml); a
+    quantized dense matrix is dequantized once at load (engine.gguf_tensors.weight keeps blocks on the CPU only, and
+    logs it); float tensors are used as they are. A type outside engine.quant.ggml shows as NO KERNEL."""
+    import gguf
+    from engine.quant import ggml
+    out: dict[str, dict[str, int]] = {}
+    for t in gguf.GGUFReader(gguf_path).tensors:
+        ty, expert = t.tensor_type.name.lower(), "_exps." in t.name
+        if ty not in ggml.TYPES:
+            path = "NO KERNEL"
+        elif expert:
+            path = "triton, quant_triton mixed-type expert kernels"
+        elif ty in ggml.FLOAT_TYPES:
+            path = "float, as it is"
+        else:
+            path = "dequantized at load (logged)"
+        role = out.setdefault(f"{ty.upper()}: {path}", {})
+        role["expert" if expert else "dense"] = role.get("expert" if expert else "dense", 0) + 1
+    return dict(sorted(out.items()))
+
+
 def expert_bytes_by_layer(tensors: dict[str, int], layers: int) -> list[int]:
     """Bytes of each layer's routed experts (blk.L.ffn_{gate,up,down,gate_up}_exps: what --n-cpu-moe moves)."""
     out = [0] * layers
