@@ -128,8 +128,9 @@ def build_provider(checkpoint, store_dir, config: EngineConfig | None = None, *,
         mf.check_order(m, device, store_dir)
         probe(store_dir)
         n, record_bytes = len(m.records), m.record_bytes
-    else:
-        lay = ck.layout(dtype)
+    else:           # the records from_checkpoint / in_memory will make: a GGUF's own blocks where it has them
+        quant = ck.record_quant()
+        lay = ck.layout(dtype) if quant == "none" else record_source(ck, order="rows", quant=quant)[0]
         n, record_bytes = len(ck.moe_layers) * ck.n_experts, lay.record_bytes
     budget = None
     if device.type == "cuda":

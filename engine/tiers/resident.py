@@ -50,12 +50,16 @@ class ResidentExperts(ExpertProvider):
 
     @classmethod
     def from_checkpoint(cls, checkpoint, device: torch.device, dtype: torch.dtype | None = None) -> "ResidentExperts":
-        """Every expert of a checkpoint (no store) packed into the arena in the GPU kernels' rows order."""
-        layout = checkpoint.layout(dtype, "rows")
+        """Every expert of a checkpoint (no store) packed into the arena in the GPU kernels' rows order; a GGUF's
+        experts stay the file's own blocks (Checkpoint.record_quant: the ggml records pack-store --quant gguf makes,
+        computed by quant_triton's mixed-type kernels), not dequantized at load."""
+        from engine.store.source import record_source
+        quant = checkpoint.record_quant()
+        layout, make = record_source(checkpoint, dtype=dtype if quant == "none" else None, order="rows", quant=quant)
         e = checkpoint.n_experts
         arena = torch.empty((len(checkpoint.moe_layers) * e, layout.record_elems), dtype=layout.dtype, device=device)
         for i, layer in enumerate(checkpoint.moe_layers):
-            arena[i * e:(i + 1) * e].copy_(torch.stack([layout.pack(*checkpoint.expert(layer, x)) for x in range(e)]))
+            arena[i * e:(i + 1) * e].copy_(torch.stack([make(layer, x) for x in range(e)]))
         return cls(layout, arena, {layer: i * e for i, layer in enumerate(checkpoint.moe_layers)})
 
     def forward(self, layer, x, topk_ids, topk_weights):

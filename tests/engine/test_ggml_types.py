@@ -418,3 +418,31 @@ def test_weight_off_the_cpu_is_dequantized_once_and_the_log_says_so(caplog):
         p = weight("blk.3.attn_v.weight", "Q6_K", [8, 256], blocks, device="meta", dtype=torch.bfloat16)
     assert p.weight.device.type == "meta" and p.weight.dtype == torch.bfloat16 and p.weight.shape == (8, 256)
     assert "blk.3.attn_v.weight: no kernel keeps Q6_K blocks on meta here; dequantized at load" in caplog.text
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp")
+def test_a_gguf_alone_resident_on_the_device_computes_its_experts_as_the_cpu(tiny_checkpoint, tmp_path):
+    """The path `engine serve --model FILE.gguf --device cuda --experts resident` takes for the experts: the file's
+    own records in the device arena (ResidentExperts.from_checkpoint), through the slot kernels (Triton), against
+    the CPU's in-memory provider of the same file. On CUDA (the H200) for real; here through Triton's interpreter."""
+    pytest.importorskip("triton", reason="triton is not installed (CUDA builds of torch carry it)")
+    from engine.gguf_model import GgufModel
+    from engine.kernels.quant_triton import available
+    from engine.tiers import in_memory
+    from engine.tiers.resident import ResidentExperts
+    from tests.fixtures.tiny_gguf import write_gguf
+    if not available(DEV):
+        pytest.skip("no CUDA device and TRITON_INTERPRET is not 1")
+    ck = GgufModel(write_gguf(tiny_checkpoint("qwen3_moe"), tmp_path / "q8.gguf", qtype="Q8_0"))
+    res = ResidentExperts.from_checkpoint(ck, DEV, torch.float32)
+    assert res.layout.quant == "q8_0"                    # the file's blocks, not floats dequantized at load
+    ref = in_memory(ck, device="cpu", dtype=torch.float32)
+    gen = torch.Generator().manual_seed(32)
+    layer, k = ck.moe_layers[-1], 2
+    for t in (1, 3):
+        x = torch.randn(t, ck.hidden, generator=gen)
+        ids = torch.stack([torch.randperm(ck.n_experts, generator=gen)[:k] for _ in range(t)])
+        w = torch.rand(t, k, generator=gen)
+        want = ref.forward(layer, x, ids, w).double()
+        got = res.forward(layer, x.to(DEV), ids.to(DEV), w.to(DEV)).double().cpu()
+        assert float((got - want).norm() / want.norm()) < 1e-4, t

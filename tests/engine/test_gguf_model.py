@@ -129,6 +129,24 @@ def test_a_real_q4_k_m_from_llama_quantize_loads(tiny_checkpoint, tmp_path):
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.5
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_gguf_served_alone_on_the_gpu_keeps_its_expert_blocks(arch, tiny_gguf):
+    """`engine serve --model FILE.gguf --experts resident` (no store): the GPU arena holds the file's own blocks as
+    the ggml records pack-store --quant gguf makes (rows order, read by quant_triton's mixed-type kernels), not the
+    experts dequantized to bf16 at load (a Q4_K_M would then read 3.5x its bytes a token). The arena is built on the
+    CPU here; on a GPU it is the same bytes on the device (the CUDA test below computes with it)."""
+    from engine.store.source import record_source
+    from engine.tiers.resident import ResidentExperts
+    ck = GgufModel(tiny_gguf(arch, "Q8_0")[1])
+    res = ResidentExperts.from_checkpoint(ck, torch.device("cpu"), torch.bfloat16)
+    layout, make = record_source(ck, order="rows", quant="gguf")
+    assert (res.layout.quant, res.layout.order, res.arena.dtype) == (layout.quant, "rows", torch.uint8)
+    assert res.layout.quant == "q8_0"                 # one type in every matrix: its own one-type records
+    for layer in ck.moe_layers:
+        for e in (0, ck.n_experts - 1):
+            assert torch.equal(res.arena[res.bases[layer] + e], make(layer, e))
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on the H200 by the integrator)")
 @pytest.mark.parametrize("arch", ARCHS)
 def test_a_gguf_loads_on_cuda_and_computes_as_on_the_cpu(arch, tiny_gguf):
