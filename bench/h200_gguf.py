@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 from bench.h200_peer import TINY_SHAPE
-from bench.h200_sampled import Clock, Skipped, llama_env, quantize
+from bench.h200_sampled import Clock, llama_env, quantize
 from bench.h200_served import kiln_server, measure_served
 from bench.harness import (gguf_convert, llama_bench_figures, log, machine, prompt_ids, write_result)
 from engine.measure import gguf_agreement as ga
@@ -164,19 +164,7 @@ def main():
                               else {k: ("met" if r[k] >= v else "missed") for k, v in TARGETS.items() if k in r})
         write_result(out, result)
 
-    def part(name: str, seconds: float, fn):
-        t0 = time.perf_counter()
-        try:
-            clock.need(seconds, name)
-            return fn()
-        except Skipped as e:
-            log(f"{name}: skipped: {e}")
-            return {"skipped": str(e)}
-        except Exception as e:          # one part failing must not lose the others' figures
-            log(f"{name}: FAILED: {type(e).__name__}: {e}")
-            return {"error": f"{type(e).__name__}: {str(e)[-3000:]}"}
-        finally:
-            log(f"== {name}: {time.perf_counter() - t0:.1f} s ({clock.left():.0f} s left)")
+    part = clock.part
 
     # 1. the weights
     from engine.store import manifest as mf

@@ -62,6 +62,22 @@ class Clock:
         if self.left() < seconds:
             raise Skipped(f"{what}: {self.left():.0f} s left of the call's {self.budget:.0f}, it needs ~{seconds:.0f}")
 
+    def part(self, name: str, seconds: float, fn):
+        """fn()'s result where ~`seconds` are left, else {"skipped": why}; a part that fails gives {"error": ...}
+        (one part failing must not lose the others' figures)."""
+        t0 = time.perf_counter()
+        try:
+            self.need(seconds, name)
+            return fn()
+        except Skipped as e:
+            log(f"{name}: skipped: {e}")
+            return {"skipped": str(e)}
+        except Exception as e:
+            log(f"{name}: FAILED: {type(e).__name__}: {e}")
+            return {"error": f"{type(e).__name__}: {str(e)[-3000:]}"}
+        finally:
+            log(f"== {name}: {time.perf_counter() - t0:.1f} s ({self.left():.0f} s left)")
+
 
 def llama_env(bin_dir: Path) -> dict:
     libs = [str(bin_dir), "/usr/local/cuda/lib64", "/usr/local/cuda-13.0/lib64", os.environ.get("LD_LIBRARY_PATH", "")]
@@ -168,19 +184,7 @@ def main():
         result["verdicts"] = {k: ("met" if r[k] >= v else "missed") for k, v in TARGETS.items() if k in r}
         write_result(out, result)
 
-    def part(name: str, seconds: float, fn):
-        t0 = time.perf_counter()
-        try:
-            clock.need(seconds, name)
-            return fn()
-        except Skipped as e:
-            log(f"{name}: skipped: {e}")
-            return {"skipped": str(e)}
-        except Exception as e:          # one part failing must not lose the others' figures
-            log(f"{name}: FAILED: {e}")
-            return {"error": str(e)[-3000:]}
-        finally:
-            log(f"== {name}: {time.perf_counter() - t0:.1f} s ({clock.left():.0f} s left)")
+    part = clock.part
 
     # 1. the weights
     model_dir, store, store4 = work / "model", work / "store", work / "store-int4"

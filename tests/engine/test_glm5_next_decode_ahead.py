@@ -5,11 +5,10 @@ for this CPU model (on the CPU a step is synchronous and the engine leaves it of
 does for the KV-only models."""
 from __future__ import annotations
 
-import threading
-
 import pytest
 
 from engine.llm import LLM, SamplingParams
+from tests.fixtures.callers import stream_together
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -31,18 +30,8 @@ def test_a_stream_stopping_beside_others_keeps_their_step_by_step_tokens(tiny_ch
         assert len(alone[1]) == at + 1
         monkeypatch.setattr(llm, "_chain", True)
         before = llm.counters()
-        results: dict[int, list[int]] = {}
-        start = threading.Barrier(len(prompts))
-
-        def caller(i):
-            start.wait()
-            results[i] = ids(llm.stream(prompts[i], params[i]))
-        threads = [threading.Thread(target=caller, args=(i,)) for i in range(len(prompts))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=120)
+        got = stream_together(llm, prompts, params, timeout=120)
         after = llm.counters()
         assert after["decode_ahead_steps_total"] > before["decode_ahead_steps_total"]
         assert after["decode_ahead_redone_total"] > before["decode_ahead_redone_total"]   # the case under test
-        assert [results.get(i) for i in range(len(prompts))] == alone
+        assert got == alone

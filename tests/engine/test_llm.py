@@ -8,6 +8,7 @@ import torch
 
 from engine.cli import main as engine_main
 from engine.llm import LLM, Overloaded, RequestFailed, SamplingParams, Token
+from tests.fixtures.callers import stream_together
 
 PROMPT = [5, 17, 200, 42, 99, 7, 311, 64, 128, 3, 250, 19]
 GREEDY = SamplingParams(max_tokens=20, ignore_eos=True)
@@ -42,23 +43,8 @@ def test_concurrent_streams_all_complete_with_their_own_tokens(llm):
     prompts = [PROMPT[:n] for n in (3, 5, 7, 9, 11, 12, 4)]     # 7 callers, 3 slots: some must queue
     alone = [ids(llm.generate(p, GREEDY)) for p in prompts]
     before = llm.counters()
-    results: dict[int, list[int]] = {}
-    errors: list[BaseException] = []
-    start = threading.Barrier(len(prompts))
-
-    def caller(i):
-        try:
-            start.wait()
-            results[i] = ids(llm.stream(prompts[i], GREEDY))
-        except BaseException as e:      # pragma: no cover - reported below
-            errors.append(e)
-    threads = [threading.Thread(target=caller, args=(i,)) for i in range(len(prompts))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
-    assert not errors and sorted(results) == list(range(len(prompts)))
-    assert [results[i] for i in range(len(prompts))] == alone
+    got = stream_together(llm, prompts, [GREEDY] * len(prompts))
+    assert got == alone
     after = llm.counters()
     assert after["generation_tokens_total"] - before["generation_tokens_total"] == 20 * len(prompts)
     assert after["prompt_tokens_total"] - before["prompt_tokens_total"] == sum(map(len, prompts))
@@ -327,18 +313,7 @@ def test_decoding_ahead_beside_joining_leaving_and_sampled_streams(llm, monkeypa
     alone = [ids(llm.generate(p, q)) for p, q in zip(prompts, params)]
     monkeypatch.setattr(llm, "_chain", True)
     before = llm.counters()
-    results: dict[int, list[int]] = {}
-    start = threading.Barrier(len(prompts))
-
-    def caller(i):
-        start.wait()
-        results[i] = ids(llm.stream(prompts[i], params[i]))
-    threads = [threading.Thread(target=caller, args=(i,)) for i in range(len(prompts))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
-    assert [results.get(i) for i in range(len(prompts))] == alone
+    assert stream_together(llm, prompts, params) == alone
     after = llm.counters()
     assert after["decode_ahead_steps_total"] > before["decode_ahead_steps_total"]
     assert after["active_streams"] == after["queued_streams"] == 0
