@@ -4,6 +4,7 @@ AVX2, plain C++) built and compared, and the model's native decode against its t
 from __future__ import annotations
 
 import ctypes
+from pathlib import Path
 
 import pytest
 import torch
@@ -209,3 +210,17 @@ def counts(c):
     if isinstance(c, dict):
         return {k: counts(v) for k, v in c.items() if "seconds" not in k}
     return c
+
+
+def test_the_engine_cli_makes_openmp_waits_spin_briefly_unless_the_caller_says(tmp_path):
+    """`engine` sets GOMP_SPINCOUNT=1000 before torch loads libgomp (its millisecond default spins collapsed the
+    demo's decode on a shared host, bench/README.md); a caller's GOMP_SPINCOUNT or OMP_WAIT_POLICY is kept."""
+    import os
+    import subprocess
+    import sys
+    probe = "import engine.cli, os; print(os.environ.get('GOMP_SPINCOUNT'))"
+    base = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+    for extra, want in (({}, "1000"), ({"GOMP_SPINCOUNT": "7"}, "7"), ({"OMP_WAIT_POLICY": "passive"}, "None")):
+        out = subprocess.run([sys.executable, "-c", probe], env={**base, **extra}, capture_output=True, text=True,
+                             check=True, cwd=Path(__file__).resolve().parents[2])
+        assert out.stdout.strip() == want, extra
