@@ -151,7 +151,9 @@ def emulated_logprobs(ckpt: str | os.PathLike, gguf: str | os.PathLike, ids: lis
     vec_dot_type as ggml's CPU does; `attention_f16`: attention's Q, K, V rounded to F16 (its F16 KV cache, its
     flash attention's F16 Q). Neither: the file's weights with float arithmetic (Kiln's arithmetic)."""
     from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32, attn_implementation="sdpa").eval()
+    # eager experts: transformers otherwise runs them as one grouped matmul, past F.linear and so past the rounding
+    model = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32, attn_implementation="sdpa",
+                                                 experts_implementation="eager").eval()
     weights = gguf_weights(gguf, model.config)
     params = dict(model.named_parameters())
     plan: dict[int, list[tuple[int, int, object]]] = {}
