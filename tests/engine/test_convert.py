@@ -290,9 +290,11 @@ def test_the_demo_model_decodes_natively_as_its_torch_forms_do(gguf, tmp_path, m
     ids = torch.tensor([1, 200, 49151])
     assert torch.equal(on.head.rows(ids), off.embed[ids])       # the blocks hold the float vocabulary's values
     calls = {"on": 0, "off": 0}
-    for owner, name in ((native, "int4_ffn"), (native, "int4pack_gemv"), (native.MoETail, "__call__")):
+    for owner, name, weight in ((native, "int4_ffn", 1), (native, "int4pack_gemv", 1), (native.MoETail, "__call__", 1),
+                                (native.DecodeLayers, "__call__", 30)):   # one DecodeLayers call: 30 layers' halves
         fn = getattr(owner, name)                     # which model's steps reach the native int4 kernels
-        monkeypatch.setattr(owner, name, lambda *a, fn=fn: calls.__setitem__(side, calls[side] + 1) or fn(*a))
+        monkeypatch.setattr(owner, name,
+                            lambda *a, fn=fn, w=weight: calls.__setitem__(side, calls[side] + w) or fn(*a))
     with torch.inference_mode():
         side = "on"
         toks, rows = greedy(on, list(range(300, 340)), 17)
