@@ -159,7 +159,7 @@ if triton is not None:
                            dt_bias_ptr, a_log_ptr, onorm_ptr, out_ptr,
                            CS_SLOT, CS_CH, SS_SLOT, lower, eps, qscale,
                            HEADS: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, KERNEL: tl.constexpr,
-                           HAS_LOWER: tl.constexpr):
+                           KP: tl.constexpr, HAS_LOWER: tl.constexpr):
         """Sequence b, head h: the conv windows of its q, k, v channels advanced by this token, q/k/v, g and beta,
         the delta rule on its state [dk, dv] and the output's gated RMSNorm, written in the model dtype."""
         b = tl.program_id(0).to(tl.int64)
@@ -168,6 +168,7 @@ if triton is not None:
         d = tl.arange(0, BLOCK_D)
         dm = d < D
         slot = tl.load(idx_ptr + b).to(tl.int64)
+        jj = tl.arange(0, KP)
         q = tl.zeros([BLOCK_D], dtype=tl.float32)
         k = tl.zeros([BLOCK_D], dtype=tl.float32)
         v = tl.zeros([BLOCK_D], dtype=tl.float32)
@@ -175,14 +176,14 @@ if triton is not None:
             c = part * QKV + h * D + d
             win = conv_ptr + slot * CS_SLOT + c * CS_CH
             new = tl.load(mixed_ptr + b * 3 * QKV + c, mask=dm, other=0.0).to(tl.float32)
-            acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-            prev = tl.zeros([BLOCK_D], dtype=tl.float32)
-            for j in tl.static_range(KERNEL - 1):          # the window, oldest first, each shifted one back
-                xj = tl.load(win + j, mask=dm, other=0.0)
-                acc += xj * tl.load(convw_ptr + c * KERNEL + j, mask=dm, other=0.0)
-                if j > 0:
-                    tl.store(win + j - 1, xj, mask=dm)
+            # The whole window, oldest first, read before any of it is written: threads holding copies of one
+            # channel (a block wider than the channels) would otherwise read a place another has already shifted.
+            wm = dm[:, None] & (jj[None, :] < KERNEL - 1)
+            x = tl.load(win[:, None] + jj[None, :], mask=wm, other=0.0)                        # [BLOCK_D, KP]
+            acc = tl.sum(x * tl.load(convw_ptr + c[:, None] * KERNEL + jj[None, :], mask=wm, other=0.0), axis=1)
             acc += new * tl.load(convw_ptr + c * KERNEL + KERNEL - 1, mask=dm, other=0.0)
+            tl.debug_barrier()
+            tl.store(win[:, None] + jj[None, :] - 1, x, mask=wm & (jj[None, :] > 0))          # shifted one back
             tl.store(win + KERNEL - 2, new, mask=dm)
             y = acc * tl.sigmoid(acc)                        # SiLU
             if part == 0:
@@ -207,6 +208,7 @@ if triton is not None:
         kv_mem = tl.sum(st * k[:, None], axis=0)
         delta = (v - kv_mem) * beta
         st = st + k[:, None] * delta[None, :]
+        tl.debug_barrier()              # every copy of the state read before any is written back (as above)
         tl.store(sp, st, mask=sm)
         o = tl.sum(st * q[:, None], axis=0)
         o = o / tl.sqrt(tl.sum(o * o, axis=0) / D + eps) * tl.load(onorm_ptr + d, mask=dm, other=0.0)
@@ -382,6 +384,7 @@ def kda_decode(mixed: torch.Tensor, f_b: torch.Tensor, b_proj: torch.Tensor, gat
         mixed.contiguous(), f_b.contiguous(), b_proj.contiguous(), gate.contiguous(), conv_w, conv, state, idx,
         dt_bias, a_log, o_norm, out, conv.stride(0), conv.stride(1), state.stride(0),
         0.0 if lower is None else float(lower), eps, d ** -0.5, HEADS=heads, D=d, BLOCK_D=_pow2(d), KERNEL=conv_w.shape[1],
+        KP=_pow2(conv_w.shape[1] - 1),
         HAS_LOWER=lower is not None, num_warps=4)     # 8 warps: ptxas spills 18 KB a thread (sm_90, d 128)
     return out
 

@@ -64,7 +64,7 @@ out = {"hc_dots": compile(tg._hc_dots_kernel, dict(x_ptr=b, fn_ptr=f, part_ptr=f
        "kda_decode": compile(tg._kda_decode_kernel, dict(mixed_ptr=b, fb_ptr=b, b_ptr=b, gate_ptr=b, convw_ptr=f,
                              conv_ptr=f, state_ptr=f, idx_ptr="*i64", dt_bias_ptr=f, a_log_ptr=f, onorm_ptr=f,
                              out_ptr=b, CS_SLOT=i, CS_CH=i, SS_SLOT=i, lower=p, eps=p, qscale=p, HEADS=64, D=128,
-                             BLOCK_D=128, KERNEL=4, HAS_LOWER=True), num_warps=4),
+                             BLOCK_D=128, KERNEL=4, KP=4, HAS_LOWER=True), num_warps=4),
        "mla_attention": compile(tg._mla_attention_kernel, dict(qlat_ptr=b, lat_ptr=b, idx_ptr="*i64", keys_ptr="*i64",
                                 valid_ptr="*u8", o_ptr=b, part_ptr=f, ml_ptr=f, QS_H=i, QS_B=i, LS_SLOT=i, LS_POS=i,
                                 OS_H=i, OS_B=i, S=i, scale=p, B=i, H=64, R=512, BLOCK_R=512, BH=tg.MLA_HEADS,
