@@ -9,7 +9,7 @@ from engine.checkpoint import CheckpointError
 from engine.kernels import native
 from engine.kernels.quant_cpu import int4_mm
 from engine.quant.gguf import GGUF_TYPES
-from engine.quant.records import (FOUR_BIT, GGUF_BLOCK, INT4PACK_N, affine4, dequantize_int4pack, dequantize_matrix,
+from engine.quant.records import (FOUR_BIT, GGUF_BLOCK, INT4PACK_N, affine4, dequantize_int4pack,
                                   int4pack_operands, to_int4pack)
 
 
@@ -149,36 +149,3 @@ def int4_fits(parts: list[tuple[str, torch.Tensor]]) -> bool:
     """torch's CPU int4 operand tiles 64 output rows and reads 32-weight groups."""
     return all(s in FOUR_BIT and block_shape(s, b)[0] % INT4PACK_N == 0 for s, b in parts)
 
-
-def gguf_projection(w, names: list[str], rows: bool = False):
-    """The projection of weights `names` (stacked) where the checkpoint is a GGUF whose blocks hold every one of
-    them (engine.gguf_model's ggml_blocks): kept in their own types on the CPU (engine.gguf_tensors.projection),
-    dequantized once elsewhere. None where any is not (a float tensor, a checkpoint directory)."""
-    ggml_blocks = getattr(w, "ggml_blocks", None)      # glm5_next's shape-checked source: floats only
-    kept = [ggml_blocks(f"{n}.weight") for n in names] if ggml_blocks is not None else [None]
-    if any(k is None for k in kept):
-        return None
-    from engine import gguf_tensors                  # it builds on the projections here
-    return gguf_tensors.projection([(n, *k) for n, k in zip(names, kept)], device=w.device, dtype=w.dtype, rows=rows)
-
-
-def dense_projection(w, names: list[str], bias: torch.Tensor | None):
-    """The projection of checkpoint weights `names` (stacked along the output, in order): a GGUF's 4-bit blocks
-    where the checkpoint kept them (engine convert --attention-blocks) stay 4-bit on the CPU and are
-    dequantized on other devices; a GGUF file's own blocks of any type (no bias) as gguf_projection keeps them;
-    float weights are a Projection as before."""
-    parts = [w.blocks(n) for n in names]
-    if all(p is None for p in parts):
-        if bias is None and (kept := gguf_projection(w, names)) is not None:
-            return kept
-        return Projection(torch.cat([w.get(f"{n}.weight") for n in names]) if len(names) > 1
-                          else w.get(f"{names[0]}.weight"), bias)
-    if any(p is None for p in parts):
-        raise CheckpointError(f"{', '.join(names)}: some kept as GGUF blocks, some as float weights (one projection "
-                              "takes one form)")
-    if bias is not None:
-        raise CheckpointError(f"{', '.join(names)}: a bias beside GGUF blocks (engine convert writes none)")
-    if torch.device(w.device).type == "cpu" and int4_fits(parts):
-        return Int4Projection(parts)
-    dense = [dequantize_matrix(s, b.reshape(-1), *block_shape(s, b)) for s, b in parts]
-    return Projection(torch.cat(dense).to(device=w.device, dtype=w.dtype))

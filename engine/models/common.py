@@ -33,7 +33,8 @@ from engine.kernels import native, triton_decode
 from engine.kernels.quant_cpu import native_ffn_group
 from engine.quant import ggml
 from engine.kv_cache import KVCache, kv_bucket, kv_buckets, select
-from engine.dense_weights import Int4Projection, Projection, Q8Projection, dense_projection, gguf_projection
+from engine.checkpoint_projections import dense_projection, gguf_projection
+from engine.dense_weights import Int4Projection, Projection, Q8Projection
 from engine.gguf_tensors import BlockProjection
 from engine.sampling import Penalties, Picks, RowSpec, mode
 

@@ -316,7 +316,7 @@ def test_a_projection_half_in_blocks_half_in_floats_is_one_line_not_a_traceback(
     import torch
     from gguf import GGUFReader
     from engine.checkpoint import CheckpointError
-    from engine.dense_weights import dense_projection
+    from engine.checkpoint_projections import dense_projection
 
     t = {x.name: x for x in GGUFReader(str(gguf)).tensors}
     q = torch.from_numpy(np.array(t["blk.0.attn_q.weight"].data, dtype=np.uint8))
