@@ -3,8 +3,9 @@ sub-blocks a load) — the decode GEMVs and the prefill grouped GEMM — against
 float64 matmul, for every GGML type Kiln reads, on random blocks holding the edge cases (tests.engine.test_ggml_types'
 random_blocks: a zero scale, every code bit clear, every bit set) and rows that are not whole tiles (96 and 160 inputs
 for the 32-weight types: the GEMM's 128-wide k tiles end part-way, the masks bite). Through Triton's interpreter on
-CPU tensors here (TRITON_INTERPRET=1); on CUDA (the H200) on the device. Also: the providers name each layer's types,
-and the kernels compile for an H200 (sm_90, no GPU touched) at Qwen3-30B-A3B's shapes in bf16.
+CPU tensors here (TRITON_INTERPRET=1); on CUDA (the H200) on the device. Also: the providers name each layer's types;
+dense matrices kept in their blocks on the GPU (engine.kernels.ggml_linear) per type the same way; and every kernel
+compiles for an H200 (sm_90, no GPU touched) at Qwen3-30B-A3B's shapes in bf16.
 """
 from __future__ import annotations
 
@@ -124,6 +125,55 @@ def test_a_gguf_resident_names_each_layers_types(tiny_checkpoint, tmp_path):
         assert float((got - want).norm() / want.norm()) < 1e-4, t
 
 
+# ------------------------------------------------------------------ dense matrices kept in their blocks
+
+@pytest.mark.parametrize("name", list(ggml.TYPES))
+def test_dense_blocks_on_the_device_compute_as_gguf_dequantizes_them(name):
+    """engine.gguf_tensors.DeviceBlockProjection (engine.kernels.ggml_linear): the GEMV for decode's few rows and the
+    GEMM for prefill's many, against gguf's dequantization then a float64 matmul; 20 outputs (not whole 8- or
+    128-row blocks) of inputs not whole chunks or k tiles where the type allows (96, 160)."""
+    from engine.gguf_tensors import DeviceBlockProjection
+    from engine.kernels.ggml_linear import GEMV_ROWS
+    from tests.engine.test_ggml_types import gguf_dense, inputs_for, random_blocks
+    _kernels()
+    gen = torch.Generator().manual_seed(53)
+    for inp in inputs_for(name):
+        out = 20
+        blocks = random_blocks(name, out, inp, gen)
+        if name in ggml.FLOAT_TYPES:
+            want_w = blocks.view({"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}[name]).float()
+            want_w = want_w.reshape(out, inp).double()
+        else:
+            want_w = gguf_dense(name, blocks, out, inp)
+        proj = DeviceBlockProjection(name, blocks.to(DEV), out, inp)
+        for rows in (1, GEMV_ROWS + 9):
+            x = torch.randn(rows, inp, generator=gen)
+            want = x.double() @ want_w.t()
+            got = proj(x.to(DEV)).double().cpu()
+            assert got.shape == (rows, out)
+            assert float((got - want).norm() / want.norm()) < 1e-5, (rows, inp)
+        got = proj(x[0].to(DEV)).double().cpu()          # one row without a batch dimension (the head's h[-1])
+        assert got.shape == (out,)
+
+
+@pytest.mark.skipif(not CUDA, reason="the GPU's projections: a CUDA device")
+def test_a_gguf_projection_on_the_gpu_keeps_each_types_blocks():
+    """engine.gguf_tensors.projection on CUDA: q|k|v of two types as one StackedProjection of DeviceBlockProjections
+    (no bf16 copy), computing as gguf dequantizes them."""
+    from engine.gguf_tensors import DeviceBlockProjection, StackedProjection, projection
+    from tests.engine.test_ggml_types import gguf_dense, random_blocks
+    gen = torch.Generator().manual_seed(54)
+    parts = [("q", "q4_k", random_blocks("q4_k", 64, 256, gen)), ("k", "q4_k", random_blocks("q4_k", 16, 256, gen)),
+             ("v", "q6_k", random_blocks("q6_k", 16, 256, gen))]
+    p = projection(parts, device="cuda", dtype=torch.bfloat16)
+    assert isinstance(p, StackedProjection) and all(isinstance(q, DeviceBlockProjection) for q in p.parts)
+    assert [q.out_features for q in p.parts] == [80, 16]
+    w = torch.cat([gguf_dense(t, b, b.shape[0], 256) for _, t, b in parts])
+    x = torch.randn(3, 256, generator=gen)
+    got = p(x.cuda()).double().cpu()
+    assert float((got - x.double() @ w.t()).norm() / (x.double() @ w.t()).norm()) < 1e-5
+
+
 # The typed kernels compiled for an H200 (sm_90: Triton's passes and ptxas, no device touched) at Qwen3-30B-A3B's
 # expert shapes (hidden 2048, intermediate 768) in bf16 with the launch options the wrappers use, for Q4_K_M's
 # layers (Q6_K downs or Q4_K) and the 32-weight fallbacks: what the interpreter cannot check (layouts, tl.dot's
@@ -142,7 +192,7 @@ def compile(fn, args, **options):
     sig = {n: args[n] if isinstance(args[n], str) else "constexpr" for n in fn.arg_names}
     const = {n: v for n, v in args.items() if not isinstance(v, str)}
     k = triton.compile(ASTSource(fn, sig, const), target=GPUTarget("cuda", 90, 32), options=options)
-    return {"shared": k.metadata.shared, "spills": getattr(k, "n_spills", None)}
+    return k.metadata.shared
 
 H, I = 2048, 768
 b, f, u8, i64, i32 = "*bf16", "*fp32", "*u8", "*i64", "*i32"
@@ -169,6 +219,15 @@ for types in (("q4_k", "q4_k", "q6_k"), ("q4_k", "q4_k", "q4_k"), ("q5_0", "q5_0
         out[f"{name} down_gemm {bm}"] = compile(qt._down_gemm, dict(h_ptr=b, arena_ptr=u8, block_slot_ptr=i32,
             pair_ptr=i32, w_ptr=b, y_ptr=f, H=H, I=I, REC=lay.record_bytes, DOWN=reg["down"][0], TD=td, SD=sd,
             **launch), num_warps=warps, num_stages=3)
+from engine.kernels import ggml_linear as gl
+for ty, (o, n) in (("q4_k", (4096 + 1024, 2048)), ("q6_k", (2048, 4096)), ("q8_0", (512, 2048)), ("q5_0", (4096, 2048)),
+                   ("q6_k", (151936, 2048))):
+    code, s = ggml.ggml_type(ty).code, qt.SUB[ty]
+    out[f"dense {ty} {o}x{n} gemv"] = compile(gl._gemv, dict(x_ptr=b, w_ptr=u8, y_ptr=b, OUT=o, IN=n, T=code, S=s,
+                                              BLOCK_R=8, CHUNK=qt.chunk(n)), num_warps=4)
+    for rows, (bm, bn, bk, warps) in gl.GEMM_TILES.items():
+        out[f"dense {ty} {o}x{n} gemm {rows}"] = compile(gl._gemm, dict(x_ptr=b, w_ptr=u8, y_ptr=b, N="i32", OUT=o,
+            IN=n, T=code, S=s, IEEE=False, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk), num_warps=warps, num_stages=3)
 print(json.dumps(out))
 """
 
@@ -184,5 +243,5 @@ def test_the_typed_kernels_compile_for_an_h200_at_qwen3_30b_a3b_shapes():
                          cwd=Path(__file__).resolve().parents[2])
     assert run.returncode == 0, run.stderr[-4000:]
     got = json.loads(run.stdout.splitlines()[-1])
-    assert len(got) == 4 * (2 + 2 * 3), sorted(got)
-    assert max(v["shared"] for v in got.values()) <= 232448, got        # an H200 block's shared memory (227 KiB)
+    assert len(got) == 4 * (2 + 2 * 3) + 5 * 3, sorted(got)
+    assert max(got.values()) <= 232448, got        # an H200 block's shared memory (227 KiB)
