@@ -174,6 +174,34 @@ def test_a_gguf_projection_on_the_gpu_keeps_each_types_blocks():
     assert float((got - x.double() @ w.t()).norm() / (x.double() @ w.t()).norm()) < 1e-5
 
 
+@pytest.mark.skipif(not CUDA, reason="the GPU's projections: a CUDA device")
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q5_0"])
+def test_a_gguf_model_on_cuda_keeps_its_dense_blocks_and_computes_as_on_the_cpu(qtype, tiny_checkpoint, tmp_path):
+    """`engine serve --model FILE.gguf --device cuda`'s model: attention's q|k|v and o (and an untied output) are the
+    file's blocks on the GPU, and the logits are the CPU's (its native kernels on the same blocks) to fp32 order."""
+    from engine.dense_weights import Projection
+    from engine.gguf_model import GgufModel
+    from engine.gguf_tensors import DeviceBlockProjection, StackedProjection
+    from engine.loader import load_model
+    from tests.fixtures.tiny_gguf import write_gguf
+    path = write_gguf(tiny_checkpoint("qwen3_moe"), tmp_path / f"{qtype}.gguf", qtype=qtype)
+    gpu = load_model(path, max_context=64, device="cuda", dtype="float32")
+    attn = gpu.layers[0].attn
+    for p in (attn.qkv, attn.o):
+        assert isinstance(p, (DeviceBlockProjection, StackedProjection)) and not isinstance(p, Projection)
+    if "output.weight" in GgufModel(path).tensors:
+        assert isinstance(gpu.head, DeviceBlockProjection)
+    seq = torch.tensor([5, 17, 200, 42, 99, 7, 311, 64, 128, 3, 250, 19])
+
+    def logits(model):
+        with torch.inference_mode():
+            got = [model.prefill(seq[:6], slot=0, all_logits=True)]
+            got += [model.decode_step([int(seq[i])], [0], [i]) for i in range(6, len(seq))]
+        return torch.cat(got).float().cpu()
+    want = logits(load_model(path, max_context=64))
+    torch.testing.assert_close(logits(gpu), want, rtol=0, atol=2e-3 * float(want.abs().max()))
+
+
 # The typed kernels compiled for an H200 (sm_90: Triton's passes and ptxas, no device touched) at Qwen3-30B-A3B's
 # expert shapes (hidden 2048, intermediate 768) in bf16 with the launch options the wrappers use, for Q4_K_M's
 # layers (Q6_K downs or Q4_K) and the 32-weight fallbacks: what the interpreter cannot check (layouts, tl.dot's
