@@ -59,15 +59,18 @@ if triton is not None:
                  mask=xmask[:, None] & rmask[None, :])
 
 
-# (block_m, block_n, block_k, warps) by rows of x: not measured on the H200 yet (the experts' GEMM_TILES' shapes).
-GEMM_TILES = {64: (64, 128, 64, 4), 128: (128, 128, 64, 8)}
+# (block_m, block_n, block_k, warps) by rows of x, and the GEMV's (block_r, most_chunk, warps): not timed on the H200
+# yet; chosen where ptxas (sm_90, Triton 3.6) spills no register at Qwen3-30B-A3B's q|k|v, o and head for Q4_K, Q6_K
+# and Q8_0 (bench/probes/gguf_kernels.py times them on the device). 64 x 128 x 64 with 4 warps spilled.
+GEMM_TILES = {64: (64, 128, 64, 8), 128: (128, 128, 64, 8)}
+GEMV = (8, 1024, 8)
 
 
-def ggml_linear(x: torch.Tensor, blocks: torch.Tensor, ggml_type: str | int, out: int, *, block_r: int = 8,
-                most_chunk: int = 1024, warps: int = 4, tile: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+def ggml_linear(x: torch.Tensor, blocks: torch.Tensor, ggml_type: str | int, out: int, *,
+                gemv: tuple[int, int, int] | None = None, tile: tuple[int, int, int, int] | None = None) -> torch.Tensor:
     """x [N, in] (contiguous) · Wᵀ, W the [out, in] matrix whose blocks are `blocks` (uint8, out·row bytes, on x's
-    device) of GGML type ggml_type → [N, out] in x.dtype. block_r / most_chunk / warps: the GEMV's; tile: the GEMM's
-    (block_m, block_n, block_k, warps), None: GEMM_TILES by N."""
+    device) of GGML type ggml_type → [N, out] in x.dtype. gemv: the GEMV's (block_r, most_chunk, warps), None: GEMV;
+    tile: the GEMM's (block_m, block_n, block_k, warps), None: GEMM_TILES by N."""
     g = ggml.ggml_type(ggml_type)
     n, inp = x.shape
     y = torch.empty(n, out, dtype=x.dtype, device=x.device)
@@ -75,6 +78,7 @@ def ggml_linear(x: torch.Tensor, blocks: torch.Tensor, ggml_type: str | int, out
         return y
     t, s = g.code, SUB[g.name]
     if n <= GEMV_ROWS:
+        block_r, most_chunk, warps = gemv or GEMV
         _gemv[(n, triton.cdiv(out, block_r))](x, blocks, y, OUT=out, IN=inp, T=t, S=s, BLOCK_R=block_r,
                                               CHUNK=chunk(inp, most_chunk), num_warps=warps)
         return y
@@ -85,4 +89,4 @@ def ggml_linear(x: torch.Tensor, blocks: torch.Tensor, ggml_type: str | int, out
     return y
 
 
-__all__ = ["GEMV_ROWS", "GEMM_TILES", "available", "ggml_linear"]
+__all__ = ["GEMV", "GEMV_ROWS", "GEMM_TILES", "available", "ggml_linear"]

@@ -642,6 +642,15 @@ def _typed(layout: QuantLayout, types) -> list[tuple[int, int]] | None:
     return [(g.code, SUB[g.name]) for g in got]
 
 
+# The typed GEMVs' tiles (gate/up: block_i rows, up to up_chunk weights a step; down: block_h, down_chunk), and the
+# typed grouped GEMM's (block_n, block_k, warps) by block_m: not timed on the H200 yet; chosen where ptxas (sm_90,
+# Triton 3.6) spills no register at Qwen3-30B-A3B's experts (Q4_K gate/up, Q6_K down) — int4's GEMM_TILES spill
+# hundreds of bytes with these tiles (two [block_n, block_k] weight tiles decoded a step). bench/probes/gguf_kernels.py
+# times them on the device.
+TYPED_GEMV = dict(block_i=8, up_chunk=1024, up_warps=8, block_h=32, down_chunk=256, down_warps=4)
+TYPED_GEMM_TILES = {16: (64, 128, 8), 32: (128, 64, 8), 64: (64, 64, 8), 128: (64, 64, 8)}
+
+
 def chunk(inp: int, most: int = 1024) -> int:
     """Weights per step of the typed GEMVs: the largest power of two up to `most` dividing `inp` (at least 32, every
     sub-block's multiple: the masks cover a row that is not whole chunks)."""
@@ -663,13 +672,14 @@ def quant_slot_moe(x: torch.Tensor, arena: torch.Tensor, slots: torch.Tensor, to
                    layout: QuantLayout, *, block_i: int = 8, block_h: int = 32, slot_offset: int = 0,
                    table: torch.Tensor | None = None, log: torch.Tensor | None = None,
                    max_span: int = 64, warps: int = 2, limit: float | None = None, types=None,
-                   most_chunk: int = 1024, typed_warps: int = 4) -> torch.Tensor:
+                   typed: dict | None = None) -> torch.Tensor:
     """Decode: Σ_k w[t,k]·expert(slot_offset + slots[t,k])(x[t]) by the GEMV kernels. x [T,H]; arena
     [S, record_bytes] uint8; slots [T,K]; topk_weights [T,K]. Returns [T,H] in x.dtype. table / log: as
     engine.kernels.triton_moe.slot_moe's (byte offsets here: the arena is bytes). max_span / warps: the int8/int4
     GEMVs' groups per load (span) and warps a program. types: the (gate, up, down) GGML types of every record read
     (one layer's): GGUF records then go through the typed GEMVs (_ggml_sub: whole sub-blocks, the types compiled
-    in; most_chunk weights a step, typed_warps), else a ggml: record's header names its types per element."""
+    in; `typed` overrides TYPED_GEMV's tiles, and block_i / block_h do not apply), else a ggml: record's header
+    names its types per element."""
     t, k = slots.shape
     hdim, idim = layout.hidden, layout.intermediate
     p = t * k
@@ -696,16 +706,17 @@ def quant_slot_moe(x: torch.Tensor, arena: torch.Tensor, slots: torch.Tensor, to
             DOWN=layout.regions["down"][0], FMT=prm["FMT"], G=gi, BLOCK_H=block_h,
             SPAN=span(idim // gi, max_span), num_warps=warps)
         return sum_picks(y, t, k, x.dtype)
-    if (typed := _typed(layout, types)) is not None:
-        (tg, sg), (tu, su), (td, sd) = typed
-        _gate_up_gemv_ggml[(p, triton.cdiv(idim, block_i))](
+    if (tys := _typed(layout, types)) is not None:
+        (tg, sg), (tu, su), (td, sd) = tys
+        c = {**TYPED_GEMV, **(typed or {})}
+        _gate_up_gemv_ggml[(p, triton.cdiv(idim, c["block_i"]))](
             x.contiguous(), arena, slot_flat, h, slot_offset, tab, lg, K=k, H=hdim, I=idim, LOG=use_log, **where,
-            GATE=prm["GATE"], UP=prm["UP"], TG=tg, TU=tu, SG=sg, SU=su, BLOCK_I=block_i,
-            CHUNK=chunk(hdim, most_chunk), LIMIT=limit_arg(limit), num_warps=typed_warps)
-        _down_gemv_ggml[(p, triton.cdiv(hdim, block_h))](
+            GATE=prm["GATE"], UP=prm["UP"], TG=tg, TU=tu, SG=sg, SU=su, BLOCK_I=c["block_i"],
+            CHUNK=chunk(hdim, c["up_chunk"]), LIMIT=limit_arg(limit), num_warps=c["up_warps"])
+        _down_gemv_ggml[(p, triton.cdiv(hdim, c["block_h"]))](
             h, arena, slot_flat, w_flat, y, slot_offset, tab, H=hdim, I=idim, **where,
-            DOWN=layout.regions["down"][0], TD=td, SD=sd, BLOCK_H=block_h, CHUNK=chunk(idim, most_chunk),
-            num_warps=typed_warps)
+            DOWN=layout.regions["down"][0], TD=td, SD=sd, BLOCK_H=c["block_h"], CHUNK=chunk(idim, c["down_chunk"]),
+            num_warps=c["down_warps"])
         return sum_picks(y, t, k, x.dtype)
     _gate_up_gemv[(p, triton.cdiv(idim, block_i))](
         x.contiguous(), arena, slot_flat, h, slot_offset, tab, lg, K=k, H=hdim, I=idim, LOG=use_log, **where,
@@ -777,7 +788,9 @@ def quant_grouped_moe(x: torch.Tensor, arena: torch.Tensor, slots: torch.Tensor,
     flat = slots.reshape(-1).to(torch.int64)
     runs = _runs(flat)
     bm = block_m or block_m_for(p, runs[1].numel(), o["most_m"])
-    tile_n, tile_k, tile_warps = GEMM_TILES.get(bm, GEMM_TILES[32])
+    tys = _typed(layout, types)
+    tiles = GEMM_TILES if tys is None else TYPED_GEMM_TILES
+    tile_n, tile_k, tile_warps = tiles.get(bm, tiles[32])
     pairs, block_slot = _align_pairs(flat, bm, runs)
     nb = block_slot.numel()
     h = torch.zeros(p, idim, dtype=x.dtype, device=x.device)
@@ -793,9 +806,9 @@ def quant_grouped_moe(x: torch.Tensor, arena: torch.Tensor, slots: torch.Tensor,
     launch = dict(IEEE=ieee, VEC=vec, BLOCK_M=bm, BLOCK_N=bn, num_warps=o.get("warps", tile_warps),
                   num_stages=o["stages"])
     fmt, up_types, down_types = prm["FMT"], {}, {}
-    if (typed := _typed(layout, types)) is not None:      # block_k: a power of two from 32, whole sub-blocks
+    if tys is not None:                   # block_k: a power of two from 32, whole sub-blocks
         fmt = TYPED_FMT
-        (tg, sg), (tu, su), (td, sd) = typed
+        (tg, sg), (tu, su), (td, sd) = tys
         up_types, down_types = dict(TG=tg, TU=tu, SG=sg, SU=su), dict(TD=td, SD=sd)
     _gate_up_gemm[(nb, triton.cdiv(idim, bn))](
         x.contiguous(), arena, block_slot, pairs, h, K=k, H=hdim, I=idim, REC=rec, GATE=prm["GATE"],

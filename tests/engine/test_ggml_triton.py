@@ -40,7 +40,8 @@ def _kernels():
     if CUDA:
         return quant_slot_moe, quant_grouped_moe
     # The interpreter runs each program in numpy: fewer, larger programs (the masks still bite).
-    return partial(quant_slot_moe, block_i=64, block_h=128), partial(quant_grouped_moe, block_n=128, block_k=128)
+    return (partial(quant_slot_moe, block_i=64, block_h=128, typed=dict(block_i=32, block_h=64)),
+            partial(quant_grouped_moe, block_n=128, block_k=128))
 
 
 def _want(x, made, slots, w):
@@ -216,11 +217,19 @@ from engine.kernels import quant_triton as qt
 from engine.quant import ggml
 from engine.quant.records import QuantLayout, mixed_scheme
 
-def compile(fn, args, **options):
+import os, re, subprocess, tempfile
+PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+
+def compile(fn, args, **options):         # (shared memory bytes, bytes ptxas spills) of the kernel for sm_90
     sig = {n: args[n] if isinstance(args[n], str) else "constexpr" for n in fn.arg_names}
     const = {n: v for n, v in args.items() if not isinstance(v, str)}
     k = triton.compile(ASTSource(fn, sig, const), target=GPUTarget("cuda", 90, 32), options=options)
-    return k.metadata.shared
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(k.asm["ptx"])
+    r = subprocess.run([PTXAS, "-v", "--gpu-name", "sm_90a", f.name, "-o", os.devnull], capture_output=True, text=True)
+    os.unlink(f.name)
+    spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", r.stderr)]
+    return [k.metadata.shared, sum(spills) if spills else None]
 
 H, I = 2048, 768
 b, f, u8, i64, i32 = "*bf16", "*fp32", "*u8", "*i64", "*i32"
@@ -232,12 +241,13 @@ for types in (("q4_k", "q4_k", "q6_k"), ("q4_k", "q4_k", "q4_k"), ("q5_0", "q5_0
     name = "/".join(types)
     out[name + " gate_up_gemv"] = compile(qt._gate_up_gemv_ggml, dict(x_ptr=b, arena_ptr=u8, slot_ptr=i64, h_ptr=b,
         SLOT_OFF="i32", table_ptr=i64, log_ptr=i32, K=8, H=H, I=I, REC=lay.record_bytes, TABLE=False, LOG=False,
-        GATE=reg["gate"][0], UP=reg["up"][0], TG=tg, TU=tu, SG=sg, SU=su, BLOCK_I=8, CHUNK=qt.chunk(H), LIMIT=0.0),
-        num_warps=4)
+        GATE=reg["gate"][0], UP=reg["up"][0], TG=tg, TU=tu, SG=sg, SU=su, BLOCK_I=qt.TYPED_GEMV["block_i"],
+        CHUNK=qt.chunk(H, qt.TYPED_GEMV["up_chunk"]), LIMIT=0.0), num_warps=qt.TYPED_GEMV["up_warps"])
     out[name + " down_gemv"] = compile(qt._down_gemv_ggml, dict(h_ptr=b, arena_ptr=u8, slot_ptr=i64, w_ptr=b, y_ptr=f,
         SLOT_OFF="i32", table_ptr=i64, H=H, I=I, REC=lay.record_bytes, TABLE=False, DOWN=reg["down"][0], TD=td, SD=sd,
-        BLOCK_H=32, CHUNK=qt.chunk(I)), num_warps=4)
-    for bm, (bn, bk, warps) in qt.GEMM_TILES.items():
+        BLOCK_H=qt.TYPED_GEMV["block_h"], CHUNK=qt.chunk(I, qt.TYPED_GEMV["down_chunk"])),
+        num_warps=qt.TYPED_GEMV["down_warps"])
+    for bm, (bn, bk, warps) in qt.TYPED_GEMM_TILES.items():
         if bm > qt.GEMM_DEFAULTS["most_m"]:
             continue
         launch = dict(IEEE=False, VEC=False, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, FMT=qt.TYPED_FMT, G=1)
@@ -251,8 +261,9 @@ from engine.kernels import ggml_linear as gl
 for ty, (o, n) in (("q4_k", (4096 + 1024, 2048)), ("q6_k", (2048, 4096)), ("q8_0", (512, 2048)), ("q5_0", (4096, 2048)),
                    ("q6_k", (151936, 2048))):
     code, s = ggml.ggml_type(ty).code, qt.SUB[ty]
+    br, most, warps = gl.GEMV
     out[f"dense {ty} {o}x{n} gemv"] = compile(gl._gemv, dict(x_ptr=b, w_ptr=u8, y_ptr=b, OUT=o, IN=n, T=code, S=s,
-                                              BLOCK_R=8, CHUNK=qt.chunk(n)), num_warps=4)
+                                              BLOCK_R=br, CHUNK=qt.chunk(n, most)), num_warps=warps)
     for rows, (bm, bn, bk, warps) in gl.GEMM_TILES.items():
         out[f"dense {ty} {o}x{n} gemm {rows}"] = compile(gl._gemm, dict(x_ptr=b, w_ptr=u8, y_ptr=b, N="i32", OUT=o,
             IN=n, T=code, S=s, IEEE=False, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk), num_warps=warps, num_stages=3)
@@ -272,4 +283,8 @@ def test_the_typed_kernels_compile_for_an_h200_at_qwen3_30b_a3b_shapes():
     assert run.returncode == 0, run.stderr[-4000:]
     got = json.loads(run.stdout.splitlines()[-1])
     assert len(got) == 4 * (2 + 2 * 3) + 5 * 3, sorted(got)
-    assert max(got.values()) <= 232448, got        # an H200 block's shared memory (227 KiB)
+    assert max(v[0] for v in got.values()) <= 232448, got        # an H200 block's shared memory (227 KiB)
+    # The tiles were chosen for no spill with Q4_K_M's types and the 32-weight fallbacks; IQ4_XS's code book (a tree
+    # of selects) spills a few bytes in one GEMM tile, kept (a rarer type).
+    spilled = {k: v for k, v in got.items() if v[1] != 0}
+    assert all(k.startswith("iq4_xs") and v[1] <= 128 for k, v in spilled.items()), spilled
