@@ -22,6 +22,8 @@ In order, the JSON written after every step (a call cut short keeps what it meas
    the GPU lane's step, the bound's t_gpu and the projection's fixed cost). --cpu-experts sets Kiln's CPU lane.
 4. llama-bench -p 8192,32768 -n STEPS --n-cpu-moe N (no sampler: the peer's best case), before this process
    touches CUDA, so nvidia-smi's peak is its own.
+   --llama-json FILE takes steps 2 and 4 from an earlier call's JSON on the same (seeded) slice instead, so a call
+   short of device time spends it all on Kiln.
 5. Kiln in-process (LLM.load, the entry `engine serve` uses) per placement and routing (--bench-routing uniform,
    calibrated: Zipf s 0.650 for 288 experts, the model's: reported, not judged), temperature 1 seeded: warm-up,
    an untimed 8k prompt, timed 8k and 32k prefills, STEPS tokens of one stream and of 4, the lanes' bytes and busy
@@ -83,8 +85,9 @@ def synth_cmd(out: Path, store: Path, moe_layers: int, tiny: bool) -> list[str]:
     return [sys.executable, "-c", call]
 
 
-def build_weights(args, work: Path, shm: Path, clock: Clock, res: dict, save) -> tuple[Path, Path, Path]:
-    """Kiln's model + int4 store in --work, llama.cpp's Q4_K_M beside them (each reused where already there)."""
+def build_weights(args, work: Path, shm: Path, clock: Clock, res: dict, save) -> tuple[Path, Path, Path | None]:
+    """Kiln's model + int4 store in --work, llama.cpp's Q4_K_M beside them (each reused where already there; no
+    Q4_K_M where --llama-json brings the peer's figures)."""
     from engine.store import manifest as mf
     from engine.store import model_manifest
     model, store, q4 = work / "model-int4", work / "store-int4", work / "glm5-next-Q4_K_M.gguf"
@@ -95,6 +98,8 @@ def build_weights(args, work: Path, shm: Path, clock: Clock, res: dict, save) ->
         stand_in_tokenizer(model, json.loads((model / "config.json").read_text())["vocab_size"])   # ids only
         model_manifest.write(model)
         save()
+    if args.llama_json:
+        return model, store, None
     if not q4.exists():
         need(clock, 40 if args.tiny else 200, "conversion (convert_hf_to_gguf.py) and llama-quantize Q4_K_M")
         t0 = time.perf_counter()
@@ -121,9 +126,25 @@ def build_weights(args, work: Path, shm: Path, clock: Clock, res: dict, save) ->
 
 # ------------------------------------------------------------------ placements
 
-def placements(cfg: dict, records: int, tensors: dict[str, int]) -> dict:
+def peer_share(cfg: dict, tensors: dict[str, int]) -> dict:
+    """llama.cpp's --n-cpu-moe whose GPU share of the Q4_K_M's expert bytes is nearest the seed's."""
     per_layer = expert_bytes_by_layer(tensors, cfg["num_hidden_layers"])
-    peer = glm5_slice.n_cpu_moe_for_share(per_layer, glm5_slice.SEED_GPU_SHARE)
+    return glm5_slice.n_cpu_moe_for_share(per_layer, glm5_slice.SEED_GPU_SHARE)
+
+
+def earlier_peer(path: Path, cfg: dict) -> tuple[dict, dict]:
+    """(llama.cpp's figures, its placement) from an earlier call's JSON on the same slice, so a call short of device
+    time spends it on Kiln: the slice is seeded (engine synth seed 0), so the same shape is the same weights."""
+    prior = json.loads(path.read_text())
+    shape = (prior.get("checkpoint") or {}).get("layers")
+    if shape != cfg["num_hidden_layers"] or "llama_bench" not in prior.get("llama_cpp", {}):
+        raise SystemExit(f"glm5_next_offload: --llama-json {path} holds no llama-bench run of a "
+                         f"{cfg['num_hidden_layers']}-layer slice (it has {shape})")
+    peer = dict(prior["llama_cpp"], reused_from=f"{path.name} ({prior.get('date')}, {prior.get('commit')})")
+    return peer, prior["placements"]["llama_cpp"]
+
+
+def placements(records: int, peer: dict) -> dict:
     # at least one slot: a CUDA tiered provider refuses none (engine/tiers/__init__.py); one record more than
     # llama.cpp's where its share is 0 %, said in the JSON
     lfl_gpu = max(1, round(peer["share_of_expert_bytes_on_gpu"] * records))
@@ -329,6 +350,8 @@ def main() -> int:
     ap.add_argument("--tiny", action="store_true", help="the CPU dry run: a toy-width slice, Kiln on the CPU, "
                     "llama.cpp's CPU binaries; every step runs, no figure means anything")
     ap.add_argument("--budget-s", type=float, default=540, help="stop starting steps that would pass this")
+    ap.add_argument("--llama-json", type=Path, default=None, help="llama.cpp's figures and placement from an earlier "
+                    "call's JSON on the same slice: no conversion, no llama-bench, the call's time all Kiln's")
     args = ap.parse_args()
     tiny_or = lambda v, full, tiny: v if v is not None else (tiny if args.tiny else full)     # noqa: E731
     args.steps, args.chunk_size = tiny_or(args.steps, 64, 8), tiny_or(args.chunk_size, 8192, 128)
@@ -387,7 +410,11 @@ def main() -> int:
     cfg = json.loads((model / "config.json").read_text())
     m4 = mf.load(store)
     records = len(m4.moe_layers) * m4.experts_per_layer
-    plan = placements(cfg, records, gguf_tensors(q4))
+    if args.llama_json:
+        res["llama_cpp"], peer = earlier_peer(args.llama_json, cfg)
+    else:
+        peer = peer_share(cfg, gguf_tensors(q4))
+    plan = placements(records, peer)
     res["placements"] = plan
     res["checkpoint"] = {"layers": cfg["num_hidden_layers"], "moe_layers": len(m4.moe_layers),
                          "experts": m4.experts_per_layer, "top_k": cfg["num_experts_per_tok"],
@@ -403,6 +430,8 @@ def main() -> int:
                                 bench_prompts=",".join(map(str, args.prefills)), bench_gen=args.steps, reps=1,
                                 no_repack=False, keep_store=True))
     try:
+        if args.llama_json:
+            raise Skipped(f"llama-bench: its figures come from {args.llama_json.name} (--llama-json)")
         need(clock, 30 if args.tiny else 90, "llama-bench")
         r = llama_bench(w, q4, plan["llama_cpp"]["n_cpu_moe"], timeout_s=min(clock.left() - 10, 300))
         r["n_cpu_moe"] = plan["llama_cpp"]["n_cpu_moe"]
