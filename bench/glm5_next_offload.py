@@ -47,8 +47,8 @@ import sys
 import time
 from pathlib import Path
 
-from bench.harness import (REPO, STREAMS, completions_client, concurrent, dram_read_gbps, free_port, log, machine,
-                           measure_lanes, metrics, prompt_ids, stop, summarize, table, tree_commit, wait_ready,
+from bench.harness import (REPO, STREAMS, completions_client, concurrent, dram_read_gbps, finish, free_port, log,
+                           machine, measure_lanes, metrics, prompt_ids, stop, summarize, tree_commit, wait_ready,
                            write_result)
 from bench.h200_offload import run_synth
 from bench.h200_peer import Clock, GpuMemoryPeak, Skipped, Work, llama_bench, llama_env, need
@@ -484,13 +484,7 @@ def main() -> int:
 
     # 6-7. the table and the targets
     rows, judged = verdicts(res, args)
-    res["table"], res["targets"] = rows, judged
-    save()
-    if rows:
-        table(rows, list(rows[0].keys()))          # the harness prints it
-    log("targets:", json.dumps(judged))
-    log("wrote", out, f"in {clock.elapsed()} s")
-    return 0
+    return finish(res, rows, judged, save, out, clock.elapsed())
 
 
 if __name__ == "__main__":
