@@ -132,32 +132,6 @@ def peer_share(cfg: dict, tensors: dict[str, int]) -> dict:
     return glm5_slice.n_cpu_moe_for_share(per_layer, glm5_slice.SEED_GPU_SHARE)
 
 
-def earlier_peer(path: Path, cfg: dict) -> tuple[dict, dict]:
-    """(llama.cpp's figures, its placement) from an earlier call's JSON on the same slice, so a call short of device
-    time spends it on Kiln: the slice is seeded (engine synth seed 0), so the same shape is the same weights."""
-    prior = json.loads(path.read_text())
-    shape = (prior.get("checkpoint") or {}).get("layers")
-    if shape != cfg["num_hidden_layers"] or "llama_bench" not in prior.get("llama_cpp", {}):
-        raise SystemExit(f"glm5_next_offload: --llama-json {path} holds no llama-bench run of a "
-                         f"{cfg['num_hidden_layers']}-layer slice (it has {shape})")
-    peer = dict(prior["llama_cpp"], reused_from=f"{path.name} ({prior.get('date')}, {prior.get('commit')})")
-    return peer, prior["placements"]["llama_cpp"]
-
-
-def placements(records: int, peer: dict) -> dict:
-    # at least one slot: a CUDA tiered provider refuses none (engine/tiers/__init__.py); one record more than
-    # llama.cpp's where its share is 0 %, said in the JSON
-    lfl_gpu = max(1, round(peer["share_of_expert_bytes_on_gpu"] * records))
-    return {"llama_cpp": peer,
-            "resident": {"gpu_slots": records, "ram_slots": 0, "records": records},
-            "like_for_like": {"gpu_slots": lfl_gpu, "ram_slots": records - lfl_gpu, "records": records,
-                              "shares": {"gpu": round(lfl_gpu / records, 4), "ram": round(1 - lfl_gpu / records, 4),
-                                         "store": 0.0},
-                              "note": "GPU slots at llama.cpp's share of the expert bytes, at least 1 (a CUDA tiered "
-                                      "provider needs one)"},
-            "three_tier": glm5_slice.seed_tiers(records)}
-
-
 def knobs(p: dict, placement: str, routing: str, args) -> dict:
     cuda = not args.tiny
     k = dict(device="cuda" if cuda else "cpu", max_context=max(args.prefills) + args.steps + 256, max_batch=STREAMS,
@@ -411,10 +385,15 @@ def main() -> int:
     m4 = mf.load(store)
     records = len(m4.moe_layers) * m4.experts_per_layer
     if args.llama_json:
-        res["llama_cpp"], peer = earlier_peer(args.llama_json, cfg)
+        try:
+            res["llama_cpp"], peer = glm5_slice.earlier_peer(json.loads(args.llama_json.read_text()),
+                                                             args.llama_json.name, cfg["num_hidden_layers"])
+        except (OSError, ValueError) as e:
+            print(f"glm5_next_offload: --llama-json {args.llama_json}: {e}", file=sys.stderr)
+            return 2
     else:
         peer = peer_share(cfg, gguf_tensors(q4))
-    plan = placements(records, peer)
+    plan = glm5_slice.placements(records, peer)
     res["placements"] = plan
     res["checkpoint"] = {"layers": cfg["num_hidden_layers"], "moe_layers": len(m4.moe_layers),
                          "experts": m4.experts_per_layer, "top_k": cfg["num_experts_per_tok"],
