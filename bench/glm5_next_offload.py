@@ -27,9 +27,10 @@ In order, the JSON written after every step (a call cut short keeps what it meas
 5. Kiln in-process (LLM.load, the entry `engine serve` uses) per placement and routing (--bench-routing uniform,
    calibrated: Zipf s 0.650 for 288 experts, the model's: reported, not judged), temperature 1 seeded: warm-up,
    an untimed 8k prompt, timed 8k and 32k prefills, STEPS tokens of one stream and of 4, the lanes' bytes and busy
-   seconds over the one-stream window. Then `engine serve` through HTTP for three_tier under calibrated routing
-   (its /metrics' lane counters), where time is left. Prefill chunks of --chunk-size tokens: every chunk of an
-   offloaded prefill moves the experts it picks, so the chunk sets the prefill's bytes.
+   seconds over the one-stream window; `engine serve` through HTTP for three_tier under calibrated routing (its
+   /metrics' lane counters) right after the calibrated runs, then uniform, then the model's, where time is left.
+   Prefill chunks of --chunk-size tokens: every chunk of an offloaded prefill moves the experts it picks, so the
+   chunk sets the prefill's bytes.
 6. Each decode figure beside its bound t >= max(t_gpu, B_pcie/BW_pcie, B_disk/BW_disk, B_cpu/BW_cpu): bytes per
    token from the window's lane counters, bandwidths measured in this call (bench.harness.measure_lanes on the
    int4 store; DRAM read on 16 threads), t_gpu the resident step of the same call.
@@ -430,11 +431,11 @@ def main() -> int:
     res["lanes"] = lanes
     save()
 
-    # 5. Kiln: the resident step first (every bound's t_gpu), the judged calibrated runs, uniform, served, the model's
+    # 5. Kiln: the resident step first (every bound's t_gpu), the judged calibrated runs, served, uniform, the model's
     order = [(p, "calibrated") for p in ("resident", "like_for_like", "three_tier") if p in wanted and "calibrated" in routings]
-    order += [(p, "uniform") for p in ("like_for_like", "three_tier") if p in wanted and "uniform" in routings]
     if args.served and "three_tier" in wanted and "calibrated" in routings:
         order.append(("three_tier_served", "calibrated"))
+    order += [(p, "uniform") for p in ("like_for_like", "three_tier") if p in wanted and "uniform" in routings]
     order += [(p, "model") for p in ("like_for_like", "three_tier") if p in wanted and "model" in routings]
     vocab = cfg["vocab_size"]
     for placement, routing in order:
