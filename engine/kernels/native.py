@@ -51,6 +51,7 @@ SIGNATURES = {
     "ggml_supported": [_I],
     "ggml_matmul": [_I, _P, _I, _I, _P, _I, _P, _I],
     "ggml_ffn": [_P, _I, _I, _P, _I, _P, _I, _P, _I, _P, _P, _I, _F],
+    "ggml_gemv_stack": [_P, _I, _I, _P, _P, _P, _P, _I],
     "moe_tail": [_P, _I, _P, _P, _P, _I, _I, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, _I, _P,
                  _P, _P, _F, _P, _I, _F],
     "ggml_moe_tail": [_P, _I, _P, _P, _P, _I, _I, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, _P, _P, _P, _F, _P,
@@ -366,6 +367,7 @@ class GgmlAttnBlock(AttnBlock):
         buf = self.scratch.data_ptr()
         self.k_cache, self.v_cache = k_cache, v_cache
         n = len(parts)
+        assert n <= 3                           # q|k|v: at most three runs of one type (native StepGgmlAttn)
         self._ptrs = (ctypes.c_uint64 * n)(*(p.blocks.data_ptr() for p in parts))
         self._types = (ctypes.c_int * n)(*(p.type.code for p in parts))
         self._rows_n = (ctypes.c_int * n)(*(p.out_features for p in parts))
@@ -511,6 +513,21 @@ def ggml_ffn(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.
     scratch, y = torch.empty(3 * intermediate), torch.empty(h)
     lib().ggml_ffn(_ptr(x), h, intermediate, _ptr(gate), codes[0], _ptr(up), codes[1], _ptr(down), codes[2],
                    _ptr(scratch), _ptr(y), torch.get_num_threads(), _limit(limit))
+    return y
+
+
+def ggml_gemv_stack(x: torch.Tensor, parts: list[tuple[int, torch.Tensor, int]]) -> torch.Tensor:
+    """x fp32 [K] (contiguous) through up to 3 GGUF matrices of one input, parts (GGML type code, blocks uint8
+    contiguous, rows), as one GEMV → their outputs concatenated, fp32 [Σ rows]: each ggml_matmul's bits (one OpenMP
+    region for all, as a decode step's q|k|v and gate|up run)."""
+    n = len(parts)
+    assert 0 < n <= 3
+    ptrs = (ctypes.c_uint64 * n)(*(_ptr(b) for _, b, _ in parts))
+    types = (ctypes.c_int * n)(*(c for c, _, _ in parts))
+    rows = (ctypes.c_int * n)(*(r for _, _, r in parts))
+    y = torch.empty(sum(r for *_, r in parts))
+    lib().ggml_gemv_stack(_ptr(x), x.numel(), n, ctypes.addressof(ptrs), ctypes.addressof(types),
+                          ctypes.addressof(rows), _ptr(y), torch.get_num_threads())
     return y
 
 

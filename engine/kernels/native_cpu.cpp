@@ -815,6 +815,48 @@ void ggml_mm(int t, const float* x, int M, int K, const uint8_t* w, int N, float
     delete[] xs16;
 }
 
+// ggml_mm of one row of x [K] through up to 3 matrices of one input (parts[i] [rows[i], K] of GGML types types[i]),
+// their outputs concatenated in y: q|k|v, an expert's gate|up. Where every type is a gemv512 one, all their rows are
+// one OpenMP region (one barrier, not one a matrix) over x's sums made once; each row is gemv512_row's on the sums
+// ggml_mm makes, so y holds ggml_mm's bits either way.
+void ggml_gemv_parts(const float* x, int K, int nparts, const uint8_t* const* parts, const int* types,
+                     const int* rows, float* y, int threads) {
+#ifdef KILN_GEMV512
+    bool fused = nparts > 1;
+    for (int i = 0; i < nparts; ++i) fused = fused && gemv512_type(types[i]);
+    if (fused) {
+        float* xs = new float[K / 16];       // as ggml_mm: sums per 16, then in place per 32
+        for (int g = 0; g < K / 16; ++g) {
+            float s = 0.f;
+            for (int i = 0; i < 16; ++i) s += x[16 * g + i];
+            xs[g] = s;
+        }
+        for (int g = 0; g < K / 32; ++g) xs[g] = xs[2 * g] + xs[2 * g + 1];
+        int total = 0;
+        size_t row_bytes[3];
+        for (int i = 0; i < nparts; ++i) {
+            const GgmlType gt = ggml_type(types[i]);
+            row_bytes[i] = (size_t)K / gt.block * gt.size;
+            total += rows[i];
+        }
+#pragma omp parallel for num_threads(threads) schedule(static)
+        for (int n = 0; n < total; ++n) {
+            int i = 0, r = n;
+            while (r >= rows[i]) r -= rows[i++];
+            const uint8_t* row = parts[i] + (size_t)r * row_bytes[i];
+            _mm_prefetch((const char*)row + PREFETCH, _MM_HINT_T0);
+            y[n] = gemv512_row(types[i], row, x, xs, K);
+        }
+        delete[] xs;
+        return;
+    }
+#endif
+    for (int i = 0; i < nparts; ++i) {
+        ggml_mm(types[i], x, 1, K, parts[i], rows[i], y, threads);
+        y += rows[i];
+    }
+}
+
 // h [I] = silu(g)·u, with a limit (glm5_next's swiglu_limit: finite and > 0) g clamped from above and u both ways
 // first, as engine.experts.reference.swiglu; any other limit (0, +inf) is none and takes the plain loop.
 void swiglu(const float* g, const float* u, int I, float limit, float* h) {
@@ -1313,13 +1355,23 @@ void ggml_matmul(int t, const float* x, int M, int K, const uint8_t* w, int N, f
     ggml_mm(t, x, M, K, w, N, y, threads);
 }
 
+// y = x [K] · [W_0; W_1; ...]ᵀ: up to 3 GGUF matrices of one input (ptrs[i] [rows[i], K] of GGML types types[i])
+// as one GEMV (ggml_gemv_parts: the q|k|v and gate|up a decode step runs), each output ggml_matmul's bits.
+void ggml_gemv_stack(const float* x, int K, int nparts, const uint64_t* ptrs, const int* types, const int* rows,
+                     float* y, int threads) {
+    const uint8_t* parts[3];
+    for (int i = 0; i < nparts; ++i) parts[i] = reinterpret_cast<const uint8_t*>(ptrs[i]);
+    ggml_gemv_parts(x, K, nparts, parts, types, rows, y, threads);
+}
+
 // One expert on one token from three GGUF matrices, each in its own type: gate, up [I, H], down [H, I];
 // y [H] = down(silu(gate x) * up x). scratch: 3I floats. limit: swiglu's (0: none).
 void ggml_ffn(const float* x, int H, int I, const uint8_t* gate, int gt, const uint8_t* up, int ut,
               const uint8_t* down, int dt, float* scratch, float* y, int threads, float limit) {
     float *g = scratch, *u = scratch + I, *h = scratch + 2 * I;
-    ggml_mm(gt, x, 1, H, gate, I, g, threads);
-    ggml_mm(ut, x, 1, H, up, I, u, threads);
+    const uint8_t* parts[2] = {gate, up};
+    const int types[2] = {gt, ut}, rows[2] = {I, I};
+    ggml_gemv_parts(x, H, 2, parts, types, rows, g, threads);         // g|u
     swiglu(g, u, I, limit, h);
     ggml_mm(dt, h, 1, I, down, H, y, threads);
 }
@@ -1331,11 +1383,9 @@ void ggml_attn_block(float* x, const float* h, int H, const uint64_t* ptrs, cons
                      int nparts, const uint8_t* o_w, int o_type, const float* cos, const float* sin, float* kc,
                      float* vc, int p, int window, int nh, int nkv, int hd, int rot, float scale, float* scores,
                      const float* post_w, float eps, float* qkv, float* o_buf, float* r, float* h_out, int threads) {
-    float* at = qkv;
-    for (int i = 0; i < nparts; ++i) {
-        ggml_mm(types[i], h, 1, H, reinterpret_cast<const uint8_t*>(ptrs[i]), rows[i], at, threads);
-        at += rows[i];
-    }
+    const uint8_t* parts[3];
+    for (int i = 0; i < nparts; ++i) parts[i] = reinterpret_cast<const uint8_t*>(ptrs[i]);
+    ggml_gemv_parts(h, H, nparts, parts, types, rows, qkv, threads);
     attn_decode(qkv, cos, sin, kc, vc, p, window, nh, nkv, hd, rot, scale, scores, o_buf, threads);
     ggml_mm(o_type, o_buf, 1, nh * hd, o_w, H, r, threads);
     add_rms_norm(x, r, post_w, eps, H, h_out);
