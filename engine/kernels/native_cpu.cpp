@@ -815,6 +815,48 @@ void ggml_mm(int t, const float* x, int M, int K, const uint8_t* w, int N, float
     delete[] xs16;
 }
 
+// ggml_mm of one row of x [K] through up to 3 matrices of one input (parts[i] [rows[i], K] of GGML types types[i]),
+// their outputs concatenated in y: q|k|v, an expert's gate|up. Where every type is a gemv512 one, all their rows are
+// one OpenMP region (one barrier, not one a matrix) over x's sums made once; each row is gemv512_row's on the sums
+// ggml_mm makes, so y holds ggml_mm's bits either way.
+void ggml_gemv_parts(const float* x, int K, int nparts, const uint8_t* const* parts, const int* types,
+                     const int* rows, float* y, int threads) {
+#ifdef KILN_GEMV512
+    bool fused = nparts > 1;
+    for (int i = 0; i < nparts; ++i) fused = fused && gemv512_type(types[i]);
+    if (fused) {
+        float* xs = new float[K / 16];       // as ggml_mm: sums per 16, then in place per 32
+        for (int g = 0; g < K / 16; ++g) {
+            float s = 0.f;
+            for (int i = 0; i < 16; ++i) s += x[16 * g + i];
+            xs[g] = s;
+        }
+        for (int g = 0; g < K / 32; ++g) xs[g] = xs[2 * g] + xs[2 * g + 1];
+        int total = 0;
+        size_t row_bytes[3];
+        for (int i = 0; i < nparts; ++i) {
+            const GgmlType gt = ggml_type(types[i]);
+            row_bytes[i] = (size_t)K / gt.block * gt.size;
+            total += rows[i];
+        }
+#pragma omp parallel for num_threads(threads) schedule(static)
+        for (int n = 0; n < total; ++n) {
+            int i = 0, r = n;
+            while (r >= rows[i]) r -= rows[i++];
+            const uint8_t* row = parts[i] + (size_t)r * row_bytes[i];
+            _mm_prefetch((const char*)row + PREFETCH, _MM_HINT_T0);
+            y[n] = gemv512_row(types[i], row, x, xs, K);
+        }
+        delete[] xs;
+        return;
+    }
+#endif
+    for (int i = 0; i < nparts; ++i) {
+        ggml_mm(types[i], x, 1, K, parts[i], rows[i], y, threads);
+        y += rows[i];
+    }
+}
+
 // h [I] = silu(g)·u, with a limit (glm5_next's swiglu_limit: finite and > 0) g clamped from above and u both ways
 // first, as engine.experts.reference.swiglu; any other limit (0, +inf) is none and takes the plain loop.
 void swiglu(const float* g, const float* u, int I, float limit, float* h) {
@@ -852,23 +894,24 @@ void int4_ffn(const float* x, int H, int I, const uint8_t* gu_packed, const uint
 // x += r (r may be null), then h = x · rsqrt(mean(x²) + eps) · w.
 void add_rms_norm(float* x, const float* r, const float* w, float eps, int H, float* h);
 
-// A one-token MoE half after routing: the k picked experts (records recs[j], router weight w[j], expert ids[j])
-// computed as engine.experts.moe_forward computes one token — each int4_ffn, in ascending expert order,
-// out = y·w (+ y'·w' ...) — then add_rms_norm(x, out, next_w) into h_out. Record offsets: gate|up codes, its
-// scales, down codes, its scales. scratch: 2I + I + H + H floats.
-void moe_tail(const float* h, int k, const int64_t* ids, const uint64_t* recs, const float* w, int H, int I,
-              int64_t gu_off, int64_t gu_sz_off, int64_t d_off, int64_t d_sz_off, int g, float* scratch, float* x,
-              const float* next_w, float eps, float* h_out, int threads, float limit) {
-    float *gu = scratch, *hid = scratch + 2 * I, *y = hid + I, *out = y + H;
+}  // extern "C"
+
+namespace {
+
+// The sum of a one-token MoE half after routing, shared by moe_tail (int4 records) and ggml_moe_tail (a GGUF's
+// ggml: records): the k picks computed in ascending expert order, as engine.experts.moe_forward computes one token
+// — ffn(j, y) puts pick j's expert output in y [H] — out = y·w (+ y'·w' ...), then add_rms_norm(x, out, next_w)
+// into h_out. y, out: H floats each.
+template <class Ffn>
+void moe_picks_norm(int k, const int64_t* ids, const float* w, int H, const Ffn& ffn, float* y, float* out,
+                    float* x, const float* next_w, float eps, float* h_out) {
     bool done[64] = {};
     for (int n = 0; n < k; ++n) {
         int j = -1;                                   // the lowest expert id not yet computed
         for (int t = 0; t < k; ++t)
             if (!done[t] && (j < 0 || ids[t] < ids[j])) j = t;
         done[j] = true;
-        const uint8_t* rec = reinterpret_cast<const uint8_t*>(recs[j]);
-        int4_ffn(h, H, I, rec + gu_off, reinterpret_cast<const uint16_t*>(rec + gu_sz_off), rec + d_off,
-                 reinterpret_cast<const uint16_t*>(rec + d_sz_off), g, gu, hid, y, threads, limit);
+        ffn(j, y);
         const float wj = w[j];
         if (n == 0)
             for (int i = 0; i < H; ++i) out[i] = y[i] * wj;
@@ -876,6 +919,25 @@ void moe_tail(const float* h, int k, const int64_t* ids, const uint64_t* recs, c
             for (int i = 0; i < H; ++i) out[i] = out[i] + y[i] * wj;
     }
     add_rms_norm(x, out, next_w, eps, H, h_out);
+}
+
+}  // namespace
+
+extern "C" {
+
+// A one-token MoE half after routing: the k picked experts (records recs[j], router weight w[j], expert ids[j])
+// computed as engine.experts.moe_forward computes one token — each int4_ffn, in ascending expert order,
+// out = y·w (+ y'·w' ...) — then add_rms_norm(x, out, next_w) into h_out (moe_picks_norm). Record offsets: gate|up
+// codes, its scales, down codes, its scales. scratch: 2I + I + H + H floats.
+void moe_tail(const float* h, int k, const int64_t* ids, const uint64_t* recs, const float* w, int H, int I,
+              int64_t gu_off, int64_t gu_sz_off, int64_t d_off, int64_t d_sz_off, int g, float* scratch, float* x,
+              const float* next_w, float eps, float* h_out, int threads, float limit) {
+    float *gu = scratch, *hid = scratch + 2 * I, *y = hid + I, *out = y + H;
+    moe_picks_norm(k, ids, w, H, [&](int j, float* yj) {
+        const uint8_t* rec = reinterpret_cast<const uint8_t*>(recs[j]);
+        int4_ffn(h, H, I, rec + gu_off, reinterpret_cast<const uint16_t*>(rec + gu_sz_off), rec + d_off,
+                 reinterpret_cast<const uint16_t*>(rec + d_sz_off), g, gu, hid, yj, threads, limit);
+    }, y, out, x, next_w, eps, h_out);
 }
 
 void add_rms_norm(float* x, const float* r, const float* w, float eps, int H, float* h) {
@@ -986,14 +1048,309 @@ void attn_block(float* x, const float* h, int H, const uint8_t* qkv_p, const uin
 
 void router_topk(const float* x, int H, const float* gate, int E, int k, int renorm, int64_t* ids, float* w);
 
+}  // extern "C"
+
+namespace {
+
+#if defined(__AVX512F__)
+// attend_head on many queries at once, for attn_rows: every (query, key) through the same IEEE operations in the
+// same order as attend_head's machine code, so the same bits, but with the keys in vector lanes instead of one key's
+// channels, so no per-key horizontal sum and no per-key call (attend_head: ~3.9 ms a row at 600 keys on the demo's
+// 30 layers x 9 heads, most of a chat turn's prefill). What attend_head's code does, per query (g++ -O3, -ffp-contract=off):
+//   score: its `omp simd reduction` is 16 lanes, lane l = (((0 + q[l]·k[l]) + q[16+l]·k[16+l]) + ...) with products
+//     and sums rounded apart, then 0 + lane 0 + lane 1 + ... + lane 15 in order; times scale;
+//   exp: glibc's expf of (s - max), whose x86-64 FMA build (e_expf.c) is done here on 16 scores at once, lanes in
+//     its special range (|x| >= 88, NaN) through std::exp itself; the sum of the exps in key order;
+//   values: acc[i] = acc[i] + w·v[i] in key order from 0, then acc / sum.
+// The first two are how this compiler and libm lower attend_head, not what the source promises, so exact_attend_ok()
+// compares this with attend_head itself on random rows before attn_rows uses it (per head size; else attend_head).
+
+const uint64_t EXPF_TAB[32] = {    // glibc's __exp2f_data.tab: the bits of 2^(i/32), less i << 47
+    0x3ff0000000000000, 0x3fefd9b0d3158574, 0x3fefb5586cf9890f, 0x3fef9301d0125b51, 0x3fef72b83c7d517b,
+    0x3fef54873168b9aa, 0x3fef387a6e756238, 0x3fef1e9df51fdee1, 0x3fef06fe0a31b715, 0x3feef1a7373aa9cb,
+    0x3feedea64c123422, 0x3feece086061892d, 0x3feebfdad5362a27, 0x3feeb42b569d4f82, 0x3feeab07dd485429,
+    0x3feea47eb03a5585, 0x3feea09e667f3bcd, 0x3fee9f75e8ec5f74, 0x3feea11473eb0187, 0x3feea589994cce13,
+    0x3feeace5422aa0db, 0x3feeb737b0cdc5e5, 0x3feec49182a3f090, 0x3feed503b23e255d, 0x3feee89f995ad3ad,
+    0x3feeff76f2fb5e47, 0x3fef199bdd85529c, 0x3fef3720dcef9069, 0x3fef5818dcfba487, 0x3fef7c97337b9b5f,
+    0x3fefa4afa2a490da, 0x3fefd0765b6e4540};
+
+// expf on 8 floats (widened): e_expf.c's main path with its FMAs, in double.
+inline __m256 expf8_main(__m256 x) {
+    const __m512d inv = _mm512_set1_pd(0x1.71547652b82fep+5), shift = _mm512_set1_pd(0x1.8p52);
+    const __m512i t0 = _mm512_loadu_si512(EXPF_TAB), t1 = _mm512_loadu_si512(EXPF_TAB + 8);
+    const __m512i t2 = _mm512_loadu_si512(EXPF_TAB + 16), t3 = _mm512_loadu_si512(EXPF_TAB + 24);
+    const __m512d xd = _mm512_cvtps_pd(x);
+    __m512d kd = _mm512_fmadd_pd(inv, xd, shift);                       // k = round(x·32/ln2), in kd's low bits
+    const __m512i ki = _mm512_castpd_si512(kd);
+    kd = _mm512_sub_pd(kd, shift);
+    const __m512d r = _mm512_fmsub_pd(inv, xd, kd);
+    const __m512i idx = _mm512_and_si512(ki, _mm512_set1_epi64(31));
+    __m512i t = _mm512_mask_blend_epi64(_mm512_test_epi64_mask(idx, _mm512_set1_epi64(16)),
+                                        _mm512_permutex2var_epi64(t0, idx, t1), _mm512_permutex2var_epi64(t2, idx, t3));
+    t = _mm512_add_epi64(t, _mm512_slli_epi64(ki, 47));                 // 2^(k/32)
+    const __m512d z = _mm512_fmadd_pd(_mm512_set1_pd(0x1.c6af84b912394p-20), r, _mm512_set1_pd(0x1.ebfce50fac4f3p-13));
+    const __m512d r2 = _mm512_mul_pd(r, r);
+    __m512d y = _mm512_fmadd_pd(r, _mm512_set1_pd(0x1.62e42ff0c52d6p-6), _mm512_set1_pd(1.0));
+    y = _mm512_fmadd_pd(z, r2, y);
+    return _mm512_cvtpd_ps(_mm512_mul_pd(y, _mm512_castsi512_pd(t)));
+}
+
+// std::exp (glibc's expf) of 16 floats, each with expf's bits (exact_attend_ok checks that on this host).
+inline __m512 expf16(__m512 x) {
+    const __m256 lo = expf8_main(_mm512_castps512_ps256(x));
+    const __m256 hi = expf8_main(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
+    __m512 y = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(lo)), _mm256_castps_pd(hi), 1));
+    const __m512i top = _mm512_and_si512(_mm512_srli_epi32(_mm512_castps_si512(x), 20), _mm512_set1_epi32(0x7ff));
+    const __mmask16 special = _mm512_cmpge_epu32_mask(top, _mm512_set1_epi32(0x42b));     // |x| >= 88 or NaN
+    if (special) {
+        alignas(64) float xs[16], ys[16];
+        _mm512_store_ps(xs, x);
+        _mm512_store_ps(ys, y);
+        for (int l = 0; l < 16; ++l)
+            if (special >> l & 1) ys[l] = std::exp(xs[l]);
+        y = _mm512_load_ps(ys);
+    }
+    return y;
+}
+
+// r[16] rows of 16 floats → its transpose in place.
+inline void transpose16(__m512* r) {
+    __m512 t[16];
+    for (int i = 0; i < 8; ++i) {
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; ++i) {     // r[4i + m], 128-bit lane k: rows 4i..4i+3 of column 4k + m
+        r[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+        r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xee);
+        r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+        r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xee);
+    }
+    for (int m = 0; m < 4; ++m) {     // then the 4x4 transpose of 128-bit lanes
+        t[m] = _mm512_shuffle_f32x4(r[m], r[4 + m], 0x88);
+        t[4 + m] = _mm512_shuffle_f32x4(r[m], r[4 + m], 0xdd);
+        t[8 + m] = _mm512_shuffle_f32x4(r[8 + m], r[12 + m], 0x88);
+        t[12 + m] = _mm512_shuffle_f32x4(r[8 + m], r[12 + m], 0xdd);
+    }
+    for (int m = 0; m < 4; ++m) {
+        r[m] = _mm512_shuffle_f32x4(t[m], t[8 + m], 0x88);
+        r[8 + m] = _mm512_shuffle_f32x4(t[m], t[8 + m], 0xdd);
+        r[4 + m] = _mm512_shuffle_f32x4(t[4 + m], t[12 + m], 0x88);
+        r[12 + m] = _mm512_shuffle_f32x4(t[4 + m], t[12 + m], 0xdd);
+    }
+}
+
+// Keys j0..j0+15 of one kv head (k0: its row 0, rows `row` floats apart; keys at or past `end` read as 0) → kt
+// [HC·16 channels][ldk], column j0 - base.
+template <int HC>
+void keys_transposed(const float* k0, size_t row, int j0, int end, int base, float* kt, size_t ldk) {
+    const int valid = std::min(16, end - j0);
+    for (int c = 0; c < HC; ++c) {
+        __m512 r[16];
+        for (int i = 0; i < 16; ++i)
+            r[i] = i < valid ? _mm512_loadu_ps(k0 + (size_t)(j0 + i) * row + 16 * c) : _mm512_setzero_ps();
+        transpose16(r);
+        for (int d = 0; d < 16; ++d) _mm512_storeu_ps(kt + (size_t)(16 * c + d) * ldk + (j0 - base), r[d]);
+    }
+}
+
+// nq (<= 4) query heads q[i] (HC·16 floats) over keys lo..p of their kv head, each as attend_head computes it → out[i].
+// kt: the keys transposed (keys_transposed, column j - base; zero past the last key, so a block may read beyond p);
+// v0: the values' row 0, rows `row` floats apart; s: scratch of 4·(p + 1 - lo + 16) floats.
+template <int HC>
+void attend_keys_in_lanes(const float* const* q, int nq, const float* kt, size_t ldk, int base, const float* v0,
+                          size_t row, int lo, int p, float scale, float* s, float* const* out) {
+    const int n = p + 1 - lo, blocks = (n + 15) / 16;
+    const size_t sn = (size_t)blocks * 16;
+    __m512 mx[4];
+    for (int i = 0; i < nq; ++i) mx[i] = _mm512_set1_ps(-INFINITY);
+    for (int b = 0; b < blocks; ++b) {
+        const float* kb = kt + (lo - base) + 16 * b;
+        __m512 dot[4];
+        for (int i = 0; i < nq; ++i) dot[i] = _mm512_setzero_ps();
+        for (int l = 0; l < 16; ++l) {
+            __m512 a[4];
+            for (int i = 0; i < nq; ++i) a[i] = _mm512_setzero_ps();
+            for (int c = 0; c < HC; ++c) {
+                const __m512 k = _mm512_loadu_ps(kb + (size_t)(16 * c + l) * ldk);
+                for (int i = 0; i < nq; ++i) a[i] = _mm512_add_ps(a[i], _mm512_mul_ps(_mm512_set1_ps(q[i][16 * c + l]), k));
+            }
+            for (int i = 0; i < nq; ++i) dot[i] = _mm512_add_ps(dot[i], a[i]);
+        }
+        const __mmask16 valid = (__mmask16)(n - 16 * b >= 16 ? 0xffff : (1u << (n - 16 * b)) - 1);
+        for (int i = 0; i < nq; ++i) {
+            const __m512 sv = _mm512_mul_ps(dot[i], _mm512_set1_ps(scale));
+            _mm512_storeu_ps(s + i * sn + 16 * b, sv);
+            mx[i] = _mm512_mask_max_ps(mx[i], valid, sv, mx[i]);     // a NaN score is passed over, as in attend_head
+        }
+    }
+    for (int i = 0; i < nq; ++i) {
+        const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx[i]));
+        for (int b = 0; b < blocks; ++b)
+            _mm512_storeu_ps(s + i * sn + 16 * b, expf16(_mm512_sub_ps(_mm512_loadu_ps(s + i * sn + 16 * b), m)));
+    }
+    __m512 acc[4][HC];
+    float sum[4];
+    for (int i = 0; i < nq; ++i) {
+        sum[i] = 0.f;
+        for (int c = 0; c < HC; ++c) acc[i][c] = _mm512_setzero_ps();
+    }
+    for (int j = 0; j < n; ++j) {
+        const float* vv = v0 + (size_t)(lo + j) * row;
+        __m512 v[HC];
+        for (int c = 0; c < HC; ++c) v[c] = _mm512_loadu_ps(vv + 16 * c);
+        for (int i = 0; i < nq; ++i) {
+            const float w = s[i * sn + j];
+            sum[i] += w;
+            const __m512 wv = _mm512_set1_ps(w);
+            for (int c = 0; c < HC; ++c) acc[i][c] = _mm512_add_ps(acc[i][c], _mm512_mul_ps(wv, v[c]));
+        }
+    }
+    for (int i = 0; i < nq; ++i)
+        for (int c = 0; c < HC; ++c) _mm512_storeu_ps(out[i] + 16 * c, _mm512_div_ps(acc[i][c], _mm512_set1_ps(sum[i])));
+}
+
+// attn_rows' attention on the fast path: per kv head, its keys transposed once, then each row's query heads of that
+// kv head together (they share the keys' loads).
+template <int HC>
+void attend_rows_fast(const float* qkv, const float* kc, const float* vc, int start, int T, int window, int nh,
+                      int nkv, float scale, float* o, int threads) {
+    constexpr int hd = 16 * HC;
+    const size_t nqkv = (size_t)(nh + 2 * nkv) * hd, row = (size_t)nkv * hd;
+    const int end = start + T, group = nh / nkv;
+    const int base = window > 0 && start + 1 > window ? start + 1 - window : 0;      // the first row's lo
+    const size_t ldk = (size_t)((end - base + 15) / 16) * 16 + 16;
+    float* kt = new float[(size_t)hd * ldk];
+    std::memset(kt, 0, sizeof(float) * hd * ldk);
+#pragma omp parallel num_threads(threads)
+    {
+        float* s = new float[4 * ((size_t)(end - base) + 16)];
+        for (int g = 0; g < nkv; ++g) {
+            const float* k0 = kc + (size_t)g * hd;
+#pragma omp for schedule(static)
+            for (int j0 = base; j0 < end; j0 += 16) keys_transposed<HC>(k0, row, j0, end, base, kt, ldk);
+#pragma omp for schedule(dynamic, 1)          // later rows attend over more keys
+            for (int t = 0; t < T; ++t) {
+                const int p = start + t, lo = window > 0 && p + 1 > window ? p + 1 - window : 0;
+                for (int h0 = 0; h0 < group; h0 += 4) {
+                    const int nq = std::min(4, group - h0);
+                    const float* q[4];
+                    float* out[4];
+                    for (int i = 0; i < nq; ++i) {
+                        const int hh = g * group + h0 + i;
+                        q[i] = qkv + t * nqkv + (size_t)hh * hd;
+                        out[i] = o + (size_t)t * nh * hd + (size_t)hh * hd;
+                    }
+                    attend_keys_in_lanes<HC>(q, nq, kt, ldk, base, vc + (size_t)g * hd, row, lo, p, scale, s, out);
+                }
+            }
+        }
+        delete[] s;
+    }
+    delete[] kt;
+}
+
+// 1 where attend_keys_in_lanes gives attend_head's bits for head size 16·HC on random queries, keys and values
+// (scores spread past expf's special range, windows, 1-4 heads); checked once per head size.
+template <int HC>
+bool attend_fast_checked() {
+    static const bool ok = [] {
+        constexpr int hd = 16 * HC, nkv = 2, n = 83;
+        const size_t row = (size_t)nkv * hd;
+        uint32_t st = 12345u;
+        auto rnd = [&st] { st = st * 1664525u + 1013904223u; return (float)(st >> 8) / 16777216.0f * 2.f - 1.f; };
+        float* kc = new float[n * row];
+        float* vc = new float[n * row];
+        float* q = new float[4 * hd];
+        for (size_t i = 0; i < n * row; ++i) kc[i] = rnd(), vc[i] = rnd();
+        for (int i = 0; i < 4 * hd; ++i) q[i] = rnd() * 4.f;
+        for (int d = 0; d < hd; ++d) kc[5 * row + d] = q[d] * 9.f;        // a key far above the rest: exps below -88
+        float* kt = new float[(size_t)hd * (n + 32)];
+        float* s = new float[4 * (n + 16)];
+        float got[4][hd], want[hd];
+        float* sh = new float[n];
+        bool same = true;
+        for (int lo : {0, 3, 50}) {
+            const size_t ldk = (size_t)((n - lo + 15) / 16) * 16 + 16;
+            std::memset(kt, 0, sizeof(float) * hd * ldk);
+            for (int j0 = lo; j0 < n; j0 += 16) keys_transposed<HC>(kc, row, j0, n, lo, kt, ldk);
+            for (int p : {lo, lo + 16, n - 1}) {
+                const float* qs[4] = {q, q + hd, q + 2 * hd, q + 3 * hd};
+                float* outs[4] = {got[0], got[1], got[2], got[3]};
+                attend_keys_in_lanes<HC>(qs, 4, kt, ldk, lo, vc, row, lo, p, 0.125f, s, outs);
+                for (int i = 0; i < 4; ++i) {
+                    attend_head(qs[i], kc + lo * row, vc + lo * row, row, p + 1 - lo, hd, 0.125f, sh, want);
+                    same = same && std::memcmp(got[i], want, sizeof want) == 0;
+                }
+            }
+        }
+        delete[] kc;
+        delete[] vc;
+        delete[] q;
+        delete[] kt;
+        delete[] s;
+        delete[] sh;
+        return same;
+    }();
+    return ok;
+}
+#endif
+
+}  // namespace
+
+extern "C" {
+
+// 1 where attn_rows' attention takes the keys-in-lanes path for head size hd (AVX-512, hd 32/64/128, and checked
+// to give attend_head's bits here), else 0 (attend_head itself, row by row).
+int exact_attend_fast(int hd) {
+#if defined(__AVX512F__)
+    if (hd == 32) return attend_fast_checked<2>();
+    if (hd == 64) return attend_fast_checked<4>();
+    if (hd == 128) return attend_fast_checked<8>();
+#endif
+    (void)hd;
+    return 0;
+}
+
+// How many float bit patterns in [from, to) (stepping `step`) expf16 gives other bits for than std::exp (tests).
+int64_t exact_expf_mismatches(uint32_t from, uint32_t to, uint32_t step) {
+    int64_t bad = 0;
+#if defined(__AVX512F__)
+    alignas(64) uint32_t u[16];
+    alignas(64) float y[16];
+    for (uint64_t b = from; b < to; b += 16ull * step) {
+        for (int l = 0; l < 16; ++l) u[l] = (uint32_t)std::min<uint64_t>(b + (uint64_t)l * step, to - 1);
+        _mm512_store_ps(y, expf16(_mm512_castsi512_ps(_mm512_load_si512(u))));
+        for (int l = 0; l < 16; ++l) {
+            float x, e;
+            std::memcpy(&x, &u[l], 4);
+            e = std::exp(x);
+            bad += std::memcmp(&e, &y[l], 4) != 0;
+        }
+    }
+#else
+    (void)from, (void)to, (void)step;
+    bad = -1;
+#endif
+    return bad;
+}
+
 // T tokens at positions start..start+T-1 of one sequence (qkv [T, (nh + 2·nkv)·hd], cos/sin [T, rot]): each row's
 // rotary and KV write as attn_decode's, in order, then every (row, head) attends over its rows lo..p as
-// attn_decode's heads do → o [T, nh·hd].
+// attn_decode's heads do → o [T, nh·hd] (the keys-in-lanes path where exact_attend_fast(hd), the same bits).
 void attn_rows(float* qkv, const float* cos, const float* sin, float* kc, float* vc, int start, int T, int window,
                int nh, int nkv, int hd, int rot, float scale, float* o, int threads) {
     const size_t nqkv = (size_t)(nh + 2 * nkv) * hd, row = (size_t)nkv * hd;
     for (int t = 0; t < T; ++t)
         rope_kv_write(qkv + t * nqkv, cos + (size_t)t * rot, sin + (size_t)t * rot, kc, vc, start + t, nh, nkv, hd, rot);
+#if defined(__AVX512F__)
+    if (exact_attend_fast(hd)) {
+        if (hd == 32) attend_rows_fast<2>(qkv, kc, vc, start, T, window, nh, nkv, scale, o, threads);
+        if (hd == 64) attend_rows_fast<4>(qkv, kc, vc, start, T, window, nh, nkv, scale, o, threads);
+        if (hd == 128) attend_rows_fast<8>(qkv, kc, vc, start, T, window, nh, nkv, scale, o, threads);
+        return;
+    }
+#endif
     const int group = nh / nkv;
 #pragma omp parallel num_threads(threads)
     {
@@ -1123,11 +1480,22 @@ void router_topk(const float* x, int H, const float* gate, int E, int k, int ren
 // bits); what it saves is a step's ~100 Python calls and their argument marshalling. The picked experts' records
 // come from `records` [L][E] (host addresses, 0: not resident): where a pick is not there, the layer's routing is
 // left in ids/w and its index returned, and the caller makes the records resident and calls again from there.
+// A GGUF served alone (issue 29) takes the same walk on the file's own blocks: a layer whose StepLayer names a
+// StepGgmlAttn runs ggml_attn_block (q|k|v and o each in its own GGML type) for attn_block, and a step whose
+// shape says ggml_tail runs ggml_moe_tail (a record's matrices each in its own type) for moe_tail.
 
 struct StepShape {            // what every layer shares (native.DecodeLayers' _Shape mirrors it)
     int32_t L, H, nqkv, g, window, nh, nkv, hd, rot, max_len, E, k, renorm, I, fg;
     float scale, eps, limit;
     int64_t gu_off, gu_sz_off, d_off, d_sz_off;
+    int32_t ggml_tail;        // 1: the records are ggml: ones (ggml_moe_tail at gate_off, up_off, down_off)
+    int64_t gate_off, up_off, down_off;
+};
+
+struct StepGgmlAttn {         // ggml_attn_block's weights (native.DecodeLayers' _GgmlAttn mirrors it)
+    uint64_t ptrs[3];         // q|k|v as 1..3 consecutive matrices [rows[i], H] of GGML types types[i]
+    int32_t types[3], rows[3], nparts, o_type;
+    const uint8_t* o_w;       // o [H, nh·hd] of GGML type o_type
 };
 
 struct StepLayer {            // one layer's weights and caches (native.DecodeLayers' _Layer mirrors it)
@@ -1140,7 +1508,16 @@ struct StepLayer {            // one layer's weights and caches (native.DecodeLa
     const float* post_w;
     const float* gate;        // router [E, H]
     const float* next_w;      // the next layer's input norm, or the final norm
+    const StepGgmlAttn* ggml; // non-null: the attention's q|k|v and o are these GGUF blocks, not the int4 ones above
 };
+
+void ggml_attn_block(float* x, const float* h, int H, const uint64_t* ptrs, const int* types, const int* rows,
+                     int nparts, const uint8_t* o_w, int o_type, const float* cos, const float* sin, float* kc,
+                     float* vc, int p, int window, int nh, int nkv, int hd, int rot, float scale, float* scores,
+                     const float* post_w, float eps, float* qkv, float* o_buf, float* r, float* h_out, int threads);
+void ggml_moe_tail(const float* h, int k, const int64_t* ids, const uint64_t* recs, const float* w, int H, int I,
+                   int64_t gate_off, int64_t up_off, int64_t down_off, float* scratch, float* x, const float* next_w,
+                   float eps, float* h_out, int threads, float limit);
 
 // x [H] the residual stream (updated in place); h [H]: on entry the input norm of layer `from` (routed 0) or, where
 // the call resumes a layer whose records were missing (routed 1), that layer's post-attention norm, its routing in
@@ -1160,19 +1537,29 @@ int decode_layers(const StepShape* s, const StepLayer* layers, const uint64_t* r
         int64_t* lid = ids + (size_t)l * s->k;
         float* lw = w + (size_t)l * s->k;
         if (!(l == from && routed)) {
-            // attn_block reads h into its GEMV's own copy before it writes h_out: h may be both
-            attn_block(x, h, s->H, ly.qkv_p, ly.qkv_sz, s->nqkv, ly.o_p, ly.o_sz, s->g, cos, sin,
-                       ly.k_cache + slot_rows, ly.v_cache + slot_rows, p, s->window, s->nh, s->nkv, s->hd, s->rot,
-                       s->scale, scores, ly.post_w, s->eps, qkv, o_buf, r, h, threads);
+            // attn_block reads h into its GEMV's own copy before it writes h_out: h may be both (ggml_attn_block
+            // reads h in its q|k|v GEMVs, before it writes h_out)
+            if (const StepGgmlAttn* a = ly.ggml)
+                ggml_attn_block(x, h, s->H, a->ptrs, a->types, a->rows, a->nparts, a->o_w, a->o_type, cos, sin,
+                                ly.k_cache + slot_rows, ly.v_cache + slot_rows, p, s->window, s->nh, s->nkv, s->hd,
+                                s->rot, s->scale, scores, ly.post_w, s->eps, qkv, o_buf, r, h, threads);
+            else
+                attn_block(x, h, s->H, ly.qkv_p, ly.qkv_sz, s->nqkv, ly.o_p, ly.o_sz, s->g, cos, sin,
+                           ly.k_cache + slot_rows, ly.v_cache + slot_rows, p, s->window, s->nh, s->nkv, s->hd, s->rot,
+                           s->scale, scores, ly.post_w, s->eps, qkv, o_buf, r, h, threads);
             router_topk(h, s->H, ly.gate, s->E, s->k, s->renorm, lid, lw);
         }
         for (int j = 0; j < s->k; ++j) {
             recs[j] = records[(size_t)l * s->E + lid[j]];
             if (!recs[j]) return l;
         }
-        // moe_tail reads h in every expert's FFN and writes h_out only at its end: h may be both
-        moe_tail(h, s->k, lid, recs, lw, s->H, s->I, s->gu_off, s->gu_sz_off, s->d_off, s->d_sz_off, s->fg, moe, x,
-                 ly.next_w, s->eps, h, threads, s->limit);
+        // moe_tail (ggml_moe_tail) reads h in every expert's FFN and writes h_out only at its end: h may be both
+        if (s->ggml_tail)
+            ggml_moe_tail(h, s->k, lid, recs, lw, s->H, s->I, s->gate_off, s->up_off, s->down_off, moe, x, ly.next_w,
+                          s->eps, h, threads, s->limit);
+        else
+            moe_tail(h, s->k, lid, recs, lw, s->H, s->I, s->gu_off, s->gu_sz_off, s->d_off, s->d_sz_off, s->fg, moe,
+                     x, ly.next_w, s->eps, h, threads, s->limit);
     }
     return s->L;
 }
@@ -1263,13 +1650,23 @@ void ggml_matmul(int t, const float* x, int M, int K, const uint8_t* w, int N, f
     ggml_mm(t, x, M, K, w, N, y, threads);
 }
 
+// y = x [K] · [W_0; W_1; ...]ᵀ: up to 3 GGUF matrices of one input (ptrs[i] [rows[i], K] of GGML types types[i])
+// as one GEMV (ggml_gemv_parts: the q|k|v and gate|up a decode step runs), each output ggml_matmul's bits.
+void ggml_gemv_stack(const float* x, int K, int nparts, const uint64_t* ptrs, const int* types, const int* rows,
+                     float* y, int threads) {
+    const uint8_t* parts[3];
+    for (int i = 0; i < nparts; ++i) parts[i] = reinterpret_cast<const uint8_t*>(ptrs[i]);
+    ggml_gemv_parts(x, K, nparts, parts, types, rows, y, threads);
+}
+
 // One expert on one token from three GGUF matrices, each in its own type: gate, up [I, H], down [H, I];
 // y [H] = down(silu(gate x) * up x). scratch: 3I floats. limit: swiglu's (0: none).
 void ggml_ffn(const float* x, int H, int I, const uint8_t* gate, int gt, const uint8_t* up, int ut,
               const uint8_t* down, int dt, float* scratch, float* y, int threads, float limit) {
     float *g = scratch, *u = scratch + I, *h = scratch + 2 * I;
-    ggml_mm(gt, x, 1, H, gate, I, g, threads);
-    ggml_mm(ut, x, 1, H, up, I, u, threads);
+    const uint8_t* parts[2] = {gate, up};
+    const int types[2] = {gt, ut}, rows[2] = {I, I};
+    ggml_gemv_parts(x, H, 2, parts, types, rows, g, threads);         // g|u
     swiglu(g, u, I, limit, h);
     ggml_mm(dt, h, 1, I, down, H, y, threads);
 }
@@ -1281,11 +1678,9 @@ void ggml_attn_block(float* x, const float* h, int H, const uint64_t* ptrs, cons
                      int nparts, const uint8_t* o_w, int o_type, const float* cos, const float* sin, float* kc,
                      float* vc, int p, int window, int nh, int nkv, int hd, int rot, float scale, float* scores,
                      const float* post_w, float eps, float* qkv, float* o_buf, float* r, float* h_out, int threads) {
-    float* at = qkv;
-    for (int i = 0; i < nparts; ++i) {
-        ggml_mm(types[i], h, 1, H, reinterpret_cast<const uint8_t*>(ptrs[i]), rows[i], at, threads);
-        at += rows[i];
-    }
+    const uint8_t* parts[3];
+    for (int i = 0; i < nparts; ++i) parts[i] = reinterpret_cast<const uint8_t*>(ptrs[i]);
+    ggml_gemv_parts(h, H, nparts, parts, types, rows, qkv, threads);
     attn_decode(qkv, cos, sin, kc, vc, p, window, nh, nkv, hd, rot, scale, scores, o_buf, threads);
     ggml_mm(o_type, o_buf, 1, nh * hd, o_w, H, r, threads);
     add_rms_norm(x, r, post_w, eps, H, h_out);
@@ -1299,22 +1694,11 @@ void ggml_moe_tail(const float* h, int k, const int64_t* ids, const uint64_t* re
                    int64_t gate_off, int64_t up_off, int64_t down_off, float* scratch, float* x, const float* next_w,
                    float eps, float* h_out, int threads, float limit) {
     float *y = scratch + 3 * I, *out = y + H;
-    bool done[64] = {};
-    for (int n = 0; n < k; ++n) {
-        int j = -1;                                   // the lowest expert id not yet computed
-        for (int t = 0; t < k; ++t)
-            if (!done[t] && (j < 0 || ids[t] < ids[j])) j = t;
-        done[j] = true;
+    moe_picks_norm(k, ids, w, H, [&](int j, float* yj) {
         const uint8_t* rec = reinterpret_cast<const uint8_t*>(recs[j]);
-        ggml_ffn(h, H, I, rec + gate_off, rec[4], rec + up_off, rec[5], rec + down_off, rec[6], scratch, y, threads,
+        ggml_ffn(h, H, I, rec + gate_off, rec[4], rec + up_off, rec[5], rec + down_off, rec[6], scratch, yj, threads,
                  limit);
-        const float wj = w[j];
-        if (n == 0)
-            for (int i = 0; i < H; ++i) out[i] = y[i] * wj;
-        else
-            for (int i = 0; i < H; ++i) out[i] = out[i] + y[i] * wj;
-    }
-    add_rms_norm(x, out, next_w, eps, H, h_out);
+    }, y, out, x, next_w, eps, h_out);
 }
 
 }  // extern "C"
