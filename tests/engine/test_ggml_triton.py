@@ -54,6 +54,56 @@ def _want(x, made, slots, w):
     return want
 
 
+# ------------------------------------------------------------------ on the GPU only (first: a time-capped run reaches them)
+
+@pytest.mark.skipif(not CUDA, reason="the GPU's projections: a CUDA device")
+def test_a_gguf_projection_on_the_gpu_keeps_each_types_blocks():
+    """engine.gguf_tensors.projection on CUDA: q|k|v of two types as one StackedProjection of DeviceBlockProjections
+    (no bf16 copy), computing as gguf dequantizes them."""
+    from engine.gguf_tensors import DeviceBlockProjection, StackedProjection, projection
+    from tests.engine.test_ggml_types import gguf_dense, random_blocks
+    gen = torch.Generator().manual_seed(54)
+    parts = [("q", "q4_k", random_blocks("q4_k", 64, 256, gen)), ("k", "q4_k", random_blocks("q4_k", 16, 256, gen)),
+             ("v", "q6_k", random_blocks("q6_k", 16, 256, gen))]
+    p = projection(parts, device="cuda", dtype=torch.bfloat16)
+    assert isinstance(p, StackedProjection) and all(isinstance(q, DeviceBlockProjection) for q in p.parts)
+    assert [q.out_features for q in p.parts] == [80, 16]
+    w = torch.cat([gguf_dense(t, b, b.shape[0], 256) for _, t, b in parts])
+    x = torch.randn(3, 256, generator=gen)
+    got = p(x.cuda()).double().cpu()
+    assert float((got - x.double() @ w.t()).norm() / (x.double() @ w.t()).norm()) < 1e-5
+
+
+@pytest.mark.skipif(not CUDA, reason="the GPU's projections: a CUDA device")
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q5_0"])
+def test_a_gguf_model_on_cuda_keeps_its_dense_blocks_and_computes_as_on_the_cpu(qtype, tiny_checkpoint, tmp_path):
+    """`engine serve --model FILE.gguf --device cuda`'s model: attention's q|k|v and o (and an untied output) are the
+    file's blocks on the GPU, and the logits are the CPU's (its native kernels on the same blocks) to fp32 order."""
+    from engine.dense_weights import Projection
+    from engine.gguf_model import GgufModel
+    from engine.gguf_tensors import DeviceBlockProjection, StackedProjection
+    from engine.loader import load_model
+    from tests.fixtures.tiny_gguf import write_gguf
+    path = write_gguf(tiny_checkpoint("qwen3_moe"), tmp_path / f"{qtype}.gguf", qtype=qtype)
+    gpu = load_model(path, max_context=64, device="cuda", dtype="float32")
+    attn = gpu.layers[0].attn
+    for p in (attn.qkv, attn.o):
+        assert isinstance(p, (DeviceBlockProjection, StackedProjection)) and not isinstance(p, Projection)
+    if "output.weight" in GgufModel(path).tensors:
+        assert isinstance(gpu.head, DeviceBlockProjection)
+    seq = torch.tensor([5, 17, 200, 42, 99, 7, 311, 64, 128, 3, 250, 19])
+
+    def logits(model):
+        with torch.inference_mode():
+            got = [model.prefill(seq[:6], slot=0, all_logits=True)]
+            got += [model.decode_step([int(seq[i])], [0], [i]) for i in range(6, len(seq))]
+        return torch.cat(got).float().cpu()
+    want = logits(load_model(path, max_context=64))
+    torch.testing.assert_close(logits(gpu), want, rtol=0, atol=2e-3 * float(want.abs().max()))
+
+
+# ------------------------------------------------------------------ the typed expert kernels, per type
+
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp")     # silu of a large negative gate: 0, as on a GPU
 @pytest.mark.parametrize("types", TRIPLES, ids=["/".join(m) for m in TRIPLES])
 def test_typed_kernels_compute_each_type_as_gguf_dequantizes_it(types):
@@ -156,52 +206,6 @@ def test_dense_blocks_on_the_device_compute_as_gguf_dequantizes_them(name):
             assert float((got - want).norm() / want.norm()) < 1e-5, (rows, inp)
         got = proj(x[0].to(DEV)).double().cpu()          # one row without a batch dimension (the head's h[-1])
         assert got.shape == (out,)
-
-
-@pytest.mark.skipif(not CUDA, reason="the GPU's projections: a CUDA device")
-def test_a_gguf_projection_on_the_gpu_keeps_each_types_blocks():
-    """engine.gguf_tensors.projection on CUDA: q|k|v of two types as one StackedProjection of DeviceBlockProjections
-    (no bf16 copy), computing as gguf dequantizes them."""
-    from engine.gguf_tensors import DeviceBlockProjection, StackedProjection, projection
-    from tests.engine.test_ggml_types import gguf_dense, random_blocks
-    gen = torch.Generator().manual_seed(54)
-    parts = [("q", "q4_k", random_blocks("q4_k", 64, 256, gen)), ("k", "q4_k", random_blocks("q4_k", 16, 256, gen)),
-             ("v", "q6_k", random_blocks("q6_k", 16, 256, gen))]
-    p = projection(parts, device="cuda", dtype=torch.bfloat16)
-    assert isinstance(p, StackedProjection) and all(isinstance(q, DeviceBlockProjection) for q in p.parts)
-    assert [q.out_features for q in p.parts] == [80, 16]
-    w = torch.cat([gguf_dense(t, b, b.shape[0], 256) for _, t, b in parts])
-    x = torch.randn(3, 256, generator=gen)
-    got = p(x.cuda()).double().cpu()
-    assert float((got - x.double() @ w.t()).norm() / (x.double() @ w.t()).norm()) < 1e-5
-
-
-@pytest.mark.skipif(not CUDA, reason="the GPU's projections: a CUDA device")
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q5_0"])
-def test_a_gguf_model_on_cuda_keeps_its_dense_blocks_and_computes_as_on_the_cpu(qtype, tiny_checkpoint, tmp_path):
-    """`engine serve --model FILE.gguf --device cuda`'s model: attention's q|k|v and o (and an untied output) are the
-    file's blocks on the GPU, and the logits are the CPU's (its native kernels on the same blocks) to fp32 order."""
-    from engine.dense_weights import Projection
-    from engine.gguf_model import GgufModel
-    from engine.gguf_tensors import DeviceBlockProjection, StackedProjection
-    from engine.loader import load_model
-    from tests.fixtures.tiny_gguf import write_gguf
-    path = write_gguf(tiny_checkpoint("qwen3_moe"), tmp_path / f"{qtype}.gguf", qtype=qtype)
-    gpu = load_model(path, max_context=64, device="cuda", dtype="float32")
-    attn = gpu.layers[0].attn
-    for p in (attn.qkv, attn.o):
-        assert isinstance(p, (DeviceBlockProjection, StackedProjection)) and not isinstance(p, Projection)
-    if "output.weight" in GgufModel(path).tensors:
-        assert isinstance(gpu.head, DeviceBlockProjection)
-    seq = torch.tensor([5, 17, 200, 42, 99, 7, 311, 64, 128, 3, 250, 19])
-
-    def logits(model):
-        with torch.inference_mode():
-            got = [model.prefill(seq[:6], slot=0, all_logits=True)]
-            got += [model.decode_step([int(seq[i])], [0], [i]) for i in range(6, len(seq))]
-        return torch.cat(got).float().cpu()
-    want = logits(load_model(path, max_context=64))
-    torch.testing.assert_close(logits(gpu), want, rtol=0, atol=2e-3 * float(want.abs().max()))
 
 
 # The typed kernels compiled for an H200 (sm_90: Triton's passes and ptxas, no device touched) at Qwen3-30B-A3B's
