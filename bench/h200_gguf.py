@@ -40,7 +40,7 @@ from bench.h200_sampled import Clock, llama_env, quantize
 from bench.h200_served import kiln_server, measure_served
 from bench.harness import (gguf_convert, llama_bench_figures, log, machine, prompt_ids, write_result)
 from engine.measure import gguf_agreement as ga
-from engine.measure.peer import cuda_paths, gguf_tensors, lane_bound, token_bytes
+from engine.measure.peer import cuda_paths, earlier_llama_bench, gguf_tensors, lane_bound, token_bytes
 
 TARGETS = {"gguf_decode_over_llama_bench": 1.1, "gguf_prefill_8k_over_llama_bench": 1.0}
 AGREE_TARGET = 0.8      # top-1 against llama-server: 0.88 on random qwen3moe Q4_K_M files (bench/README.md, issue 29)
@@ -115,23 +115,6 @@ def kiln_top1_against(llama: dict, q4: Path, ids: list[int]):
     return ask
 
 
-def prior_llama(args) -> dict | None:
-    """--llama-json's llama-bench figures where that run measured the same file (layers, steps, prefill; the synth's
-    seed is fixed), marked with where they came from; None (llama-bench runs) where not given, or not the same."""
-    if not args.llama_json:
-        return None
-    got = json.loads(Path(args.llama_json).read_text())
-    s = got.get("settings") or {}
-    lb = (got.get("runs") or {}).get("llama_bench_q4_k_m") or {}
-    want = {"layers": TINY_SHAPE["num_hidden_layers"] if args.tiny else args.layers, "steps": args.steps,
-            "prefill": args.prefill}
-    if any(s.get(k) != v for k, v in want.items()) or not lb.get("decode_tps"):
-        log(f"--llama-json {args.llama_json}: not the same file's figures ({ {k: s.get(k) for k in want} } vs {want}, "
-            f"decode {lb.get('decode_tps')}): llama-bench runs")
-        return None
-    return {**lb, "reused_from": str(args.llama_json), "reused_measured": got.get("date")}
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--work", default="/tmp/kiln-gguf")
@@ -158,6 +141,15 @@ def main():
     # the CPU build's AMX repack of Q4_K segfaults on the tiny shape's 256-wide rows (bench/h200_peer.py --no-repack)
     # (llama-server: tool.checks.llama_cpp.host_args adds --no-repack on such hosts)
     bench_extra = ["--repack", "0"] if args.tiny else []
+    earlier = None
+    if args.llama_json:         # checked before any device time is spent: a foreign file is one line, exit 2
+        try:
+            earlier = earlier_llama_bench(json.loads(Path(args.llama_json).read_text()), args.llama_json,
+                                          {"layers": TINY_SHAPE["num_hidden_layers"] if args.tiny else args.layers,
+                                           "steps": args.steps, "prefill": args.prefill})
+        except (OSError, ValueError) as e:
+            log(f"--llama-json {args.llama_json}: {e}")
+            sys.exit(2)
     clock = Clock(args.budget_s)
     work, bin_dir, src = Path(args.work), Path(args.llama_bin), Path(args.llama_src)
     work.mkdir(parents=True, exist_ok=True)
@@ -253,7 +245,6 @@ def main():
     save()
 
     # 4. llama-bench on the file, all on the GPU (or an earlier run's figures on the same file)
-    earlier = prior_llama(args)
     runs["llama_bench_q4_k_m"] = earlier or part("llama-bench Q4_K_M", 20 if args.tiny else 40, lambda: llama_bench(
         bin_dir, q4, args.prefill, args.steps, 1 if args.tiny else 2, bench_extra, max(1, clock.left() - 5)))
     log("llama-bench:", runs["llama_bench_q4_k_m"])

@@ -168,3 +168,22 @@ def test_bad_arguments_get_one_line(argv, message):
     r = subprocess.run([sys.executable, "-m", "bench.h200_peer", *argv], capture_output=True, text=True,
                        cwd=REPO, timeout=120)
     assert r.returncode != 0 and message in r.stderr and "Traceback" not in r.stderr
+
+
+def test_an_earlier_calls_llama_bench_figures_stand_only_for_the_same_file():
+    """bench.h200_gguf --llama-json: llama-bench's figures from an earlier call's JSON where it measured the same
+    seeded file and requests (layers, steps, prefill), naming where they came from; anything else refused."""
+    prior = {"date": "2026-12-05T02:04:42Z", "commit": "dc6503e",
+             "settings": {"layers": 8, "tiny": False, "steps": 128, "prefill": 8192, "device": "cuda"},
+             "runs": {"llama_bench_q4_k_m": {"decode_tps": 1220.7, "prefill_tps_8192": 55829.6}}}
+    want = {"layers": 8, "steps": 128, "prefill": 8192}
+    got = peer.earlier_llama_bench(prior, "old.json", want)
+    assert got["decode_tps"] == 1220.7 and got["prefill_tps_8192"] == 55829.6
+    assert got["reused_from"] == "old.json (2026-12-05T02:04:42Z, dc6503e)"
+    again = dict(prior, runs={"llama_bench_q4_k_m": got})          # carried on: still names the measuring call
+    assert peer.earlier_llama_bench(again, "newer.json", want)["reused_from"] == got["reused_from"]
+    for other in ({**want, "layers": 16}, {**want, "prefill": 4096}):
+        with pytest.raises(ValueError, match="holds no llama-bench run"):
+            peer.earlier_llama_bench(prior, "old.json", other)
+    with pytest.raises(ValueError):
+        peer.earlier_llama_bench(dict(prior, runs={"llama_bench_q4_k_m": {"skipped": "budget"}}), "old.json", want)

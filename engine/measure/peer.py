@@ -203,3 +203,17 @@ def report(args) -> dict:
     log("targets:", json.dumps(out["targets"]))
     return out
 
+
+
+def earlier_llama_bench(prior: dict, name: str, want: dict) -> dict:
+    """llama-bench's figures from an earlier bench.h200_gguf call's JSON `prior` on the same file, so a call short of
+    device time spends it on Kiln: the slice is seeded (engine synth seed 0) and made Q4_K_M by the same
+    llama-quantize, so the same `want` settings (layers, steps, prefill) are the same file and the same requests.
+    ValueError where `prior` holds no llama-bench figures of those settings."""
+    got = prior.get("settings") or {}
+    lb = (prior.get("runs") or {}).get("llama_bench_q4_k_m") or {}
+    if any(got.get(k) != v for k, v in want.items()) or not lb.get("decode_tps"):
+        raise ValueError(f"holds no llama-bench run measured with {want} (it has "
+                         f"{ {k: got.get(k) for k in want} }, decode {lb.get('decode_tps')})")
+    # figures an earlier call took from a still earlier one keep naming the call that measured them
+    return dict(lb, reused_from=lb.get("reused_from") or f"{name} ({prior.get('date')}, {prior.get('commit')})")
