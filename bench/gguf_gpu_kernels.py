@@ -27,8 +27,8 @@ from bench.harness import log, write_result
 H, I, E, K = 2048, 768, 128, 8
 # Where each type keeps its fp16 scales: random bytes there could be inf or NaN.
 FP16_AT = {"q4_k": (0, 2), "q6_k": (208,), "q8_0": (0,), "q5_0": (0,)}
-GEMV_TRIES = [{}, dict(up_chunk=512, up_warps=4), dict(up_chunk=2048, up_warps=8), dict(block_i=4, up_warps=4),
-              dict(block_h=16, down_warps=2), dict(block_h=64, down_chunk=256, down_warps=8)]
+GEMV_TRIES = [{}, dict(pairs=False), dict(q4_k_up_chunk=1024), dict(up_chunk=512, up_warps=4, pairs=False),
+              dict(block_h=16, down_warps=4), dict(block_h=32, down_warps=8)]
 
 
 def blocks(t: str, rows: int, inp: int, dev, n: int = 1) -> torch.Tensor:

@@ -298,17 +298,57 @@ if triton is not None:
         return q, s, z
 
     @triton.jit
+    def _k4_scale_min(blk, j, m):
+        """Q4_K / Q5_K sub-block j's 6-bit (scale, min) from the 12 scale bytes at blk + 4 (ggml's get_scale_min_k4)."""
+        lo4 = j < 4
+        s_j = _byte(blk + 4 + j, m)
+        s_j4 = _byte(blk + 8 + j, m)                                  # s[j + 4]: j + 4 <= 11
+        s_jm4 = _byte(blk + 4 + tl.where(lo4, 0, j - 4), m)
+        sc = tl.where(lo4, s_j & 63, (s_j4 & 15) | ((s_jm4 >> 6) << 4))
+        mn = tl.where(lo4, s_j4 & 63, (s_j4 >> 4) | ((s_j >> 6) << 4))
+        return sc.to(tl.float32), mn.to(tl.float32)
+
+    @triton.jit
+    def _q4_k_dot(mat, r64, rmask, x_row, k0, IN: tl.constexpr, R: tl.constexpr, CHUNK: tl.constexpr):
+        """_ggml_dot for Q4_K: each 32-byte run of codes loaded once for the two sub-blocks it holds (its low nibbles
+        sub-block 2c, its high ones 2c + 1), where _ggml_sub's sub-block form reads it twice."""
+        P: tl.constexpr = CHUNK // 64
+        ci = k0 // 64 + tl.arange(0, P)                        # 64-weight chunks: block ci // 4, pair ci % 4
+        cm = ci < IN // 64
+        m2 = rmask[:, None] & cm[None, :]
+        c = (ci % 4)[None, :]
+        blk = mat + r64[:, None] * (IN // 256 * 144) + ((ci // 4) * 144)[None, :]
+        d = tl.load(blk.to(tl.pointer_type(tl.float16)), mask=m2, other=0.0).to(tl.float32)
+        dmin = tl.load((blk + 2).to(tl.pointer_type(tl.float16)), mask=m2, other=0.0).to(tl.float32)
+        sc_lo, mn_lo = _k4_scale_min(blk, 2 * c, m2)
+        sc_hi, mn_hi = _k4_scale_min(blk, 2 * c + 1, m2)
+        l = tl.arange(0, 32)
+        b = tl.load((blk + 16 + c * 32)[:, :, None] + l[None, None, :], mask=m2[:, :, None], other=0).to(tl.int32)
+        xp = x_row + ci[:, None] * 64 + l[None, :]
+        x_lo = tl.load(xp, mask=cm[:, None], other=0.0).to(tl.float32)
+        x_hi = tl.load(xp + 32, mask=cm[:, None], other=0.0).to(tl.float32)
+        d_lo = tl.sum((b & 15).to(tl.float32) * x_lo[None, :, :], axis=2)
+        d_hi = tl.sum((b >> 4).to(tl.float32) * x_hi[None, :, :], axis=2)
+        s_lo = tl.sum(x_lo, axis=1)[None, :]
+        s_hi = tl.sum(x_hi, axis=1)[None, :]
+        return tl.sum(d * (sc_lo * d_lo + sc_hi * d_hi) - dmin * (mn_lo * s_lo + mn_hi * s_hi), axis=1)
+
+    @triton.jit
     def _ggml_dot(mat, r64, rmask, x_row, k0, IN: tl.constexpr, T: tl.constexpr, S: tl.constexpr, R: tl.constexpr,
-                  CHUNK: tl.constexpr):
+                  CHUNK: tl.constexpr, PAIRS: tl.constexpr = True):
         """Σ_k W[rows, k]·x[k] over k0..k0+CHUNK-1 of a GGUF matrix of type T: per sub-block Σ q·x, then s·that +
-        z·Σ x (each sub-block scaled once, as _group_dot does int4's groups)."""
-        M: tl.constexpr = CHUNK // S
-        q, s, z = _ggml_sub(mat, r64, rmask, k0 // S, IN, T, R, M, S)
-        mm = k0 // S + tl.arange(0, M)
-        xv = tl.load(x_row + mm[:, None] * S + tl.arange(0, S)[None, :], mask=(mm < IN // S)[:, None],
-                     other=0.0).to(tl.float32)
-        dq = tl.sum(q * xv[None, :, :], axis=2)
-        return tl.sum(s * dq + z * tl.sum(xv, axis=1)[None, :], axis=1)
+        z·Σ x (each sub-block scaled once, as _group_dot does int4's groups); Q4_K by _q4_k_dot (PAIRS, CHUNK >= 64)."""
+        if (T == 12) & PAIRS & (CHUNK >= 64):
+            acc = _q4_k_dot(mat, r64, rmask, x_row, k0, IN, R, CHUNK)
+        else:
+            M: tl.constexpr = CHUNK // S
+            q, s, z = _ggml_sub(mat, r64, rmask, k0 // S, IN, T, R, M, S)
+            mm = k0 // S + tl.arange(0, M)
+            xv = tl.load(x_row + mm[:, None] * S + tl.arange(0, S)[None, :], mask=(mm < IN // S)[:, None],
+                         other=0.0).to(tl.float32)
+            dq = tl.sum(q * xv[None, :, :], axis=2)
+            acc = tl.sum(s * dq + z * tl.sum(xv, axis=1)[None, :], axis=1)
+        return acc
 
     @triton.jit
     def _ggml_tile(mat, rows, rmask, k0, IN: tl.constexpr, T: tl.constexpr, S: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -323,7 +363,7 @@ if triton is not None:
                            H: tl.constexpr, I: tl.constexpr, REC: tl.constexpr, TABLE: tl.constexpr, LOG: tl.constexpr,
                            GATE: tl.constexpr, UP: tl.constexpr, TG: tl.constexpr, TU: tl.constexpr,
                            SG: tl.constexpr, SU: tl.constexpr, BLOCK_I: tl.constexpr, CHUNK: tl.constexpr,
-                           LIMIT: tl.constexpr = 0.0):
+                           LIMIT: tl.constexpr = 0.0, PAIRS: tl.constexpr = True):
         p = tl.program_id(0)
         rec = record_ptr(arena_ptr, slot_ptr, table_ptr, log_ptr, p, SLOT_OFF, REC, TABLE, LOG)
         rows = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
@@ -333,14 +373,14 @@ if triton is not None:
         acc_g = tl.zeros([BLOCK_I], dtype=tl.float32)
         acc_u = tl.zeros([BLOCK_I], dtype=tl.float32)
         for k0 in range(0, H, CHUNK):
-            acc_g += _ggml_dot(rec + GATE, r64, rmask, x_row, k0, H, TG, SG, BLOCK_I, CHUNK)
-            acc_u += _ggml_dot(rec + UP, r64, rmask, x_row, k0, H, TU, SU, BLOCK_I, CHUNK)
+            acc_g += _ggml_dot(rec + GATE, r64, rmask, x_row, k0, H, TG, SG, BLOCK_I, CHUNK, PAIRS)
+            acc_u += _ggml_dot(rec + UP, r64, rmask, x_row, k0, H, TU, SU, BLOCK_I, CHUNK, PAIRS)
         tl.store(h_ptr + p * I + rows, swiglu(acc_g, acc_u, h_ptr.dtype.element_ty, LIMIT), mask=rmask)
 
     @triton.jit
     def _down_gemv_ggml(h_ptr, arena_ptr, slot_ptr, w_ptr, y_ptr, SLOT_OFF, table_ptr, H: tl.constexpr,
                         I: tl.constexpr, REC: tl.constexpr, TABLE: tl.constexpr, DOWN: tl.constexpr, TD: tl.constexpr,
-                        SD: tl.constexpr, BLOCK_H: tl.constexpr, CHUNK: tl.constexpr):
+                        SD: tl.constexpr, BLOCK_H: tl.constexpr, CHUNK: tl.constexpr, PAIRS: tl.constexpr = True):
         p = tl.program_id(0)
         rec = record_ptr(arena_ptr, slot_ptr, table_ptr, slot_ptr, p, SLOT_OFF, REC, TABLE, False)
         rows = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -348,7 +388,7 @@ if triton is not None:
         r64 = rows.to(tl.int64)
         acc = tl.zeros([BLOCK_H], dtype=tl.float32)
         for k0 in range(0, I, CHUNK):
-            acc += _ggml_dot(rec + DOWN, r64, rmask, h_ptr + p * I, k0, I, TD, SD, BLOCK_H, CHUNK)
+            acc += _ggml_dot(rec + DOWN, r64, rmask, h_ptr + p * I, k0, I, TD, SD, BLOCK_H, CHUNK, PAIRS)
         acc = acc.to(h_ptr.dtype.element_ty).to(tl.float32)
         w = tl.load(w_ptr + p).to(tl.float32)
         tl.store(y_ptr + p * H + rows, acc * w, mask=rmask)
@@ -642,12 +682,13 @@ def _typed(layout: QuantLayout, types) -> list[tuple[int, int]] | None:
     return [(g.code, SUB[g.name]) for g in got]
 
 
-# The typed GEMVs' tiles (gate/up: block_i rows, up to up_chunk weights a step; down: block_h, down_chunk), and the
-# typed grouped GEMM's (block_n, block_k, warps) by block_m: not timed on the H200 yet; chosen where ptxas (sm_90,
-# Triton 3.6) spills no register at Qwen3-30B-A3B's experts (Q4_K gate/up, Q6_K down) — int4's GEMM_TILES spill
-# hundreds of bytes with these tiles (two [block_n, block_k] weight tiles decoded a step). bench/probes/gguf_kernels.py
-# times them on the device.
-TYPED_GEMV = dict(block_i=8, up_chunk=1024, up_warps=8, block_h=32, down_chunk=256, down_warps=4)
+# The typed GEMVs' tiles (gate/up: block_i rows, up to up_chunk weights a step, q4_k_up_chunk where both are Q4_K by
+# _q4_k_dot (pairs) — a whole 2048-wide row, as int4's best; down: block_h, down_chunk), and the typed grouped GEMM's (block_n, block_k, warps)
+# by block_m: not timed on the H200 yet; chosen where ptxas (sm_90, Triton 3.6) spills no register at Qwen3-30B-A3B's
+# experts (Q4_K gate/up, Q6_K or Q4_K down) — int4's GEMM_TILES spill hundreds of bytes with these tiles (two
+# [block_n, block_k] weight tiles decoded a step). bench.gguf_gpu_kernels times them (and others) on the device.
+TYPED_GEMV = dict(block_i=8, up_chunk=1024, q4_k_up_chunk=2048, up_warps=8, block_h=32, down_chunk=256, down_warps=4,
+                  pairs=True)
 TYPED_GEMM_TILES = {16: (64, 128, 8), 32: (128, 64, 8), 64: (64, 64, 8), 128: (64, 64, 8)}
 
 
@@ -709,14 +750,15 @@ def quant_slot_moe(x: torch.Tensor, arena: torch.Tensor, slots: torch.Tensor, to
     if (tys := _typed(layout, types)) is not None:
         (tg, sg), (tu, su), (td, sd) = tys
         c = {**TYPED_GEMV, **(typed or {})}
+        up_chunk = c["q4_k_up_chunk"] if c["pairs"] and tg == tu == ggml.ggml_type("q4_k").code else c["up_chunk"]
         _gate_up_gemv_ggml[(p, triton.cdiv(idim, c["block_i"]))](
             x.contiguous(), arena, slot_flat, h, slot_offset, tab, lg, K=k, H=hdim, I=idim, LOG=use_log, **where,
             GATE=prm["GATE"], UP=prm["UP"], TG=tg, TU=tu, SG=sg, SU=su, BLOCK_I=c["block_i"],
-            CHUNK=chunk(hdim, c["up_chunk"]), LIMIT=limit_arg(limit), num_warps=c["up_warps"])
+            CHUNK=chunk(hdim, up_chunk), LIMIT=limit_arg(limit), PAIRS=c["pairs"], num_warps=c["up_warps"])
         _down_gemv_ggml[(p, triton.cdiv(hdim, c["block_h"]))](
             h, arena, slot_flat, w_flat, y, slot_offset, tab, H=hdim, I=idim, **where,
             DOWN=layout.regions["down"][0], TD=td, SD=sd, BLOCK_H=c["block_h"], CHUNK=chunk(idim, c["down_chunk"]),
-            num_warps=c["down_warps"])
+            PAIRS=c["pairs"], num_warps=c["down_warps"])
         return sum_picks(y, t, k, x.dtype)
     _gate_up_gemv[(p, triton.cdiv(idim, block_i))](
         x.contiguous(), arena, slot_flat, h, slot_offset, tab, lg, K=k, H=hdim, I=idim, LOG=use_log, **where,

@@ -247,10 +247,12 @@ for types in (("q4_k", "q4_k", "q6_k"), ("q4_k", "q4_k", "q4_k"), ("q5_0", "q5_0
     out[name + " gate_up_gemv"] = compile(qt._gate_up_gemv_ggml, dict(x_ptr=b, arena_ptr=u8, slot_ptr=i64, h_ptr=b,
         SLOT_OFF="i32", table_ptr=i64, log_ptr=i32, K=8, H=H, I=I, REC=lay.record_bytes, TABLE=False, LOG=False,
         GATE=reg["gate"][0], UP=reg["up"][0], TG=tg, TU=tu, SG=sg, SU=su, BLOCK_I=qt.TYPED_GEMV["block_i"],
-        CHUNK=qt.chunk(H, qt.TYPED_GEMV["up_chunk"]), LIMIT=0.0), num_warps=qt.TYPED_GEMV["up_warps"])
+        CHUNK=qt.chunk(H, qt.TYPED_GEMV["q4_k_up_chunk" if tg == tu == 12 else "up_chunk"]), LIMIT=0.0,
+        PAIRS=qt.TYPED_GEMV["pairs"]),
+        num_warps=qt.TYPED_GEMV["up_warps"])
     out[name + " down_gemv"] = compile(qt._down_gemv_ggml, dict(h_ptr=b, arena_ptr=u8, slot_ptr=i64, w_ptr=b, y_ptr=f,
         SLOT_OFF="i32", table_ptr=i64, H=H, I=I, REC=lay.record_bytes, TABLE=False, DOWN=reg["down"][0], TD=td, SD=sd,
-        BLOCK_H=qt.TYPED_GEMV["block_h"], CHUNK=qt.chunk(I, qt.TYPED_GEMV["down_chunk"])),
+        BLOCK_H=qt.TYPED_GEMV["block_h"], CHUNK=qt.chunk(I, qt.TYPED_GEMV["down_chunk"]), PAIRS=qt.TYPED_GEMV["pairs"]),
         num_warps=qt.TYPED_GEMV["down_warps"])
     for bm, (bn, bk, warps) in qt.TYPED_GEMM_TILES.items():
         if bm > qt.GEMM_DEFAULTS["most_m"]:
