@@ -127,6 +127,7 @@ def main():
     log("per-element:", out["decode"]["per-element ggml: path"], "int4:", out["decode"]["int4 records"])
     ref = qt.quant_moe_reference(x.float(), arena, picks[0], w, lay)
     out["exact"]["typed gemv"] = rel(qt.quant_slot_moe(x.float(), arena, picks[0], w, lay, types=types), ref)
+    write_result(args.out, out)                  # after each part: a capped call keeps what was measured
 
     xs = torch.randn(args.prefill, H, generator=gen, device=dev).to(dt)
     ids = torch.stack([torch.randperm(E, generator=gen, device=dev)[:K] for _ in range(args.prefill)])
@@ -143,6 +144,7 @@ def main():
     out["exact"]["typed grouped gemm"] = rel(qt.quant_grouped_moe(xs[few].float(), arena, ids[few], wp[few], lay,
                                                                   types=types),
                                              qt.quant_moe_reference(xs[few].float(), arena, ids[few], wp[few], lay))
+    write_result(args.out, out)
 
     for key, (t, o, inp) in dense_shapes.items():
         b = blocks(t, o, inp, dev)[0]
@@ -161,6 +163,7 @@ def main():
         out["dense"][key] = r
         log(key, r)
         del wf
+        write_result(args.out, out)
     write_result(args.out, out)
     log(f"wrote {args.out}")
 
