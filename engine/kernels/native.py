@@ -68,6 +68,8 @@ SIGNATURES = {
     "int4_ffn_rows": [_P, _I, _I, _I, _P, _P, _P, _P, _I, _P, _I, _F],
     "moe_sum_rows": [_P, _I, _I, _P, _P, _I, _P, _P, _F, _P],
     "decode_layers": [_P, _P, _P, _I, _I, _P, _P, _I, _I, _P, _P, _P, _P, _P, _P, _I],
+    "exact_attend_fast": [_I],
+    "exact_expf_mismatches": [ctypes.c_uint32, ctypes.c_uint32, ctypes.c_uint32],
 }
 ROWS = ("q8_gemv_rows", "attn_rows", "add_rms_norm_rows", "attn_block_rows", "router_topk_rows", "int4_ffn_rows",
         "moe_sum_rows")
@@ -165,6 +167,8 @@ def load(path: Path) -> ctypes.CDLL:
         fn.argtypes, fn.restype = args, None
     so.ggml_supported.restype = _I
     so.decode_layers.restype = _I
+    so.exact_attend_fast.restype = _I
+    so.exact_expf_mismatches.restype = ctypes.c_int64
     # The exact prefill's rows calls are few and long (a layer's rows each): they let the GIL go, so the server's
     # other threads (streaming, HTTP) run meanwhile.
     so.released = ctypes.CDLL(str(path))
@@ -542,6 +546,12 @@ def q8_gemv_rows(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor) -> torch.Ten
     y = torch.empty(m, q.shape[0])
     lib().released.q8_gemv_rows(_ptr(x), m, k, _ptr(q), _ptr(d), q.shape[0], _ptr(y), torch.get_num_threads())
     return y
+
+
+def exact_attend_fast(head_dim: int) -> bool:
+    """attn_rows attends with its keys-in-lanes kernel at this head size (AVX-512; checked once on this host to
+    give attend_head's bits), else with attend_head row by row (the same bits, slower)."""
+    return lib() is not None and bool(lib().exact_attend_fast(head_dim))
 
 
 def add_rms_norm_rows(x: torch.Tensor, r: torch.Tensor | None, w: torch.Tensor, eps: float) -> torch.Tensor:

@@ -1058,14 +1058,309 @@ void attn_block(float* x, const float* h, int H, const uint8_t* qkv_p, const uin
 
 void router_topk(const float* x, int H, const float* gate, int E, int k, int renorm, int64_t* ids, float* w);
 
+}  // extern "C"
+
+namespace {
+
+#if defined(__AVX512F__)
+// attend_head on many queries at once, for attn_rows: every (query, key) through the same IEEE operations in the
+// same order as attend_head's machine code, so the same bits, but with the keys in vector lanes instead of one key's
+// channels, so no per-key horizontal sum and no per-key call (attend_head: ~3.9 ms a row at 600 keys on the demo's
+// 30 layers x 9 heads, most of a chat turn's prefill). What attend_head's code does, per query (g++ -O3, -ffp-contract=off):
+//   score: its `omp simd reduction` is 16 lanes, lane l = (((0 + q[l]·k[l]) + q[16+l]·k[16+l]) + ...) with products
+//     and sums rounded apart, then 0 + lane 0 + lane 1 + ... + lane 15 in order; times scale;
+//   exp: glibc's expf of (s - max), whose x86-64 FMA build (e_expf.c) is done here on 16 scores at once, lanes in
+//     its special range (|x| >= 88, NaN) through std::exp itself; the sum of the exps in key order;
+//   values: acc[i] = acc[i] + w·v[i] in key order from 0, then acc / sum.
+// The first two are how this compiler and libm lower attend_head, not what the source promises, so exact_attend_ok()
+// compares this with attend_head itself on random rows before attn_rows uses it (per head size; else attend_head).
+
+const uint64_t EXPF_TAB[32] = {    // glibc's __exp2f_data.tab: the bits of 2^(i/32), less i << 47
+    0x3ff0000000000000, 0x3fefd9b0d3158574, 0x3fefb5586cf9890f, 0x3fef9301d0125b51, 0x3fef72b83c7d517b,
+    0x3fef54873168b9aa, 0x3fef387a6e756238, 0x3fef1e9df51fdee1, 0x3fef06fe0a31b715, 0x3feef1a7373aa9cb,
+    0x3feedea64c123422, 0x3feece086061892d, 0x3feebfdad5362a27, 0x3feeb42b569d4f82, 0x3feeab07dd485429,
+    0x3feea47eb03a5585, 0x3feea09e667f3bcd, 0x3fee9f75e8ec5f74, 0x3feea11473eb0187, 0x3feea589994cce13,
+    0x3feeace5422aa0db, 0x3feeb737b0cdc5e5, 0x3feec49182a3f090, 0x3feed503b23e255d, 0x3feee89f995ad3ad,
+    0x3feeff76f2fb5e47, 0x3fef199bdd85529c, 0x3fef3720dcef9069, 0x3fef5818dcfba487, 0x3fef7c97337b9b5f,
+    0x3fefa4afa2a490da, 0x3fefd0765b6e4540};
+
+// expf on 8 floats (widened): e_expf.c's main path with its FMAs, in double.
+inline __m256 expf8_main(__m256 x) {
+    const __m512d inv = _mm512_set1_pd(0x1.71547652b82fep+5), shift = _mm512_set1_pd(0x1.8p52);
+    const __m512i t0 = _mm512_loadu_si512(EXPF_TAB), t1 = _mm512_loadu_si512(EXPF_TAB + 8);
+    const __m512i t2 = _mm512_loadu_si512(EXPF_TAB + 16), t3 = _mm512_loadu_si512(EXPF_TAB + 24);
+    const __m512d xd = _mm512_cvtps_pd(x);
+    __m512d kd = _mm512_fmadd_pd(inv, xd, shift);                       // k = round(x·32/ln2), in kd's low bits
+    const __m512i ki = _mm512_castpd_si512(kd);
+    kd = _mm512_sub_pd(kd, shift);
+    const __m512d r = _mm512_fmsub_pd(inv, xd, kd);
+    const __m512i idx = _mm512_and_si512(ki, _mm512_set1_epi64(31));
+    __m512i t = _mm512_mask_blend_epi64(_mm512_test_epi64_mask(idx, _mm512_set1_epi64(16)),
+                                        _mm512_permutex2var_epi64(t0, idx, t1), _mm512_permutex2var_epi64(t2, idx, t3));
+    t = _mm512_add_epi64(t, _mm512_slli_epi64(ki, 47));                 // 2^(k/32)
+    const __m512d z = _mm512_fmadd_pd(_mm512_set1_pd(0x1.c6af84b912394p-20), r, _mm512_set1_pd(0x1.ebfce50fac4f3p-13));
+    const __m512d r2 = _mm512_mul_pd(r, r);
+    __m512d y = _mm512_fmadd_pd(r, _mm512_set1_pd(0x1.62e42ff0c52d6p-6), _mm512_set1_pd(1.0));
+    y = _mm512_fmadd_pd(z, r2, y);
+    return _mm512_cvtpd_ps(_mm512_mul_pd(y, _mm512_castsi512_pd(t)));
+}
+
+// std::exp (glibc's expf) of 16 floats, each with expf's bits (exact_attend_ok checks that on this host).
+inline __m512 expf16(__m512 x) {
+    const __m256 lo = expf8_main(_mm512_castps512_ps256(x));
+    const __m256 hi = expf8_main(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
+    __m512 y = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(lo)), _mm256_castps_pd(hi), 1));
+    const __m512i top = _mm512_and_si512(_mm512_srli_epi32(_mm512_castps_si512(x), 20), _mm512_set1_epi32(0x7ff));
+    const __mmask16 special = _mm512_cmpge_epu32_mask(top, _mm512_set1_epi32(0x42b));     // |x| >= 88 or NaN
+    if (special) {
+        alignas(64) float xs[16], ys[16];
+        _mm512_store_ps(xs, x);
+        _mm512_store_ps(ys, y);
+        for (int l = 0; l < 16; ++l)
+            if (special >> l & 1) ys[l] = std::exp(xs[l]);
+        y = _mm512_load_ps(ys);
+    }
+    return y;
+}
+
+// r[16] rows of 16 floats → its transpose in place.
+inline void transpose16(__m512* r) {
+    __m512 t[16];
+    for (int i = 0; i < 8; ++i) {
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; ++i) {     // r[4i + m], 128-bit lane k: rows 4i..4i+3 of column 4k + m
+        r[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+        r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xee);
+        r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+        r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xee);
+    }
+    for (int m = 0; m < 4; ++m) {     // then the 4x4 transpose of 128-bit lanes
+        t[m] = _mm512_shuffle_f32x4(r[m], r[4 + m], 0x88);
+        t[4 + m] = _mm512_shuffle_f32x4(r[m], r[4 + m], 0xdd);
+        t[8 + m] = _mm512_shuffle_f32x4(r[8 + m], r[12 + m], 0x88);
+        t[12 + m] = _mm512_shuffle_f32x4(r[8 + m], r[12 + m], 0xdd);
+    }
+    for (int m = 0; m < 4; ++m) {
+        r[m] = _mm512_shuffle_f32x4(t[m], t[8 + m], 0x88);
+        r[8 + m] = _mm512_shuffle_f32x4(t[m], t[8 + m], 0xdd);
+        r[4 + m] = _mm512_shuffle_f32x4(t[4 + m], t[12 + m], 0x88);
+        r[12 + m] = _mm512_shuffle_f32x4(t[4 + m], t[12 + m], 0xdd);
+    }
+}
+
+// Keys j0..j0+15 of one kv head (k0: its row 0, rows `row` floats apart; keys at or past `end` read as 0) → kt
+// [HC·16 channels][ldk], column j0 - base.
+template <int HC>
+void keys_transposed(const float* k0, size_t row, int j0, int end, int base, float* kt, size_t ldk) {
+    const int valid = std::min(16, end - j0);
+    for (int c = 0; c < HC; ++c) {
+        __m512 r[16];
+        for (int i = 0; i < 16; ++i)
+            r[i] = i < valid ? _mm512_loadu_ps(k0 + (size_t)(j0 + i) * row + 16 * c) : _mm512_setzero_ps();
+        transpose16(r);
+        for (int d = 0; d < 16; ++d) _mm512_storeu_ps(kt + (size_t)(16 * c + d) * ldk + (j0 - base), r[d]);
+    }
+}
+
+// nq (<= 4) query heads q[i] (HC·16 floats) over keys lo..p of their kv head, each as attend_head computes it → out[i].
+// kt: the keys transposed (keys_transposed, column j - base; zero past the last key, so a block may read beyond p);
+// v0: the values' row 0, rows `row` floats apart; s: scratch of 4·(p + 1 - lo + 16) floats.
+template <int HC>
+void attend_keys_in_lanes(const float* const* q, int nq, const float* kt, size_t ldk, int base, const float* v0,
+                          size_t row, int lo, int p, float scale, float* s, float* const* out) {
+    const int n = p + 1 - lo, blocks = (n + 15) / 16;
+    const size_t sn = (size_t)blocks * 16;
+    __m512 mx[4];
+    for (int i = 0; i < nq; ++i) mx[i] = _mm512_set1_ps(-INFINITY);
+    for (int b = 0; b < blocks; ++b) {
+        const float* kb = kt + (lo - base) + 16 * b;
+        __m512 dot[4];
+        for (int i = 0; i < nq; ++i) dot[i] = _mm512_setzero_ps();
+        for (int l = 0; l < 16; ++l) {
+            __m512 a[4];
+            for (int i = 0; i < nq; ++i) a[i] = _mm512_setzero_ps();
+            for (int c = 0; c < HC; ++c) {
+                const __m512 k = _mm512_loadu_ps(kb + (size_t)(16 * c + l) * ldk);
+                for (int i = 0; i < nq; ++i) a[i] = _mm512_add_ps(a[i], _mm512_mul_ps(_mm512_set1_ps(q[i][16 * c + l]), k));
+            }
+            for (int i = 0; i < nq; ++i) dot[i] = _mm512_add_ps(dot[i], a[i]);
+        }
+        const __mmask16 valid = (__mmask16)(n - 16 * b >= 16 ? 0xffff : (1u << (n - 16 * b)) - 1);
+        for (int i = 0; i < nq; ++i) {
+            const __m512 sv = _mm512_mul_ps(dot[i], _mm512_set1_ps(scale));
+            _mm512_storeu_ps(s + i * sn + 16 * b, sv);
+            mx[i] = _mm512_mask_max_ps(mx[i], valid, sv, mx[i]);     // a NaN score is passed over, as in attend_head
+        }
+    }
+    for (int i = 0; i < nq; ++i) {
+        const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx[i]));
+        for (int b = 0; b < blocks; ++b)
+            _mm512_storeu_ps(s + i * sn + 16 * b, expf16(_mm512_sub_ps(_mm512_loadu_ps(s + i * sn + 16 * b), m)));
+    }
+    __m512 acc[4][HC];
+    float sum[4];
+    for (int i = 0; i < nq; ++i) {
+        sum[i] = 0.f;
+        for (int c = 0; c < HC; ++c) acc[i][c] = _mm512_setzero_ps();
+    }
+    for (int j = 0; j < n; ++j) {
+        const float* vv = v0 + (size_t)(lo + j) * row;
+        __m512 v[HC];
+        for (int c = 0; c < HC; ++c) v[c] = _mm512_loadu_ps(vv + 16 * c);
+        for (int i = 0; i < nq; ++i) {
+            const float w = s[i * sn + j];
+            sum[i] += w;
+            const __m512 wv = _mm512_set1_ps(w);
+            for (int c = 0; c < HC; ++c) acc[i][c] = _mm512_add_ps(acc[i][c], _mm512_mul_ps(wv, v[c]));
+        }
+    }
+    for (int i = 0; i < nq; ++i)
+        for (int c = 0; c < HC; ++c) _mm512_storeu_ps(out[i] + 16 * c, _mm512_div_ps(acc[i][c], _mm512_set1_ps(sum[i])));
+}
+
+// attn_rows' attention on the fast path: per kv head, its keys transposed once, then each row's query heads of that
+// kv head together (they share the keys' loads).
+template <int HC>
+void attend_rows_fast(const float* qkv, const float* kc, const float* vc, int start, int T, int window, int nh,
+                      int nkv, float scale, float* o, int threads) {
+    constexpr int hd = 16 * HC;
+    const size_t nqkv = (size_t)(nh + 2 * nkv) * hd, row = (size_t)nkv * hd;
+    const int end = start + T, group = nh / nkv;
+    const int base = window > 0 && start + 1 > window ? start + 1 - window : 0;      // the first row's lo
+    const size_t ldk = (size_t)((end - base + 15) / 16) * 16 + 16;
+    float* kt = new float[(size_t)hd * ldk];
+    std::memset(kt, 0, sizeof(float) * hd * ldk);
+#pragma omp parallel num_threads(threads)
+    {
+        float* s = new float[4 * ((size_t)(end - base) + 16)];
+        for (int g = 0; g < nkv; ++g) {
+            const float* k0 = kc + (size_t)g * hd;
+#pragma omp for schedule(static)
+            for (int j0 = base; j0 < end; j0 += 16) keys_transposed<HC>(k0, row, j0, end, base, kt, ldk);
+#pragma omp for schedule(dynamic, 1)          // later rows attend over more keys
+            for (int t = 0; t < T; ++t) {
+                const int p = start + t, lo = window > 0 && p + 1 > window ? p + 1 - window : 0;
+                for (int h0 = 0; h0 < group; h0 += 4) {
+                    const int nq = std::min(4, group - h0);
+                    const float* q[4];
+                    float* out[4];
+                    for (int i = 0; i < nq; ++i) {
+                        const int hh = g * group + h0 + i;
+                        q[i] = qkv + t * nqkv + (size_t)hh * hd;
+                        out[i] = o + (size_t)t * nh * hd + (size_t)hh * hd;
+                    }
+                    attend_keys_in_lanes<HC>(q, nq, kt, ldk, base, vc + (size_t)g * hd, row, lo, p, scale, s, out);
+                }
+            }
+        }
+        delete[] s;
+    }
+    delete[] kt;
+}
+
+// 1 where attend_keys_in_lanes gives attend_head's bits for head size 16·HC on random queries, keys and values
+// (scores spread past expf's special range, windows, 1-4 heads); checked once per head size.
+template <int HC>
+bool attend_fast_checked() {
+    static const bool ok = [] {
+        constexpr int hd = 16 * HC, nkv = 2, n = 83;
+        const size_t row = (size_t)nkv * hd;
+        uint32_t st = 12345u;
+        auto rnd = [&st] { st = st * 1664525u + 1013904223u; return (float)(st >> 8) / 16777216.0f * 2.f - 1.f; };
+        float* kc = new float[n * row];
+        float* vc = new float[n * row];
+        float* q = new float[4 * hd];
+        for (size_t i = 0; i < n * row; ++i) kc[i] = rnd(), vc[i] = rnd();
+        for (int i = 0; i < 4 * hd; ++i) q[i] = rnd() * 4.f;
+        for (int d = 0; d < hd; ++d) kc[5 * row + d] = q[d] * 9.f;        // a key far above the rest: exps below -88
+        float* kt = new float[(size_t)hd * (n + 32)];
+        float* s = new float[4 * (n + 16)];
+        float got[4][hd], want[hd];
+        float* sh = new float[n];
+        bool same = true;
+        for (int lo : {0, 3, 50}) {
+            const size_t ldk = (size_t)((n - lo + 15) / 16) * 16 + 16;
+            std::memset(kt, 0, sizeof(float) * hd * ldk);
+            for (int j0 = lo; j0 < n; j0 += 16) keys_transposed<HC>(kc, row, j0, n, lo, kt, ldk);
+            for (int p : {lo, lo + 16, n - 1}) {
+                const float* qs[4] = {q, q + hd, q + 2 * hd, q + 3 * hd};
+                float* outs[4] = {got[0], got[1], got[2], got[3]};
+                attend_keys_in_lanes<HC>(qs, 4, kt, ldk, lo, vc, row, lo, p, 0.125f, s, outs);
+                for (int i = 0; i < 4; ++i) {
+                    attend_head(qs[i], kc + lo * row, vc + lo * row, row, p + 1 - lo, hd, 0.125f, sh, want);
+                    same = same && std::memcmp(got[i], want, sizeof want) == 0;
+                }
+            }
+        }
+        delete[] kc;
+        delete[] vc;
+        delete[] q;
+        delete[] kt;
+        delete[] s;
+        delete[] sh;
+        return same;
+    }();
+    return ok;
+}
+#endif
+
+}  // namespace
+
+extern "C" {
+
+// 1 where attn_rows' attention takes the keys-in-lanes path for head size hd (AVX-512, hd 32/64/128, and checked
+// to give attend_head's bits here), else 0 (attend_head itself, row by row).
+int exact_attend_fast(int hd) {
+#if defined(__AVX512F__)
+    if (hd == 32) return attend_fast_checked<2>();
+    if (hd == 64) return attend_fast_checked<4>();
+    if (hd == 128) return attend_fast_checked<8>();
+#endif
+    (void)hd;
+    return 0;
+}
+
+// How many float bit patterns in [from, to) (stepping `step`) expf16 gives other bits for than std::exp (tests).
+int64_t exact_expf_mismatches(uint32_t from, uint32_t to, uint32_t step) {
+    int64_t bad = 0;
+#if defined(__AVX512F__)
+    alignas(64) uint32_t u[16];
+    alignas(64) float y[16];
+    for (uint64_t b = from; b < to; b += 16ull * step) {
+        for (int l = 0; l < 16; ++l) u[l] = (uint32_t)std::min<uint64_t>(b + (uint64_t)l * step, to - 1);
+        _mm512_store_ps(y, expf16(_mm512_castsi512_ps(_mm512_load_si512(u))));
+        for (int l = 0; l < 16; ++l) {
+            float x, e;
+            std::memcpy(&x, &u[l], 4);
+            e = std::exp(x);
+            bad += std::memcmp(&e, &y[l], 4) != 0;
+        }
+    }
+#else
+    (void)from, (void)to, (void)step;
+    bad = -1;
+#endif
+    return bad;
+}
+
 // T tokens at positions start..start+T-1 of one sequence (qkv [T, (nh + 2·nkv)·hd], cos/sin [T, rot]): each row's
 // rotary and KV write as attn_decode's, in order, then every (row, head) attends over its rows lo..p as
-// attn_decode's heads do → o [T, nh·hd].
+// attn_decode's heads do → o [T, nh·hd] (the keys-in-lanes path where exact_attend_fast(hd), the same bits).
 void attn_rows(float* qkv, const float* cos, const float* sin, float* kc, float* vc, int start, int T, int window,
                int nh, int nkv, int hd, int rot, float scale, float* o, int threads) {
     const size_t nqkv = (size_t)(nh + 2 * nkv) * hd, row = (size_t)nkv * hd;
     for (int t = 0; t < T; ++t)
         rope_kv_write(qkv + t * nqkv, cos + (size_t)t * rot, sin + (size_t)t * rot, kc, vc, start + t, nh, nkv, hd, rot);
+#if defined(__AVX512F__)
+    if (exact_attend_fast(hd)) {
+        if (hd == 32) attend_rows_fast<2>(qkv, kc, vc, start, T, window, nh, nkv, scale, o, threads);
+        if (hd == 64) attend_rows_fast<4>(qkv, kc, vc, start, T, window, nh, nkv, scale, o, threads);
+        if (hd == 128) attend_rows_fast<8>(qkv, kc, vc, start, T, window, nh, nkv, scale, o, threads);
+        return;
+    }
+#endif
     const int group = nh / nkv;
 #pragma omp parallel num_threads(threads)
     {

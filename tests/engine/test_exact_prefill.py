@@ -175,6 +175,62 @@ def test_the_rows_kernels_are_the_one_row_kernels_row_by_row(threads):
 
 
 
+def avx512() -> bool:
+    try:
+        return " avx512f" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
+@NATIVE
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("nh,nkv,hd,start,m,window", [
+    (9, 3, 64, 300, 23, 0),      # the demo's heads, a later chat turn's rows over a long prefix
+    (9, 3, 64, 0, 40, 0),        # a first turn: every row's keys are the rows before it
+    (8, 2, 128, 130, 9, 0),      # groups of 4 heads, head size 128
+    (10, 2, 32, 70, 6, 0),       # groups of 5: one of 4 heads, then one
+    (9, 3, 64, 200, 20, 50),     # a sliding window (the first rows' keys start past 0)
+    (6, 3, 64, 33, 3, 16),
+    (12, 4, 48, 40, 5, 0),       # a head size the fast path does not take: attend_head row by row
+])
+def test_attention_on_many_rows_is_each_rows_decode_attention(threads, nh, nkv, hd, start, m, window):
+    """attn_rows (the keys-in-lanes kernel where exact_attend_fast) against attn_decode on each row in turn, which
+    attends through attend_head: the same outputs and KV rows bit for bit, over long prefixes, windows, GQA groups
+    of 1-5 heads and head sizes 32-128. Scores spread past expf's special range (|x| >= 88) in some rows."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        gen = torch.Generator().manual_seed(start + m)
+        max_len = start + m + 5
+        qkv = torch.randn(m, (nh + 2 * nkv) * hd, generator=gen) * 2
+        cos, sin = torch.randn(m, hd, generator=gen), torch.randn(m, hd, generator=gen)
+        kc, vc = torch.randn(max_len, nkv, hd, generator=gen) * 3, torch.randn(max_len, nkv, hd, generator=gen)
+        kc2, vc2, qkv2 = kc.clone(), vc.clone(), qkv.clone()
+        rows = native.attn_rows(qkv, cos, sin, kc, vc, start, window, nh, nkv, hd, hd ** -0.5)
+        ones = [native.attn_decode(qkv2[i], cos[i].contiguous(), sin[i].contiguous(), kc2, vc2, start + i, window,
+                                   nh, nkv, hd, hd ** -0.5, torch.empty(nh * max_len)) for i in range(m)]
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(rows, torch.stack(ones))
+    assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
+    assert native.exact_attend_fast(hd) == (avx512() and hd in (32, 64, 128))
+
+
+@NATIVE
+@pytest.mark.skipif(not avx512(), reason="the keys-in-lanes attention is AVX-512 only")
+def test_the_vector_expf_is_glibcs_expf_bit_for_bit():
+    """The attention's 16-wide expf (glibc's e_expf.c algorithm) against std::exp on every 97th float bit pattern
+    (44M of them: negatives, positives, subnormals, the special range, infinities, NaNs); the slow test below
+    takes all 2^32."""
+    assert native.lib().exact_expf_mismatches(0, 0xFFFFFFFF, 97) == 0
+
+
+@NATIVE
+@pytest.mark.slow
+@pytest.mark.skipif(not avx512(), reason="the keys-in-lanes attention is AVX-512 only")
+def test_the_vector_expf_is_glibcs_expf_on_every_float():
+    assert native.lib().exact_expf_mismatches(0, 0xFFFFFFFF, 1) == 0     # ~50 s
+
 @NATIVE
 @pytest.mark.slow
 def test_the_real_demo_model_prefills_decodes_and_chunks_to_the_same_bits(tmp_path):
