@@ -256,8 +256,7 @@ GROUPS = {"aten::_weight_int4pack_mm_for_cpu": "int4 expert GEMV (Q4_1 records)"
           "native::attn_block": "native: attention half (q|k|v and o Q4_1 GEMVs, rotary + KV write + attention, add + norm)",
           "native::q8_gemv": "native: vocabulary GEMV (Q8_0, 31 MB)",
           "native::add_rms_norm": "native: add + RMSNorm, routing", "native::router_topk": "native: add + RMSNorm, routing",
-          "native::int4pack_gemv": "native: other int4 GEMV", "native::attn_decode": "native: other attention",
-          "native::decode_layers": "native: a step's 30 layers in one call (DecodeLayers)"}
+          "native::int4pack_gemv": "native: other int4 GEMV", "native::attn_decode": "native: other attention"}
 
 
 def _profiled_native():
@@ -267,21 +266,15 @@ def _profiled_native():
     so = native.lib()
 
     class Ranged:
-        def __init__(self, of):
-            self.of = of
-            if hasattr(of, "released"):          # the calls that let the GIL go: ranged alike
-                self.released = Ranged(of.released)
-
         def __getattr__(self, name):
-            fn = getattr(self.of, name)
+            fn = getattr(so, name)
 
             def call(*a):
                 with record_function(f"native::{name}"):
                     return fn(*a)
             return call
     if so is not None:
-        ranged = Ranged(so)
-        native.lib = lambda: ranged
+        native.lib = lambda: Ranged()
 
 
 def profile_decode(model: Path, store: Path, threads: int, steps: int) -> dict:

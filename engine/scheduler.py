@@ -70,11 +70,6 @@ class Scheduler:
         # SSE) while the GPU computes, instead of taking the GIL the scheduler needs to launch that step (on the
         # H200 this stall was ~0.3 ms of a 2 ms resident step). Elsewhere each item goes out at once.
         self._defer = model.async_decode
-        # Where the CPU's decode step lets the GIL go for its kernels (model.step_releases_gil), a step's tokens go
-        # out just before the next long call (a decode step, a prefill chunk: both let it go) instead, for the same
-        # reason: the event loop streams them while the kernels run. Delivered at once, the loop woke and waited for
-        # the GIL until the next step's kernels ended, then took it from the scheduler between steps.
-        self._early = not self._defer and getattr(model, "step_releases_gil", False)
         self._outbox: list[tuple[Callable[[object], None], object]] = []
         self._chain = config.decode_ahead and model.decode_ahead_ok   # decode ahead (engine.decode_ahead)
         self._ahead = DecodeAhead(model.caches)
@@ -168,8 +163,6 @@ class Scheduler:
                             self._prompt_tokens += new.length     # a prompt's tokens count, prefilled or reused
                     self._prefilling = new
                 if self._prefilling is not None:
-                    if self._early:
-                        self._flush()       # the running streams' tokens, while the chunk's kernels run
                     self._prefill_chunk(self._prefilling)
                 if self._active:
                     self._decode()
@@ -217,8 +210,6 @@ class Scheduler:
         self._emit(r, token, lp[0] if lp else None)
 
     def _decode(self) -> None:
-        if self._early:
-            self._flush()                   # the last step's tokens, streamed while this one's kernels run
         batch = sorted(self._active, key=lambda r: r.slot)     # ascending slots: usually one contiguous view
         step = self._ahead.take(batch)
         if step is None:
@@ -307,7 +298,7 @@ class Scheduler:
             self._retire(r)
 
     def _send(self, r: Request, item) -> None:
-        if self._defer or self._early:
+        if self._defer:
             self._outbox.append((r.sink, item))
         else:
             r.sink(item)

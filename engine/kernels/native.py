@@ -69,7 +69,7 @@ SIGNATURES = {
     "decode_layers": [_P, _P, _P, _I, _I, _P, _P, _I, _I, _P, _P, _P, _P, _P, _P, _I],
 }
 ROWS = ("q8_gemv_rows", "attn_rows", "add_rms_norm_rows", "attn_block_rows", "router_topk_rows", "int4_ffn_rows",
-        "moe_sum_rows", "decode_layers", "q8_gemv")
+        "moe_sum_rows")
 MAX_TOP_K = 64        # experts a moe_tail call computes (its bookkeeping array)
 
 
@@ -164,16 +164,12 @@ def load(path: Path) -> ctypes.CDLL:
         fn.argtypes, fn.restype = args, None
     so.ggml_supported.restype = _I
     so.decode_layers.restype = _I
-    # The calls that are few and long let the GIL go, so the server's other threads (streaming, HTTP) run meanwhile:
-    # the exact prefill's rows calls (a layer's rows each), and a decode step's two (DecodeLayers, the vocabulary's
-    # q8_gemv), during which the event loop streams the previous step's token (engine.scheduler hands it over just
-    # before the step). Held through them, the loop waited for the step to end, then took the GIL from the
-    # scheduler between steps.
+    # The exact prefill's rows calls are few and long (a layer's rows each): they let the GIL go, so the server's
+    # other threads (streaming, HTTP) run meanwhile.
     so.released = ctypes.CDLL(str(path))
     for name in ROWS:
         fn = getattr(so.released, name)
         fn.argtypes, fn.restype = SIGNATURES[name], None
-    so.released.decode_layers.restype = _I
     return so
 
 
@@ -443,7 +439,7 @@ class DecodeLayers:
         both updated in place; records int64 [layers, experts] host addresses → the layer count when done (h then
         the final norm's output), else the layer whose picks (self.ids[layer]) are not resident."""
         self.shape.rot = cos.numel()
-        return lib().released.decode_layers(self._shape_p, self._table_p, records.data_ptr(), start, int(resume),
+        return lib().decode_layers(self._shape_p, self._table_p, records.data_ptr(), start, int(resume),
                                    x.data_ptr(), h.data_ptr(), slot, p, cos.data_ptr(), sin.data_ptr(),
                                    scores.data_ptr(), self.scratch.data_ptr(), self.ids.data_ptr(),
                                    self.weights.data_ptr(), torch.get_num_threads())
@@ -462,7 +458,7 @@ def q8_gemv(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, out: torch.Tensor
     """x fp32 [K] · W^T → fp32 [N]; W = q int8 [N, K] · d fp32 [N, K/32] per 32 inputs, all contiguous."""
     n, k = q.shape
     y = torch.empty(n, dtype=torch.float32) if out is None else out
-    lib().released.q8_gemv(_ptr(x), k, _ptr(q), _ptr(d), n, _ptr(y), torch.get_num_threads())
+    lib().q8_gemv(_ptr(x), k, _ptr(q), _ptr(d), n, _ptr(y), torch.get_num_threads())
     return y
 
 

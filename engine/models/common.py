@@ -584,13 +584,6 @@ class MoEModel(nn.Module):
         return self.device.type == "cuda" and not self.provider.host_steps
 
     @property
-    def step_releases_gil(self) -> bool:
-        """A one-sequence decode step spends its time in native calls that let the GIL go (DecodeLayers and the
-        vocabulary's q8_gemv: the CPU demo's path), so other threads' Python runs meanwhile (engine.scheduler
-        streams a step's tokens then)."""
-        return self.device.type == "cpu" and self.native_decode and self._decode_layers() is not None
-
-    @property
     def decode_ahead_ok(self) -> bool:
         """A step may launch before the last one's logits are read (engine.llm's decode ahead): launches are
         asynchronous and the provider has no hook between steps (zero-copy's routing log and promotions read each

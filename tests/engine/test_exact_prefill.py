@@ -221,58 +221,6 @@ def chat(client, name: str, turns: list[str], reply_tokens: int) -> list[str]:
 
 
 @NATIVE
-def test_on_the_demo_path_a_step_lets_the_gil_go_and_the_last_tokens_go_out_just_before_it(demo_shaped):
-    """The demo's decode step runs its layers (DecodeLayers) with the GIL let go, so another thread's Python runs
-    during them: with a switch interval of 10 s a counting thread gets the GIL only where it is let go, and it
-    counts inside the calls. The scheduler hands a step's tokens to the sinks just before its next long call (the
-    server streams them while the kernels run); a stream's tokens are the same alone and beside another."""
-    import threading
-    import time
-
-    from engine.llm import LLM, SamplingParams
-    kept, store = demo_shaped
-    params = SamplingParams(max_tokens=6, ignore_eos=True)
-    with LLM.load(kept, store_dir=store, max_context=128, max_batch=2) as llm:
-        assert llm.model.step_releases_gil and llm._early and not llm._defer
-        want = [t.id for t in llm.generate(tokens(5, 9), params)]
-        streams = [llm.stream(p, params) for p in (tokens(5, 9), tokens(8, 12))]     # beside another stream
-        assert [t.id for t in streams[0]] == want and len(list(streams[1])) == 6
-
-        m, counted, stop = llm.model, [0], threading.Event()
-
-        def count():                             # each count takes the GIL, and lets it go again at once
-            while not stop.is_set():
-                counted[0] += 1
-                time.sleep(0)
-        inside: dict[str, list[int]] = {"DecodeLayers": []}
-
-        def counting(name, fn):                  # the counts made while fn runs
-            def call(*a):
-                c0 = counted[0]
-                out = fn(*a)
-                inside[name].append(counted[0] - c0)
-                return out
-            return call
-        before, layers = sys.getswitchinterval(), native.DecodeLayers.__call__
-        sys.setswitchinterval(10.0)
-        t = threading.Thread(target=count)
-        native.DecodeLayers.__call__ = counting("DecodeLayers", layers)
-        try:
-            with torch.inference_mode():
-                m.prefill(tokens(6, 9), 1)
-                t.start()
-                for p in range(9, 19):
-                    m.decode_step([7], [1], [p])
-        finally:
-            native.DecodeLayers.__call__ = layers
-            stop.set()
-            sys.setswitchinterval(before)
-            t.join()
-    assert len(inside["DecodeLayers"]) == 10                     # (this tiny model's vocabulary is float: no q8_gemv)
-    assert sum(n > 0 for n in inside["DecodeLayers"]) >= 5, inside
-
-
-@NATIVE
 def test_greedy_chat_replies_through_the_server_are_the_same_with_and_without_the_prefix_cache(demo_shaped):
     """The engine with and without the prefix cache behind the real server, one scripted six-turn chat each: every
     reply equal, the cached one reused each last turn's positions, and every decode step's logits (read where
