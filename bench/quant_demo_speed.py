@@ -19,6 +19,11 @@ average and CPU pressure of each round beside it; medians and their ratio.
 
   python -m bench.quant_demo_speed --direct --variants q4_1 --rounds 5 --tokens 64 --out bench/results/quant_demo_speed.json
 
+After each --direct round the engine's token is also timed in-process on the server's own path (a fresh process,
+--breakdown-row), and the served token's ms are split into the native kernels, the decode step's Python, the
+scheduler's Python and the server's share (HTTP minus in-process): per_token_ms in the JSON, a table at the end
+(--no-breakdown: not run).
+
 --variants gguf serves the GGUF given by --gguf itself, the file alone, as `engine serve --model FILE.gguf` (the
 recipe's serve step, its model a file) with the store `engine pack-store --model FILE.gguf` packs (each expert matrix
 in the file's own GGML type), against llama-server on the same file. The demo made a Q4_K_M of itself
@@ -31,6 +36,7 @@ in the file's own GGML type), against llama-server on the same file. The demo ma
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import statistics
 import os
@@ -444,7 +450,7 @@ def main():
         print(json.dumps(profile_decode(Path(sys.argv[i + 1]), Path(sys.argv[i + 2]), int(sys.argv[i + 3]), 20)))
         return
     if "--breakdown-row" in sys.argv:
-        import engine.cli            # noqa: F401 — its OpenMP wait setting, before torch loads libgomp, as `engine serve` runs
+        importlib.import_module("engine.cli")    # its OpenMP wait setting before torch loads libgomp, as `engine serve`
         i = sys.argv.index("--breakdown-row")
         th = int(sys.argv[i + 4]) or None
         print(json.dumps(breakdown_row(Path(sys.argv[i + 1]), Path(sys.argv[i + 2]), int(sys.argv[i + 3]), th)))
