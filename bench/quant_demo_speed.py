@@ -19,6 +19,11 @@ average and CPU pressure of each round beside it; medians and their ratio.
 
   python -m bench.quant_demo_speed --direct --variants q4_1 --rounds 5 --tokens 64 --out bench/results/quant_demo_speed.json
 
+After each --direct round the engine's token is also timed in-process on the server's own path (a fresh process,
+--breakdown-row), and the served token's ms are split into the native kernels, the decode step's Python, the
+scheduler's Python and the server's share (HTTP minus in-process): per_token_ms in the JSON, a table at the end
+(--no-breakdown: not run).
+
 --variants gguf serves the GGUF given by --gguf itself, the file alone, as `engine serve --model FILE.gguf` (the
 recipe's serve step, its model a file) with the store `engine pack-store --model FILE.gguf` packs (each expert matrix
 in the file's own GGML type), against llama-server on the same file. The demo made a Q4_K_M of itself
@@ -31,6 +36,7 @@ in the file's own GGML type), against llama-server on the same file. The demo ma
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import statistics
 import os
@@ -151,11 +157,14 @@ def start_engine(name: str, paths: dict, evidence: Path):
     return proc, f"http://127.0.0.1:{port}/v1", log, waited
 
 
-def direct(name: str, paths: dict, gguf: Path, llama: Path, evidence: Path, rounds: int, tokens: int) -> dict:
+def direct(name: str, paths: dict, gguf: Path, llama: Path, evidence: Path, rounds: int, tokens: int,
+           breakdown: bool = True) -> dict:
     """Both servers up at once (an idle one costs no CPU), timed in alternating rounds over HTTP exactly as
     the speed gate times a round (tool.checks.speed.time_stream on the gate's chat prompt, ignore_eos,
     greedy): no host-quiet rule, so a figure comes out on a busy host, each round with the load average
-    and the CPU pressure (share of its wall time some task waited for a CPU) it ran under. Medians."""
+    and the CPU pressure (share of its wall time some task waited for a CPU) it ran under. Medians. breakdown: after
+    each round the engine's token in-process too (breakdown_row, a fresh process), and the served token's time split
+    into the native kernels, the step's and the scheduler's Python, and the server's share (per_token_ms)."""
     from tool.checks import hostload
     from tool.checks.client import Client
     from tool.checks.llama_cpp import LlamaServerProcess
@@ -172,6 +181,7 @@ def direct(name: str, paths: dict, gguf: Path, llama: Path, evidence: Path, roun
         for c in clients.values():                                   # untimed warm-up, as the gate gives one
             c.chat({k: v for k, v in body.items() if k != "stream_options"} | {"max_tokens": 8})
         got: dict[str, list[dict]] = {k: [] for k in clients}
+        inproc: list[dict] = []
         for _ in range(rounds):
             for side, c in clients.items():
                 a0 = hostload.snapshot()
@@ -182,11 +192,30 @@ def direct(name: str, paths: dict, gguf: Path, llama: Path, evidence: Path, roun
                                   "ttft_s": ans.ttft_s, "loadavg_1m": h["loadavg"][0] if h["loadavg"] else None,
                                   "cpu_pressure_some": h["cpu_pressure_some"]})
                 print(f"  {side:9} {got[side][-1]}", file=sys.stderr, flush=True)
+            if breakdown:                # the engine's token in-process, in this round: where the served one's time goes
+                threads = ENGINE_THREADS[1] if ENGINE_THREADS else "0"
+                r = sh([sys.executable, "-m", "bench.quant_demo_speed", "--breakdown-row", str(paths.get(f"{name}_model", paths["model"])),
+                        str(paths[name]), str(tokens), threads, "--out", "-"], capture_output=True, text=True)
+                if r.returncode:
+                    raise SystemExit(f"breakdown row failed: {r.stderr[-1500:]}")
+                inproc.append(json.loads(r.stdout.strip().splitlines()[-1]))
+                print(f"  in-proc   {inproc[-1]}", file=sys.stderr, flush=True)
         spread = {k: median_spread([r["decode_tps"] for r in v if r["decode_tps"]]) for k, v in got.items()}
         med = {k: m["median"] for k, m in spread.items()}
         pairs = [a["decode_tps"] / b["decode_tps"] for a, b in zip(got["engine"], got["llama.cpp"])
                  if a["decode_tps"] and b["decode_tps"]]
-        return {"engine_ready_s": round(ready_s, 1), "engine_rss_peak_bytes": vm(proc.pid, "VmHWM"),
+        out = {}
+        if inproc:                       # per token, ms: the served token = the in-process one + the server's share
+            k = lambda key: round(statistics.median(r[key] for r in inproc), 3)
+            served_ms = round(1e3 / med["engine"], 3)
+            out["per_token_ms"] = {
+                "served (HTTP rounds' median)": served_ms, "in-process (LLM.stream, same path)": k("ms_per_token"),
+                "native kernels": k("native_kernels_ms"), "decode step's Python": k("step_python_ms"),
+                "scheduler's Python (sampler, hand-off, loop)": k("scheduler_python_ms"),
+                "server (served - in-process)": round(served_ms - k("ms_per_token"), 3),
+                "llama-server (HTTP rounds' median)": round(1e3 / med["llama.cpp"], 3)}
+            out["in_process_rounds"] = inproc
+        return {**out, "engine_ready_s": round(ready_s, 1), "engine_rss_peak_bytes": vm(proc.pid, "VmHWM"),
                 "paired_ratio_median": round(statistics.median(pairs), 3) if pairs else None,
                 "llama_server_argv": llama_srv.argv, "rounds": got, "median_decode_tps": med,
                 "decode_tps_median_spread": spread,
@@ -243,6 +272,80 @@ def engine_row(model: Path, store: str, tokens: int) -> float:
         rate, toks, _ = engine_run(llm, prompt, tokens)
     print(json.dumps([rate, toks]))
     return rate
+
+
+def breakdown_row(model: Path, store: Path, tokens: int, threads: int | None) -> dict:
+    """--breakdown-row: where a served token's time goes, measured in-process on the server's own path (LLM, its
+    scheduler thread, the recipe's RAM tier and KV cache, the gate's chat prompt, greedy, eos ignored), each decode
+    turn of the scheduler timed with perf_counter_ns: the native calls (every engine.kernels.native call inside
+    the step: the layers in one call, the vocabulary's GEMV, the embedding's norm), the step's Python around them
+    (the embedding row, the provider's booking, tensors), and the scheduler's turn outside the step (the sampler,
+    the token's hand-off, the loop). Medians per token, ms. What the HTTP rounds take beyond this row's token
+    period is the server's share (event loop, SSE, detokenizing, the GIL between them)."""
+    import ctypes
+    import statistics as st
+
+    import torch
+    from engine.kernels import native
+    from engine.llm import LLM, SamplingParams
+    from tool.checks.speed import MESSAGES
+    recipe = json.loads(RECIPE.read_text())
+    args = recipe["steps"]["serve"]["args"]
+    pc = time.perf_counter_ns
+    acc = {"native": 0, "step": 0}
+    with LLM.load(model, store, max_context=int(args[args.index("--ctx") + 1]), max_batch=recipe["serve"]["max_batch_size"],
+                  ram_slots=int(args[args.index("--ram-slots") + 1]), threads=threads) as llm:
+        prompt = llm.tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True)
+        prompt = prompt if isinstance(prompt, list) else prompt["input_ids"]
+        list(llm.stream(prompt, SamplingParams(max_tokens=8, ignore_eos=True)))         # warm, as the HTTP rounds are
+        so = native.lib()
+
+        class Timed:                     # every native call, timed (released calls too, where the library has them)
+            def __init__(self, of):
+                self.of = of
+
+            def __getattr__(self, name):
+                fn = getattr(self.of, name)
+                if isinstance(fn, ctypes.CDLL):
+                    return Timed(fn)
+                if not callable(fn):
+                    return fn
+
+                def call(*a):
+                    t = pc()
+                    try:
+                        return fn(*a)
+                    finally:
+                        acc["native"] += pc() - t
+                return call
+        timed = Timed(so)
+        native.lib = lambda: timed
+        m, step = llm.model, llm.model.decode_step
+
+        def decode_step(*a):
+            t = pc()
+            try:
+                return step(*a)
+            finally:
+                acc["step"] += pc() - t
+        m.decode_step = decode_step
+        turns, last, turn = [], [None], llm._decode
+
+        def decode():                    # the scheduler thread's decode turn: one token of this one stream
+            acc["native"] = acc["step"] = 0
+            turn()
+            now = pc()
+            if last[0] is not None:
+                turns.append((now - last[0], acc["step"], acc["native"]))
+            last[0] = now
+        llm._decode = decode
+        with torch.inference_mode():
+            list(llm.stream(prompt, SamplingParams(max_tokens=tokens, ignore_eos=True)))
+    turns = turns[1:]                    # the first period holds the prefill's turn
+    ms = lambda f: round(st.median(f(*t) for t in turns) / 1e6, 3)
+    return {"tokens": tokens, "threads": threads, "ms_per_token": ms(lambda p, s, n: p),
+            "native_kernels_ms": ms(lambda p, s, n: n), "step_python_ms": ms(lambda p, s, n: s - n),
+            "scheduler_python_ms": ms(lambda p, s, n: p - s), "loadavg_1m": round(os.getloadavg()[0], 2)}
 
 
 # torch.profiler op names → where a decode step's time goes; native:: ranges are the engine's own kernels
@@ -346,6 +449,12 @@ def main():
         i = sys.argv.index("--profile-row")
         print(json.dumps(profile_decode(Path(sys.argv[i + 1]), Path(sys.argv[i + 2]), int(sys.argv[i + 3]), 20)))
         return
+    if "--breakdown-row" in sys.argv:
+        importlib.import_module("engine.cli")    # its OpenMP wait setting before torch loads libgomp, as `engine serve`
+        i = sys.argv.index("--breakdown-row")
+        th = int(sys.argv[i + 4]) or None
+        print(json.dumps(breakdown_row(Path(sys.argv[i + 1]), Path(sys.argv[i + 2]), int(sys.argv[i + 3]), th)))
+        return
     if "--row" in sys.argv:
         i = sys.argv.index("--row")
         engine_row(Path(sys.argv[i + 1]), sys.argv[i + 2], int(sys.argv[i + 3]))
@@ -366,6 +475,8 @@ def main():
                     help="Profile the q4_1 store's decode step in-process on 1 and 2 threads instead of timing servers.")
     ap.add_argument("--engine-threads", type=int, default=None,
                     help="engine serve --threads N (default: the engine's own choice, as the recipe serves).")
+    ap.add_argument("--no-breakdown", action="store_true",
+                    help="--direct: skip the in-process row after each round (the per-token breakdown).")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=48)
     args = ap.parse_args()
@@ -407,7 +518,8 @@ def main():
         out["tokens"] = args.tokens
         out["engine_threads"] = args.engine_threads or "the engine's default (2 on 2 CPUs)"
         for name in args.variants.split(","):
-            out["variants"][name] = direct(name, paths, gguf, args.llama_server, evidence, args.rounds, args.tokens)
+            out["variants"][name] = direct(name, paths, gguf, args.llama_server, evidence, args.rounds, args.tokens,
+                                           breakdown=not args.no_breakdown)
         out["load_avg_end"] = os.getloadavg()
         write_result(args.out, out)
         print(f"\nhost load (1, 5, 15 min) at the start {out['load_avg_start']}, at the end {out['load_avg_end']}")
@@ -416,6 +528,11 @@ def main():
             m = v["median_decode_tps"]
             print(f"{name:7} {v['store_record_bytes'] / 1e6:9.2f} {m['engine']:12.1f} {m['llama.cpp']:15.1f} "
                   f"{v['vs_llama_cpp']:6.2f} {(v['engine_rss_peak_bytes'] or 0) / 1e9:11.2f}")
+        for name, v in out["variants"].items():
+            if "per_token_ms" in v:
+                print(f"\n{name}: a token's time, ms (medians; in-process rows interleaved with the HTTP rounds)")
+                for what, ms in v["per_token_ms"].items():
+                    print(f"  {what:48} {ms:7.3f}")
         return
     for name in args.variants.split(","):
         out["variants"][name] = run_variant(name, paths, gguf, args.llama_server, evidence)

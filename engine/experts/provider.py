@@ -59,6 +59,13 @@ class ExpertProvider:
         order, served and counted as forward would; None where this provider computes them itself (the default)."""
         return None
 
+    def book_host_records(self, first: int, picks: list[list[int]]) -> None:
+        """host_records' serving and counting for layers first, first + 1, … whose picks (picks[i]: layer first + i's)
+        a native step already computed from host_record_table's resident records (engine.models.common.MoEModel's
+        DecodeLayers path); the addresses are not needed. The default books each layer by host_records."""
+        for i, experts in enumerate(picks):
+            self.host_records(first + i, experts)
+
     def host_record_table(self, layers: int, top_k: int) -> torch.Tensor | None:
         """The host addresses of the records host_records would hand out without reading anything, int64 [layers,
         experts] (0: not resident), for a native step that routes inside one call (engine.kernels.native.DecodeLayers)

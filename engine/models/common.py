@@ -503,17 +503,17 @@ class MoEModel(nn.Module):
         return self._step_layers or None
 
     def _run_decode_layers(self, step: native.DecodeLayers, x: torch.Tensor, h: torch.Tensor, s: Step) -> torch.Tensor:
-        """_run_native's walk in native.DecodeLayers' calls: the provider books each layer's picks after the call
-        (host_records, in layer order, as the walk's calls would), and a layer whose records are not resident comes
-        back here to be fetched (booked first, so the RAM tier evicts as the walk would) and resumed."""
+        """_run_native's walk in native.DecodeLayers' calls: the provider books the layers' picks after the call
+        (book_host_records: what host_records does, in layer order, as the walk's calls would), and a layer whose
+        records are not resident comes back here to be fetched (booked first, so the RAM tier evicts as the walk
+        would) and resumed."""
         provider, n = self.provider, len(self.layers)
         start, booked, resume = 0, 0, False
         while True:
             stop = step(x, h, provider.host_record_table(n, self.cfg.top_k), start, resume, s.slots[0], s.start,
                         s.cos, s.sin, s.scores)
             ids = step.ids.tolist()
-            for layer in range(booked, stop):
-                provider.host_records(layer, ids[layer])
+            provider.book_host_records(booked, ids[booked:stop])
             if stop == n:
                 return h
             provider.host_records(stop, ids[stop])       # a miss: read into the RAM tier, then resume there

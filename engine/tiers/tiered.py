@@ -34,6 +34,7 @@ from operator import itemgetter
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from engine.engine_config import parse_lane_rates
@@ -275,6 +276,25 @@ class TieredExperts(ExpertProvider):
         for e in order:
             self.served["store" if e in from_store else "ram"] += 1
         return [self.ram.arena.host_address(slots[e]) for e in experts]
+
+    def book_host_records(self, first: int, picks: list[list[int]]) -> None:
+        """ExpertProvider.book_host_records: what host_records does layer by layer for picks that are all resident
+        (lookups that hit, in layer order; the planner's counts, a plan where one is due after the last MoE layer;
+        the trace; the lanes' and tiers' counts), as a few calls for the whole step: host_records' ~30 Python calls
+        a layer were ~8 µs of a CPU demo step's layer, ~0.24 ms a token."""
+        if self._trace or self.planner.layers != list(range(first, first + len(picks))):
+            return super().book_host_records(first, picks)
+        self.planner.observe_rows(np.asarray(picks, dtype=np.int64))
+        n = sum(len(p) for p in picks)
+        if self.planner.due(len(picks[-1])):
+            self.replan()
+        self.lanes.add("cpu", n, n * self.layout.record_bytes)
+        lookup = self.ram.cache.lookup
+        for layer, experts in enumerate(picks, first):
+            for e in sorted(experts):
+                if lookup(ExpertKey(layer, e)) is None:
+                    raise AssertionError(f"layer {layer} expert {e} booked as resident is not")
+        self.served["ram"] += n
 
     def host_record_table(self, layers: int, top_k: int) -> torch.Tensor | None:
         """ExpertProvider.host_record_table: the RAM tier's resident records (None with a slot tier, or where a

@@ -277,6 +277,33 @@ def chat(client, name: str, turns: list[str], reply_tokens: int) -> list[str]:
 
 
 @NATIVE
+def test_a_steps_picks_booked_at_once_count_as_booked_layer_by_layer(demo_shaped):
+    """TieredExperts.book_host_records (a DecodeLayers step's resident picks booked in a few calls) against the
+    per-layer host_records it replaces (the provider's default): the same tokens, counters, planner counts and
+    RAM tier order (LRU), step after step, with a plan made inside the window (a plan every 8 picks a layer)."""
+    from engine.experts.provider import ExpertProvider
+    from engine.loader import load_model
+    from tests.engine.test_native_cpu import counts
+    from tests.fixtures.decode import greedy
+    kept, store = demo_shaped
+    fast, slow = (load_model(kept, store_dir=store, device="cpu", max_context=128, max_batch=1) for _ in range(2))
+    slow.provider.book_host_records = lambda first, picks: ExpertProvider.book_host_records(slow.provider, first, picks)
+    calls = {id(fast): 0, id(slow): 0}
+    for m in (fast, slow):
+        m.provider.planner.every = 8
+        one = m.provider.host_records
+        m.provider.host_records = lambda *a, one=one, m=m: calls.__setitem__(id(m), calls[id(m)] + 1) or one(*a)
+    with torch.inference_mode():
+        (toks, _), (want, _) = (greedy(m, tokens(9, 7), 20) for m in (fast, slow))
+    assert toks == want
+    assert calls[id(slow)] - calls[id(fast)] == 19 * len(fast.layers)       # 19 steps' layers booked at once
+    assert counts(fast.provider.counters()) == counts(slow.provider.counters())
+    assert fast.provider.planner.replans == slow.provider.planner.replans >= 2
+    assert (fast.provider.planner.counts == slow.provider.planner.counts).all()
+    assert list(fast.provider.ram.cache.policy._order) == list(slow.provider.ram.cache.policy._order)
+
+
+@NATIVE
 def test_greedy_chat_replies_through_the_server_are_the_same_with_and_without_the_prefix_cache(demo_shaped):
     """The engine with and without the prefix cache behind the real server, one scripted six-turn chat each: every
     reply equal, the cached one reused each last turn's positions, and every decode step's logits (read where
