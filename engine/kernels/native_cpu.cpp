@@ -23,6 +23,7 @@
 #include <cstdint>
 #include <cstring>
 #include <immintrin.h>
+#include <type_traits>
 
 namespace {
 
@@ -237,25 +238,35 @@ void int4_tile_bf16_rows(const uint32_t* xp, const float* xs, int M, int K, cons
             s[q] = _mm512_castsi512_ps(_mm512_slli_epi32(v[q], 16));
             zs[q] = _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), s[q], _mm512_castsi512_ps(_mm512_and_si512(v[q], hi16)));
         }
-        for (int m = 0; m < M; ++m) {
-            const uint32_t* xm = xp + (size_t)m * (K / 2) + gi * 16;
-            __m512 ga[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+        // R rows at a time share each weight load (independent chains); a row's operations are the same for any R
+        auto rows = [&](int m, auto r_) {
+            constexpr int R = decltype(r_)::value;
+            const uint32_t* xm[R];
+            __m512 ga[R][4];
+            for (int r = 0; r < R; ++r) {
+                xm[r] = xp + (size_t)(m + r) * (K / 2) + gi * 16;
+                for (int q = 0; q < 4; ++q) ga[r][q] = _mm512_setzero_ps();
+            }
             for (int j = 0; j < 16; ++j) {
-                __m512bh xb = (__m512bh)_mm512_set1_epi32((int)xm[j]);
-                ga[0] = _mm512_dpbf16_ps(ga[0], wv[j][0], xb);
-                ga[1] = _mm512_dpbf16_ps(ga[1], wv[j][1], xb);
-                ga[2] = _mm512_dpbf16_ps(ga[2], wv[j][2], xb);
-                ga[3] = _mm512_dpbf16_ps(ga[3], wv[j][3], xb);
+                __m512bh xb[R];
+                for (int r = 0; r < R; ++r) xb[r] = (__m512bh)_mm512_set1_epi32((int)xm[r][j]);
+                for (int q = 0; q < 4; ++q)
+                    for (int r = 0; r < R; ++r) ga[r][q] = _mm512_dpbf16_ps(ga[r][q], wv[j][q], xb[r]);
             }
-            const float xsg = xs[(size_t)m * groups + gi];
-            const __m512 sum = _mm512_set1_ps(xsg);
-            const __m512 off = _mm512_set1_ps(128.0f * xsg);
-            __m512* a = acc + (size_t)m * 4;
-            for (int q = 0; q < 4; ++q) {
-                a[q] = _mm512_fmadd_ps(s[q], _mm512_sub_ps(ga[q], off), a[q]);
-                a[q] = _mm512_fmadd_ps(zs[q], sum, a[q]);
+            for (int r = 0; r < R; ++r) {
+                const float xsg = xs[(size_t)(m + r) * groups + gi];
+                const __m512 sum = _mm512_set1_ps(xsg);
+                const __m512 off = _mm512_set1_ps(128.0f * xsg);
+                __m512* a = acc + (size_t)(m + r) * 4;
+                for (int q = 0; q < 4; ++q) {
+                    a[q] = _mm512_fmadd_ps(s[q], _mm512_sub_ps(ga[r][q], off), a[q]);
+                    a[q] = _mm512_fmadd_ps(zs[q], sum, a[q]);
+                }
             }
-        }
+        };
+        int m = 0;
+        for (; m + 4 <= M; m += 4) rows(m, std::integral_constant<int, 4>{});
+        for (; m < M; ++m) rows(m, std::integral_constant<int, 1>{});
     }
     const __m512i lo_idx = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
     const __m512i hi_idx = _mm512_add_epi32(lo_idx, _mm512_set1_epi32(8));
@@ -268,6 +279,74 @@ void int4_tile_bf16_rows(const uint32_t* xp, const float* xs, int M, int K, cons
         _mm512_storeu_ps(ym + 48, _mm512_permutex2var_ps(a[2], hi_idx, a[3]));
     }
     delete[] acc;
+}
+#endif
+
+#if defined(__AVX512BF16__)
+// int4_tile_bf16 on R <= 4 rows (an expert's few tokens in a prefill): each pair of inputs' weights unpacked into
+// registers once and dotted with every row at once — no unpacked copy of the tile (int4_tile_bf16_rows stores one:
+// 64 vector stores a group, the most of a few rows' time) — each row's operations int4_tile_bf16's, in its order.
+template <int R>
+void int4_tile_bf16_few(const uint32_t* xp, const float* xs, int K, const uint8_t* tile, const uint16_t* sz, int N,
+                        int row0, float* y, size_t ystride) {
+    const __m512i lo16 = _mm512_set1_epi32(0x0000ffff), hi16 = _mm512_set1_epi32((int)0xffff0000u);
+    const __m512i nib = _mm512_set1_epi32(0x000f000f), bias = _mm512_set1_epi32(0x43004300);
+    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+    const int groups = K / 32;
+    prefetch_scales(sz, groups, N, row0);
+    __m512 acc[R][4];
+    for (int r = 0; r < R; ++r)
+        for (int q = 0; q < 4; ++q) acc[r][q] = _mm512_setzero_ps();
+    for (int gi = 0; gi < groups; ++gi) {
+        __m512 ga[R][4];
+        for (int r = 0; r < R; ++r)
+            for (int q = 0; q < 4; ++q) ga[r][q] = _mm512_setzero_ps();
+        const uint8_t* b = tile + (size_t)gi * 32 * 32;
+        for (int j = 0; j < 16; ++j) {
+            if (!(j & 1)) {
+                _mm_prefetch((const char*)b + PREFETCH + 32 * j, _MM_HINT_T0);
+                _mm_prefetch((const char*)b + PREFETCH + 512 + 32 * j, _MM_HINT_T0);
+            }
+            __m512i w1 = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(b + 32 * j)));
+            __m512i w2 = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(b + 32 * (j + 16))));
+            __m512i e = _mm512_ternarylogic_epi32(w1, _mm512_slli_epi32(w2, 16), lo16, 0xec);
+            __m512i o = _mm512_ternarylogic_epi32(_mm512_srli_epi32(w1, 16), w2, hi16, 0xf8);
+            const __m512bh w[4] = {(__m512bh)_mm512_ternarylogic_epi32(e, nib, bias, 0xea),
+                                   (__m512bh)_mm512_ternarylogic_epi32(o, nib, bias, 0xea),
+                                   (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(e, 4), nib, bias, 0xea),
+                                   (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(o, 4), nib, bias, 0xea)};
+            for (int r = 0; r < R; ++r) {
+                const __m512bh xb = (__m512bh)_mm512_set1_epi32((int)xp[(size_t)r * (K / 2) + gi * 16 + j]);
+                for (int q = 0; q < 4; ++q) ga[r][q] = _mm512_dpbf16_ps(ga[r][q], w[q], xb);
+            }
+        }
+        const uint16_t* p = sz + ((size_t)gi * N + row0) * 2;
+        const __m512i v0 = _mm512_loadu_si512((const void*)p), v1 = _mm512_loadu_si512((const void*)(p + 32));
+        const __m512i v2 = _mm512_loadu_si512((const void*)(p + 64)), v3 = _mm512_loadu_si512((const void*)(p + 96));
+        const __m512i v[4] = {_mm512_permutex2var_epi32(v0, even, v1), _mm512_permutex2var_epi32(v0, odd, v1),
+                              _mm512_permutex2var_epi32(v2, even, v3), _mm512_permutex2var_epi32(v2, odd, v3)};
+        for (int r = 0; r < R; ++r) {
+            const float xsg = xs[(size_t)r * groups + gi];
+            const __m512 sum = _mm512_set1_ps(xsg);
+            const __m512 off = _mm512_set1_ps(128.0f * xsg);
+            for (int q = 0; q < 4; ++q) {
+                __m512 sq = _mm512_castsi512_ps(_mm512_slli_epi32(v[q], 16));
+                __m512 z = _mm512_castsi512_ps(_mm512_and_si512(v[q], hi16));
+                acc[r][q] = _mm512_fmadd_ps(sq, _mm512_sub_ps(ga[r][q], off), acc[r][q]);
+                acc[r][q] = _mm512_fmadd_ps(_mm512_fnmadd_ps(_mm512_set1_ps(8.0f), sq, z), sum, acc[r][q]);
+            }
+        }
+    }
+    const __m512i lo_idx = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    const __m512i hi_idx = _mm512_add_epi32(lo_idx, _mm512_set1_epi32(8));
+    for (int r = 0; r < R; ++r) {
+        float* ym = y + (size_t)r * ystride;
+        _mm512_storeu_ps(ym, _mm512_permutex2var_ps(acc[r][0], lo_idx, acc[r][1]));
+        _mm512_storeu_ps(ym + 16, _mm512_permutex2var_ps(acc[r][0], hi_idx, acc[r][1]));
+        _mm512_storeu_ps(ym + 32, _mm512_permutex2var_ps(acc[r][2], lo_idx, acc[r][3]));
+        _mm512_storeu_ps(ym + 48, _mm512_permutex2var_ps(acc[r][2], hi_idx, acc[r][3]));
+    }
 }
 #endif
 
@@ -303,10 +382,14 @@ void int4_gemv_rows(const float* x_in, int M, int K, const uint8_t* packed, cons
                 }
 #pragma omp parallel for num_threads(threads) schedule(static)
         for (int nb = 0; nb < tiles; ++nb) {
+            const uint8_t* tile = packed + (size_t)nb * K * 32;
             if (M == 1)             // a decode step's GEMV
-                int4_tile_bf16(xp, xs, K, packed + (size_t)nb * K * 32, sz, N, nb * 64, y + nb * 64);
+                int4_tile_bf16(xp, xs, K, tile, sz, N, nb * 64, y + nb * 64);
+            else if (M <= 4)        // the same operations for each row, a few rows at once in registers
+                (M == 2 ? int4_tile_bf16_few<2> : M == 3 ? int4_tile_bf16_few<3> : int4_tile_bf16_few<4>)(
+                    xp, xs, K, tile, sz, N, nb * 64, y + nb * 64, N);
             else                    // the same operations for each row, the tile unpacked once for all of them
-                int4_tile_bf16_rows(xp, xs, M, K, packed + (size_t)nb * K * 32, sz, N, nb * 64, y + nb * 64, N);
+                int4_tile_bf16_rows(xp, xs, M, K, tile, sz, N, nb * 64, y + nb * 64, N);
             for (int m = 0; m < M; ++m)
                 for (int r = nb * 64; r < nb * 64 + 64; ++r) y[(size_t)m * N + r] = bf16_round(y[(size_t)m * N + r]);
         }
@@ -1148,8 +1231,9 @@ void attend_keys_in_lanes(const float* const* q, int nq, const float* kt, size_t
         for (int c = 0; c < HC; ++c) _mm512_storeu_ps(out[i] + 16 * c, _mm512_div_ps(acc[i][c], _mm512_set1_ps(sum[i])));
 }
 
-// attn_rows' attention on the fast path: per kv head, its keys transposed once, then each row's query heads of that
-// kv head together (they share the keys' loads).
+// attn_rows' attention on the fast path: the kv heads' keys transposed once (as many heads a pass as fit 64 MB), then
+// each (kv head, row) item attends with that row's query heads of the kv head together (they share the keys' loads).
+// Two barriers a pass: on a loaded host a thread waiting at one waits for the slowest.
 template <int HC>
 void attend_rows_fast(const float* qkv, const float* kc, const float* vc, int start, int T, int window, int nh,
                       int nkv, float scale, float* o, int threads) {
@@ -1157,29 +1241,38 @@ void attend_rows_fast(const float* qkv, const float* kc, const float* vc, int st
     const size_t nqkv = (size_t)(nh + 2 * nkv) * hd, row = (size_t)nkv * hd;
     const int end = start + T, group = nh / nkv;
     const int base = window > 0 && start + 1 > window ? start + 1 - window : 0;      // the first row's lo
-    const size_t ldk = (size_t)((end - base + 15) / 16) * 16 + 16;
-    float* kt = new float[(size_t)hd * ldk];
-    std::memset(kt, 0, sizeof(float) * hd * ldk);
+    const int blocks = (end - base + 15) / 16;
+    const size_t ldk = (size_t)blocks * 16 + 16, head_floats = (size_t)hd * ldk;
+    const int per_pass = (int)std::max<size_t>(1, std::min<size_t>(nkv, ((size_t)64 << 20) / (4 * head_floats)));
+    float* kt = new float[head_floats * per_pass];
 #pragma omp parallel num_threads(threads)
     {
         float* s = new float[4 * ((size_t)(end - base) + 16)];
-        for (int g = 0; g < nkv; ++g) {
-            const float* k0 = kc + (size_t)g * hd;
+        for (int g0 = 0; g0 < nkv; g0 += per_pass) {
+            const int heads = std::min(per_pass, nkv - g0);
 #pragma omp for schedule(static)
-            for (int j0 = base; j0 < end; j0 += 16) keys_transposed<HC>(k0, row, j0, end, base, kt, ldk);
+            for (int i = 0; i < heads * blocks; ++i) {
+                const int g = i / blocks, j0 = base + 16 * (i % blocks);
+                float* ktg = kt + (size_t)g * head_floats;
+                keys_transposed<HC>(kc + (size_t)(g0 + g) * hd, row, j0, end, base, ktg, ldk);
+                if (j0 + 16 >= end)      // the padding a last block may read past
+                    for (int d = 0; d < hd; ++d) std::memset(ktg + (size_t)d * ldk + blocks * 16, 0, 16 * sizeof(float));
+            }
 #pragma omp for schedule(dynamic, 1)          // later rows attend over more keys
-            for (int t = 0; t < T; ++t) {
+            for (int i = 0; i < heads * T; ++i) {
+                const int g = g0 + i / T, t = i % T;
                 const int p = start + t, lo = window > 0 && p + 1 > window ? p + 1 - window : 0;
                 for (int h0 = 0; h0 < group; h0 += 4) {
                     const int nq = std::min(4, group - h0);
                     const float* q[4];
                     float* out[4];
-                    for (int i = 0; i < nq; ++i) {
-                        const int hh = g * group + h0 + i;
-                        q[i] = qkv + t * nqkv + (size_t)hh * hd;
-                        out[i] = o + (size_t)t * nh * hd + (size_t)hh * hd;
+                    for (int k = 0; k < nq; ++k) {
+                        const int hh = g * group + h0 + k;
+                        q[k] = qkv + t * nqkv + (size_t)hh * hd;
+                        out[k] = o + (size_t)t * nh * hd + (size_t)hh * hd;
                     }
-                    attend_keys_in_lanes<HC>(q, nq, kt, ldk, base, vc + (size_t)g * hd, row, lo, p, scale, s, out);
+                    attend_keys_in_lanes<HC>(q, nq, kt + (size_t)(g - g0) * head_floats, ldk, base,
+                                             vc + (size_t)g * hd, row, lo, p, scale, s, out);
                 }
             }
         }
