@@ -67,11 +67,13 @@ SIGNATURES = {
     "int4_ffn_rows": [_P, _I, _I, _I, _P, _P, _P, _P, _I, _P, _I, _F],
     "moe_sum_rows": [_P, _I, _I, _P, _P, _I, _P, _P, _F, _P],
     "decode_layers": [_P, _P, _P, _I, _I, _P, _P, _I, _I, _P, _P, _P, _P, _P, _P, _I],
+    "moe_rows": [_P, _I, _I, _P, _P, _P, _I, _I, _I, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                 _I, _P, _P, _F, _P, _I, _F],
     "exact_attend_fast": [_I],
     "exact_expf_mismatches": [ctypes.c_uint32, ctypes.c_uint32, ctypes.c_uint32],
 }
 ROWS = ("q8_gemv_rows", "attn_rows", "add_rms_norm_rows", "attn_block_rows", "router_topk_rows", "int4_ffn_rows",
-        "moe_sum_rows")
+        "moe_sum_rows", "moe_rows")
 MAX_TOP_K = 64        # experts a moe_tail call computes (its bookkeeping array)
 
 
@@ -564,4 +566,17 @@ def moe_sum_rows(y: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, x: torch.T
     t, k, h = y.shape
     out = torch.empty_like(x)
     lib().released.moe_sum_rows(_ptr(y), t, k, _ptr(ids), _ptr(w), h, _ptr(x), _ptr(next_w), eps, _ptr(out))
+    return out
+
+
+def moe_rows(h: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, records: torch.Tensor, x: torch.Tensor,
+             next_w: torch.Tensor, eps: float, tail: MoETail) -> torch.Tensor:
+    """int4_ffn_rows for each picked expert's rows (ascending expert) and moe_sum_rows, in one call: h fp32 [T, H]
+    the experts' input, ids/w [T, k], records int64 [E] host addresses (every picked expert's resident), x [T, H]
+    += the sum (in place) → rms_norm(x)·next_w [T, H]. The same bits as those calls one by one."""
+    t, k = ids.shape
+    out = torch.empty_like(x)
+    lib().released.moe_rows(_ptr(h), t, k, _ptr(ids), _ptr(w), _ptr(records), records.numel(), tail.hidden,
+                            tail.intermediate, *tail.offsets, tail.group, _ptr(x), _ptr(next_w), eps, _ptr(out),
+                            torch.get_num_threads(), tail.limit)
     return out

@@ -1468,6 +1468,36 @@ void moe_sum_rows(const float* y, int T, int k, const int64_t* ids, const float*
     delete[] out;
 }
 
+// MixtralBlock.native_rows' experts and sum in one call, where every picked expert's record is resident: T rows
+// routed (ids, w [T, k]), rec[e] the host address of expert e's record; each expert's rows (ascending expert, its
+// picks in row order) through int4_ffn_rows, then moe_sum_rows → x [T, H] updated, h_out [T, H]. The same calls
+// the Python loop made, without its per-expert gathers and scatters.
+void moe_rows(const float* h, int T, int k, const int64_t* ids, const float* w, const uint64_t* rec, int E, int H,
+              int I, int64_t gu_off, int64_t gu_sz_off, int64_t d_off, int64_t d_sz_off, int g, float* x,
+              const float* next_w, float eps, float* h_out, int threads, float limit) {
+    const size_t n = (size_t)T * k;
+    float* y = new float[n * H];
+    float* xr = new float[n * H];
+    float* yr = new float[n * H];
+    int* picks = new int[n];
+    for (int e = 0; e < E; ++e) {
+        int m = 0;
+        for (size_t i = 0; i < n; ++i)
+            if (ids[i] == e) picks[m++] = (int)i;
+        if (!m) continue;
+        for (int r = 0; r < m; ++r) std::memcpy(xr + (size_t)r * H, h + (size_t)(picks[r] / k) * H, sizeof(float) * H);
+        const uint8_t* b = (const uint8_t*)rec[e];
+        int4_ffn_rows(xr, m, H, I, b + gu_off, (const uint16_t*)(b + gu_sz_off), b + d_off, (const uint16_t*)(b + d_sz_off),
+                      g, yr, threads, limit);
+        for (int r = 0; r < m; ++r) std::memcpy(y + (size_t)picks[r] * H, yr + (size_t)r * H, sizeof(float) * H);
+    }
+    moe_sum_rows(y, T, k, ids, w, H, x, next_w, eps, h_out);
+    delete[] y;
+    delete[] xr;
+    delete[] yr;
+    delete[] picks;
+}
+
 // ================================================================ end of exact prefill rows
 
 // Softmax routing of one token: logits = gate [E, H] · x, softmax in fp32, the k most probable experts (ties:

@@ -88,6 +88,30 @@ def test_prefill_chunked_prefill_and_decode_give_the_same_bits(model):
 
 
 @NATIVE
+def test_a_layers_experts_in_one_native_call_are_its_per_expert_loop(model):
+    """MixtralBlock.native_rows' one call for every picked expert (native.moe_rows, where all are resident) against
+    its per-expert loop (taken where a record is not resident, forced here): the same keys, values and logits bit
+    for bit, and the one call taken in every layer."""
+    n = 40
+    toks = tokens(6, n)
+    calls, orig = [], native.moe_rows
+    native.moe_rows = lambda *a: calls.append(1) or orig(*a)
+    try:
+        with torch.inference_mode():
+            one, kv_one = model.prefill(toks, 0, all_logits=True), kv(model, 0, n)
+    finally:
+        native.moe_rows = orig
+    assert len(calls) == len(model.layers)
+    model.provider.host_record_table = lambda *a: None          # as if a record were not resident
+    try:
+        with torch.inference_mode():
+            loop, kv_loop = model.prefill(toks, 1, all_logits=True), kv(model, 1, n)
+    finally:
+        del model.provider.host_record_table
+    assert torch.equal(one, loop)
+    assert all(torch.equal(a, b) for a, b in zip(kv_one, kv_loop))
+
+@NATIVE
 def test_a_decode_step_in_one_native_call_is_the_layer_walk(demo_shaped, threads):
     """native.DecodeLayers (a one-token step's layers in one call) against the per-layer walk it replaces
     (MoEModel._run_native's loop): the same logits bit for bit, and the provider serves and counts the same picks
