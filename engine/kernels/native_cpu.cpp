@@ -15,7 +15,8 @@
 //   and attention over the cache), in the torch forms' operation order where it is elementwise (built with
 //   -ffp-contract=off, so a*b + c*d is not fused into an FMA unless written so).
 // The "exact prefill rows" region: many tokens of one sequence, each row computed by the one-token kernels' own
-//   operations (int4_gemv is int4_gemv_rows with M = 1; attn_decode and attn_rows share rope_kv_write/attend_head).
+//   operations (int4_gemv is int4_gemv_rows with M = 1; attn_decode and attn_rows share rope_kv_write, and attn_rows'
+//   keys-in-lanes attention repeats attend_head's operations in its order, checked against it at first use).
 // The GEMVs and the attention split their work over `threads` OpenMP threads (torch's own libgomp once torch
 // is loaded).
 #include <algorithm>
