@@ -22,12 +22,15 @@ In order, the JSON written after every step (a call cut short keeps what it meas
    the GPU lane's step, the bound's t_gpu and the projection's fixed cost). --cpu-experts sets Kiln's CPU lane.
 4. llama-bench -p 8192,32768 -n STEPS --n-cpu-moe N (no sampler: the peer's best case), before this process
    touches CUDA, so nvidia-smi's peak is its own.
+   --llama-json FILE takes steps 2 and 4 from an earlier call's JSON on the same (seeded) slice instead, so a call
+   short of device time spends it all on Kiln.
 5. Kiln in-process (LLM.load, the entry `engine serve` uses) per placement and routing (--bench-routing uniform,
    calibrated: Zipf s 0.650 for 288 experts, the model's: reported, not judged), temperature 1 seeded: warm-up,
    an untimed 8k prompt, timed 8k and 32k prefills, STEPS tokens of one stream and of 4, the lanes' bytes and busy
-   seconds over the one-stream window. Then `engine serve` through HTTP for three_tier under calibrated routing
-   (its /metrics' lane counters), where time is left. Prefill chunks of --chunk-size tokens: every chunk of an
-   offloaded prefill moves the experts it picks, so the chunk sets the prefill's bytes.
+   seconds over the one-stream window; `engine serve` through HTTP for three_tier under calibrated routing (its
+   /metrics' lane counters) right after the calibrated runs, then uniform, then the model's, where time is left.
+   Prefill chunks of --chunk-size tokens: every chunk of an offloaded prefill moves the experts it picks, so the
+   chunk sets the prefill's bytes.
 6. Each decode figure beside its bound t >= max(t_gpu, B_pcie/BW_pcie, B_disk/BW_disk, B_cpu/BW_cpu): bytes per
    token from the window's lane counters, bandwidths measured in this call (bench.harness.measure_lanes on the
    int4 store; DRAM read on 16 threads), t_gpu the resident step of the same call.
@@ -45,8 +48,8 @@ import sys
 import time
 from pathlib import Path
 
-from bench.harness import (REPO, STREAMS, completions_client, concurrent, dram_read_gbps, free_port, log, machine,
-                           measure_lanes, metrics, prompt_ids, stop, summarize, table, tree_commit, wait_ready,
+from bench.harness import (REPO, STREAMS, completions_client, concurrent, dram_read_gbps, finish, free_port, log,
+                           machine, measure_lanes, metrics, prompt_ids, stop, summarize, tree_commit, wait_ready,
                            write_result)
 from bench.h200_offload import run_synth
 from bench.h200_peer import Clock, GpuMemoryPeak, Skipped, Work, llama_bench, llama_env, need
@@ -83,8 +86,9 @@ def synth_cmd(out: Path, store: Path, moe_layers: int, tiny: bool) -> list[str]:
     return [sys.executable, "-c", call]
 
 
-def build_weights(args, work: Path, shm: Path, clock: Clock, res: dict, save) -> tuple[Path, Path, Path]:
-    """Kiln's model + int4 store in --work, llama.cpp's Q4_K_M beside them (each reused where already there)."""
+def build_weights(args, work: Path, shm: Path, clock: Clock, res: dict, save) -> tuple[Path, Path, Path | None]:
+    """Kiln's model + int4 store in --work, llama.cpp's Q4_K_M beside them (each reused where already there; no
+    Q4_K_M where --llama-json brings the peer's figures)."""
     from engine.store import manifest as mf
     from engine.store import model_manifest
     model, store, q4 = work / "model-int4", work / "store-int4", work / "glm5-next-Q4_K_M.gguf"
@@ -95,6 +99,8 @@ def build_weights(args, work: Path, shm: Path, clock: Clock, res: dict, save) ->
         stand_in_tokenizer(model, json.loads((model / "config.json").read_text())["vocab_size"])   # ids only
         model_manifest.write(model)
         save()
+    if args.llama_json:
+        return model, store, None
     if not q4.exists():
         need(clock, 40 if args.tiny else 200, "conversion (convert_hf_to_gguf.py) and llama-quantize Q4_K_M")
         t0 = time.perf_counter()
@@ -121,20 +127,10 @@ def build_weights(args, work: Path, shm: Path, clock: Clock, res: dict, save) ->
 
 # ------------------------------------------------------------------ placements
 
-def placements(cfg: dict, records: int, tensors: dict[str, int]) -> dict:
+def peer_share(cfg: dict, tensors: dict[str, int]) -> dict:
+    """llama.cpp's --n-cpu-moe whose GPU share of the Q4_K_M's expert bytes is nearest the seed's."""
     per_layer = expert_bytes_by_layer(tensors, cfg["num_hidden_layers"])
-    peer = glm5_slice.n_cpu_moe_for_share(per_layer, glm5_slice.SEED_GPU_SHARE)
-    # at least one slot: a CUDA tiered provider refuses none (engine/tiers/__init__.py); one record more than
-    # llama.cpp's where its share is 0 %, said in the JSON
-    lfl_gpu = max(1, round(peer["share_of_expert_bytes_on_gpu"] * records))
-    return {"llama_cpp": peer,
-            "resident": {"gpu_slots": records, "ram_slots": 0, "records": records},
-            "like_for_like": {"gpu_slots": lfl_gpu, "ram_slots": records - lfl_gpu, "records": records,
-                              "shares": {"gpu": round(lfl_gpu / records, 4), "ram": round(1 - lfl_gpu / records, 4),
-                                         "store": 0.0},
-                              "note": "GPU slots at llama.cpp's share of the expert bytes, at least 1 (a CUDA tiered "
-                                      "provider needs one)"},
-            "three_tier": glm5_slice.seed_tiers(records)}
+    return glm5_slice.n_cpu_moe_for_share(per_layer, glm5_slice.SEED_GPU_SHARE)
 
 
 def knobs(p: dict, placement: str, routing: str, args) -> dict:
@@ -329,6 +325,8 @@ def main() -> int:
     ap.add_argument("--tiny", action="store_true", help="the CPU dry run: a toy-width slice, Kiln on the CPU, "
                     "llama.cpp's CPU binaries; every step runs, no figure means anything")
     ap.add_argument("--budget-s", type=float, default=540, help="stop starting steps that would pass this")
+    ap.add_argument("--llama-json", type=Path, default=None, help="llama.cpp's figures and placement from an earlier "
+                    "call's JSON on the same slice: no conversion, no llama-bench, the call's time all Kiln's")
     args = ap.parse_args()
     tiny_or = lambda v, full, tiny: v if v is not None else (tiny if args.tiny else full)     # noqa: E731
     args.steps, args.chunk_size = tiny_or(args.steps, 64, 8), tiny_or(args.chunk_size, 8192, 128)
@@ -387,7 +385,16 @@ def main() -> int:
     cfg = json.loads((model / "config.json").read_text())
     m4 = mf.load(store)
     records = len(m4.moe_layers) * m4.experts_per_layer
-    plan = placements(cfg, records, gguf_tensors(q4))
+    if args.llama_json:
+        try:
+            res["llama_cpp"], peer = glm5_slice.earlier_peer(json.loads(args.llama_json.read_text()),
+                                                             args.llama_json.name, cfg["num_hidden_layers"])
+        except (OSError, ValueError) as e:
+            print(f"glm5_next_offload: --llama-json {args.llama_json}: {e}", file=sys.stderr)
+            return 2
+    else:
+        peer = peer_share(cfg, gguf_tensors(q4))
+    plan = glm5_slice.placements(records, peer)
     res["placements"] = plan
     res["checkpoint"] = {"layers": cfg["num_hidden_layers"], "moe_layers": len(m4.moe_layers),
                          "experts": m4.experts_per_layer, "top_k": cfg["num_experts_per_tok"],
@@ -403,6 +410,8 @@ def main() -> int:
                                 bench_prompts=",".join(map(str, args.prefills)), bench_gen=args.steps, reps=1,
                                 no_repack=False, keep_store=True))
     try:
+        if args.llama_json:
+            raise Skipped(f"llama-bench: its figures come from {args.llama_json.name} (--llama-json)")
         need(clock, 30 if args.tiny else 90, "llama-bench")
         r = llama_bench(w, q4, plan["llama_cpp"]["n_cpu_moe"], timeout_s=min(clock.left() - 10, 300))
         r["n_cpu_moe"] = plan["llama_cpp"]["n_cpu_moe"]
@@ -422,11 +431,11 @@ def main() -> int:
     res["lanes"] = lanes
     save()
 
-    # 5. Kiln: the resident step first (every bound's t_gpu), the judged calibrated runs, uniform, served, the model's
+    # 5. Kiln: the resident step first (every bound's t_gpu), the judged calibrated runs, served, uniform, the model's
     order = [(p, "calibrated") for p in ("resident", "like_for_like", "three_tier") if p in wanted and "calibrated" in routings]
-    order += [(p, "uniform") for p in ("like_for_like", "three_tier") if p in wanted and "uniform" in routings]
     if args.served and "three_tier" in wanted and "calibrated" in routings:
         order.append(("three_tier_served", "calibrated"))
+    order += [(p, "uniform") for p in ("like_for_like", "three_tier") if p in wanted and "uniform" in routings]
     order += [(p, "model") for p in ("like_for_like", "three_tier") if p in wanted and "model" in routings]
     vocab = cfg["vocab_size"]
     for placement, routing in order:
@@ -455,13 +464,7 @@ def main() -> int:
 
     # 6-7. the table and the targets
     rows, judged = verdicts(res, args)
-    res["table"], res["targets"] = rows, judged
-    save()
-    if rows:
-        table(rows, list(rows[0].keys()))          # the harness prints it
-    log("targets:", json.dumps(judged))
-    log("wrote", out, f"in {clock.elapsed()} s")
-    return 0
+    return finish(res, rows, judged, save, out, clock.elapsed())
 
 
 if __name__ == "__main__":

@@ -12,12 +12,15 @@ beside `llama-bench` on the same file and Kiln's own int4 records of the same we
 2. llama.cpp's converter (bench/gguf_from_store.py) -> GGUF bf16 -> `llama-quantize Q4_K_M`; what each tensor type
    of the file runs on in Kiln's CUDA path (engine.measure.peer.cuda_paths: the experts' Triton kernel, or
    dequantized at load); the lanes (HBM) for the bound.
-3. `llama-bench -p PREFILL -n STEPS -r 2` on the Q4_K_M (tg and pp8192), all on the GPU.
-4. Kiln on the Q4_K_M alone: `engine serve --model FILE.gguf --device cuda --experts resident` through HTTP, greedy
-   and temperature 1 (seeded), h200_served's requests (bench.harness.measure), one server for both.
-   Then, on that server (not judged): its teacher-forced top-1 against llama-server's on the same file, all on the
-   GPU, --agree-positions positions of one random prompt (the Q4_K_M's mixed types as Kiln computes them, checked).
-5. Kiln's own int4 records of the same weights, all resident, served the same way (context; last, where time allows).
+3. Kiln on the Q4_K_M alone: `engine serve --model FILE.gguf --device cuda --experts resident` through HTTP, greedy
+   and temperature 1 (seeded; --greedy-only: greedy alone), h200_served's requests (bench.harness.measure), one
+   server for both. Then, on that server (not judged): its teacher-forced top-1 against llama-server's on the same
+   file, all on the GPU, --agree-positions positions of one random prompt (the Q4_K_M's types as Kiln computes them).
+4. `llama-bench -p PREFILL -n STEPS -r 2` on the Q4_K_M (tg and pp8192), all on the GPU — after Kiln, so a short
+   call spends itself on Kiln's figure; --llama-json FILE: an earlier result of this bench on the same --layers,
+   --steps and --prefill (the same seed-0 file) whose llama-bench figures are taken instead of running it again.
+5. Kiln's own int4 records of the same weights, all resident, served the same way (context; last, where time allows;
+   --no-int4: neither made nor served, which spares the call a quarter of its synthesis).
 Targets (issue 29): Kiln's decode on the file >= 1.1x llama-bench's tg, its 8k prefill >= 1.0x llama-bench's pp.
 Each speed beside the HBM bound of the file's bytes a token (engine.measure.peer, lanes measured in the run).
 Writes --out after every part (a part that fails or does not fit --budget-s is recorded as such); prints a table.
@@ -65,7 +68,7 @@ def kiln_both(model: Path, store: Path | None, flags: list[str], args, vocab: in
     320-token warm-up takes minutes on two shared cores; the sampled HTTP path is the same code either way)."""
     with kiln_server(model, store, flags, args.prefill + 512, log_path, args.device) as (base, load_s, command):
         out = {"load_s": load_s, "command": command}
-        for key, sampled in (("greedy", False), ("sampled", True))[:1 if args.tiny else 2]:
+        for key, sampled in (("greedy", False), ("sampled", True))[:1 if args.tiny or args.greedy_only else 2]:
             r = measure_served(base, vocab, args.steps, args.prefill, sampled)
             m = r.pop("metrics_end") or {}
             r.pop("window_1_stream", None)
@@ -112,6 +115,23 @@ def kiln_top1_against(llama: dict, q4: Path, ids: list[int]):
     return ask
 
 
+def prior_llama(args) -> dict | None:
+    """--llama-json's llama-bench figures where that run measured the same file (layers, steps, prefill; the synth's
+    seed is fixed), marked with where they came from; None (llama-bench runs) where not given, or not the same."""
+    if not args.llama_json:
+        return None
+    got = json.loads(Path(args.llama_json).read_text())
+    s = got.get("settings") or {}
+    lb = (got.get("runs") or {}).get("llama_bench_q4_k_m") or {}
+    want = {"layers": TINY_SHAPE["num_hidden_layers"] if args.tiny else args.layers, "steps": args.steps,
+            "prefill": args.prefill}
+    if any(s.get(k) != v for k, v in want.items()) or not lb.get("decode_tps"):
+        log(f"--llama-json {args.llama_json}: not the same file's figures ({ {k: s.get(k) for k in want} } vs {want}, "
+            f"decode {lb.get('decode_tps')}): llama-bench runs")
+        return None
+    return {**lb, "reused_from": str(args.llama_json), "reused_measured": got.get("date")}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--work", default="/tmp/kiln-gguf")
@@ -125,6 +145,10 @@ def main():
     ap.add_argument("--prefill", type=int, default=None, help="the long prompt (default 8192; tiny 512)")
     ap.add_argument("--agree-positions", type=int, default=None, help="teacher-forced positions (default 32; tiny 24)")
     ap.add_argument("--budget-s", type=float, default=540, help="the call's time: parts that do not fit are skipped")
+    ap.add_argument("--llama-json", default=None, help="an earlier h200_gguf result on the same file: its llama-bench "
+                    "figures stand in for running llama-bench again")
+    ap.add_argument("--no-int4", action="store_true", help="skip Kiln's own int4 records (made and served)")
+    ap.add_argument("--greedy-only", action="store_true", help="Kiln's greedy requests alone (no temperature 1)")
     args = ap.parse_args()
     args.steps = args.steps or (16 if args.tiny else 128)
     args.prefill = args.prefill or (512 if args.tiny else 8192)
@@ -177,7 +201,8 @@ def main():
     t0 = time.perf_counter()
     syn = (synthesize(model_dir, store, device=dev, **shape)
            if not ((store / mf.MANIFEST).exists() or q4.exists()) else {"reused": True})
-    syn4 = (synthesize(work / "model-int4", store4, device=dev, quant="int4", **shape)
+    syn4 = ({"skipped": "--no-int4"} if args.no_int4 else
+            synthesize(work / "model-int4", store4, device=dev, quant="int4", **shape)
             if not (store4 / mf.MANIFEST).exists() else {"reused": True})
     for f in Path(args.tokenizer).iterdir():
         shutil.copy(f, model_dir / f.name)
@@ -217,13 +242,7 @@ def main():
         log("no Q4_K_M: nothing more to measure")
         return
 
-    # 3. llama-bench on the file, all on the GPU
-    runs["llama_bench_q4_k_m"] = part("llama-bench Q4_K_M", 20 if args.tiny else 40, lambda: llama_bench(
-        bin_dir, q4, args.prefill, args.steps, 1 if args.tiny else 2, bench_extra, max(1, clock.left() - 5)))
-    log("llama-bench:", runs["llama_bench_q4_k_m"])
-    save()
-
-    # 4. Kiln on the file alone; then, on the same server, its top-1 against llama-server's on the file (not judged)
+    # 3. Kiln on the file alone; then, on the same server, its top-1 against llama-server's on the file (not judged)
     ids = agree_ids(args, vocab)
     llama = part("llama-server top-1 on the Q4_K_M", 20 if args.tiny else 40, lambda: llama_top1(bin_dir, q4, ids))
     then = kiln_top1_against(llama, q4, ids) if "top1" in llama else None
@@ -233,9 +252,16 @@ def main():
     result["agreement_q4_k_m"] = runs["kiln_gguf_q4_k_m"].pop("then", None) or {"llama_server": llama}
     save()
 
+    # 4. llama-bench on the file, all on the GPU (or an earlier run's figures on the same file)
+    earlier = prior_llama(args)
+    runs["llama_bench_q4_k_m"] = earlier or part("llama-bench Q4_K_M", 20 if args.tiny else 40, lambda: llama_bench(
+        bin_dir, q4, args.prefill, args.steps, 1 if args.tiny else 2, bench_extra, max(1, clock.left() - 5)))
+    log("llama-bench:", runs["llama_bench_q4_k_m"])
+    save()
+
     # 5. Kiln's own int4 records of the same weights (context, not judged: last, where the call's time allows)
     log("kiln int4 records:")
-    runs["kiln_int4_records"] = part("kiln int4 records served", 60 if not args.tiny else 30,
+    runs["kiln_int4_records"] = {"skipped": "--no-int4"} if args.no_int4 else part("kiln int4 records served", 60 if not args.tiny else 30,
                                      lambda: kiln_both(model_dir, store4, args.kiln_flags, args, vocab,
                                                        work / "serve-int4.log"))
     save()

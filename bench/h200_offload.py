@@ -40,7 +40,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.harness import REPO, concurrent, log, machine, prompt_ids, summarize, table, tree_commit, write_result
+from bench.harness import REPO, concurrent, finish, log, machine, prompt_ids, summarize, tree_commit, write_result
 from bench.h200_peer import Clock, GpuMemoryPeak, Skipped, Work, ensure_q4, llama_bench, need
 from engine.measure.peer import GIB, WORKSPACE, expert_bytes_by_layer, gguf_tensors
 from engine.store import model_manifest
@@ -334,13 +334,7 @@ def main() -> int:
             if routing in TARGETS and pr is not None:
                 verdicts[f"{name}_{routing}_prefill_8k"] = {"x": pr, "target": PREFILL_TARGET,
                                                             "met": pr >= PREFILL_TARGET}
-    res["table"], res["targets"] = rows, verdicts
-    save()
-    if rows:
-        table(rows, list(rows[0].keys()))       # printed by the harness
-    log("targets:", json.dumps(verdicts))
-    log("wrote", out, f"in {clock.elapsed()} s")
-    return 0
+    return finish(res, rows, verdicts, save, out, clock.elapsed())
 
 
 if __name__ == "__main__":

@@ -164,6 +164,17 @@ def table(rows: list[dict], columns: list[str]) -> str:
     return text
 
 
+def finish(res: dict, rows: list[dict], targets: dict, save, out: Path, seconds: float) -> int:
+    """A device bench's end: the table and the verdicts into the JSON (saved), the table printed, the verdicts logged."""
+    res["table"], res["targets"] = rows, targets
+    save()
+    if rows:
+        table(rows, list(rows[0].keys()))
+    log("targets:", json.dumps(targets))
+    log("wrote", out, f"in {seconds} s")
+    return 0
+
+
 # ------------------------------------------------------------------ another checkout's engine beside this one
 
 TREE_ENV = "KILN_BENCH_TREE"

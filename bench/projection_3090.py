@@ -22,6 +22,13 @@ from engine.measure.projection_3090 import BOX, GIB, GLM5_BOX, glm5_inputs, inpu
 REPO = Path(__file__).resolve().parent.parent
 
 
+def lane_cells(r: dict) -> str:
+    """A projected row's pick split, each lane's ms a token and the lane that binds, as table cells."""
+    p, t = r["picks_fraction"], r["lane_seconds_per_token"]
+    return (f"{p['gpu']:.2f}/{p['ram']:.2f}/{p['store']:.2f} | "
+            + " | ".join(f"{t[k] * 1e3:.2f}" for k in ("gpu", "pcie", "disk", "cpu")) + f" | {r['binding_lane']}")
+
+
 def main_glm5(args) -> int:
     bench = json.loads(Path(args.glm5).read_text())
     try:
@@ -55,10 +62,8 @@ def main_glm5(args) -> int:
     print("\n| split | picks gpu/ram/store | t_gpu ms | t_pcie ms | t_disk ms | t_cpu ms | binds | projected tok/s | seed | floor |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in res["decode"]:
-        p, t = r["picks_fraction"], r["lane_seconds_per_token"]
-        print(f"| {r['split']} | {p['gpu']:.2f}/{p['ram']:.2f}/{p['store']:.2f} | "
-              + " | ".join(f"{t[k] * 1e3:.2f}" for k in ("gpu", "pcie", "disk", "cpu"))
-              + f" | {r['binding_lane']} | {r['projected_decode_tps']} | {res['seed']['decode_tps']} | {res['seed']['floor_tps']} |")
+        print(f"| {r['split']} | {lane_cells(r)} | {r['projected_decode_tps']} | {res['seed']['decode_tps']} | "
+              f"{res['seed']['floor_tps']} |")
     print("\n| prefill tokens | chunk | t_gpu s | t_pcie s | t_disk s | binds | projected tok/s |")
     print("|---|---|---|---|---|---|---|")
     for r in res["prefill"]:
@@ -112,10 +117,7 @@ def main():
     print("\n| quant | routing | engine | picks gpu/ram/store | t_gpu ms | t_pcie ms | t_disk ms | t_cpu ms | binds | projected tok/s |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in res["rows"]:
-        p, t = r["picks_fraction"], r["lane_seconds_per_token"]
-        print(f"| {r['quant']} | {r['routing']} | {r['engine']} | {p['gpu']:.2f}/{p['ram']:.2f}/{p['store']:.2f} | "
-              + " | ".join(f"{t[kk] * 1e3:.2f}" for kk in ("gpu", "pcie", "disk", "cpu"))
-              + f" | {r['binding_lane']} | {r['projected_tps']} |")
+        print(f"| {r['quant']} | {r['routing']} | {r['engine']} | {lane_cells(r)} | {r['projected_tps']} |")
     print("wrote", args.out)
 
 

@@ -68,6 +68,32 @@ class BlockProjection:
         return ggml.dequantize(self.type.name, self.blocks, self.out_features, self.in_features)
 
 
+class DeviceBlockProjection:
+    """A dense weight [out, in] kept as a GGUF's own blocks of one GGML type on the GPU (or any device Triton runs
+    on), computed by engine.kernels.ggml_linear: the file's weights in float (each sub-block decoded as gguf
+    dequantizes it), never a dequantized copy — a Q4_K matrix reads its 4.5 bits a weight a token, not bf16's 16."""
+
+    def __init__(self, ggml_type: str | int, blocks: torch.Tensor, out_features: int, in_features: int):
+        self.type = ggml.ggml_type(ggml_type)
+        self.out_features, self.in_features = out_features, in_features
+        self.blocks = blocks.reshape(-1).contiguous()
+        self.cpu = False
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        from engine.kernels.ggml_linear import ggml_linear
+        x2 = x.reshape(-1, self.in_features).contiguous()
+        return ggml_linear(x2, self.blocks, self.type.code, self.out_features).view(*x.shape[:-1], self.out_features)
+
+    def dequantized(self) -> torch.Tensor:
+        return ggml.dequantize(self.type.name, self.blocks, self.out_features, self.in_features)
+
+
+def device_kernel(device: torch.device) -> bool:
+    """Dense blocks are kept on `device` where it is a GPU Triton runs on (the CPU has its own kernels above)."""
+    from engine.kernels.quant_triton import available
+    return device.type == "cuda" and available(device)
+
+
 def native_kernel(ggml_type: str | int) -> bool:
     """A native CPU kernel computes this type here (the kernels built, and this type among theirs)."""
     from engine.kernels import native            # the kernels build with g++ at first use: not at import
@@ -83,8 +109,9 @@ def weight(name: str, ggml_type: str | int, shape: Sequence[int], raw, *, device
     raw: its bytes as the file holds them (GGUFReader's `data`, any dtype/shape; copied).
     linear=True and a matrix: on the CPU its blocks are kept — Q4_1/Q4_K as torch's int4 operand (Int4Projection,
     where 64 rows tile it), Q8_0 as codes and scales (Q8Projection), every other quantized type as a
-    BlockProjection — and float types become a Projection in `dtype`. Elsewhere (another device, or no native
-    kernel here) the blocks are dequantized once to `dtype`, and the log says so; the result is then a
+    BlockProjection — and float types become a Projection in `dtype`. On a GPU (where Triton runs) a linear matrix
+    keeps its blocks too (DeviceBlockProjection). Elsewhere (no kernel for it there) the blocks are dequantized once
+    to `dtype`, and the log says so; the result is then a
     Projection for linear=True, else a tensor (norms, biases, routers: linear=False).
     rows=True (with linear=True): the vocabulary, whose kept blocks also serve the embedding's lookups — the result
     has .rows(ids) (Q8Projection or BlockProjection; a float type's Projection: index its .weight's transpose).
@@ -107,6 +134,8 @@ def weight(name: str, ggml_type: str | int, shape: Sequence[int], raw, *, device
     if t.name in FLOAT_DTYPES:
         w = blocks.view(FLOAT_DTYPES[t.name]).reshape(shape).to(device=device, dtype=dtype)
         return Projection(w) if linear and is_matrix else w
+    if linear and is_matrix and not rows and device_kernel(device):
+        return DeviceBlockProjection(t.name, blocks.to(device), out, inp)
     if linear and is_matrix and device.type == "cpu":
         if t.name in ("q4_1", "q4_k") and out % INT4PACK_N == 0 and not rows:     # torch's int4 operand: no rows
             return Int4Projection([(t.name, blocks)])
@@ -145,8 +174,8 @@ def projection(parts: Sequence[tuple[str, str | int, torch.Tensor]], *, device: 
     as one projection: on the CPU 4-bit blocks of one type that torch's int4 operand tiles as one Int4Projection (one
     call: the native attention block takes it), else consecutive matrices of one type as one BlockProjection each
     (their rows concatenated; weight() where no native kernel has the type, or for the vocabulary) and several of
-    those as a StackedProjection; elsewhere the float weights concatenated, dequantized
-    once. rows: one matrix, the vocabulary (weight(rows=True))."""
+    those as a StackedProjection; on a GPU (Triton) each run of one type a DeviceBlockProjection; elsewhere the float
+    weights concatenated, dequantized once. rows: one matrix, the vocabulary (weight(rows=True))."""
     got = []
     for name, t, raw in parts:
         g = ggml.ggml_type(t)
@@ -160,18 +189,17 @@ def projection(parts: Sequence[tuple[str, str | int, torch.Tensor]], *, device: 
                          f"{sorted({inp for *_, inp in got})}")
     inp = got[0][3]
     device = torch.device(device)
+    if device.type != "cpu" and not rows and device_kernel(device):
+        out = [DeviceBlockProjection(run[0][1], torch.cat([p[2] for p in run]).to(device),
+                                     sum(p[2].shape[0] for p in run), inp) for run in _runs(got)]
+        return out[0] if len(out) == 1 else StackedProjection(out)
     if device.type != "cpu":
         return Projection(torch.cat([weight(n, t, [b.shape[0], inp], b, device=device, dtype=dtype, linear=False)
                                      for n, t, b, _ in got]))
     if not rows and len({t for _, t, *_ in got}) == 1 and got[0][1] in ("q4_1", "q4_k") \
             and all(b.shape[0] % INT4PACK_N == 0 for _, _, b, _ in got):
         return Int4Projection([(t, b) for _, t, b, _ in got])
-    runs: list[list] = []
-    for part in got:                            # consecutive matrices of one type: one weight, one kernel call
-        if runs and runs[-1][0][1] == part[1]:
-            runs[-1].append(part)
-        else:
-            runs.append([part])
+    runs = _runs(got)
     # Not the vocabulary: every run a BlockProjection where the native kernel computes its type (Q8_0 and 4-bit
     # ones too, which weight() would hold as Q8Projection / Int4Projection), so the native attention block
     # (engine.kernels.native.GgmlAttnBlock) reads q|k|v and o as the file's blocks in one call.
@@ -180,6 +208,17 @@ def projection(parts: Sequence[tuple[str, str | int, torch.Tensor]], *, device: 
            weight("+".join(p[0] for p in run), run[0][1], [sum(p[2].shape[0] for p in run), inp],
                   torch.cat([p[2] for p in run]), rows=rows) for run in runs]
     return out[0] if len(out) == 1 else StackedProjection(out)
+
+
+def _runs(got: list) -> list[list]:
+    """Consecutive matrices of one type: one weight, one kernel call."""
+    runs: list[list] = []
+    for part in got:
+        if runs and runs[-1][0][1] == part[1]:
+            runs[-1].append(part)
+        else:
+            runs.append([part])
+    return runs
 
 
 def expert_layout(hidden: int, intermediate: int, types: Iterable[Sequence[str | int]], *,

@@ -204,3 +204,17 @@ def test_the_tiny_pipeline_runs_end_to_end_on_the_cpu(tmp_path):
     assert served["lanes_per_token"]["disk"]["bytes_per_token"] > 0      # read from /metrics' lane counters
     assert set(doc["kiln"]) == {"three_tier", "three_tier_served"} and doc["table"][0]["placement"] == "three_tier"
     assert "| three_tier | calibrated |" in r.stdout
+
+
+def test_an_earlier_calls_peer_figures_are_reused_only_for_the_same_slice():
+    prior = {"date": "2026-12-05", "commit": "acdc05c", "checkpoint": {"layers": 5},
+             "llama_cpp": {"llama_bench": {"decode_tps": 155.2, "n_cpu_moe": 5}},
+             "placements": {"llama_cpp": {"n_cpu_moe": 5, "share_of_expert_bytes_on_gpu": 0.0}}}
+    peer, share = glm5_slice.earlier_peer(prior, "prior.json", 5)
+    assert peer["llama_bench"]["decode_tps"] == 155.2 and "prior.json" in peer["reused_from"]
+    plan = glm5_slice.placements(576, share)
+    assert plan["like_for_like"]["gpu_slots"] == 1 and plan["three_tier"]["gpu_slots"] == 66
+    with pytest.raises(ValueError, match="no llama-bench run of a 6-layer slice"):
+        glm5_slice.earlier_peer(prior, "prior.json", 6)       # another slice: its figures are not this one's
+    with pytest.raises(ValueError, match="no llama-bench run"):
+        glm5_slice.earlier_peer({"checkpoint": {"layers": 5}, "llama_cpp": {}}, "x.json", 5)   # a Kiln-only call's

@@ -107,10 +107,10 @@ def test_each_type_of_a_q4_k_m_file_names_its_cuda_path(tmp_path):
     w.close()
     assert peer.cuda_paths(path) == {
         "F32: float, as it is": {"dense": 1},
-        "Q4_K: triton, quant_triton mixed-type expert kernels": {"expert": 2},
-        "Q6_K: dequantized at load (logged)": {"dense": 1},
-        "Q6_K: triton, quant_triton mixed-type expert kernels": {"expert": 1},
-        "Q8_0: dequantized at load (logged)": {"dense": 1},
+        "Q4_K: triton, quant_triton typed expert kernels": {"expert": 2},
+        "Q6_K: triton, ggml_linear on its blocks": {"dense": 1},
+        "Q6_K: triton, quant_triton typed expert kernels": {"expert": 1},
+        "Q8_0: triton, ggml_linear on its blocks": {"dense": 1},
         "TQ1_0: NO KERNEL": {"dense": 1}}
 
 

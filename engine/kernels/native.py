@@ -51,6 +51,7 @@ SIGNATURES = {
     "ggml_supported": [_I],
     "ggml_matmul": [_I, _P, _I, _I, _P, _I, _P, _I],
     "ggml_ffn": [_P, _I, _I, _P, _I, _P, _I, _P, _I, _P, _P, _I, _F],
+    "ggml_gemv_stack": [_P, _I, _I, _P, _P, _P, _P, _I],
     "moe_tail": [_P, _I, _P, _P, _P, _I, _I, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, _I, _P,
                  _P, _P, _F, _P, _I, _F],
     "ggml_moe_tail": [_P, _I, _P, _P, _P, _I, _I, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, _P, _P, _P, _F, _P,
@@ -334,6 +335,7 @@ class AttnBlock:
     def __init__(self, qkv, o, k_cache: torch.Tensor, v_cache: torch.Tensor, *, window: int, num_heads: int,
                  num_kv_heads: int, head_dim: int, scale: float, eps: float):
         self.hidden, nqkv, no = o.out_features, qkv.out_features, num_heads * head_dim
+        self.nqkv = nqkv
         self.scratch = torch.empty(nqkv + no + self.hidden)
         buf = self.scratch.data_ptr()
         self.k_cache, self.v_cache = k_cache, v_cache             # [slots, max_len, nkv, hd] of this layer
@@ -366,11 +368,12 @@ class GgmlAttnBlock(AttnBlock):
     def __init__(self, parts: list, o, k_cache: torch.Tensor, v_cache: torch.Tensor, *, window: int, num_heads: int,
                  num_kv_heads: int, head_dim: int, scale: float, eps: float):
         self.hidden, no = o.out_features, num_heads * head_dim
-        nqkv = sum(p.out_features for p in parts)
+        nqkv = self.nqkv = sum(p.out_features for p in parts)
         self.scratch = torch.empty(nqkv + no + self.hidden)
         buf = self.scratch.data_ptr()
         self.k_cache, self.v_cache = k_cache, v_cache
         n = len(parts)
+        assert n <= 3                           # q|k|v: at most three runs of one type (native StepGgmlAttn)
         self._ptrs = (ctypes.c_uint64 * n)(*(p.blocks.data_ptr() for p in parts))
         self._types = (ctypes.c_int * n)(*(p.type.code for p in parts))
         self._rows_n = (ctypes.c_int * n)(*(p.out_features for p in parts))
@@ -398,41 +401,67 @@ class _Shape(ctypes.Structure):          # native_cpu.cpp's StepShape
     _fields_ = [(n, ctypes.c_int32) for n in ("L", "H", "nqkv", "g", "window", "nh", "nkv", "hd", "rot", "max_len",
                                               "E", "k", "renorm", "I", "fg")] + \
                [(n, ctypes.c_float) for n in ("scale", "eps", "limit")] + \
-               [(n, ctypes.c_int64) for n in ("gu_off", "gu_sz_off", "d_off", "d_sz_off")]
+               [(n, ctypes.c_int64) for n in ("gu_off", "gu_sz_off", "d_off", "d_sz_off")] + \
+               [("ggml_tail", ctypes.c_int32)] + [(n, ctypes.c_int64) for n in ("gate_off", "up_off", "down_off")]
+
+
+class _GgmlAttn(ctypes.Structure):       # native_cpu.cpp's StepGgmlAttn: a GgmlAttnBlock's weights
+    _fields_ = [("ptrs", ctypes.c_uint64 * 3), ("types", ctypes.c_int32 * 3), ("rows", ctypes.c_int32 * 3),
+                ("nparts", ctypes.c_int32), ("o_type", ctypes.c_int32), ("o_w", ctypes.c_void_p)]
 
 
 class _Layer(ctypes.Structure):          # native_cpu.cpp's StepLayer
     _fields_ = [(n, ctypes.c_void_p) for n in ("qkv_p", "qkv_sz", "o_p", "o_sz", "k_cache", "v_cache", "post_w",
-                                               "gate", "next_w")]
+                                               "gate", "next_w", "ggml")]
 
 
 class DecodeLayers:
     """A one-token decode step's layers in one native call (decode_layers): per layer AttnBlock's call, the router
     and MoETail's call, the same kernels in the same order as the per-layer walk (MoEModel._run_native), so the
-    same bits, without its ~100 Python calls a step. The experts' records come from a table of host addresses
-    [layers, experts] (0: not resident); a layer whose picks are not all there comes back to the caller, which
-    makes them resident (the provider's host_records) and resumes. Buffers are its own (one step at a time)."""
+    same bits, without its ~100 Python calls a step. A GGUF served alone takes it too: a layer's GgmlAttnBlock
+    (q|k|v and o in the file's own types) for its AttnBlock, GgmlTail (records of mixed types) for MoETail. The
+    experts' records come from a table of host addresses [layers, experts] (0: not resident); a layer whose picks
+    are not all there comes back to the caller, which makes them resident (the provider's host_records) and resumes.
+    Buffers are its own (one step at a time)."""
 
     def __init__(self, blocks: list[AttnBlock], tails: list[MoETail], post_norms: list[torch.Tensor],
                  gates: list[torch.Tensor], next_norms: list[torch.Tensor], num_experts: int, renormalize: bool):
         b, t = blocks[0], tails[0]
         max_len = b.k_cache.shape[1]                  # k_cache: [slots, max_len, nkv, hd] of a layer
         window, nh, nkv, hd = b.shape
-        nqkv = b.weights[3]
+        nqkv = b.nqkv
+        int4 = [blk for blk in blocks if not isinstance(blk, GgmlAttnBlock)]
+        group = int4[0].weights[6] if int4 else 0     # the int4 attention blocks' group size (one for all)
+        ggml_tail = isinstance(t, GgmlTail)
+        assert all(isinstance(tl, GgmlTail) == ggml_tail and tl.offsets == t.offsets for tl in tails)
         self.layers = len(blocks)
-        self.shape = _Shape(L=self.layers, H=b.hidden, nqkv=nqkv, g=b.weights[6], window=window, nh=nh, nkv=nkv,
+        four = (0, 0, 0, 0) if ggml_tail else t.offsets
+        three = t.offsets if ggml_tail else (0, 0, 0)
+        self.shape = _Shape(L=self.layers, H=b.hidden, nqkv=nqkv, g=group, window=window, nh=nh, nkv=nkv,
                             hd=hd, rot=0, max_len=max_len, E=num_experts, k=t.top_k, renorm=int(renormalize),
-                            I=t.intermediate, fg=t.group, scale=b.scale, eps=b.eps, limit=t.limit,
-                            gu_off=t.offsets[0], gu_sz_off=t.offsets[1], d_off=t.offsets[2], d_sz_off=t.offsets[3])
+                            I=t.intermediate, fg=0 if ggml_tail else t.group, scale=b.scale, eps=b.eps, limit=t.limit,
+                            gu_off=four[0], gu_sz_off=four[1], d_off=four[2], d_sz_off=four[3],
+                            ggml_tail=int(ggml_tail), gate_off=three[0], up_off=three[1], down_off=three[2])
         self.table = (_Layer * self.layers)()
-        self._keep = (post_norms, gates, next_norms)        # the pointers' owners
+        self._ggml = []                                     # the layers' _GgmlAttn structs the table points to
+        self._keep = (post_norms, gates, next_norms, blocks)        # the pointers' owners
         for i, (blk, post, gate, nxt) in enumerate(zip(blocks, post_norms, gates, next_norms)):
-            assert blk.shape == b.shape and blk.weights[3] == nqkv and blk.weights[6] == b.weights[6]
+            assert blk.shape == b.shape and blk.nqkv == nqkv
             assert gate.is_contiguous() and gate.dtype == torch.float32 and gate.shape[0] == num_experts
             assert blk.k_cache.is_contiguous() and blk.v_cache.is_contiguous() and blk.k_cache.shape[1] == max_len
-            _, qp, qs, _, op, os_, _ = blk.weights
+            if isinstance(blk, GgmlAttnBlock):
+                n = blk.weights[4]
+                a = _GgmlAttn(nparts=n, o_type=blk.weights[6], o_w=blk.weights[5])
+                a.ptrs[:n], a.types[:n], a.rows[:n] = blk._ptrs[:], blk._types[:], blk._rows_n[:]
+                self._ggml.append(a)
+                qp = qs = op = os_ = None
+                ggml = ctypes.addressof(a)
+            else:
+                assert blk.weights[6] == group
+                _, qp, qs, _, op, os_, _ = blk.weights
+                ggml = None
             self.table[i] = _Layer(qp, qs, op, os_, blk.k_cache.data_ptr(), blk.v_cache.data_ptr(),
-                                   post.data_ptr(), gate.data_ptr(), nxt.data_ptr())
+                                   post.data_ptr(), gate.data_ptr(), nxt.data_ptr(), ggml)
         self.scratch = torch.empty(nqkv + nh * hd + b.hidden + 3 * t.intermediate + 2 * b.hidden)
         self.ids = torch.empty(self.layers, t.top_k, dtype=torch.int64)
         self.weights = torch.empty(self.layers, t.top_k)
@@ -490,6 +519,21 @@ def ggml_ffn(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.
     scratch, y = torch.empty(3 * intermediate), torch.empty(h)
     lib().ggml_ffn(_ptr(x), h, intermediate, _ptr(gate), codes[0], _ptr(up), codes[1], _ptr(down), codes[2],
                    _ptr(scratch), _ptr(y), torch.get_num_threads(), _limit(limit))
+    return y
+
+
+def ggml_gemv_stack(x: torch.Tensor, parts: list[tuple[int, torch.Tensor, int]]) -> torch.Tensor:
+    """x fp32 [K] (contiguous) through up to 3 GGUF matrices of one input, parts (GGML type code, blocks uint8
+    contiguous, rows), as one GEMV → their outputs concatenated, fp32 [Σ rows]: each ggml_matmul's bits (one OpenMP
+    region for all, as a decode step's q|k|v and gate|up run)."""
+    n = len(parts)
+    assert 0 < n <= 3
+    ptrs = (ctypes.c_uint64 * n)(*(_ptr(b) for _, b, _ in parts))
+    types = (ctypes.c_int * n)(*(c for c, _, _ in parts))
+    rows = (ctypes.c_int * n)(*(r for _, _, r in parts))
+    y = torch.empty(sum(r for *_, r in parts))
+    lib().ggml_gemv_stack(_ptr(x), x.numel(), n, ctypes.addressof(ptrs), ctypes.addressof(types),
+                          ctypes.addressof(rows), _ptr(y), torch.get_num_threads())
     return y
 
 

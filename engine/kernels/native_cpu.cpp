@@ -899,6 +899,48 @@ void ggml_mm(int t, const float* x, int M, int K, const uint8_t* w, int N, float
     delete[] xs16;
 }
 
+// ggml_mm of one row of x [K] through up to 3 matrices of one input (parts[i] [rows[i], K] of GGML types types[i]),
+// their outputs concatenated in y: q|k|v, an expert's gate|up. Where every type is a gemv512 one, all their rows are
+// one OpenMP region (one barrier, not one a matrix) over x's sums made once; each row is gemv512_row's on the sums
+// ggml_mm makes, so y holds ggml_mm's bits either way.
+void ggml_gemv_parts(const float* x, int K, int nparts, const uint8_t* const* parts, const int* types,
+                     const int* rows, float* y, int threads) {
+#ifdef KILN_GEMV512
+    bool fused = nparts > 1;
+    for (int i = 0; i < nparts; ++i) fused = fused && gemv512_type(types[i]);
+    if (fused) {
+        float* xs = new float[K / 16];       // as ggml_mm: sums per 16, then in place per 32
+        for (int g = 0; g < K / 16; ++g) {
+            float s = 0.f;
+            for (int i = 0; i < 16; ++i) s += x[16 * g + i];
+            xs[g] = s;
+        }
+        for (int g = 0; g < K / 32; ++g) xs[g] = xs[2 * g] + xs[2 * g + 1];
+        int total = 0;
+        size_t row_bytes[3];
+        for (int i = 0; i < nparts; ++i) {
+            const GgmlType gt = ggml_type(types[i]);
+            row_bytes[i] = (size_t)K / gt.block * gt.size;
+            total += rows[i];
+        }
+#pragma omp parallel for num_threads(threads) schedule(static)
+        for (int n = 0; n < total; ++n) {
+            int i = 0, r = n;
+            while (r >= rows[i]) r -= rows[i++];
+            const uint8_t* row = parts[i] + (size_t)r * row_bytes[i];
+            _mm_prefetch((const char*)row + PREFETCH, _MM_HINT_T0);
+            y[n] = gemv512_row(types[i], row, x, xs, K);
+        }
+        delete[] xs;
+        return;
+    }
+#endif
+    for (int i = 0; i < nparts; ++i) {
+        ggml_mm(types[i], x, 1, K, parts[i], rows[i], y, threads);
+        y += rows[i];
+    }
+}
+
 // h [I] = silu(g)·u, with a limit (glm5_next's swiglu_limit: finite and > 0) g clamped from above and u both ways
 // first, as engine.experts.reference.swiglu; any other limit (0, +inf) is none and takes the plain loop.
 void swiglu(const float* g, const float* u, int I, float limit, float* h) {
@@ -936,23 +978,24 @@ void int4_ffn(const float* x, int H, int I, const uint8_t* gu_packed, const uint
 // x += r (r may be null), then h = x · rsqrt(mean(x²) + eps) · w.
 void add_rms_norm(float* x, const float* r, const float* w, float eps, int H, float* h);
 
-// A one-token MoE half after routing: the k picked experts (records recs[j], router weight w[j], expert ids[j])
-// computed as engine.experts.moe_forward computes one token — each int4_ffn, in ascending expert order,
-// out = y·w (+ y'·w' ...) — then add_rms_norm(x, out, next_w) into h_out. Record offsets: gate|up codes, its
-// scales, down codes, its scales. scratch: 2I + I + H + H floats.
-void moe_tail(const float* h, int k, const int64_t* ids, const uint64_t* recs, const float* w, int H, int I,
-              int64_t gu_off, int64_t gu_sz_off, int64_t d_off, int64_t d_sz_off, int g, float* scratch, float* x,
-              const float* next_w, float eps, float* h_out, int threads, float limit) {
-    float *gu = scratch, *hid = scratch + 2 * I, *y = hid + I, *out = y + H;
+}  // extern "C"
+
+namespace {
+
+// The sum of a one-token MoE half after routing, shared by moe_tail (int4 records) and ggml_moe_tail (a GGUF's
+// ggml: records): the k picks computed in ascending expert order, as engine.experts.moe_forward computes one token
+// — ffn(j, y) puts pick j's expert output in y [H] — out = y·w (+ y'·w' ...), then add_rms_norm(x, out, next_w)
+// into h_out. y, out: H floats each.
+template <class Ffn>
+void moe_picks_norm(int k, const int64_t* ids, const float* w, int H, const Ffn& ffn, float* y, float* out,
+                    float* x, const float* next_w, float eps, float* h_out) {
     bool done[64] = {};
     for (int n = 0; n < k; ++n) {
         int j = -1;                                   // the lowest expert id not yet computed
         for (int t = 0; t < k; ++t)
             if (!done[t] && (j < 0 || ids[t] < ids[j])) j = t;
         done[j] = true;
-        const uint8_t* rec = reinterpret_cast<const uint8_t*>(recs[j]);
-        int4_ffn(h, H, I, rec + gu_off, reinterpret_cast<const uint16_t*>(rec + gu_sz_off), rec + d_off,
-                 reinterpret_cast<const uint16_t*>(rec + d_sz_off), g, gu, hid, y, threads, limit);
+        ffn(j, y);
         const float wj = w[j];
         if (n == 0)
             for (int i = 0; i < H; ++i) out[i] = y[i] * wj;
@@ -960,6 +1003,25 @@ void moe_tail(const float* h, int k, const int64_t* ids, const uint64_t* recs, c
             for (int i = 0; i < H; ++i) out[i] = out[i] + y[i] * wj;
     }
     add_rms_norm(x, out, next_w, eps, H, h_out);
+}
+
+}  // namespace
+
+extern "C" {
+
+// A one-token MoE half after routing: the k picked experts (records recs[j], router weight w[j], expert ids[j])
+// computed as engine.experts.moe_forward computes one token — each int4_ffn, in ascending expert order,
+// out = y·w (+ y'·w' ...) — then add_rms_norm(x, out, next_w) into h_out (moe_picks_norm). Record offsets: gate|up
+// codes, its scales, down codes, its scales. scratch: 2I + I + H + H floats.
+void moe_tail(const float* h, int k, const int64_t* ids, const uint64_t* recs, const float* w, int H, int I,
+              int64_t gu_off, int64_t gu_sz_off, int64_t d_off, int64_t d_sz_off, int g, float* scratch, float* x,
+              const float* next_w, float eps, float* h_out, int threads, float limit) {
+    float *gu = scratch, *hid = scratch + 2 * I, *y = hid + I, *out = y + H;
+    moe_picks_norm(k, ids, w, H, [&](int j, float* yj) {
+        const uint8_t* rec = reinterpret_cast<const uint8_t*>(recs[j]);
+        int4_ffn(h, H, I, rec + gu_off, reinterpret_cast<const uint16_t*>(rec + gu_sz_off), rec + d_off,
+                 reinterpret_cast<const uint16_t*>(rec + d_sz_off), g, gu, hid, yj, threads, limit);
+    }, y, out, x, next_w, eps, h_out);
 }
 
 void add_rms_norm(float* x, const float* r, const float* w, float eps, int H, float* h) {
@@ -1542,11 +1604,22 @@ void router_topk(const float* x, int H, const float* gate, int E, int k, int ren
 // bits); what it saves is a step's ~100 Python calls and their argument marshalling. The picked experts' records
 // come from `records` [L][E] (host addresses, 0: not resident): where a pick is not there, the layer's routing is
 // left in ids/w and its index returned, and the caller makes the records resident and calls again from there.
+// A GGUF served alone (issue 29) takes the same walk on the file's own blocks: a layer whose StepLayer names a
+// StepGgmlAttn runs ggml_attn_block (q|k|v and o each in its own GGML type) for attn_block, and a step whose
+// shape says ggml_tail runs ggml_moe_tail (a record's matrices each in its own type) for moe_tail.
 
 struct StepShape {            // what every layer shares (native.DecodeLayers' _Shape mirrors it)
     int32_t L, H, nqkv, g, window, nh, nkv, hd, rot, max_len, E, k, renorm, I, fg;
     float scale, eps, limit;
     int64_t gu_off, gu_sz_off, d_off, d_sz_off;
+    int32_t ggml_tail;        // 1: the records are ggml: ones (ggml_moe_tail at gate_off, up_off, down_off)
+    int64_t gate_off, up_off, down_off;
+};
+
+struct StepGgmlAttn {         // ggml_attn_block's weights (native.DecodeLayers' _GgmlAttn mirrors it)
+    uint64_t ptrs[3];         // q|k|v as 1..3 consecutive matrices [rows[i], H] of GGML types types[i]
+    int32_t types[3], rows[3], nparts, o_type;
+    const uint8_t* o_w;       // o [H, nh·hd] of GGML type o_type
 };
 
 struct StepLayer {            // one layer's weights and caches (native.DecodeLayers' _Layer mirrors it)
@@ -1559,7 +1632,16 @@ struct StepLayer {            // one layer's weights and caches (native.DecodeLa
     const float* post_w;
     const float* gate;        // router [E, H]
     const float* next_w;      // the next layer's input norm, or the final norm
+    const StepGgmlAttn* ggml; // non-null: the attention's q|k|v and o are these GGUF blocks, not the int4 ones above
 };
+
+void ggml_attn_block(float* x, const float* h, int H, const uint64_t* ptrs, const int* types, const int* rows,
+                     int nparts, const uint8_t* o_w, int o_type, const float* cos, const float* sin, float* kc,
+                     float* vc, int p, int window, int nh, int nkv, int hd, int rot, float scale, float* scores,
+                     const float* post_w, float eps, float* qkv, float* o_buf, float* r, float* h_out, int threads);
+void ggml_moe_tail(const float* h, int k, const int64_t* ids, const uint64_t* recs, const float* w, int H, int I,
+                   int64_t gate_off, int64_t up_off, int64_t down_off, float* scratch, float* x, const float* next_w,
+                   float eps, float* h_out, int threads, float limit);
 
 // x [H] the residual stream (updated in place); h [H]: on entry the input norm of layer `from` (routed 0) or, where
 // the call resumes a layer whose records were missing (routed 1), that layer's post-attention norm, its routing in
@@ -1579,19 +1661,29 @@ int decode_layers(const StepShape* s, const StepLayer* layers, const uint64_t* r
         int64_t* lid = ids + (size_t)l * s->k;
         float* lw = w + (size_t)l * s->k;
         if (!(l == from && routed)) {
-            // attn_block reads h into its GEMV's own copy before it writes h_out: h may be both
-            attn_block(x, h, s->H, ly.qkv_p, ly.qkv_sz, s->nqkv, ly.o_p, ly.o_sz, s->g, cos, sin,
-                       ly.k_cache + slot_rows, ly.v_cache + slot_rows, p, s->window, s->nh, s->nkv, s->hd, s->rot,
-                       s->scale, scores, ly.post_w, s->eps, qkv, o_buf, r, h, threads);
+            // attn_block reads h into its GEMV's own copy before it writes h_out: h may be both (ggml_attn_block
+            // reads h in its q|k|v GEMVs, before it writes h_out)
+            if (const StepGgmlAttn* a = ly.ggml)
+                ggml_attn_block(x, h, s->H, a->ptrs, a->types, a->rows, a->nparts, a->o_w, a->o_type, cos, sin,
+                                ly.k_cache + slot_rows, ly.v_cache + slot_rows, p, s->window, s->nh, s->nkv, s->hd,
+                                s->rot, s->scale, scores, ly.post_w, s->eps, qkv, o_buf, r, h, threads);
+            else
+                attn_block(x, h, s->H, ly.qkv_p, ly.qkv_sz, s->nqkv, ly.o_p, ly.o_sz, s->g, cos, sin,
+                           ly.k_cache + slot_rows, ly.v_cache + slot_rows, p, s->window, s->nh, s->nkv, s->hd, s->rot,
+                           s->scale, scores, ly.post_w, s->eps, qkv, o_buf, r, h, threads);
             router_topk(h, s->H, ly.gate, s->E, s->k, s->renorm, lid, lw);
         }
         for (int j = 0; j < s->k; ++j) {
             recs[j] = records[(size_t)l * s->E + lid[j]];
             if (!recs[j]) return l;
         }
-        // moe_tail reads h in every expert's FFN and writes h_out only at its end: h may be both
-        moe_tail(h, s->k, lid, recs, lw, s->H, s->I, s->gu_off, s->gu_sz_off, s->d_off, s->d_sz_off, s->fg, moe, x,
-                 ly.next_w, s->eps, h, threads, s->limit);
+        // moe_tail (ggml_moe_tail) reads h in every expert's FFN and writes h_out only at its end: h may be both
+        if (s->ggml_tail)
+            ggml_moe_tail(h, s->k, lid, recs, lw, s->H, s->I, s->gate_off, s->up_off, s->down_off, moe, x, ly.next_w,
+                          s->eps, h, threads, s->limit);
+        else
+            moe_tail(h, s->k, lid, recs, lw, s->H, s->I, s->gu_off, s->gu_sz_off, s->d_off, s->d_sz_off, s->fg, moe,
+                     x, ly.next_w, s->eps, h, threads, s->limit);
     }
     return s->L;
 }
@@ -1682,13 +1774,23 @@ void ggml_matmul(int t, const float* x, int M, int K, const uint8_t* w, int N, f
     ggml_mm(t, x, M, K, w, N, y, threads);
 }
 
+// y = x [K] · [W_0; W_1; ...]ᵀ: up to 3 GGUF matrices of one input (ptrs[i] [rows[i], K] of GGML types types[i])
+// as one GEMV (ggml_gemv_parts: the q|k|v and gate|up a decode step runs), each output ggml_matmul's bits.
+void ggml_gemv_stack(const float* x, int K, int nparts, const uint64_t* ptrs, const int* types, const int* rows,
+                     float* y, int threads) {
+    const uint8_t* parts[3];
+    for (int i = 0; i < nparts; ++i) parts[i] = reinterpret_cast<const uint8_t*>(ptrs[i]);
+    ggml_gemv_parts(x, K, nparts, parts, types, rows, y, threads);
+}
+
 // One expert on one token from three GGUF matrices, each in its own type: gate, up [I, H], down [H, I];
 // y [H] = down(silu(gate x) * up x). scratch: 3I floats. limit: swiglu's (0: none).
 void ggml_ffn(const float* x, int H, int I, const uint8_t* gate, int gt, const uint8_t* up, int ut,
               const uint8_t* down, int dt, float* scratch, float* y, int threads, float limit) {
     float *g = scratch, *u = scratch + I, *h = scratch + 2 * I;
-    ggml_mm(gt, x, 1, H, gate, I, g, threads);
-    ggml_mm(ut, x, 1, H, up, I, u, threads);
+    const uint8_t* parts[2] = {gate, up};
+    const int types[2] = {gt, ut}, rows[2] = {I, I};
+    ggml_gemv_parts(x, H, 2, parts, types, rows, g, threads);         // g|u
     swiglu(g, u, I, limit, h);
     ggml_mm(dt, h, 1, I, down, H, y, threads);
 }
@@ -1700,11 +1802,9 @@ void ggml_attn_block(float* x, const float* h, int H, const uint64_t* ptrs, cons
                      int nparts, const uint8_t* o_w, int o_type, const float* cos, const float* sin, float* kc,
                      float* vc, int p, int window, int nh, int nkv, int hd, int rot, float scale, float* scores,
                      const float* post_w, float eps, float* qkv, float* o_buf, float* r, float* h_out, int threads) {
-    float* at = qkv;
-    for (int i = 0; i < nparts; ++i) {
-        ggml_mm(types[i], h, 1, H, reinterpret_cast<const uint8_t*>(ptrs[i]), rows[i], at, threads);
-        at += rows[i];
-    }
+    const uint8_t* parts[3];
+    for (int i = 0; i < nparts; ++i) parts[i] = reinterpret_cast<const uint8_t*>(ptrs[i]);
+    ggml_gemv_parts(h, H, nparts, parts, types, rows, qkv, threads);
     attn_decode(qkv, cos, sin, kc, vc, p, window, nh, nkv, hd, rot, scale, scores, o_buf, threads);
     ggml_mm(o_type, o_buf, 1, nh * hd, o_w, H, r, threads);
     add_rms_norm(x, r, post_w, eps, H, h_out);
@@ -1718,22 +1818,11 @@ void ggml_moe_tail(const float* h, int k, const int64_t* ids, const uint64_t* re
                    int64_t gate_off, int64_t up_off, int64_t down_off, float* scratch, float* x, const float* next_w,
                    float eps, float* h_out, int threads, float limit) {
     float *y = scratch + 3 * I, *out = y + H;
-    bool done[64] = {};
-    for (int n = 0; n < k; ++n) {
-        int j = -1;                                   // the lowest expert id not yet computed
-        for (int t = 0; t < k; ++t)
-            if (!done[t] && (j < 0 || ids[t] < ids[j])) j = t;
-        done[j] = true;
+    moe_picks_norm(k, ids, w, H, [&](int j, float* yj) {
         const uint8_t* rec = reinterpret_cast<const uint8_t*>(recs[j]);
-        ggml_ffn(h, H, I, rec + gate_off, rec[4], rec + up_off, rec[5], rec + down_off, rec[6], scratch, y, threads,
+        ggml_ffn(h, H, I, rec + gate_off, rec[4], rec + up_off, rec[5], rec + down_off, rec[6], scratch, yj, threads,
                  limit);
-        const float wj = w[j];
-        if (n == 0)
-            for (int i = 0; i < H; ++i) out[i] = y[i] * wj;
-        else
-            for (int i = 0; i < H; ++i) out[i] = out[i] + y[i] * wj;
-    }
-    add_rms_norm(x, out, next_w, eps, H, h_out);
+    }, y, out, x, next_w, eps, h_out);
 }
 
 }  // extern "C"

@@ -24,6 +24,7 @@ import torch
 from engine.experts.reference import moe_reference
 from engine.kernels import import_triton
 from engine.kernels.triton_common import GEMV_MAX_PAIRS, limit_arg, sum_picks, table_args
+from engine.quant import ggml
 from engine.quant.records import GGUF_BLOCK, QuantLayout, group_size
 
 # Triton ships with CUDA builds of torch; CPU-only installs use the reference path (and do not import triton at all).
@@ -31,6 +32,11 @@ triton, tl = import_triton()
 
 FMT = {"int8": 0, "int4": 1, "q8_0": 2, "q4_1": 3, "q4_k": 4}
 MIXED_FMT = 5          # a ggml: record: each matrix's GGML type read from the record's header (_ggml_weights)
+TYPED_FMT = 6          # GGUF blocks whose three GGML types the launch names (constexprs): _ggml_sub's sub-blocks
+# Weights per sub-block (one scale and offset each) of every GGML type in _ggml_sub: the K-quants' 16- or 32-weight
+# sub-blocks, the 32-weight types' nibble halves (q4_0 … iq4_nl), 32 for q8_0 and the float types.
+SUB = {"f32": 32, "f16": 32, "bf16": 32, "q8_0": 32, "q4_0": 16, "q4_1": 16, "q5_0": 16, "q5_1": 16, "iq4_nl": 16,
+       "q4_k": 32, "q5_k": 32, "q2_k": 16, "q3_k": 16, "q6_k": 16, "iq4_xs": 16}
 
 
 def available(device: torch.device) -> bool:
@@ -177,6 +183,175 @@ if triton is not None:
             q = (_byte(blk + 8 + 16 * j + rr % 16, m) >> (4 * (rr // 16))) & 15
             w = dl * _iq4_value(q)
         return w
+
+    @triton.jit
+    def _ggml_sub(mat, r64, rmask, m0, IN: tl.constexpr, T: tl.constexpr, R: tl.constexpr, M: tl.constexpr,
+                  S: tl.constexpr):
+        """Sub-blocks m0..m0+M-1 (S weights each, SUB[type]) of rows r64 of a GGUF matrix of GGML type T (a
+        constexpr: one compile per type) at byte pointer `mat`, as (q [R, M, S], s [R, M], z [R, M]) fp32 with
+        W[r, (m0+m)·S + l] = s·q + z — every GGML type is one scale and one offset per sub-block over its codes, so
+        codes load S contiguous bytes a sub-block (vectorised) and scales once a sub-block, not per weight as
+        _ggml_weights gathers them. Rows past rmask and sub-blocks past IN give zeros (s = z = 0)."""
+        mm = m0 + tl.arange(0, M)
+        l = tl.arange(0, S)[None, None, :]
+        m2 = rmask[:, None] & (mm < IN // S)[None, :]
+        m3 = m2[:, :, None]
+        z = tl.zeros([R, M], dtype=tl.float32)
+        if (T == 0) | (T == 1) | (T == 30):        # f32, f16, bf16: q the weight itself, s = 1
+            e = r64[:, None, None] * IN + mm[None, :, None] * S + l
+            if T == 0:
+                q = tl.load(mat.to(tl.pointer_type(tl.float32)) + e, mask=m3, other=0.0)
+            elif T == 1:
+                q = tl.load(mat.to(tl.pointer_type(tl.float16)) + e, mask=m3, other=0.0).to(tl.float32)
+            else:
+                q = tl.load(mat.to(tl.pointer_type(tl.bfloat16)) + e, mask=m3, other=0.0).to(tl.float32)
+            s = m2.to(tl.float32)
+        elif T == 8:      # q8_0 (32, 34): d | 32 int8; one sub-block a block
+            blk = mat + r64[:, None] * (IN // 32 * 34) + (mm * 34)[None, :]
+            s = tl.load(blk.to(tl.pointer_type(tl.float16)), mask=m2, other=0.0).to(tl.float32)
+            q = tl.load((blk + 2)[:, :, None].to(tl.pointer_type(tl.int8)) + l, mask=m3, other=0).to(tl.float32)
+        elif (T == 2) | (T == 3) | (T == 6) | (T == 7) | (T == 20):   # 32-weight blocks of nibbles: 2 sub-blocks
+            SIZE: tl.constexpr = 18 if (T == 2) | (T == 20) else (20 if T == 3 else (22 if T == 6 else 24))
+            QS: tl.constexpr = 2 if (T == 2) | (T == 20) else (4 if T == 3 else (6 if T == 6 else 8))
+            hh = (mm % 2)[None, :]                 # sub-block h: weights 16h.. = the low (h 0) or high nibbles
+            blk = mat + r64[:, None] * (IN // 32 * SIZE) + ((mm // 2) * SIZE)[None, :]
+            d = tl.load(blk.to(tl.pointer_type(tl.float16)), mask=m2, other=0.0).to(tl.float32)
+            b = tl.load((blk + QS)[:, :, None] + l, mask=m3, other=0).to(tl.int32)
+            q = (b >> (4 * hh)[:, :, None]) & 15
+            if (T == 6) | (T == 7):                # the fifth bit: qh (u32) bit 16h + l, byte 2h + l // 8
+                qh = tl.load((blk + (QS - 4) + 2 * hh)[:, :, None] + l // 8, mask=m3, other=0).to(tl.int32)
+                q = q | (((qh >> (l % 8)) & 1) << 4)
+            s = d
+            if T == 2:
+                q = (q - 8).to(tl.float32)
+            elif T == 6:
+                q = (q - 16).to(tl.float32)
+            elif T == 20:
+                q = _iq4_value(q)
+            else:                                  # q4_1, q5_1: + m
+                q = q.to(tl.float32)
+                z = tl.load((blk + 2).to(tl.pointer_type(tl.float16)), mask=m2, other=0.0).to(tl.float32)
+        elif (T == 12) | (T == 13):                # q4_k, q5_k: d | dmin | scales 12 | (qh 32 |) qs 128; 8 of 32
+            SIZE: tl.constexpr = 144 if T == 12 else 176
+            j = (mm % 8)[None, :]
+            blk = mat + r64[:, None] * (IN // 256 * SIZE) + ((mm // 8) * SIZE)[None, :]
+            d = tl.load(blk.to(tl.pointer_type(tl.float16)), mask=m2, other=0.0).to(tl.float32)
+            dmin = tl.load((blk + 2).to(tl.pointer_type(tl.float16)), mask=m2, other=0.0).to(tl.float32)
+            lo4 = j < 4
+            s_j = _byte(blk + 4 + j, m2)
+            s_j4 = _byte(blk + 8 + j, m2)
+            s_jm4 = _byte(blk + 4 + tl.where(lo4, 0, j - 4), m2)
+            sc = tl.where(lo4, s_j & 63, (s_j4 & 15) | ((s_jm4 >> 6) << 4))          # ggml's get_scale_min_k4
+            mn = tl.where(lo4, s_j4 & 63, (s_j4 >> 4) | ((s_j >> 6) << 4))
+            QS: tl.constexpr = 16 if T == 12 else 48
+            b = tl.load((blk + QS + (j // 2) * 32)[:, :, None] + l, mask=m3, other=0).to(tl.int32)
+            q = (b >> ((j % 2) * 4)[:, :, None]) & 15
+            if T == 13:
+                qh = tl.load((blk + 16)[:, :, None] + l, mask=m3, other=0).to(tl.int32)
+                q = q | (((qh >> j[:, :, None]) & 1) << 4)
+            q = q.to(tl.float32)
+            s = d * sc.to(tl.float32)
+            z = -dmin * mn.to(tl.float32)
+        elif T == 14:     # q6_k (256, 210): ql 128 | qh 64 | 16 int8 scales | d; sub-block t of 16: weights 16t..
+            t = (mm % 16)[None, :]
+            blk = mat + r64[:, None] * (IN // 256 * 210) + ((mm // 16) * 210)[None, :]
+            half = t // 8
+            ql = tl.load((blk + half * 64 + (t % 4) * 16)[:, :, None] + l, mask=m3, other=0).to(tl.int32)
+            qh = tl.load((blk + 128 + half * 32 + (t % 2) * 16)[:, :, None] + l, mask=m3, other=0).to(tl.int32)
+            q = ((ql >> (4 * ((t % 8) // 4))[:, :, None]) & 15) | (((qh >> (2 * ((t % 8) // 2))[:, :, None]) & 3) << 4)
+            q = (q - 32).to(tl.float32)
+            d = tl.load((blk + 208).to(tl.pointer_type(tl.float16)), mask=m2, other=0.0).to(tl.float32)
+            s = d * tl.load((blk + 192 + t).to(tl.pointer_type(tl.int8)), mask=m2, other=0).to(tl.float32)
+        elif T == 10:     # q2_k (256, 84): scales 16 | qs 64 | d | dmin; per 16: w = d·(sc & 15)·q − dmin·(sc >> 4)
+            t = (mm % 16)[None, :]
+            blk = mat + r64[:, None] * (IN // 256 * 84) + ((mm // 16) * 84)[None, :]
+            b = tl.load((blk + 16 + (t // 8) * 32 + (t % 2) * 16)[:, :, None] + l, mask=m3, other=0).to(tl.int32)
+            q = ((b >> (2 * ((t % 8) // 2))[:, :, None]) & 3).to(tl.float32)
+            sc = _byte(blk + t, m2)
+            d = tl.load((blk + 80).to(tl.pointer_type(tl.float16)), mask=m2, other=0.0).to(tl.float32)
+            dmin = tl.load((blk + 82).to(tl.pointer_type(tl.float16)), mask=m2, other=0.0).to(tl.float32)
+            s = d * (sc & 15).to(tl.float32)
+            z = -dmin * (sc >> 4).to(tl.float32)
+        elif T == 11:     # q3_k (256, 110): hmask 32 | qs 64 | scales 12 | d; per 16: w = d·sc·(q − 4·!bit)
+            t = (mm % 16)[None, :]
+            blk = mat + r64[:, None] * (IN // 256 * 110) + ((mm // 16) * 110)[None, :]
+            b = tl.load((blk + 32 + (t // 8) * 32 + (t % 2) * 16)[:, :, None] + l, mask=m3, other=0).to(tl.int32)
+            ql = (b >> (2 * ((t % 8) // 2))[:, :, None]) & 3
+            hm = tl.load((blk + (t % 2) * 16)[:, :, None] + l, mask=m3, other=0).to(tl.int32)
+            bit = (hm >> (t // 2)[:, :, None]) & 1
+            q = (ql - 4 * (1 - bit)).to(tl.float32)
+            lo = (_byte(blk + 96 + t % 8, m2) >> (4 * (t // 8))) & 15
+            hi = (_byte(blk + 104 + t % 4, m2) >> (2 * (t // 4))) & 3
+            d = tl.load((blk + 108).to(tl.pointer_type(tl.float16)), mask=m2, other=0.0).to(tl.float32)
+            s = d * ((lo | (hi << 4)) - 32).to(tl.float32)
+        else:             # iq4_xs (23; 256, 136): d | scales_h u16 | scales_l 4 | qs 128 (per 32: 16 bytes, iq4_nl's)
+            t = (mm % 16)[None, :]
+            j = t // 2
+            blk = mat + r64[:, None] * (IN // 256 * 136) + ((mm // 16) * 136)[None, :]
+            b = tl.load((blk + 8 + 16 * j)[:, :, None] + l, mask=m3, other=0).to(tl.int32)
+            q = _iq4_value((b >> (4 * (t % 2))[:, :, None]) & 15)
+            d = tl.load(blk.to(tl.pointer_type(tl.float16)), mask=m2, other=0.0).to(tl.float32)
+            sh = _byte(blk + 2, m2) | (_byte(blk + 3, m2) << 8)
+            ls = (_byte(blk + 4 + j // 2, m2) >> (4 * (j % 2))) & 15
+            hs = (sh >> (2 * j)) & 3
+            s = d * ((ls | (hs << 4)) - 32).to(tl.float32)
+        return q, s, z
+
+    @triton.jit
+    def _ggml_dot(mat, r64, rmask, x_row, k0, IN: tl.constexpr, T: tl.constexpr, S: tl.constexpr, R: tl.constexpr,
+                  CHUNK: tl.constexpr):
+        """Σ_k W[rows, k]·x[k] over k0..k0+CHUNK-1 of a GGUF matrix of type T: per sub-block Σ q·x, then s·that +
+        z·Σ x (each sub-block scaled once, as _group_dot does int4's groups)."""
+        M: tl.constexpr = CHUNK // S
+        q, s, z = _ggml_sub(mat, r64, rmask, k0 // S, IN, T, R, M, S)
+        mm = k0 // S + tl.arange(0, M)
+        xv = tl.load(x_row + mm[:, None] * S + tl.arange(0, S)[None, :], mask=(mm < IN // S)[:, None],
+                     other=0.0).to(tl.float32)
+        dq = tl.sum(q * xv[None, :, :], axis=2)
+        return tl.sum(s * dq + z * tl.sum(xv, axis=1)[None, :], axis=1)
+
+    @triton.jit
+    def _ggml_tile(mat, rows, rmask, k0, IN: tl.constexpr, T: tl.constexpr, S: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr):
+        """fp32 W[rows, k0:k0+BLOCK_K] of a GGUF matrix of type T (BLOCK_K a multiple of S): the grouped GEMM's tile,
+        its sub-blocks by _ggml_sub."""
+        q, s, z = _ggml_sub(mat, rows.to(tl.int64), rmask, k0 // S, IN, T, BLOCK_N, BLOCK_K // S, S)
+        return tl.reshape(q * s[:, :, None] + z[:, :, None], (BLOCK_N, BLOCK_K))
+
+    @triton.jit
+    def _gate_up_gemv_ggml(x_ptr, arena_ptr, slot_ptr, h_ptr, SLOT_OFF, table_ptr, log_ptr, K: tl.constexpr,
+                           H: tl.constexpr, I: tl.constexpr, REC: tl.constexpr, TABLE: tl.constexpr, LOG: tl.constexpr,
+                           GATE: tl.constexpr, UP: tl.constexpr, TG: tl.constexpr, TU: tl.constexpr,
+                           SG: tl.constexpr, SU: tl.constexpr, BLOCK_I: tl.constexpr, CHUNK: tl.constexpr,
+                           LIMIT: tl.constexpr = 0.0):
+        p = tl.program_id(0)
+        rec = record_ptr(arena_ptr, slot_ptr, table_ptr, log_ptr, p, SLOT_OFF, REC, TABLE, LOG)
+        rows = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+        rmask = rows < I
+        r64 = rows.to(tl.int64)
+        x_row = x_ptr + (p // K) * H
+        acc_g = tl.zeros([BLOCK_I], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_I], dtype=tl.float32)
+        for k0 in range(0, H, CHUNK):
+            acc_g += _ggml_dot(rec + GATE, r64, rmask, x_row, k0, H, TG, SG, BLOCK_I, CHUNK)
+            acc_u += _ggml_dot(rec + UP, r64, rmask, x_row, k0, H, TU, SU, BLOCK_I, CHUNK)
+        tl.store(h_ptr + p * I + rows, swiglu(acc_g, acc_u, h_ptr.dtype.element_ty, LIMIT), mask=rmask)
+
+    @triton.jit
+    def _down_gemv_ggml(h_ptr, arena_ptr, slot_ptr, w_ptr, y_ptr, SLOT_OFF, table_ptr, H: tl.constexpr,
+                        I: tl.constexpr, REC: tl.constexpr, TABLE: tl.constexpr, DOWN: tl.constexpr, TD: tl.constexpr,
+                        SD: tl.constexpr, BLOCK_H: tl.constexpr, CHUNK: tl.constexpr):
+        p = tl.program_id(0)
+        rec = record_ptr(arena_ptr, slot_ptr, table_ptr, slot_ptr, p, SLOT_OFF, REC, TABLE, False)
+        rows = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        rmask = rows < H
+        r64 = rows.to(tl.int64)
+        acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+        for k0 in range(0, I, CHUNK):
+            acc += _ggml_dot(rec + DOWN, r64, rmask, h_ptr + p * I, k0, I, TD, SD, BLOCK_H, CHUNK)
+        acc = acc.to(h_ptr.dtype.element_ty).to(tl.float32)
+        w = tl.load(w_ptr + p).to(tl.float32)
+        tl.store(y_ptr + p * H + rows, acc * w, mask=rmask)
 
     @triton.jit
     def _weights(mat, rows, ks, m, OUT: tl.constexpr, IN: tl.constexpr, FMT: tl.constexpr, G: tl.constexpr, T):
@@ -376,7 +551,8 @@ if triton is not None:
     def _gate_up_gemm(x_ptr, arena_ptr, block_slot_ptr, pair_ptr, h_ptr, K: tl.constexpr, H: tl.constexpr,
                       I: tl.constexpr, REC: tl.constexpr, GATE: tl.constexpr, UP: tl.constexpr, FMT: tl.constexpr,
                       G: tl.constexpr, IEEE: tl.constexpr, VEC: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LIMIT: tl.constexpr = 0.0):
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LIMIT: tl.constexpr = 0.0, TG: tl.constexpr = 0,
+                      TU: tl.constexpr = 0, SG: tl.constexpr = 32, SU: tl.constexpr = 32):
         pm = tl.program_id(0)
         rec = arena_ptr + tl.load(block_slot_ptr + pm).to(tl.int64) * REC
         tg, tu, td = _record_types(rec, FMT)
@@ -392,7 +568,10 @@ if triton is not None:
             ks = k0 + tl.arange(0, BLOCK_K)
             kmask = ks < H
             xt = tl.load(x_ptr + toks[:, None] * H + ks[None, :], mask=pmask[:, None] & kmask[None, :], other=0.0)
-            if VEC:
+            if FMT == 6:
+                g = _ggml_tile(rec + GATE, rows, rmask, k0, H, TG, SG, BLOCK_N, BLOCK_K).to(out_ty)
+                u = _ggml_tile(rec + UP, rows, rmask, k0, H, TU, SU, BLOCK_N, BLOCK_K).to(out_ty)
+            elif VEC:
                 g = _weights_tile(rec + GATE, rows, rmask, k0, I, H, FMT, G, BLOCK_N, BLOCK_K).to(out_ty)
                 u = _weights_tile(rec + UP, rows, rmask, k0, I, H, FMT, G, BLOCK_N, BLOCK_K).to(out_ty)
             else:
@@ -412,7 +591,8 @@ if triton is not None:
     @triton.jit
     def _down_gemm(h_ptr, arena_ptr, block_slot_ptr, pair_ptr, w_ptr, y_ptr, H: tl.constexpr, I: tl.constexpr,
                    REC: tl.constexpr, DOWN: tl.constexpr, FMT: tl.constexpr, G: tl.constexpr, IEEE: tl.constexpr,
-                   VEC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                   VEC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   TD: tl.constexpr = 0, SD: tl.constexpr = 32):
         pm = tl.program_id(0)
         rec = arena_ptr + tl.load(block_slot_ptr + pm).to(tl.int64) * REC
         tg, tu, td = _record_types(rec, FMT)
@@ -427,7 +607,9 @@ if triton is not None:
             ks = k0 + tl.arange(0, BLOCK_K)
             kmask = ks < I
             ht = tl.load(h_ptr + prow[:, None] * I + ks[None, :], mask=pmask[:, None] & kmask[None, :], other=0.0)
-            if VEC:
+            if FMT == 6:
+                d = _ggml_tile(rec + DOWN, rows, rmask, k0, I, TD, SD, BLOCK_N, BLOCK_K).to(out_ty)
+            elif VEC:
                 d = _weights_tile(rec + DOWN, rows, rmask, k0, H, I, FMT, G, BLOCK_N, BLOCK_K).to(out_ty)
             else:
                 d = _weights(rec + DOWN, rows, ks, rmask[:, None] & kmask[None, :], H, I, FMT, G, td).to(out_ty)
@@ -451,6 +633,24 @@ def _group(inp: int, layout: QuantLayout) -> int:
     return 1 if layout.mixed else group_size(inp, layout.scheme)
 
 
+def _typed(layout: QuantLayout, types) -> list[tuple[int, int]] | None:
+    """[(GGML code, sub-block width)] of gate, up, down where the launch can name the record's types as constexprs
+    (GGUF blocks and `types` given: one layer's records all have the types its three tensors have), else None."""
+    if types is None or layout.scheme in ("int8", "int4"):
+        return None
+    got = [ggml.ggml_type(t) for t in types]
+    return [(g.code, SUB[g.name]) for g in got]
+
+
+def chunk(inp: int, most: int = 1024) -> int:
+    """Weights per step of the typed GEMVs: the largest power of two up to `most` dividing `inp` (at least 32, every
+    sub-block's multiple: the masks cover a row that is not whole chunks)."""
+    n = 32
+    while n * 2 <= most and inp % (n * 2) == 0:
+        n *= 2
+    return n
+
+
 def span(groups: int, most: int = 64) -> int:
     """Groups per load in the int8/int4 decode GEMVs: the largest power of two up to `most` dividing `groups`."""
     n = 1
@@ -462,11 +662,14 @@ def span(groups: int, most: int = 64) -> int:
 def quant_slot_moe(x: torch.Tensor, arena: torch.Tensor, slots: torch.Tensor, topk_weights: torch.Tensor,
                    layout: QuantLayout, *, block_i: int = 8, block_h: int = 32, slot_offset: int = 0,
                    table: torch.Tensor | None = None, log: torch.Tensor | None = None,
-                   max_span: int = 64, warps: int = 2, limit: float | None = None) -> torch.Tensor:
+                   max_span: int = 64, warps: int = 2, limit: float | None = None, types=None,
+                   most_chunk: int = 1024, typed_warps: int = 4) -> torch.Tensor:
     """Decode: Σ_k w[t,k]·expert(slot_offset + slots[t,k])(x[t]) by the GEMV kernels. x [T,H]; arena
     [S, record_bytes] uint8; slots [T,K]; topk_weights [T,K]. Returns [T,H] in x.dtype. table / log: as
     engine.kernels.triton_moe.slot_moe's (byte offsets here: the arena is bytes). max_span / warps: the int8/int4
-    GEMVs' groups per load (span) and warps a program."""
+    GEMVs' groups per load (span) and warps a program. types: the (gate, up, down) GGML types of every record read
+    (one layer's): GGUF records then go through the typed GEMVs (_ggml_sub: whole sub-blocks, the types compiled
+    in; most_chunk weights a step, typed_warps), else a ggml: record's header names its types per element."""
     t, k = slots.shape
     hdim, idim = layout.hidden, layout.intermediate
     p = t * k
@@ -492,6 +695,17 @@ def quant_slot_moe(x: torch.Tensor, arena: torch.Tensor, slots: torch.Tensor, to
             h, arena, slot_flat, w_flat, y, slot_offset, tab, H=hdim, I=idim, **where,
             DOWN=layout.regions["down"][0], FMT=prm["FMT"], G=gi, BLOCK_H=block_h,
             SPAN=span(idim // gi, max_span), num_warps=warps)
+        return sum_picks(y, t, k, x.dtype)
+    if (typed := _typed(layout, types)) is not None:
+        (tg, sg), (tu, su), (td, sd) = typed
+        _gate_up_gemv_ggml[(p, triton.cdiv(idim, block_i))](
+            x.contiguous(), arena, slot_flat, h, slot_offset, tab, lg, K=k, H=hdim, I=idim, LOG=use_log, **where,
+            GATE=prm["GATE"], UP=prm["UP"], TG=tg, TU=tu, SG=sg, SU=su, BLOCK_I=block_i,
+            CHUNK=chunk(hdim, most_chunk), LIMIT=limit_arg(limit), num_warps=typed_warps)
+        _down_gemv_ggml[(p, triton.cdiv(hdim, block_h))](
+            h, arena, slot_flat, w_flat, y, slot_offset, tab, H=hdim, I=idim, **where,
+            DOWN=layout.regions["down"][0], TD=td, SD=sd, BLOCK_H=block_h, CHUNK=chunk(idim, most_chunk),
+            num_warps=typed_warps)
         return sum_picks(y, t, k, x.dtype)
     _gate_up_gemv[(p, triton.cdiv(idim, block_i))](
         x.contiguous(), arena, slot_flat, h, slot_offset, tab, lg, K=k, H=hdim, I=idim, LOG=use_log, **where,
@@ -547,11 +761,13 @@ GEMM_TILES = {16: (64, 128, 4), 32: (128, 64, 4), 64: (64, 128, 4), 128: (128, 1
 def quant_grouped_moe(x: torch.Tensor, arena: torch.Tensor, slots: torch.Tensor, topk_weights: torch.Tensor,
                       layout: QuantLayout, *, block_m: int | None = None, most_m: int | None = None,
                       block_n: int | None = None, block_k: int | None = None, warps: int | None = None,
-                      stages: int | None = None, vec: bool | None = None, limit: float | None = None) -> torch.Tensor:
+                      stages: int | None = None, vec: bool | None = None, limit: float | None = None,
+                      types=None) -> torch.Tensor:
     """Prefill: the same function as quant_slot_moe by a grouped GEMM over the pairs of each slot. block_m: the
     tile's rows (None: block_m_for the pairs a slot has, up to most_m); block_n / block_k: the weight tile (None:
     GEMM_TILES[block_m], as are warps); vec: int8/int4 weights by _weights_tile (block_k rounded up to a multiple of the scheme's
-    group) rather than per element; the rest: GEMM_DEFAULTS."""
+    group) rather than per element; types: as quant_slot_moe's (GGUF tiles by _ggml_tile, the types compiled in);
+    the rest: GEMM_DEFAULTS."""
     o = {k: v for k, v in dict(most_m=most_m, block_n=block_n, block_k=block_k, warps=warps, stages=stages,
                                vec=vec).items() if v is not None}
     o = {**GEMM_DEFAULTS, **o}
@@ -576,12 +792,17 @@ def quant_grouped_moe(x: torch.Tensor, arena: torch.Tensor, slots: torch.Tensor,
     bk_down = -(-bk // gi) * gi if vec else bk
     launch = dict(IEEE=ieee, VEC=vec, BLOCK_M=bm, BLOCK_N=bn, num_warps=o.get("warps", tile_warps),
                   num_stages=o["stages"])
+    fmt, up_types, down_types = prm["FMT"], {}, {}
+    if (typed := _typed(layout, types)) is not None:      # block_k: a power of two from 32, whole sub-blocks
+        fmt = TYPED_FMT
+        (tg, sg), (tu, su), (td, sd) = typed
+        up_types, down_types = dict(TG=tg, TU=tu, SG=sg, SU=su), dict(TD=td, SD=sd)
     _gate_up_gemm[(nb, triton.cdiv(idim, bn))](
         x.contiguous(), arena, block_slot, pairs, h, K=k, H=hdim, I=idim, REC=rec, GATE=prm["GATE"],
-        UP=prm["UP"], FMT=prm["FMT"], G=gh, BLOCK_K=bk_up, LIMIT=limit_arg(limit), **launch)
+        UP=prm["UP"], FMT=fmt, G=gh, BLOCK_K=bk_up, LIMIT=limit_arg(limit), **up_types, **launch)
     _down_gemm[(nb, triton.cdiv(hdim, bn))](
         h, arena, block_slot, pairs, topk_weights.reshape(-1).contiguous(), y, H=hdim, I=idim, REC=rec,
-        DOWN=layout.regions["down"][0], FMT=prm["FMT"], G=gi, BLOCK_K=bk_down, **launch)
+        DOWN=layout.regions["down"][0], FMT=fmt, G=gi, BLOCK_K=bk_down, **down_types, **launch)
     return y.view(t, k, hdim).sum(dim=1).to(x.dtype)
 
 
@@ -593,15 +814,16 @@ def quant_moe_reference(x, arena, slots, topk_weights, layout: QuantLayout, limi
 
 def quant_moe_from_slots(x, arena, slots, topk_weights, layout: QuantLayout, *, slot_offset: int = 0,
                          table: torch.Tensor | None = None, log: torch.Tensor | None = None,
-                         limit: float | None = None) -> torch.Tensor:
+                         limit: float | None = None, types=None) -> torch.Tensor:
     """The providers' hook: GEMV kernels for few pairs (decode), the grouped GEMM for many (prefill);
     the reference where Triton cannot run. The slots read are slot_offset + slots (or a record table's).
-    limit: the experts' swiglu limit, in every one of them (None: none)."""
+    limit: the experts' swiglu limit, in every one of them (None: none). types: the records' (gate, up, down)
+    GGML types where the caller knows them (one layer's: the provider's record_types), for the typed kernels."""
     if available(x.device) and slots.numel() <= GEMV_MAX_PAIRS:
         return quant_slot_moe(x, arena, slots, topk_weights, layout, slot_offset=slot_offset, table=table, log=log,
-                              limit=limit)
+                              limit=limit, types=types)
     if slot_offset:
         slots = slots + slot_offset
     if not available(x.device):
         return quant_moe_reference(x, arena, slots, topk_weights, layout, limit)
-    return quant_grouped_moe(x, arena, slots, topk_weights, layout, limit=limit)
+    return quant_grouped_moe(x, arena, slots, topk_weights, layout, limit=limit, types=types)

@@ -96,3 +96,30 @@ def n_cpu_moe_for_share(expert_bytes_by_layer: list[int], share: float) -> dict:
     cpu_layers = moe[n - 1] + 1 if n else 0            # --n-cpu-moe counts layers from 0, dense ones included
     return {"n_cpu_moe": cpu_layers, "moe_layers_on_cpu": n, "moe_layers_on_gpu": len(moe) - n,
             "share_of_expert_bytes_on_gpu": round(on_gpu, 4), "target_share": round(share, 4)}
+
+
+def earlier_peer(prior: dict, name: str, layers: int) -> tuple[dict, dict]:
+    """(llama.cpp's figures, its placement) from an earlier bench call's JSON `prior` on the same slice, so a call
+    short of device time spends it on Kiln: the slice is seeded (engine synth seed 0), so the same layer count is
+    the same weights. ValueError where `prior` holds no llama-bench run of a `layers`-layer slice."""
+    shape = (prior.get("checkpoint") or {}).get("layers")
+    if shape != layers or "llama_bench" not in prior.get("llama_cpp", {}):
+        raise ValueError(f"holds no llama-bench run of a {layers}-layer slice (its slice has {shape} layers)")
+    peer = dict(prior["llama_cpp"], reused_from=f"{name} ({prior.get('date')}, {prior.get('commit')})")
+    return peer, prior["placements"]["llama_cpp"]
+
+
+def placements(records: int, peer: dict) -> dict:
+    """Kiln's three placements of `records` beside llama.cpp's share `peer` (n_cpu_moe_for_share's): every record on
+    the GPU, like-for-like (llama.cpp's GPU share, the rest in RAM) and the seed's three tiers scaled."""
+    # at least one slot: a CUDA tiered provider refuses none (engine/tiers/__init__.py); one record more than
+    # llama.cpp's where its share is 0 %, said in the JSON
+    lfl_gpu = max(1, round(peer["share_of_expert_bytes_on_gpu"] * records))
+    return {"llama_cpp": peer,
+            "resident": {"gpu_slots": records, "ram_slots": 0, "records": records},
+            "like_for_like": {"gpu_slots": lfl_gpu, "ram_slots": records - lfl_gpu, "records": records,
+                              "shares": {"gpu": round(lfl_gpu / records, 4), "ram": round(1 - lfl_gpu / records, 4),
+                                         "store": 0.0},
+                              "note": "GPU slots at llama.cpp's share of the expert bytes, at least 1 (a CUDA tiered "
+                                      "provider needs one)"},
+            "three_tier": seed_tiers(records)}

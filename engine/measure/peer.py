@@ -30,9 +30,10 @@ def gguf_tensors(gguf_path: Path) -> dict[str, int]:
 def cuda_paths(gguf_path: Path) -> dict[str, dict[str, int]]:
     """What Kiln's CUDA serving path computes each tensor type of a GGUF with, by the engine's own rules, as
     "TYPE: path" -> {"expert"|"dense": tensors}. Routed experts (*_exps) become ggml records read by
-    engine.kernels.quant_triton's mixed-type kernels (_ggml_weights decodes every type of engine.quant.ggml); a
-    quantized dense matrix is dequantized once at load (engine.gguf_tensors.weight keeps blocks on the CPU only, and
-    logs it); float tensors are used as they are. A type outside engine.quant.ggml shows as NO KERNEL."""
+    engine.kernels.quant_triton's typed kernels (each layer's types compiled in, whole sub-blocks: _ggml_sub); a
+    quantized dense matrix keeps its blocks on the GPU (engine.gguf_tensors.DeviceBlockProjection, computed by
+    engine.kernels.ggml_linear) but the embedding, whose rows are dequantized once at load; float tensors are used as
+    they are. A type outside engine.quant.ggml shows as NO KERNEL."""
     import gguf
     from engine.quant import ggml
     out: dict[str, dict[str, int]] = {}
@@ -41,11 +42,13 @@ def cuda_paths(gguf_path: Path) -> dict[str, dict[str, int]]:
         if ty not in ggml.TYPES:
             path = "NO KERNEL"
         elif expert:
-            path = "triton, quant_triton mixed-type expert kernels"
+            path = "triton, quant_triton typed expert kernels"
         elif ty in ggml.FLOAT_TYPES:
             path = "float, as it is"
+        elif t.name == "token_embd.weight":
+            path = "dequantized at load (embedding rows)"
         else:
-            path = "dequantized at load (logged)"
+            path = "triton, ggml_linear on its blocks"
         role = out.setdefault(f"{ty.upper()}: {path}", {})
         role["expert" if expert else "dense"] = role.get("expert" if expert else "dense", 0) + 1
     return dict(sorted(out.items()))

@@ -366,6 +366,12 @@ class MoEModel(nn.Module):
             self.head, self.rows_from = kept
             self.lm_head = None
             self.embed = w.get("model.embed_tokens.weight") if self.rows_from is None else None
+        elif self.device.type != "cpu" and (gpu_head := gguf_projection(w, ["lm_head"])) is not None \
+                and not isinstance(gpu_head, Projection):
+            # A GGUF's untied output on the GPU: its blocks (engine.gguf_tensors.DeviceBlockProjection: a Q6_K head
+            # reads 6.6 bits a weight a token, not bf16's 16); the embedding's rows as floats.
+            self.head, self.lm_head, self.rows_from = gpu_head, None, None
+            self.embed = w.get("model.embed_tokens.weight")
         else:
             self.embed = w.get("model.embed_tokens.weight")
             head = w.maybe("lm_head.weight")
@@ -469,14 +475,23 @@ class MoEModel(nn.Module):
                                            for layer in self.layers))
         return self._exact_prefill
 
+    def _one_call_halves(self) -> bool:
+        """Every layer's halves are the one-call kinds: its attention an AttnBlock (4-bit blocks) or a GgmlAttnBlock
+        (a GGUF's own blocks), its MoE half a MoETail, or a GgmlTail in every layer (a GGUF's mixed-type records)."""
+        tails = [getattr(layer.mlp, "tail", None) for layer in self.layers]
+        return (self.native_decode and all(t is not None for t in tails)
+                and len({isinstance(t, native.GgmlTail) for t in tails}) == 1
+                and all((layer.attn.block_fits and native.int4_ok()) or layer.attn.ggml_fits for layer in self.layers))
+
     def _decode_layers(self) -> native.DecodeLayers | None:
         """The whole walk of _run_native in one native call (native.DecodeLayers), where every layer's halves are
-        the one-call kinds (exact_prefill: AttnBlock, MoETail), its router a plain softmax top-k (MoE blocks with
-        `renormalize`) and the provider hands out a table of its host records; else None (the walk above).
-        Decided at the first native step."""
+        the one-call kinds (_one_call_halves: the demo's AttnBlock and MoETail, or a GGUF's GgmlAttnBlock and
+        GgmlTail), its router a plain softmax top-k (MoE blocks with `renormalize`) and the provider hands out a
+        table of its host records; else None (the walk above). Decided at the first native step."""
         if self._step_layers is None:
             blocks = [layer.mlp for layer in self.layers]
-            ok = (self.exact_prefill and self.provider.host_record_table(len(self.layers), self.cfg.top_k) is not None
+            ok = (self._one_call_halves()
+                  and self.provider.host_record_table(len(self.layers), self.cfg.top_k) is not None
                   and all(getattr(b, "renormalize", None) is not None and b.layer == i and b.gate.is_contiguous()
                           for i, b in enumerate(blocks))
                   and len({b.renormalize for b in blocks}) == 1)

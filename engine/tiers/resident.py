@@ -22,8 +22,10 @@ class ResidentExperts(ExpertProvider):
     graph_capturable = True          # no host read in forward: a decode step is one graph (never cut)
     host_steps = False               # ... and its launch returns before the GPU has computed it
 
-    def __init__(self, layout: ExpertLayout, arena: torch.Tensor, bases: dict[int, int]):
+    def __init__(self, layout: ExpertLayout, arena: torch.Tensor, bases: dict[int, int],
+                 types: dict[int, tuple] | None = None):
         self.layout, self.arena, self.bases = layout, arena, bases
+        self.types = types or {}      # layer -> its records' (gate, up, down) GGML types: the kernels compile them in
         self.picks = 0
 
     @property
@@ -46,7 +48,8 @@ class ResidentExperts(ExpertProvider):
                 arena[i * e:(i + 1) * e].view(torch.uint8).view(-1).copy_(host)
         finally:
             os.close(fd)
-        return cls(m.layout, arena, {layer: i * e for i, layer in enumerate(m.moe_layers)})
+        return cls(m.layout, arena, {layer: i * e for i, layer in enumerate(m.moe_layers)},
+                   {layer: m.record_types(layer) for layer in m.moe_layers})
 
     @classmethod
     def from_checkpoint(cls, checkpoint, device: torch.device, dtype: torch.dtype | None = None) -> "ResidentExperts":
@@ -58,9 +61,13 @@ class ResidentExperts(ExpertProvider):
         layout, make = record_source(checkpoint, dtype=dtype if quant == "none" else None, order="rows", quant=quant)
         e = checkpoint.n_experts
         arena = torch.empty((len(checkpoint.moe_layers) * e, layout.record_elems), dtype=layout.dtype, device=device)
+        types = {}
         for i, layer in enumerate(checkpoint.moe_layers):
-            arena[i * e:(i + 1) * e].copy_(torch.stack([make(layer, x) for x in range(e)]))
-        return cls(layout, arena, {layer: i * e for i, layer in enumerate(checkpoint.moe_layers)})
+            recs = [make(layer, x) for x in range(e)]
+            if layout.quantized:        # a layer's experts are one GGUF tensor a matrix: one type triple a layer
+                types[layer] = layout.quantized.record_types(recs[0])
+            arena[i * e:(i + 1) * e].copy_(torch.stack(recs))
+        return cls(layout, arena, {layer: i * e for i, layer in enumerate(checkpoint.moe_layers)}, types)
 
     def forward(self, layer, x, topk_ids, topk_weights):
         self.picks += topk_ids.numel()          # a Python int: no device read
@@ -68,7 +75,7 @@ class ResidentExperts(ExpertProvider):
         # the tiered provider's bit for bit). moe_forward's host-side grouping was tried here: 8k prefill fell
         # from 6,575 to 2,729 tok/s on the H200 (bench/results/2026-12-01-h200-served.json), so not that.
         return moe_from_slots(x, self.arena, topk_ids, topk_weights, self.layout, topk_ids, slot_offset=self.bases[layer],
-                              limit=self.swiglu_limit)
+                              limit=self.swiglu_limit, types=self.types.get(layer))
 
     def counters(self) -> dict:
         return {"provider": "resident", "served": {"gpu": self.picks, "ram": 0, "store": 0}, "store_read_bytes": 0,

@@ -352,7 +352,8 @@ class TieredExperts(ExpertProvider):
             place()
         slots = table.slots[:n].view(topk_ids.shape)
         weights = topk_weights * table.mask[:n].view(topk_ids.shape) if lane else topk_weights
-        y = moe_from_slots(x, self.gpu.data, slots, weights, self.layout, topk_ids, limit=self.swiglu_limit)
+        y = moe_from_slots(x, self.gpu.data, slots, weights, self.layout, topk_ids, limit=self.swiglu_limit,
+                           types=self.manifest.record_types(layer))
         if not lane:
             return y
         t = x.shape[0]

@@ -199,7 +199,7 @@ class ZeroCopyDecode:
         row = self.rows[layer]
         return moe_from_slots(x, self.gpu.data, topk_ids, topk_weights, self.layout, topk_ids,
                               slot_offset=row * self.experts, table=self.table, log=self.log[row],
-                              limit=self.p.swiglu_limit)
+                              limit=self.p.swiglu_limit, types=self.p.manifest.record_types(layer))
 
     def before_decode(self) -> None:
         """Before a step's launch: what a prefill moved reaches the table (usually nothing to do)."""

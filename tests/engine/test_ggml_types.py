@@ -161,6 +161,23 @@ def test_native_expert_ffn_on_a_mixed_record(types):
         torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
 
 
+STACKS = [("q5_0", "q8_0"), ("q4_k", "q4_k", "q6_k"), ("q5_1", "q5_k", "q4_0"), ("q8_0", "iq4_nl"), ("q6_k",)]
+
+
+@pytest.mark.skipif(native.lib() is None, reason="no C++ compiler: the native kernels are not built")
+@pytest.mark.parametrize("types", STACKS, ids=["/".join(m) for m in STACKS])
+def test_stacked_matrices_in_one_gemv_give_each_matmuls_bits(types, threads):
+    """A decode step's q|k|v and gate|up: matrices of one input in their own types as one GEMV (one OpenMP region)
+    give, bit for bit, what ggml_matmul gives each alone (the per-matrix GEMVs they replace), whatever the types
+    (IQ4_NL: no one-region kernel, each its own call)."""
+    gen = torch.Generator().manual_seed(9)
+    k = 512
+    parts = [(ggml.ggml_type(t).code, random_blocks(t, rows, k, gen), rows) for t, rows in zip(types, (96, 32, 64))]
+    x = torch.randn(k, generator=gen)
+    want = torch.cat([native.ggml_matmul(c, x.view(1, -1), b, r).view(-1) for c, b, r in parts])
+    assert torch.equal(native.ggml_gemv_stack(x, parts), want)
+
+
 def test_a_record_in_a_wider_layout_and_a_type_too_wide_for_it():
     """A layer whose down is Q4_K in a store sized for Q6_K downs: the record says so in its header."""
     gen = torch.Generator().manual_seed(9)

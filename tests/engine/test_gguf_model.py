@@ -180,3 +180,91 @@ def test_dense_weights_keep_the_files_blocks_and_compute_their_dequantization(qt
     monkeypatch.setattr(GgufModel, "ggml_blocks", lambda self, name: None)      # every tensor as float32
     want = _logits(load_model(path, max_context=64))
     torch.testing.assert_close(got, want, rtol=0, atol=1e-4 * float(want.abs().max()))
+
+
+def _llama_quantize():
+    import os
+    from pathlib import Path
+
+    from tests.fixtures.llama_server import DEFAULT
+    quantize = Path(os.environ.get("KILN_LLAMA_QUANTIZE") or DEFAULT.with_name("llama-quantize"))
+    if not quantize.is_file():
+        why = f"no llama-quantize at {quantize} ($KILN_LLAMA_QUANTIZE); build it with `make llama-cpp`"
+        if os.environ.get("KILN_REQUIRE_LLAMA_CPP") == "1":
+            pytest.fail(why)
+        pytest.skip(why)
+    return quantize
+
+
+@pytest.fixture(scope="module")
+def quantized_mixtral(tiny_checkpoint, tmp_path_factory):
+    """Factory: quantized_mixtral(qtype, hidden) → (a tiny Mixtral made `qtype` by llama.cpp's own llama-quantize,
+    a store packed from it by engine pack-store --model FILE.gguf). Q4_K_M at hidden 320 (no multiple of 256) falls
+    back as the demo's Q4_K_M does: q|k|v in Q5_0 and Q8_0, experts in Q5_0 with Q8_0 downs in some layers; Q5_K_M
+    at hidden 256 keeps K-quants: Q5_K, with Q6_K v and downs in some layers."""
+    import subprocess
+
+    from engine.cli import main
+    quantize = _llama_quantize()
+    cache: dict = {}
+
+    def make(qtype: str, hidden: int):
+        if (qtype, hidden) not in cache:
+            d = tmp_path_factory.mktemp(qtype)
+            f32 = write_gguf(tiny_checkpoint("mixtral", layers=3, hidden=hidden, experts=4), d / "f32.gguf")
+            q = d / f"{qtype}.gguf"
+            r = subprocess.run([str(quantize), str(f32), str(q), qtype], capture_output=True, text=True, timeout=300)
+            assert r.returncode == 0, r.stderr[-2000:]
+            assert main(["pack-store", "-q", "--model", str(q), "--store", str(d / "store"), "--order", "cols"]) == 0
+            cache[qtype, hidden] = q, d / "store"
+        return cache[qtype, hidden]
+    return make
+
+
+FORMS = {"Q5_0 alone": None, "Q4_K_M alone": ("Q4_K_M", 320), "Q5_K_M alone": ("Q5_K_M", 256),
+         "Q4_K_M tiered": ("Q4_K_M", 320), "Q5_K_M tiered": ("Q5_K_M", 256)}
+
+
+@pytest.mark.parametrize("form", list(FORMS))
+def test_a_ggufs_decode_step_in_one_native_call_is_the_layer_walk(form, tiny_gguf, request, threads):
+    """A GGUF served on its own blocks (GgmlAttnBlock's q|k|v and o in their types, GgmlTail's mixed-type records)
+    takes the one-call decode step (native.DecodeLayers) as the demo's int4 path does: the same logits bit for bit as
+    the per-layer walk (two native calls a layer), the same picks served and counted. Tiered (a RAM tier of 3 of
+    12 records) layers' records go missing mid-step: the call comes back, the walk reads them, it resumes."""
+    from engine.kernels import native
+    from tests.engine.test_native_cpu import counts
+    from tests.fixtures.decode import greedy
+    if native.lib() is None:
+        pytest.skip("no C++ compiler: the native kernels are not built")
+    kw = {}
+    if FORMS[form] is None:
+        path = tiny_gguf("mixtral", "Q5_0")[1]
+    else:
+        path, store = request.getfixturevalue("quantized_mixtral")(*FORMS[form])
+        if form.endswith("tiered"):
+            kw = dict(store_dir=store, ram_slots=3)
+    one, walk = (load_model(path, device="cpu", max_context=64, max_batch=1, **kw) for _ in range(2))
+    walk._step_layers = False                    # the per-layer walk: GgmlAttnBlock's call, then GgmlTail's
+    assert all(layer.attn.ggml_fits and isinstance(layer.mlp.tail, native.GgmlTail) for layer in one.layers)
+    if FORMS[form] is not None:                  # llama-quantize mixed the attention's types
+        parts = [getattr(layer.attn.qkv, "parts", [layer.attn.qkv]) for layer in one.layers]
+        assert any(len({p.type.code for p in ps}) > 1 for ps in parts)
+    stops = []
+    orig = native.DecodeLayers.__call__
+    native.DecodeLayers.__call__ = lambda self, *a: stops.append(orig(self, *a)) or stops[-1]
+    try:
+        with torch.inference_mode():
+            (toks, rows), (want, want_rows) = (greedy(m, PROMPT[:7], 12) for m in (one, walk))
+    finally:
+        native.DecodeLayers.__call__ = orig
+        for m in (one, walk):
+            getattr(m.provider, "close", lambda: None)()
+    assert isinstance(one._step_layers, native.DecodeLayers)
+    assert toks == want
+    for a, b in zip(rows, want_rows):
+        assert torch.equal(a, b)
+    assert counts(one.provider.counters()) == counts(walk.provider.counters())
+    layers = len(one.layers)
+    assert stops.count(layers) == 11                  # every decode step finished in it ...
+    if form.endswith("tiered"):
+        assert any(s < layers for s in stops)         # ... some after a layer's records were read mid-step

@@ -1,5 +1,7 @@
 """Prefix reuse for glm5_next (engine.prefix_cache over Glm5Caches' KDA state snapshots) on the tiny random
-checkpoint tests/engine/test_glm5_next.py holds to transformers: a snapshot holds the states of exactly its
+checkpoint in the published flat form (tests/fixtures/tiny_models.make_flat_glm5_next: the parts
+tests/engine/test_glm5_next.py holds to transformers, written without transformers, whose glm5 config class
+differs between versions: the H200's 5.17 refuses the nested form's layer types): a snapshot holds the states of exactly its
 position; chat turns, prompts that branch mid-block, concurrent prompts with one system prompt and evictions give
 the tokens and logprobs the engine gives with the prefix cache off, reusing exactly the tokens the snapshots allow;
 /metrics counts it over real HTTP."""
@@ -49,8 +51,9 @@ def reused(llm: LLM) -> tuple[int, int]:
 
 
 @pytest.fixture(scope="module")
-def ckpt(tiny_checkpoint):
-    return tiny_checkpoint("glm5_next")
+def ckpt(tmp_path_factory):
+    from tests.fixtures.tiny_models import make_flat_glm5_next
+    return make_flat_glm5_next(tmp_path_factory.mktemp("glm5_flat"))
 
 
 @pytest.fixture(scope="module")
