@@ -1238,6 +1238,38 @@ void keys_transposed(const float* k0, size_t row, int j0, int end, int base, flo
     }
 }
 
+// attend_head's softmax and value sum for nq (<= 4) queries whose scores s[i·sn + j] (keys lo..lo+n-1) are made,
+// mx[i] their running maxima by lane: exps (expf16) in place, their sum and acc = acc + w·v in key order → out[i].
+template <int HC>
+void softmax_values(int nq, float* s, size_t sn, const __m512* mx, const float* v0, size_t row, int lo, int n,
+                    float* const* out) {
+    const int blocks = (n + 15) / 16;
+    for (int i = 0; i < nq; ++i) {
+        const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx[i]));
+        for (int b = 0; b < blocks; ++b)
+            _mm512_storeu_ps(s + i * sn + 16 * b, expf16(_mm512_sub_ps(_mm512_loadu_ps(s + i * sn + 16 * b), m)));
+    }
+    __m512 acc[4][HC];
+    float sum[4];
+    for (int i = 0; i < nq; ++i) {
+        sum[i] = 0.f;
+        for (int c = 0; c < HC; ++c) acc[i][c] = _mm512_setzero_ps();
+    }
+    for (int j = 0; j < n; ++j) {
+        const float* vv = v0 + (size_t)(lo + j) * row;
+        __m512 v[HC];
+        for (int c = 0; c < HC; ++c) v[c] = _mm512_loadu_ps(vv + 16 * c);
+        for (int i = 0; i < nq; ++i) {
+            const float w = s[i * sn + j];
+            sum[i] += w;
+            const __m512 wv = _mm512_set1_ps(w);
+            for (int c = 0; c < HC; ++c) acc[i][c] = _mm512_add_ps(acc[i][c], _mm512_mul_ps(wv, v[c]));
+        }
+    }
+    for (int i = 0; i < nq; ++i)
+        for (int c = 0; c < HC; ++c) _mm512_storeu_ps(out[i] + 16 * c, _mm512_div_ps(acc[i][c], _mm512_set1_ps(sum[i])));
+}
+
 // nq (<= 4) query heads q[i] (HC·16 floats) over keys lo..p of their kv head, each as attend_head computes it → out[i].
 // kt: the keys transposed (keys_transposed, column j - base; zero past the last key, so a block may read beyond p);
 // v0: the values' row 0, rows `row` floats apart; s: scratch of 4·(p + 1 - lo + 16) floats.
@@ -1268,30 +1300,39 @@ void attend_keys_in_lanes(const float* const* q, int nq, const float* kt, size_t
             mx[i] = _mm512_mask_max_ps(mx[i], valid, sv, mx[i]);     // a NaN score is passed over, as in attend_head
         }
     }
-    for (int i = 0; i < nq; ++i) {
-        const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx[i]));
-        for (int b = 0; b < blocks; ++b)
-            _mm512_storeu_ps(s + i * sn + 16 * b, expf16(_mm512_sub_ps(_mm512_loadu_ps(s + i * sn + 16 * b), m)));
-    }
-    __m512 acc[4][HC];
-    float sum[4];
-    for (int i = 0; i < nq; ++i) {
-        sum[i] = 0.f;
-        for (int c = 0; c < HC; ++c) acc[i][c] = _mm512_setzero_ps();
-    }
-    for (int j = 0; j < n; ++j) {
-        const float* vv = v0 + (size_t)(lo + j) * row;
-        __m512 v[HC];
-        for (int c = 0; c < HC; ++c) v[c] = _mm512_loadu_ps(vv + 16 * c);
-        for (int i = 0; i < nq; ++i) {
-            const float w = s[i * sn + j];
-            sum[i] += w;
-            const __m512 wv = _mm512_set1_ps(w);
-            for (int c = 0; c < HC; ++c) acc[i][c] = _mm512_add_ps(acc[i][c], _mm512_mul_ps(wv, v[c]));
+    softmax_values<HC>(nq, s, sn, mx, v0, row, lo, n, out);
+}
+
+// One query q over keys lo..p as attend_head computes it, for a decode step (one row: no keys transposed): each key's
+// 16 lane sums made on its own channels, 16 keys' sums transposed so lane l of every key is one vector, then
+// 0 + lane 0 + ... + lane 15 in order, as attend_keys_in_lanes. k0, v0: the kv head's row 0, rows `row` floats
+// apart; s: scratch of p + 1 - lo + 16 floats.
+template <int HC>
+void attend_one_direct(const float* q, const float* k0, const float* v0, size_t row, int lo, int p, float scale,
+                       float* s, float* out) {
+    const int n = p + 1 - lo, blocks = (n + 15) / 16;
+    __m512 qv[HC];
+    for (int c = 0; c < HC; ++c) qv[c] = _mm512_loadu_ps(q + 16 * c);
+    __m512 mx = _mm512_set1_ps(-INFINITY);
+    for (int b = 0; b < blocks; ++b) {
+        const int valid_n = std::min(16, n - 16 * b);
+        __m512 a[16];
+        for (int r = 0; r < 16; ++r) {
+            a[r] = _mm512_setzero_ps();
+            if (r < valid_n) {
+                const float* k = k0 + (size_t)(lo + 16 * b + r) * row;
+                for (int c = 0; c < HC; ++c) a[r] = _mm512_add_ps(a[r], _mm512_mul_ps(qv[c], _mm512_loadu_ps(k + 16 * c)));
+            }
         }
+        transpose16(a);
+        __m512 dot = _mm512_setzero_ps();
+        for (int l = 0; l < 16; ++l) dot = _mm512_add_ps(dot, a[l]);
+        const __m512 sv = _mm512_mul_ps(dot, _mm512_set1_ps(scale));
+        _mm512_storeu_ps(s + 16 * b, sv);
+        mx = _mm512_mask_max_ps(mx, (__mmask16)(valid_n == 16 ? 0xffff : (1u << valid_n) - 1), sv, mx);
     }
-    for (int i = 0; i < nq; ++i)
-        for (int c = 0; c < HC; ++c) _mm512_storeu_ps(out[i] + 16 * c, _mm512_div_ps(acc[i][c], _mm512_set1_ps(sum[i])));
+    float* outs[1] = {out};
+    softmax_values<HC>(1, s, (size_t)blocks * 16, &mx, v0, row, lo, n, outs);
 }
 
 // attn_rows' attention on the fast path: the kv heads' keys transposed once (as many heads a pass as fit 64 MB), then
@@ -1388,11 +1429,81 @@ bool attend_fast_checked() {
     }();
     return ok;
 }
+// 1 where attend_one_direct gives attend_head's bits for head size 16·HC (random rows, as attend_fast_checked).
+template <int HC>
+bool attend_direct_checked() {
+    static const bool ok = [] {
+        constexpr int hd = 16 * HC, nkv = 2, n = 83;
+        const size_t row = (size_t)nkv * hd;
+        uint32_t st = 777u;
+        auto rnd = [&st] { st = st * 1664525u + 1013904223u; return (float)(st >> 8) / 16777216.0f * 2.f - 1.f; };
+        float* kc = new float[n * row];
+        float* vc = new float[n * row];
+        float q[hd], got[hd], want[hd];
+        float* s = new float[n + 16];
+        float* sh = new float[n];
+        for (size_t i = 0; i < n * row; ++i) kc[i] = rnd(), vc[i] = rnd();
+        for (int i = 0; i < hd; ++i) q[i] = rnd() * 4.f;
+        for (int d = 0; d < hd; ++d) kc[7 * row + d] = q[d] * 9.f;        // exps below -88 for the rest
+        bool same = true;
+        for (int lo : {0, 5, 60})
+            for (int p : {lo, lo + 15, lo + 16, n - 1}) {
+                if (p >= n) continue;
+                attend_one_direct<HC>(q, kc, vc, row, lo, p, 0.125f, s, got);
+                attend_head(q, kc + lo * row, vc + lo * row, row, p + 1 - lo, hd, 0.125f, sh, want);
+                same = same && std::memcmp(got, want, sizeof want) == 0;
+            }
+        delete[] kc;
+        delete[] vc;
+        delete[] s;
+        delete[] sh;
+        return same;
+    }();
+    return ok;
+}
 #endif
 
 }  // namespace
 
 extern "C" {
+
+// attn_decode with its heads through attend_one_direct where attn_decode_direct_ok(hd) (the same bits, checked
+// against attend_head at first use), else attend_head: not yet called by the decode step (a candidate for it).
+int attn_decode_direct_ok(int hd) {
+#if defined(__AVX512F__)
+    if (hd == 32) return attend_direct_checked<2>();
+    if (hd == 64) return attend_direct_checked<4>();
+    if (hd == 128) return attend_direct_checked<8>();
+#endif
+    (void)hd;
+    return 0;
+}
+
+void attn_decode_direct(float* qkv, const float* cos, const float* sin, float* kc, float* vc, int p, int window,
+                        int nh, int nkv, int hd, int rot, float scale, float* scores, float* o, int threads) {
+#if defined(__AVX512F__)
+    if (attn_decode_direct_ok(hd)) {
+        rope_kv_write(qkv, cos, sin, kc, vc, p, nh, nkv, hd, rot);
+        const size_t row = (size_t)nkv * hd;
+        const int lo = window > 0 && p + 1 > window ? p + 1 - window : 0;
+        const int n = p + 1 - lo, group = nh / nkv;
+        const size_t stride = (size_t)n + 16;
+        float* s = new float[stride * nh];
+#pragma omp parallel for num_threads(threads) schedule(static) if (n * nh >= 4096)
+        for (int hh = 0; hh < nh; ++hh) {
+            const size_t kv = (size_t)(hh / group) * hd;
+            const float* q = qkv + (size_t)hh * hd;
+            float* out = o + (size_t)hh * hd;
+            if (hd == 32) attend_one_direct<2>(q, kc + kv, vc + kv, row, lo, p, scale, s + hh * stride, out);
+            if (hd == 64) attend_one_direct<4>(q, kc + kv, vc + kv, row, lo, p, scale, s + hh * stride, out);
+            if (hd == 128) attend_one_direct<8>(q, kc + kv, vc + kv, row, lo, p, scale, s + hh * stride, out);
+        }
+        delete[] s;
+        return;
+    }
+#endif
+    attn_decode(qkv, cos, sin, kc, vc, p, window, nh, nkv, hd, rot, scale, scores, o, threads);
+}
 
 // 1 where attn_rows' attention takes the keys-in-lanes path for head size hd (AVX-512, hd 32/64/128, and checked
 // to give attend_head's bits here), else 0 (attend_head itself, row by row).

@@ -242,6 +242,31 @@ def test_attention_on_many_rows_is_each_rows_decode_attention(threads, nh, nkv, 
 
 
 @NATIVE
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("nh,nkv,hd,p,window", [(9, 3, 64, 600, 0), (9, 3, 64, 0, 0), (8, 2, 128, 301, 0),
+                                                (8, 8, 32, 17, 0), (9, 3, 64, 700, 100), (12, 4, 48, 40, 0)])
+def test_the_direct_decode_attention_is_attn_decode(threads, nh, nkv, hd, p, window):
+    """attn_decode_direct (one token's heads through attend_one_direct: no keys transposed) against attn_decode:
+    the same output and KV rows bit for bit, on the fast path where the host has AVX-512 and hd is 32/64/128."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        gen = torch.Generator().manual_seed(p + hd)
+        kc, vc = torch.randn(p + 8, nkv, hd, generator=gen) * 3, torch.randn(p + 8, nkv, hd, generator=gen)
+        qkv = torch.randn((nh + 2 * nkv) * hd, generator=gen) * 2
+        cos, sin = torch.randn(hd, generator=gen), torch.randn(hd, generator=gen)
+        kc2, vc2 = kc.clone(), vc.clone()
+        want = native.attn_decode(qkv.clone(), cos, sin, kc, vc, p, window, nh, nkv, hd, hd ** -0.5,
+                                  torch.empty(nh * (p + 1)))
+        got = native.attn_decode_direct(qkv.clone(), cos, sin, kc2, vc2, p, window, nh, nkv, hd, hd ** -0.5,
+                                        torch.empty(nh * (p + 1)))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(got, want)
+    assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
+    assert bool(native.lib().attn_decode_direct_ok(hd)) == (avx512() and hd in (32, 64, 128))
+
+@NATIVE
 @pytest.mark.skipif(not avx512(), reason="the keys-in-lanes attention is AVX-512 only")
 def test_the_vector_expf_is_glibcs_expf_bit_for_bit():
     """The attention's 16-wide expf (glibc's e_expf.c algorithm) against std::exp on every 97th float bit pattern
