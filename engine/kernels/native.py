@@ -68,11 +68,15 @@ SIGNATURES = {
     "int4_ffn_rows": [_P, _I, _I, _I, _P, _P, _P, _P, _I, _P, _I, _F],
     "moe_sum_rows": [_P, _I, _I, _P, _P, _I, _P, _P, _F, _P],
     "decode_layers": [_P, _P, _P, _I, _I, _P, _P, _I, _I, _P, _P, _P, _P, _P, _P, _I],
+    "moe_rows": [_P, _I, _I, _P, _P, _P, _I, _I, _I, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                 _I, _P, _P, _F, _P, _I, _F],
     "exact_attend_fast": [_I],
+    "attn_decode_direct_ok": [_I],
+    "attn_decode_direct": [_P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _P, _P, _I],
     "exact_expf_mismatches": [ctypes.c_uint32, ctypes.c_uint32, ctypes.c_uint32],
 }
 ROWS = ("q8_gemv_rows", "attn_rows", "add_rms_norm_rows", "attn_block_rows", "router_topk_rows", "int4_ffn_rows",
-        "moe_sum_rows")
+        "moe_sum_rows", "moe_rows")
 MAX_TOP_K = 64        # experts a moe_tail call computes (its bookkeeping array)
 
 
@@ -168,6 +172,7 @@ def load(path: Path) -> ctypes.CDLL:
     so.ggml_supported.restype = _I
     so.decode_layers.restype = _I
     so.exact_attend_fast.restype = _I
+    so.attn_decode_direct_ok.restype = _I
     so.exact_expf_mismatches.restype = ctypes.c_int64
     # The exact prefill's rows calls are few and long (a layer's rows each): they let the GIL go, so the server's
     # other threads (streaming, HTTP) run meanwhile.
@@ -321,6 +326,19 @@ def attn_decode(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kc: tor
     lib().attn_decode(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), kc.data_ptr(), vc.data_ptr(), p, window,
                       num_heads, num_kv_heads, head_dim, cos.numel(), scale, scores.data_ptr(), o.data_ptr(),
                       torch.get_num_threads())
+    return o
+
+
+def attn_decode_direct(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
+                       p: int, window: int, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                       scores: torch.Tensor) -> torch.Tensor:
+    """attn_decode's function and bits, its heads through attend_one_direct (AVX-512, head size 32/64/128, checked
+    against attend_head at first use; else attn_decode itself): ~2x faster at 600-1000 keys. Not yet called by the
+    decode step (AttnBlock, DecodeLayers): a candidate for it that changes no output."""
+    o = torch.empty(num_heads * head_dim)
+    lib().attn_decode_direct(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), kc.data_ptr(), vc.data_ptr(), p, window,
+                             num_heads, num_kv_heads, head_dim, cos.numel(), scale, scores.data_ptr(), o.data_ptr(),
+                             torch.get_num_threads())
     return o
 
 
@@ -608,4 +626,17 @@ def moe_sum_rows(y: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, x: torch.T
     t, k, h = y.shape
     out = torch.empty_like(x)
     lib().released.moe_sum_rows(_ptr(y), t, k, _ptr(ids), _ptr(w), h, _ptr(x), _ptr(next_w), eps, _ptr(out))
+    return out
+
+
+def moe_rows(h: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, records: torch.Tensor, x: torch.Tensor,
+             next_w: torch.Tensor, eps: float, tail: MoETail) -> torch.Tensor:
+    """int4_ffn_rows for each picked expert's rows (ascending expert) and moe_sum_rows, in one call: h fp32 [T, H]
+    the experts' input, ids/w [T, k], records int64 [E] host addresses (every picked expert's resident), x [T, H]
+    += the sum (in place) → rms_norm(x)·next_w [T, H]. The same bits as those calls one by one."""
+    t, k = ids.shape
+    out = torch.empty_like(x)
+    lib().released.moe_rows(_ptr(h), t, k, _ptr(ids), _ptr(w), _ptr(records), records.numel(), tail.hidden,
+                            tail.intermediate, *tail.offsets, tail.group, _ptr(x), _ptr(next_w), eps, _ptr(out),
+                            torch.get_num_threads(), tail.limit)
     return out

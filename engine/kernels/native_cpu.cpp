@@ -15,7 +15,8 @@
 //   and attention over the cache), in the torch forms' operation order where it is elementwise (built with
 //   -ffp-contract=off, so a*b + c*d is not fused into an FMA unless written so).
 // The "exact prefill rows" region: many tokens of one sequence, each row computed by the one-token kernels' own
-//   operations (int4_gemv is int4_gemv_rows with M = 1; attn_decode and attn_rows share rope_kv_write/attend_head).
+//   operations (int4_gemv is int4_gemv_rows with M = 1; attn_decode and attn_rows share rope_kv_write, and attn_rows'
+//   keys-in-lanes attention repeats attend_head's operations in its order, checked against it at first use).
 // The GEMVs and the attention split their work over `threads` OpenMP threads (torch's own libgomp once torch
 // is loaded).
 #include <algorithm>
@@ -23,6 +24,7 @@
 #include <cstdint>
 #include <cstring>
 #include <immintrin.h>
+#include <type_traits>
 
 namespace {
 
@@ -237,25 +239,35 @@ void int4_tile_bf16_rows(const uint32_t* xp, const float* xs, int M, int K, cons
             s[q] = _mm512_castsi512_ps(_mm512_slli_epi32(v[q], 16));
             zs[q] = _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), s[q], _mm512_castsi512_ps(_mm512_and_si512(v[q], hi16)));
         }
-        for (int m = 0; m < M; ++m) {
-            const uint32_t* xm = xp + (size_t)m * (K / 2) + gi * 16;
-            __m512 ga[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+        // R rows at a time share each weight load (independent chains); a row's operations are the same for any R
+        auto rows = [&](int m, auto r_) {
+            constexpr int R = decltype(r_)::value;
+            const uint32_t* xm[R];
+            __m512 ga[R][4];
+            for (int r = 0; r < R; ++r) {
+                xm[r] = xp + (size_t)(m + r) * (K / 2) + gi * 16;
+                for (int q = 0; q < 4; ++q) ga[r][q] = _mm512_setzero_ps();
+            }
             for (int j = 0; j < 16; ++j) {
-                __m512bh xb = (__m512bh)_mm512_set1_epi32((int)xm[j]);
-                ga[0] = _mm512_dpbf16_ps(ga[0], wv[j][0], xb);
-                ga[1] = _mm512_dpbf16_ps(ga[1], wv[j][1], xb);
-                ga[2] = _mm512_dpbf16_ps(ga[2], wv[j][2], xb);
-                ga[3] = _mm512_dpbf16_ps(ga[3], wv[j][3], xb);
+                __m512bh xb[R];
+                for (int r = 0; r < R; ++r) xb[r] = (__m512bh)_mm512_set1_epi32((int)xm[r][j]);
+                for (int q = 0; q < 4; ++q)
+                    for (int r = 0; r < R; ++r) ga[r][q] = _mm512_dpbf16_ps(ga[r][q], wv[j][q], xb[r]);
             }
-            const float xsg = xs[(size_t)m * groups + gi];
-            const __m512 sum = _mm512_set1_ps(xsg);
-            const __m512 off = _mm512_set1_ps(128.0f * xsg);
-            __m512* a = acc + (size_t)m * 4;
-            for (int q = 0; q < 4; ++q) {
-                a[q] = _mm512_fmadd_ps(s[q], _mm512_sub_ps(ga[q], off), a[q]);
-                a[q] = _mm512_fmadd_ps(zs[q], sum, a[q]);
+            for (int r = 0; r < R; ++r) {
+                const float xsg = xs[(size_t)(m + r) * groups + gi];
+                const __m512 sum = _mm512_set1_ps(xsg);
+                const __m512 off = _mm512_set1_ps(128.0f * xsg);
+                __m512* a = acc + (size_t)(m + r) * 4;
+                for (int q = 0; q < 4; ++q) {
+                    a[q] = _mm512_fmadd_ps(s[q], _mm512_sub_ps(ga[r][q], off), a[q]);
+                    a[q] = _mm512_fmadd_ps(zs[q], sum, a[q]);
+                }
             }
-        }
+        };
+        int m = 0;
+        for (; m + 4 <= M; m += 4) rows(m, std::integral_constant<int, 4>{});
+        for (; m < M; ++m) rows(m, std::integral_constant<int, 1>{});
     }
     const __m512i lo_idx = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
     const __m512i hi_idx = _mm512_add_epi32(lo_idx, _mm512_set1_epi32(8));
@@ -268,6 +280,74 @@ void int4_tile_bf16_rows(const uint32_t* xp, const float* xs, int M, int K, cons
         _mm512_storeu_ps(ym + 48, _mm512_permutex2var_ps(a[2], hi_idx, a[3]));
     }
     delete[] acc;
+}
+#endif
+
+#if defined(__AVX512BF16__)
+// int4_tile_bf16 on R <= 4 rows (an expert's few tokens in a prefill): each pair of inputs' weights unpacked into
+// registers once and dotted with every row at once — no unpacked copy of the tile (int4_tile_bf16_rows stores one:
+// 64 vector stores a group, the most of a few rows' time) — each row's operations int4_tile_bf16's, in its order.
+template <int R>
+void int4_tile_bf16_few(const uint32_t* xp, const float* xs, int K, const uint8_t* tile, const uint16_t* sz, int N,
+                        int row0, float* y, size_t ystride) {
+    const __m512i lo16 = _mm512_set1_epi32(0x0000ffff), hi16 = _mm512_set1_epi32((int)0xffff0000u);
+    const __m512i nib = _mm512_set1_epi32(0x000f000f), bias = _mm512_set1_epi32(0x43004300);
+    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+    const int groups = K / 32;
+    prefetch_scales(sz, groups, N, row0);
+    __m512 acc[R][4];
+    for (int r = 0; r < R; ++r)
+        for (int q = 0; q < 4; ++q) acc[r][q] = _mm512_setzero_ps();
+    for (int gi = 0; gi < groups; ++gi) {
+        __m512 ga[R][4];
+        for (int r = 0; r < R; ++r)
+            for (int q = 0; q < 4; ++q) ga[r][q] = _mm512_setzero_ps();
+        const uint8_t* b = tile + (size_t)gi * 32 * 32;
+        for (int j = 0; j < 16; ++j) {
+            if (!(j & 1)) {
+                _mm_prefetch((const char*)b + PREFETCH + 32 * j, _MM_HINT_T0);
+                _mm_prefetch((const char*)b + PREFETCH + 512 + 32 * j, _MM_HINT_T0);
+            }
+            __m512i w1 = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(b + 32 * j)));
+            __m512i w2 = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(b + 32 * (j + 16))));
+            __m512i e = _mm512_ternarylogic_epi32(w1, _mm512_slli_epi32(w2, 16), lo16, 0xec);
+            __m512i o = _mm512_ternarylogic_epi32(_mm512_srli_epi32(w1, 16), w2, hi16, 0xf8);
+            const __m512bh w[4] = {(__m512bh)_mm512_ternarylogic_epi32(e, nib, bias, 0xea),
+                                   (__m512bh)_mm512_ternarylogic_epi32(o, nib, bias, 0xea),
+                                   (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(e, 4), nib, bias, 0xea),
+                                   (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(o, 4), nib, bias, 0xea)};
+            for (int r = 0; r < R; ++r) {
+                const __m512bh xb = (__m512bh)_mm512_set1_epi32((int)xp[(size_t)r * (K / 2) + gi * 16 + j]);
+                for (int q = 0; q < 4; ++q) ga[r][q] = _mm512_dpbf16_ps(ga[r][q], w[q], xb);
+            }
+        }
+        const uint16_t* p = sz + ((size_t)gi * N + row0) * 2;
+        const __m512i v0 = _mm512_loadu_si512((const void*)p), v1 = _mm512_loadu_si512((const void*)(p + 32));
+        const __m512i v2 = _mm512_loadu_si512((const void*)(p + 64)), v3 = _mm512_loadu_si512((const void*)(p + 96));
+        const __m512i v[4] = {_mm512_permutex2var_epi32(v0, even, v1), _mm512_permutex2var_epi32(v0, odd, v1),
+                              _mm512_permutex2var_epi32(v2, even, v3), _mm512_permutex2var_epi32(v2, odd, v3)};
+        for (int r = 0; r < R; ++r) {
+            const float xsg = xs[(size_t)r * groups + gi];
+            const __m512 sum = _mm512_set1_ps(xsg);
+            const __m512 off = _mm512_set1_ps(128.0f * xsg);
+            for (int q = 0; q < 4; ++q) {
+                __m512 sq = _mm512_castsi512_ps(_mm512_slli_epi32(v[q], 16));
+                __m512 z = _mm512_castsi512_ps(_mm512_and_si512(v[q], hi16));
+                acc[r][q] = _mm512_fmadd_ps(sq, _mm512_sub_ps(ga[r][q], off), acc[r][q]);
+                acc[r][q] = _mm512_fmadd_ps(_mm512_fnmadd_ps(_mm512_set1_ps(8.0f), sq, z), sum, acc[r][q]);
+            }
+        }
+    }
+    const __m512i lo_idx = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    const __m512i hi_idx = _mm512_add_epi32(lo_idx, _mm512_set1_epi32(8));
+    for (int r = 0; r < R; ++r) {
+        float* ym = y + (size_t)r * ystride;
+        _mm512_storeu_ps(ym, _mm512_permutex2var_ps(acc[r][0], lo_idx, acc[r][1]));
+        _mm512_storeu_ps(ym + 16, _mm512_permutex2var_ps(acc[r][0], hi_idx, acc[r][1]));
+        _mm512_storeu_ps(ym + 32, _mm512_permutex2var_ps(acc[r][2], lo_idx, acc[r][3]));
+        _mm512_storeu_ps(ym + 48, _mm512_permutex2var_ps(acc[r][2], hi_idx, acc[r][3]));
+    }
 }
 #endif
 
@@ -303,10 +383,14 @@ void int4_gemv_rows(const float* x_in, int M, int K, const uint8_t* packed, cons
                 }
 #pragma omp parallel for num_threads(threads) schedule(static)
         for (int nb = 0; nb < tiles; ++nb) {
+            const uint8_t* tile = packed + (size_t)nb * K * 32;
             if (M == 1)             // a decode step's GEMV
-                int4_tile_bf16(xp, xs, K, packed + (size_t)nb * K * 32, sz, N, nb * 64, y + nb * 64);
+                int4_tile_bf16(xp, xs, K, tile, sz, N, nb * 64, y + nb * 64);
+            else if (M <= 4)        // the same operations for each row, a few rows at once in registers
+                (M == 2 ? int4_tile_bf16_few<2> : M == 3 ? int4_tile_bf16_few<3> : int4_tile_bf16_few<4>)(
+                    xp, xs, K, tile, sz, N, nb * 64, y + nb * 64, N);
             else                    // the same operations for each row, the tile unpacked once for all of them
-                int4_tile_bf16_rows(xp, xs, M, K, packed + (size_t)nb * K * 32, sz, N, nb * 64, y + nb * 64, N);
+                int4_tile_bf16_rows(xp, xs, M, K, tile, sz, N, nb * 64, y + nb * 64, N);
             for (int m = 0; m < M; ++m)
                 for (int r = nb * 64; r < nb * 64 + 64; ++r) y[(size_t)m * N + r] = bf16_round(y[(size_t)m * N + r]);
         }
@@ -1164,6 +1248,38 @@ void keys_transposed(const float* k0, size_t row, int j0, int end, int base, flo
     }
 }
 
+// attend_head's softmax and value sum for nq (<= 4) queries whose scores s[i·sn + j] (keys lo..lo+n-1) are made,
+// mx[i] their running maxima by lane: exps (expf16) in place, their sum and acc = acc + w·v in key order → out[i].
+template <int HC>
+void softmax_values(int nq, float* s, size_t sn, const __m512* mx, const float* v0, size_t row, int lo, int n,
+                    float* const* out) {
+    const int blocks = (n + 15) / 16;
+    for (int i = 0; i < nq; ++i) {
+        const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx[i]));
+        for (int b = 0; b < blocks; ++b)
+            _mm512_storeu_ps(s + i * sn + 16 * b, expf16(_mm512_sub_ps(_mm512_loadu_ps(s + i * sn + 16 * b), m)));
+    }
+    __m512 acc[4][HC];
+    float sum[4];
+    for (int i = 0; i < nq; ++i) {
+        sum[i] = 0.f;
+        for (int c = 0; c < HC; ++c) acc[i][c] = _mm512_setzero_ps();
+    }
+    for (int j = 0; j < n; ++j) {
+        const float* vv = v0 + (size_t)(lo + j) * row;
+        __m512 v[HC];
+        for (int c = 0; c < HC; ++c) v[c] = _mm512_loadu_ps(vv + 16 * c);
+        for (int i = 0; i < nq; ++i) {
+            const float w = s[i * sn + j];
+            sum[i] += w;
+            const __m512 wv = _mm512_set1_ps(w);
+            for (int c = 0; c < HC; ++c) acc[i][c] = _mm512_add_ps(acc[i][c], _mm512_mul_ps(wv, v[c]));
+        }
+    }
+    for (int i = 0; i < nq; ++i)
+        for (int c = 0; c < HC; ++c) _mm512_storeu_ps(out[i] + 16 * c, _mm512_div_ps(acc[i][c], _mm512_set1_ps(sum[i])));
+}
+
 // nq (<= 4) query heads q[i] (HC·16 floats) over keys lo..p of their kv head, each as attend_head computes it → out[i].
 // kt: the keys transposed (keys_transposed, column j - base; zero past the last key, so a block may read beyond p);
 // v0: the values' row 0, rows `row` floats apart; s: scratch of 4·(p + 1 - lo + 16) floats.
@@ -1194,34 +1310,44 @@ void attend_keys_in_lanes(const float* const* q, int nq, const float* kt, size_t
             mx[i] = _mm512_mask_max_ps(mx[i], valid, sv, mx[i]);     // a NaN score is passed over, as in attend_head
         }
     }
-    for (int i = 0; i < nq; ++i) {
-        const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx[i]));
-        for (int b = 0; b < blocks; ++b)
-            _mm512_storeu_ps(s + i * sn + 16 * b, expf16(_mm512_sub_ps(_mm512_loadu_ps(s + i * sn + 16 * b), m)));
-    }
-    __m512 acc[4][HC];
-    float sum[4];
-    for (int i = 0; i < nq; ++i) {
-        sum[i] = 0.f;
-        for (int c = 0; c < HC; ++c) acc[i][c] = _mm512_setzero_ps();
-    }
-    for (int j = 0; j < n; ++j) {
-        const float* vv = v0 + (size_t)(lo + j) * row;
-        __m512 v[HC];
-        for (int c = 0; c < HC; ++c) v[c] = _mm512_loadu_ps(vv + 16 * c);
-        for (int i = 0; i < nq; ++i) {
-            const float w = s[i * sn + j];
-            sum[i] += w;
-            const __m512 wv = _mm512_set1_ps(w);
-            for (int c = 0; c < HC; ++c) acc[i][c] = _mm512_add_ps(acc[i][c], _mm512_mul_ps(wv, v[c]));
-        }
-    }
-    for (int i = 0; i < nq; ++i)
-        for (int c = 0; c < HC; ++c) _mm512_storeu_ps(out[i] + 16 * c, _mm512_div_ps(acc[i][c], _mm512_set1_ps(sum[i])));
+    softmax_values<HC>(nq, s, sn, mx, v0, row, lo, n, out);
 }
 
-// attn_rows' attention on the fast path: per kv head, its keys transposed once, then each row's query heads of that
-// kv head together (they share the keys' loads).
+// One query q over keys lo..p as attend_head computes it, for a decode step (one row: no keys transposed): each key's
+// 16 lane sums made on its own channels, 16 keys' sums transposed so lane l of every key is one vector, then
+// 0 + lane 0 + ... + lane 15 in order, as attend_keys_in_lanes. k0, v0: the kv head's row 0, rows `row` floats
+// apart; s: scratch of p + 1 - lo + 16 floats.
+template <int HC>
+void attend_one_direct(const float* q, const float* k0, const float* v0, size_t row, int lo, int p, float scale,
+                       float* s, float* out) {
+    const int n = p + 1 - lo, blocks = (n + 15) / 16;
+    __m512 qv[HC];
+    for (int c = 0; c < HC; ++c) qv[c] = _mm512_loadu_ps(q + 16 * c);
+    __m512 mx = _mm512_set1_ps(-INFINITY);
+    for (int b = 0; b < blocks; ++b) {
+        const int valid_n = std::min(16, n - 16 * b);
+        __m512 a[16];
+        for (int r = 0; r < 16; ++r) {
+            a[r] = _mm512_setzero_ps();
+            if (r < valid_n) {
+                const float* k = k0 + (size_t)(lo + 16 * b + r) * row;
+                for (int c = 0; c < HC; ++c) a[r] = _mm512_add_ps(a[r], _mm512_mul_ps(qv[c], _mm512_loadu_ps(k + 16 * c)));
+            }
+        }
+        transpose16(a);
+        __m512 dot = _mm512_setzero_ps();
+        for (int l = 0; l < 16; ++l) dot = _mm512_add_ps(dot, a[l]);
+        const __m512 sv = _mm512_mul_ps(dot, _mm512_set1_ps(scale));
+        _mm512_storeu_ps(s + 16 * b, sv);
+        mx = _mm512_mask_max_ps(mx, (__mmask16)(valid_n == 16 ? 0xffff : (1u << valid_n) - 1), sv, mx);
+    }
+    float* outs[1] = {out};
+    softmax_values<HC>(1, s, (size_t)blocks * 16, &mx, v0, row, lo, n, outs);
+}
+
+// attn_rows' attention on the fast path: the kv heads' keys transposed once (as many heads a pass as fit 64 MB), then
+// each (kv head, row) item attends with that row's query heads of the kv head together (they share the keys' loads).
+// Two barriers a pass: on a loaded host a thread waiting at one waits for the slowest.
 template <int HC>
 void attend_rows_fast(const float* qkv, const float* kc, const float* vc, int start, int T, int window, int nh,
                       int nkv, float scale, float* o, int threads) {
@@ -1229,29 +1355,38 @@ void attend_rows_fast(const float* qkv, const float* kc, const float* vc, int st
     const size_t nqkv = (size_t)(nh + 2 * nkv) * hd, row = (size_t)nkv * hd;
     const int end = start + T, group = nh / nkv;
     const int base = window > 0 && start + 1 > window ? start + 1 - window : 0;      // the first row's lo
-    const size_t ldk = (size_t)((end - base + 15) / 16) * 16 + 16;
-    float* kt = new float[(size_t)hd * ldk];
-    std::memset(kt, 0, sizeof(float) * hd * ldk);
+    const int blocks = (end - base + 15) / 16;
+    const size_t ldk = (size_t)blocks * 16 + 16, head_floats = (size_t)hd * ldk;
+    const int per_pass = (int)std::max<size_t>(1, std::min<size_t>(nkv, ((size_t)64 << 20) / (4 * head_floats)));
+    float* kt = new float[head_floats * per_pass];
 #pragma omp parallel num_threads(threads)
     {
         float* s = new float[4 * ((size_t)(end - base) + 16)];
-        for (int g = 0; g < nkv; ++g) {
-            const float* k0 = kc + (size_t)g * hd;
+        for (int g0 = 0; g0 < nkv; g0 += per_pass) {
+            const int heads = std::min(per_pass, nkv - g0);
 #pragma omp for schedule(static)
-            for (int j0 = base; j0 < end; j0 += 16) keys_transposed<HC>(k0, row, j0, end, base, kt, ldk);
+            for (int i = 0; i < heads * blocks; ++i) {
+                const int g = i / blocks, j0 = base + 16 * (i % blocks);
+                float* ktg = kt + (size_t)g * head_floats;
+                keys_transposed<HC>(kc + (size_t)(g0 + g) * hd, row, j0, end, base, ktg, ldk);
+                if (j0 + 16 >= end)      // the padding a last block may read past
+                    for (int d = 0; d < hd; ++d) std::memset(ktg + (size_t)d * ldk + blocks * 16, 0, 16 * sizeof(float));
+            }
 #pragma omp for schedule(dynamic, 1)          // later rows attend over more keys
-            for (int t = 0; t < T; ++t) {
+            for (int i = 0; i < heads * T; ++i) {
+                const int g = g0 + i / T, t = i % T;
                 const int p = start + t, lo = window > 0 && p + 1 > window ? p + 1 - window : 0;
                 for (int h0 = 0; h0 < group; h0 += 4) {
                     const int nq = std::min(4, group - h0);
                     const float* q[4];
                     float* out[4];
-                    for (int i = 0; i < nq; ++i) {
-                        const int hh = g * group + h0 + i;
-                        q[i] = qkv + t * nqkv + (size_t)hh * hd;
-                        out[i] = o + (size_t)t * nh * hd + (size_t)hh * hd;
+                    for (int k = 0; k < nq; ++k) {
+                        const int hh = g * group + h0 + k;
+                        q[k] = qkv + t * nqkv + (size_t)hh * hd;
+                        out[k] = o + (size_t)t * nh * hd + (size_t)hh * hd;
                     }
-                    attend_keys_in_lanes<HC>(q, nq, kt, ldk, base, vc + (size_t)g * hd, row, lo, p, scale, s, out);
+                    attend_keys_in_lanes<HC>(q, nq, kt + (size_t)(g - g0) * head_floats, ldk, base,
+                                             vc + (size_t)g * hd, row, lo, p, scale, s, out);
                 }
             }
         }
@@ -1304,11 +1439,81 @@ bool attend_fast_checked() {
     }();
     return ok;
 }
+// 1 where attend_one_direct gives attend_head's bits for head size 16·HC (random rows, as attend_fast_checked).
+template <int HC>
+bool attend_direct_checked() {
+    static const bool ok = [] {
+        constexpr int hd = 16 * HC, nkv = 2, n = 83;
+        const size_t row = (size_t)nkv * hd;
+        uint32_t st = 777u;
+        auto rnd = [&st] { st = st * 1664525u + 1013904223u; return (float)(st >> 8) / 16777216.0f * 2.f - 1.f; };
+        float* kc = new float[n * row];
+        float* vc = new float[n * row];
+        float q[hd], got[hd], want[hd];
+        float* s = new float[n + 16];
+        float* sh = new float[n];
+        for (size_t i = 0; i < n * row; ++i) kc[i] = rnd(), vc[i] = rnd();
+        for (int i = 0; i < hd; ++i) q[i] = rnd() * 4.f;
+        for (int d = 0; d < hd; ++d) kc[7 * row + d] = q[d] * 9.f;        // exps below -88 for the rest
+        bool same = true;
+        for (int lo : {0, 5, 60})
+            for (int p : {lo, lo + 15, lo + 16, n - 1}) {
+                if (p >= n) continue;
+                attend_one_direct<HC>(q, kc, vc, row, lo, p, 0.125f, s, got);
+                attend_head(q, kc + lo * row, vc + lo * row, row, p + 1 - lo, hd, 0.125f, sh, want);
+                same = same && std::memcmp(got, want, sizeof want) == 0;
+            }
+        delete[] kc;
+        delete[] vc;
+        delete[] s;
+        delete[] sh;
+        return same;
+    }();
+    return ok;
+}
 #endif
 
 }  // namespace
 
 extern "C" {
+
+// attn_decode with its heads through attend_one_direct where attn_decode_direct_ok(hd) (the same bits, checked
+// against attend_head at first use), else attend_head: not yet called by the decode step (a candidate for it).
+int attn_decode_direct_ok(int hd) {
+#if defined(__AVX512F__)
+    if (hd == 32) return attend_direct_checked<2>();
+    if (hd == 64) return attend_direct_checked<4>();
+    if (hd == 128) return attend_direct_checked<8>();
+#endif
+    (void)hd;
+    return 0;
+}
+
+void attn_decode_direct(float* qkv, const float* cos, const float* sin, float* kc, float* vc, int p, int window,
+                        int nh, int nkv, int hd, int rot, float scale, float* scores, float* o, int threads) {
+#if defined(__AVX512F__)
+    if (attn_decode_direct_ok(hd)) {
+        rope_kv_write(qkv, cos, sin, kc, vc, p, nh, nkv, hd, rot);
+        const size_t row = (size_t)nkv * hd;
+        const int lo = window > 0 && p + 1 > window ? p + 1 - window : 0;
+        const int n = p + 1 - lo, group = nh / nkv;
+        const size_t stride = (size_t)n + 16;
+        float* s = new float[stride * nh];
+#pragma omp parallel for num_threads(threads) schedule(static) if (n * nh >= 4096)
+        for (int hh = 0; hh < nh; ++hh) {
+            const size_t kv = (size_t)(hh / group) * hd;
+            const float* q = qkv + (size_t)hh * hd;
+            float* out = o + (size_t)hh * hd;
+            if (hd == 32) attend_one_direct<2>(q, kc + kv, vc + kv, row, lo, p, scale, s + hh * stride, out);
+            if (hd == 64) attend_one_direct<4>(q, kc + kv, vc + kv, row, lo, p, scale, s + hh * stride, out);
+            if (hd == 128) attend_one_direct<8>(q, kc + kv, vc + kv, row, lo, p, scale, s + hh * stride, out);
+        }
+        delete[] s;
+        return;
+    }
+#endif
+    attn_decode(qkv, cos, sin, kc, vc, p, window, nh, nkv, hd, rot, scale, scores, o, threads);
+}
 
 // 1 where attn_rows' attention takes the keys-in-lanes path for head size hd (AVX-512, hd 32/64/128, and checked
 // to give attend_head's bits here), else 0 (attend_head itself, row by row).
@@ -1445,6 +1650,36 @@ void moe_sum_rows(const float* y, int T, int k, const int64_t* ids, const float*
         add_rms_norm(x + (size_t)t * H, out, next_w, eps, H, h_out + (size_t)t * H);
     }
     delete[] out;
+}
+
+// MixtralBlock.native_rows' experts and sum in one call, where every picked expert's record is resident: T rows
+// routed (ids, w [T, k]), rec[e] the host address of expert e's record; each expert's rows (ascending expert, its
+// picks in row order) through int4_ffn_rows, then moe_sum_rows → x [T, H] updated, h_out [T, H]. The same calls
+// the Python loop made, without its per-expert gathers and scatters.
+void moe_rows(const float* h, int T, int k, const int64_t* ids, const float* w, const uint64_t* rec, int E, int H,
+              int I, int64_t gu_off, int64_t gu_sz_off, int64_t d_off, int64_t d_sz_off, int g, float* x,
+              const float* next_w, float eps, float* h_out, int threads, float limit) {
+    const size_t n = (size_t)T * k;
+    float* y = new float[n * H];
+    float* xr = new float[n * H];
+    float* yr = new float[n * H];
+    int* picks = new int[n];
+    for (int e = 0; e < E; ++e) {
+        int m = 0;
+        for (size_t i = 0; i < n; ++i)
+            if (ids[i] == e) picks[m++] = (int)i;
+        if (!m) continue;
+        for (int r = 0; r < m; ++r) std::memcpy(xr + (size_t)r * H, h + (size_t)(picks[r] / k) * H, sizeof(float) * H);
+        const uint8_t* b = (const uint8_t*)rec[e];
+        int4_ffn_rows(xr, m, H, I, b + gu_off, (const uint16_t*)(b + gu_sz_off), b + d_off, (const uint16_t*)(b + d_sz_off),
+                      g, yr, threads, limit);
+        for (int r = 0; r < m; ++r) std::memcpy(y + (size_t)picks[r] * H, yr + (size_t)r * H, sizeof(float) * H);
+    }
+    moe_sum_rows(y, T, k, ids, w, H, x, next_w, eps, h_out);
+    delete[] y;
+    delete[] xr;
+    delete[] yr;
+    delete[] picks;
 }
 
 // ================================================================ end of exact prefill rows

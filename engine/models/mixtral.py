@@ -17,6 +17,7 @@ class MixtralBlock(RoutedBlock):
     def __init__(self, model: MoEModel, w: WeightSource, layer: int):
         super().__init__()
         self.layer, self.provider, self.top_k = layer, model.provider, model.cfg.top_k
+        self.layers = model.cfg.num_layers             # host_record_table's shape (native_rows)
         self.gate = w.get(f"model.layers.{layer}.block_sparse_moe.gate.weight")
         self.native = model.native_decode and self.gate.dtype == torch.float32 and self.gate.shape[0] <= 1024
         self.tail = native_tail(model, self.provider) if self.native else None
@@ -40,6 +41,14 @@ class MixtralBlock(RoutedBlock):
         summed as native_step computes one token, an expert's tokens in one call; None where the provider computes
         the experts (nothing changed then)."""
         ids, w = native.router_topk_rows(h, self.gate, self.top_k, True)
+        experts = torch.unique(ids).tolist()
+        table = self.provider.host_record_table(self.layers, self.top_k)
+        if table is not None and all(a for a in table[self.layer, experts].tolist()):
+            # every pick resident: one native call, then booked in the loop's order (as DecodeLayers books a step)
+            out = native.moe_rows(h, ids, w, table[self.layer], x, next_norm, eps, self.tail)
+            for e in experts:
+                self.provider.host_records(self.layer, [e])
+            return out
         t, k = ids.shape
         y = torch.empty(t * k, h.shape[1])
         flat = ids.view(-1)

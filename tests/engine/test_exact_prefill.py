@@ -88,6 +88,30 @@ def test_prefill_chunked_prefill_and_decode_give_the_same_bits(model):
 
 
 @NATIVE
+def test_a_layers_experts_in_one_native_call_are_its_per_expert_loop(model):
+    """MixtralBlock.native_rows' one call for every picked expert (native.moe_rows, where all are resident) against
+    its per-expert loop (taken where a record is not resident, forced here): the same keys, values and logits bit
+    for bit, and the one call taken in every layer."""
+    n = 40
+    toks = tokens(6, n)
+    calls, orig = [], native.moe_rows
+    native.moe_rows = lambda *a: calls.append(1) or orig(*a)
+    try:
+        with torch.inference_mode():
+            one, kv_one = model.prefill(toks, 0, all_logits=True), kv(model, 0, n)
+    finally:
+        native.moe_rows = orig
+    assert len(calls) == len(model.layers)
+    model.provider.host_record_table = lambda *a: None          # as if a record were not resident
+    try:
+        with torch.inference_mode():
+            loop, kv_loop = model.prefill(toks, 1, all_logits=True), kv(model, 1, n)
+    finally:
+        del model.provider.host_record_table
+    assert torch.equal(one, loop)
+    assert all(torch.equal(a, b) for a, b in zip(kv_one, kv_loop))
+
+@NATIVE
 def test_a_decode_step_in_one_native_call_is_the_layer_walk(demo_shaped, threads):
     """native.DecodeLayers (a one-token step's layers in one call) against the per-layer walk it replaces
     (MoEModel._run_native's loop): the same logits bit for bit, and the provider serves and counts the same picks
@@ -151,8 +175,9 @@ def test_the_rows_kernels_are_the_one_row_kernels_row_by_row(threads):
         rec = lay.pack(*(torch.randn(s, generator=gen) * 0.05 for s in ((1536, 576), (1536, 576), (576, 1536))))
         x = torch.randn(m, 576, generator=gen)
         tail = native.MoETail(lay.regions, 576, 1536, 32, 1)
-        many = native.int4_ffn_rows(x, rec.data_ptr(), tail)
-        assert torch.equal(many, torch.stack([native.int4_ffn(x[i].contiguous(), rec, lay.regions, 32) for i in range(m)]))
+        ones = torch.stack([native.int4_ffn(x[i].contiguous(), rec, lay.regions, 32) for i in range(m)])
+        for rows in (2, 3, 4, 5, m):     # 2-4 rows: the tiles in registers (int4_tile_bf16_few); more: unpacked once
+            assert torch.equal(native.int4_ffn_rows(x[:rows].contiguous(), rec.data_ptr(), tail), ones[:rows])
 
         q = torch.randint(-127, 128, (70, 576), generator=gen, dtype=torch.int8)
         d = torch.rand(70, 576 // 32, generator=gen) * 0.01
@@ -215,6 +240,31 @@ def test_attention_on_many_rows_is_each_rows_decode_attention(threads, nh, nkv, 
     assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
     assert native.exact_attend_fast(hd) == (avx512() and hd in (32, 64, 128))
 
+
+@NATIVE
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("nh,nkv,hd,p,window", [(9, 3, 64, 600, 0), (9, 3, 64, 0, 0), (8, 2, 128, 301, 0),
+                                                (8, 8, 32, 17, 0), (9, 3, 64, 700, 100), (12, 4, 48, 40, 0)])
+def test_the_direct_decode_attention_is_attn_decode(threads, nh, nkv, hd, p, window):
+    """attn_decode_direct (one token's heads through attend_one_direct: no keys transposed) against attn_decode:
+    the same output and KV rows bit for bit, on the fast path where the host has AVX-512 and hd is 32/64/128."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        gen = torch.Generator().manual_seed(p + hd)
+        kc, vc = torch.randn(p + 8, nkv, hd, generator=gen) * 3, torch.randn(p + 8, nkv, hd, generator=gen)
+        qkv = torch.randn((nh + 2 * nkv) * hd, generator=gen) * 2
+        cos, sin = torch.randn(hd, generator=gen), torch.randn(hd, generator=gen)
+        kc2, vc2 = kc.clone(), vc.clone()
+        want = native.attn_decode(qkv.clone(), cos, sin, kc, vc, p, window, nh, nkv, hd, hd ** -0.5,
+                                  torch.empty(nh * (p + 1)))
+        got = native.attn_decode_direct(qkv.clone(), cos, sin, kc2, vc2, p, window, nh, nkv, hd, hd ** -0.5,
+                                        torch.empty(nh * (p + 1)))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(got, want)
+    assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
+    assert bool(native.lib().attn_decode_direct_ok(hd)) == (avx512() and hd in (32, 64, 128))
 
 @NATIVE
 @pytest.mark.skipif(not avx512(), reason="the keys-in-lanes attention is AVX-512 only")
