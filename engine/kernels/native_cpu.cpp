@@ -1121,14 +1121,17 @@ void attn_decode(float* qkv, const float* cos, const float* sin, float* kc, floa
     }
 }
 
-// A decode layer's attention half on one token: h [H] → q|k|v (int4pack [nqkv, H]) → attn_decode → o (int4pack
+void attn_decode_direct(float* qkv, const float* cos, const float* sin, float* kc, float* vc, int p, int window,
+                        int nh, int nkv, int hd, int rot, float scale, float* scores, float* o, int threads);
+
+// A decode layer's attention half on one token: h [H] → q|k|v (int4pack [nqkv, H]) → attn_decode(_direct) → o (int4pack
 // [H, nh·hd]) → x += o, h_out = rms_norm(x)·post_w. qkv, o_buf, r: scratch of nqkv, nh·hd and H floats.
 void attn_block(float* x, const float* h, int H, const uint8_t* qkv_p, const uint16_t* qkv_sz, int nqkv,
                 const uint8_t* o_p, const uint16_t* o_sz, int g, const float* cos, const float* sin, float* kc,
                 float* vc, int p, int window, int nh, int nkv, int hd, int rot, float scale, float* scores,
                 const float* post_w, float eps, float* qkv, float* o_buf, float* r, float* h_out, int threads) {
     int4_gemv(h, H, qkv_p, qkv_sz, nqkv, g, qkv, threads);
-    attn_decode(qkv, cos, sin, kc, vc, p, window, nh, nkv, hd, rot, scale, scores, o_buf, threads);
+    attn_decode_direct(qkv, cos, sin, kc, vc, p, window, nh, nkv, hd, rot, scale, scores, o_buf, threads);
     int4_gemv(o_buf, nh * hd, o_p, o_sz, H, g, r, threads);
     add_rms_norm(x, r, post_w, eps, H, h_out);
 }
@@ -1478,7 +1481,7 @@ bool attend_direct_checked() {
 extern "C" {
 
 // attn_decode with its heads through attend_one_direct where attn_decode_direct_ok(hd) (the same bits, checked
-// against attend_head at first use), else attend_head: not yet called by the decode step (a candidate for it).
+// against attend_head at first use), else attend_head: the decode step's attention (attn_block, ggml_attn_block).
 int attn_decode_direct_ok(int hd) {
 #if defined(__AVX512F__)
     if (hd == 32) return attend_direct_checked<2>();
@@ -1926,7 +1929,7 @@ void ggml_attn_block(float* x, const float* h, int H, const uint64_t* ptrs, cons
     const uint8_t* parts[3];
     for (int i = 0; i < nparts; ++i) parts[i] = reinterpret_cast<const uint8_t*>(ptrs[i]);
     ggml_gemv_parts(h, H, nparts, parts, types, rows, qkv, threads);
-    attn_decode(qkv, cos, sin, kc, vc, p, window, nh, nkv, hd, rot, scale, scores, o_buf, threads);
+    attn_decode_direct(qkv, cos, sin, kc, vc, p, window, nh, nkv, hd, rot, scale, scores, o_buf, threads);
     ggml_mm(o_type, o_buf, 1, nh * hd, o_w, H, r, threads);
     add_rms_norm(x, r, post_w, eps, H, h_out);
 }
