@@ -143,16 +143,45 @@ void int4_tile(const float* x, const float* xs, int K, int g, const uint8_t* til
 
 
 #if defined(__AVX512BF16__)
+// One input pair j of a 32 x 32 int4 group at b: its 32 rows' weights as the bf16 of 128 + q, in the pair order
+// the bf16 kernels dot (rows 0,2..30 | 1,3..31 | 32,34..62 | 33,35..63); shared by int4_tile_bf16 and its row
+// forms, which must keep one order of operations (the same bits whatever the rows).
+static inline __attribute__((always_inline)) void unpack_pair_bf16(const uint8_t* b, int j, __m512bh w[4]) {
+    const __m512i lo16 = _mm512_set1_epi32(0x0000ffff), hi16 = _mm512_set1_epi32((int)0xffff0000u);
+    const __m512i nib = _mm512_set1_epi32(0x000f000f), bias = _mm512_set1_epi32(0x43004300);
+    __m512i w1 = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(b + 32 * j)));
+    __m512i w2 = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(b + 32 * (j + 16))));
+    __m512i e = _mm512_ternarylogic_epi32(w1, _mm512_slli_epi32(w2, 16), lo16, 0xec);   // (A & C) | B
+    __m512i o = _mm512_ternarylogic_epi32(_mm512_srli_epi32(w1, 16), w2, hi16, 0xf8);   // A | (B & C)
+    w[0] = (__m512bh)_mm512_ternarylogic_epi32(e, nib, bias, 0xea);
+    w[1] = (__m512bh)_mm512_ternarylogic_epi32(o, nib, bias, 0xea);
+    w[2] = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(e, 4), nib, bias, 0xea);
+    w[3] = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(o, 4), nib, bias, 0xea);
+}
+
+// Group gi's (s, z) of 64 rows from row0, one 32-bit lane a row, in unpack_pair_bf16's row order.
+static inline __attribute__((always_inline)) void group_scales(const uint16_t* sz, int gi, int N, int row0,
+                                                               __m512i v[4]) {
+    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+    const uint16_t* p = sz + ((size_t)gi * N + row0) * 2;
+    const __m512i v0 = _mm512_loadu_si512((const void*)p), v1 = _mm512_loadu_si512((const void*)(p + 32));
+    const __m512i v2 = _mm512_loadu_si512((const void*)(p + 64)), v3 = _mm512_loadu_si512((const void*)(p + 96));
+    v[0] = _mm512_permutex2var_epi32(v0, even, v1);
+    v[1] = _mm512_permutex2var_epi32(v0, odd, v1);
+    v[2] = _mm512_permutex2var_epi32(v2, even, v3);
+    v[3] = _mm512_permutex2var_epi32(v2, odd, v3);
+}
+#endif
+
+#if defined(__AVX512BF16__)
 // int4_tile with bf16 dot products (groups of 32 only): each weight becomes the bf16 of 128 + q (0x4300 | q, exact),
 // two inputs k and k + 16 of a group are one bf16 pair, so one vdpbf16ps does 16 rows × 2 inputs; Σ(128 + q)·x
 // - 128·Σx = Σq·x. The pairs hold even and odd rows (E, O): rows are interleaved back at the end. xp: per group
 // 16 pairs (bf16 x[32g + j] | bf16 x[32g + 16 + j] << 16).
 void int4_tile_bf16(const uint32_t* xp, const float* xs, int K, const uint8_t* tile, const uint16_t* sz, int N,
                     int row0, float* y) {
-    const __m512i lo16 = _mm512_set1_epi32(0x0000ffff), hi16 = _mm512_set1_epi32((int)0xffff0000u);
-    const __m512i nib = _mm512_set1_epi32(0x000f000f), bias = _mm512_set1_epi32(0x43004300);
-    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-    const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+    const __m512i hi16 = _mm512_set1_epi32((int)0xffff0000u);
     prefetch_scales(sz, K / 32, N, row0);
     __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
     for (int gi = 0; gi < K / 32; ++gi) {
@@ -164,21 +193,13 @@ void int4_tile_bf16(const uint32_t* xp, const float* xs, int K, const uint8_t* t
                 _mm_prefetch((const char*)b + PREFETCH + 32 * j, _MM_HINT_T0);
                 _mm_prefetch((const char*)b + PREFETCH + 512 + 32 * j, _MM_HINT_T0);
             }
-            __m512i w1 = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(b + 32 * j)));
-            __m512i w2 = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(b + 32 * (j + 16))));
-            __m512i e = _mm512_ternarylogic_epi32(w1, _mm512_slli_epi32(w2, 16), lo16, 0xec);   // (A & C) | B
-            __m512i o = _mm512_ternarylogic_epi32(_mm512_srli_epi32(w1, 16), w2, hi16, 0xf8);   // A | (B & C)
+            __m512bh w[4];
+            unpack_pair_bf16(b, j, w);
             __m512bh xb = (__m512bh)_mm512_set1_epi32((int)xp[gi * 16 + j]);
-            ga[0] = _mm512_dpbf16_ps(ga[0], (__m512bh)_mm512_ternarylogic_epi32(e, nib, bias, 0xea), xb);
-            ga[1] = _mm512_dpbf16_ps(ga[1], (__m512bh)_mm512_ternarylogic_epi32(o, nib, bias, 0xea), xb);
-            ga[2] = _mm512_dpbf16_ps(ga[2], (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(e, 4), nib, bias, 0xea), xb);
-            ga[3] = _mm512_dpbf16_ps(ga[3], (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(o, 4), nib, bias, 0xea), xb);
+            for (int q = 0; q < 4; ++q) ga[q] = _mm512_dpbf16_ps(ga[q], w[q], xb);
         }
-        const uint16_t* p = sz + ((size_t)gi * N + row0) * 2;      // (s, z) of a row: one 32-bit lane
-        const __m512i v0 = _mm512_loadu_si512((const void*)p), v1 = _mm512_loadu_si512((const void*)(p + 32));
-        const __m512i v2 = _mm512_loadu_si512((const void*)(p + 64)), v3 = _mm512_loadu_si512((const void*)(p + 96));
-        const __m512i v[4] = {_mm512_permutex2var_epi32(v0, even, v1), _mm512_permutex2var_epi32(v0, odd, v1),
-                              _mm512_permutex2var_epi32(v2, even, v3), _mm512_permutex2var_epi32(v2, odd, v3)};
+        __m512i v[4];
+        group_scales(sz, gi, N, row0, v);                           // (s, z) of a row: one 32-bit lane
         const __m512 sum = _mm512_set1_ps(xs[gi]);
         const __m512 off = _mm512_set1_ps(128.0f * xs[gi]);
         for (int q = 0; q < 4; ++q) {
@@ -204,10 +225,7 @@ void int4_tile_bf16(const uint32_t* xp, const float* xs, int K, const uint8_t* t
 // rows ystride floats apart.
 void int4_tile_bf16_rows(const uint32_t* xp, const float* xs, int M, int K, const uint8_t* tile, const uint16_t* sz,
                          int N, int row0, float* y, size_t ystride) {
-    const __m512i lo16 = _mm512_set1_epi32(0x0000ffff), hi16 = _mm512_set1_epi32((int)0xffff0000u);
-    const __m512i nib = _mm512_set1_epi32(0x000f000f), bias = _mm512_set1_epi32(0x43004300);
-    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-    const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+    const __m512i hi16 = _mm512_set1_epi32((int)0xffff0000u);
     const int groups = K / 32;
     prefetch_scales(sz, groups, N, row0);
     __m512* acc = new __m512[(size_t)M * 4];
@@ -220,20 +238,10 @@ void int4_tile_bf16_rows(const uint32_t* xp, const float* xs, int M, int K, cons
                 _mm_prefetch((const char*)b + PREFETCH + 32 * j, _MM_HINT_T0);
                 _mm_prefetch((const char*)b + PREFETCH + 512 + 32 * j, _MM_HINT_T0);
             }
-            __m512i w1 = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(b + 32 * j)));
-            __m512i w2 = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(b + 32 * (j + 16))));
-            __m512i e = _mm512_ternarylogic_epi32(w1, _mm512_slli_epi32(w2, 16), lo16, 0xec);
-            __m512i o = _mm512_ternarylogic_epi32(_mm512_srli_epi32(w1, 16), w2, hi16, 0xf8);
-            wv[j][0] = (__m512bh)_mm512_ternarylogic_epi32(e, nib, bias, 0xea);
-            wv[j][1] = (__m512bh)_mm512_ternarylogic_epi32(o, nib, bias, 0xea);
-            wv[j][2] = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(e, 4), nib, bias, 0xea);
-            wv[j][3] = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(o, 4), nib, bias, 0xea);
+            unpack_pair_bf16(b, j, wv[j]);
         }
-        const uint16_t* p = sz + ((size_t)gi * N + row0) * 2;
-        const __m512i v0 = _mm512_loadu_si512((const void*)p), v1 = _mm512_loadu_si512((const void*)(p + 32));
-        const __m512i v2 = _mm512_loadu_si512((const void*)(p + 64)), v3 = _mm512_loadu_si512((const void*)(p + 96));
-        const __m512i v[4] = {_mm512_permutex2var_epi32(v0, even, v1), _mm512_permutex2var_epi32(v0, odd, v1),
-                              _mm512_permutex2var_epi32(v2, even, v3), _mm512_permutex2var_epi32(v2, odd, v3)};
+        __m512i v[4];
+        group_scales(sz, gi, N, row0, v);
         __m512 s[4], zs[4];
         for (int q = 0; q < 4; ++q) {
             s[q] = _mm512_castsi512_ps(_mm512_slli_epi32(v[q], 16));
@@ -290,10 +298,7 @@ void int4_tile_bf16_rows(const uint32_t* xp, const float* xs, int M, int K, cons
 template <int R>
 void int4_tile_bf16_few(const uint32_t* xp, const float* xs, int K, const uint8_t* tile, const uint16_t* sz, int N,
                         int row0, float* y, size_t ystride) {
-    const __m512i lo16 = _mm512_set1_epi32(0x0000ffff), hi16 = _mm512_set1_epi32((int)0xffff0000u);
-    const __m512i nib = _mm512_set1_epi32(0x000f000f), bias = _mm512_set1_epi32(0x43004300);
-    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-    const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+    const __m512i hi16 = _mm512_set1_epi32((int)0xffff0000u);
     const int groups = K / 32;
     prefetch_scales(sz, groups, N, row0);
     __m512 acc[R][4];
@@ -309,24 +314,15 @@ void int4_tile_bf16_few(const uint32_t* xp, const float* xs, int K, const uint8_
                 _mm_prefetch((const char*)b + PREFETCH + 32 * j, _MM_HINT_T0);
                 _mm_prefetch((const char*)b + PREFETCH + 512 + 32 * j, _MM_HINT_T0);
             }
-            __m512i w1 = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(b + 32 * j)));
-            __m512i w2 = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(b + 32 * (j + 16))));
-            __m512i e = _mm512_ternarylogic_epi32(w1, _mm512_slli_epi32(w2, 16), lo16, 0xec);
-            __m512i o = _mm512_ternarylogic_epi32(_mm512_srli_epi32(w1, 16), w2, hi16, 0xf8);
-            const __m512bh w[4] = {(__m512bh)_mm512_ternarylogic_epi32(e, nib, bias, 0xea),
-                                   (__m512bh)_mm512_ternarylogic_epi32(o, nib, bias, 0xea),
-                                   (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(e, 4), nib, bias, 0xea),
-                                   (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(o, 4), nib, bias, 0xea)};
+            __m512bh w[4];
+            unpack_pair_bf16(b, j, w);
             for (int r = 0; r < R; ++r) {
                 const __m512bh xb = (__m512bh)_mm512_set1_epi32((int)xp[(size_t)r * (K / 2) + gi * 16 + j]);
                 for (int q = 0; q < 4; ++q) ga[r][q] = _mm512_dpbf16_ps(ga[r][q], w[q], xb);
             }
         }
-        const uint16_t* p = sz + ((size_t)gi * N + row0) * 2;
-        const __m512i v0 = _mm512_loadu_si512((const void*)p), v1 = _mm512_loadu_si512((const void*)(p + 32));
-        const __m512i v2 = _mm512_loadu_si512((const void*)(p + 64)), v3 = _mm512_loadu_si512((const void*)(p + 96));
-        const __m512i v[4] = {_mm512_permutex2var_epi32(v0, even, v1), _mm512_permutex2var_epi32(v0, odd, v1),
-                              _mm512_permutex2var_epi32(v2, even, v3), _mm512_permutex2var_epi32(v2, odd, v3)};
+        __m512i v[4];
+        group_scales(sz, gi, N, row0, v);
         for (int r = 0; r < R; ++r) {
             const float xsg = xs[(size_t)r * groups + gi];
             const __m512 sum = _mm512_set1_ps(xsg);
