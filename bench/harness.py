@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import random
 import shutil
 import signal
 import statistics
@@ -27,7 +26,6 @@ import sys
 import tempfile
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable
@@ -400,7 +398,7 @@ def measure_lanes(store_file: Path, record_bytes: int, n_records: int) -> dict:
     one-thread DRAM copy, in GB/s: the lanes a token's bytes cross, measured on this machine now (CUDA only)."""
     import torch        # function-level, as above
     # engine, never at this module's top: run_with_tree must pick whose engine is imported before anything imports it
-    from engine.store.odirect import aligned_buffer, open_direct, pread_full
+    from engine.measure.store_lane import record_read_rates
 
     dev = torch.device("cuda")
     out = {}
@@ -430,18 +428,8 @@ def measure_lanes(store_file: Path, record_bytes: int, n_records: int) -> dict:
     torch.cuda.synchronize()
     out["pcie_h2d_pinned_gbps"] = 3 * pieces * record_bytes / (time.perf_counter() - t0) / 1e9
     del host, gpu
-    # disk: random whole records, O_DIRECT, 1 and 16 threads (what the readers do)
-    fd = open_direct(store_file)
-    try:
-        for threads in (1, 16):
-            bufs = [aligned_buffer(record_bytes) for _ in range(threads)]
-            picks = random.Random(threads).sample(range(n_records), min(n_records, 96 if threads > 1 else 24))
-            t0 = time.perf_counter()
-            with ThreadPoolExecutor(threads) as ex:
-                list(ex.map(lambda i: pread_full(fd, bufs[i % threads], picks[i] * record_bytes), range(len(picks))))
-            out[f"disk_odirect_random_{threads}t_gbps"] = len(picks) * record_bytes / (time.perf_counter() - t0) / 1e9
-    finally:
-        os.close(fd)
+    # disk: random whole records, O_DIRECT, 1 and 16 threads (what the readers do), and the 16 threads' re-read
+    out.update(record_read_rates(store_file, record_bytes, n_records))
     src = torch.empty(GIB, dtype=torch.uint8).random_(0, 255)
     dst = torch.empty_like(src)
     torch.set_num_threads(1)
