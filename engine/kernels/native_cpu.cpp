@@ -25,6 +25,7 @@
 #include <cstring>
 #include <immintrin.h>
 #include <type_traits>
+#include <vector>
 
 namespace {
 
@@ -1394,21 +1395,31 @@ void attend_rows_fast(const float* qkv, const float* kc, const float* vc, int st
     delete[] kt;
 }
 
+// The random rows the attention kernels' bit-equality self-checks run on: n keys and values of nkv heads of hd,
+// nq queries (×4, so scores spread), and key `far` 9× the first query, so the other keys' exps fall below -88
+// (expf's special range).
+struct AttendProbe {
+    size_t row;
+    std::vector<float> kc, vc, q;
+    AttendProbe(int hd, int n, int nkv, int nq, int far, uint32_t seed)
+        : row((size_t)nkv * hd), kc(n * row), vc(n * row), q((size_t)nq * hd) {
+        uint32_t st = seed;
+        auto rnd = [&st] { st = st * 1664525u + 1013904223u; return (float)(st >> 8) / 16777216.0f * 2.f - 1.f; };
+        for (size_t i = 0; i < kc.size(); ++i) kc[i] = rnd(), vc[i] = rnd();
+        for (float& x : q) x = rnd() * 4.f;
+        for (int d = 0; d < hd; ++d) kc[far * row + d] = q[d] * 9.f;
+    }
+};
+
 // 1 where attend_keys_in_lanes gives attend_head's bits for head size 16·HC on random queries, keys and values
 // (scores spread past expf's special range, windows, 1-4 heads); checked once per head size.
 template <int HC>
 bool attend_fast_checked() {
     static const bool ok = [] {
         constexpr int hd = 16 * HC, nkv = 2, n = 83;
-        const size_t row = (size_t)nkv * hd;
-        uint32_t st = 12345u;
-        auto rnd = [&st] { st = st * 1664525u + 1013904223u; return (float)(st >> 8) / 16777216.0f * 2.f - 1.f; };
-        float* kc = new float[n * row];
-        float* vc = new float[n * row];
-        float* q = new float[4 * hd];
-        for (size_t i = 0; i < n * row; ++i) kc[i] = rnd(), vc[i] = rnd();
-        for (int i = 0; i < 4 * hd; ++i) q[i] = rnd() * 4.f;
-        for (int d = 0; d < hd; ++d) kc[5 * row + d] = q[d] * 9.f;        // a key far above the rest: exps below -88
+        AttendProbe pr(hd, n, nkv, 4, 5, 12345u);
+        const size_t row = pr.row;
+        const float *kc = pr.kc.data(), *vc = pr.vc.data(), *q = pr.q.data();
         float* kt = new float[(size_t)hd * (n + 32)];
         float* s = new float[4 * (n + 16)];
         float got[4][hd], want[hd];
@@ -1428,9 +1439,6 @@ bool attend_fast_checked() {
                 }
             }
         }
-        delete[] kc;
-        delete[] vc;
-        delete[] q;
         delete[] kt;
         delete[] s;
         delete[] sh;
@@ -1443,17 +1451,12 @@ template <int HC>
 bool attend_direct_checked() {
     static const bool ok = [] {
         constexpr int hd = 16 * HC, nkv = 2, n = 83;
-        const size_t row = (size_t)nkv * hd;
-        uint32_t st = 777u;
-        auto rnd = [&st] { st = st * 1664525u + 1013904223u; return (float)(st >> 8) / 16777216.0f * 2.f - 1.f; };
-        float* kc = new float[n * row];
-        float* vc = new float[n * row];
-        float q[hd], got[hd], want[hd];
+        AttendProbe pr(hd, n, nkv, 1, 7, 777u);
+        const size_t row = pr.row;
+        const float *kc = pr.kc.data(), *vc = pr.vc.data(), *q = pr.q.data();
+        float got[hd], want[hd];
         float* s = new float[n + 16];
         float* sh = new float[n];
-        for (size_t i = 0; i < n * row; ++i) kc[i] = rnd(), vc[i] = rnd();
-        for (int i = 0; i < hd; ++i) q[i] = rnd() * 4.f;
-        for (int d = 0; d < hd; ++d) kc[7 * row + d] = q[d] * 9.f;        // exps below -88 for the rest
         bool same = true;
         for (int lo : {0, 5, 60})
             for (int p : {lo, lo + 15, lo + 16, n - 1}) {
@@ -1462,8 +1465,6 @@ bool attend_direct_checked() {
                 attend_head(q, kc + lo * row, vc + lo * row, row, p + 1 - lo, hd, 0.125f, sh, want);
                 same = same && std::memcmp(got, want, sizeof want) == 0;
             }
-        delete[] kc;
-        delete[] vc;
         delete[] s;
         delete[] sh;
         return same;
@@ -1975,7 +1976,6 @@ void ggml_moe_tail(const float* h, int k, const int64_t* ids, const uint64_t* re
 #include <omp.h>
 #include <pthread.h>
 #include <sched.h>
-#include <vector>
 
 namespace {
 
