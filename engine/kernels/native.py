@@ -74,6 +74,9 @@ SIGNATURES = {
     "attn_decode_direct_ok": [_I],
     "attn_decode_direct": [_P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _P, _P, _I],
     "exact_expf_mismatches": [ctypes.c_uint32, ctypes.c_uint32, ctypes.c_uint32],
+    "set_int8_activations": [_I],
+    "int8_activations": [],
+    "q8_quantize": [_P, _I, _P, _P, _P],
 }
 ROWS = ("q8_gemv_rows", "attn_rows", "add_rms_norm_rows", "attn_block_rows", "router_topk_rows", "int4_ffn_rows",
         "moe_sum_rows", "moe_rows")
@@ -94,12 +97,21 @@ def allowed() -> bool:
 
 
 @contextlib.contextmanager
-def allow(on: bool):
+def allow(on: bool, int8_activations: bool = False):
+    """A model's passes: native kernels on or off, and whether its GGUF GEMVs round x to 8 bits
+    (EngineConfig.cpu_activations "int8"; the library's process-wide mode, set here for the pass and put back
+    after it: one engine process serves one model, and a float model's passes run with it off)."""
     token = _allowed.set(on)
+    so = lib() if on else None
+    before = so.int8_activations() if so is not None else 0
+    if so is not None and before != int(int8_activations):
+        so.set_int8_activations(int(int8_activations))
     try:
         yield
     finally:
         _allowed.reset(token)
+        if so is not None and so.int8_activations() != before:
+            so.set_int8_activations(before)
 
 
 def cache_dir() -> Path:
@@ -174,6 +186,7 @@ def load(path: Path) -> ctypes.CDLL:
     so.exact_attend_fast.restype = _I
     so.attn_decode_direct_ok.restype = _I
     so.exact_expf_mismatches.restype = ctypes.c_int64
+    so.int8_activations.restype = _I
     # The exact prefill's rows calls are few and long (a layer's rows each): they let the GIL go, so the server's
     # other threads (streaming, HTTP) run meanwhile.
     so.released = ctypes.CDLL(str(path))
@@ -640,3 +653,21 @@ def moe_rows(h: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, records: torch
                             tail.intermediate, *tail.offsets, tail.group, _ptr(x), _ptr(next_w), eps, _ptr(out),
                             torch.get_num_threads(), tail.limit)
     return out
+
+
+def q8_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x fp32 [K] (K % 32 == 0) as the int8 GEMVs round it: (codes int8 [K], scales fp32 [K/32])."""
+    x = x.float().contiguous().view(-1)
+    q, d = torch.empty(x.numel(), dtype=torch.int8), torch.empty(x.numel() // 32)
+    s16 = torch.empty(x.numel() // 16, dtype=torch.int32)
+    lib().q8_quantize(x.data_ptr(), x.numel(), q.data_ptr(), d.data_ptr(), s16.data_ptr())
+    return q, d
+
+
+def q8_reference(x: torch.Tensor) -> torch.Tensor:
+    """x [..., K] rounded to 8 bits per 32 inputs as the int8 GEMVs round it (llama.cpp's Q8_0 of x), in torch:
+    d = max|x|/127, q = round-half-even(x·(1/d)); returns x̂ = d·q (fp32), what those GEMVs multiply W by."""
+    xb = x.float().reshape(*x.shape[:-1], -1, 32)
+    d = xb.abs().amax(-1, keepdim=True) / 127
+    inv = torch.where(d != 0, 1 / d, torch.zeros_like(d))
+    return (torch.round(xb * inv) * d).reshape(x.shape)

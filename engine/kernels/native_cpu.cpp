@@ -725,21 +725,38 @@ constexpr int GGML_ROWS = 16;        // rows of x an unpacked block is dotted wi
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define KILN_GEMV512 1
 struct Acc4 {
+    const float* x;           // the row's inputs
+    const float* xs32;        // their sums per 32 (for the blocks' mins)
     __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
     int i = 0;
-    // acc += scale · Σ q·x over 16 codes (int8 in the low 16 bytes of q) and 16 inputs
-    inline void add16(__m128i q, const float* x, float scale) {
-        const __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), _mm512_loadu_ps(x));
+    Acc4(const float* x_, const float* xs32_) : x(x_), xs32(xs32_) {}
+    // acc += scale · Σ q·x over 16 codes (int8 in the low 16 bytes of q) and inputs k0..k0+15
+    inline void add16(__m128i q, int k0, float scale) {
+        const __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), _mm512_loadu_ps(x + k0));
         a[i & 3] = _mm512_fmadd_ps(_mm512_set1_ps(scale), v, a[i & 3]);
         ++i;
     }
-    // acc += scale · Σ q·x over 32 codes (q) and 32 inputs: one sub-block of one scale
-    inline void add32(__m256i q, const float* x, float scale) {
-        __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q))), _mm512_loadu_ps(x));
-        v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1))), _mm512_loadu_ps(x + 16), v);
+    // two sub-blocks of 16 (32 codes q, inputs k0..k0+31), scales s0 and s1
+    inline void add16x2(__m256i q, int k0, float s0, float s1) {
+        add16(_mm256_castsi256_si128(q), k0, s0);
+        add16(_mm256_extracti128_si256(q, 1), k0 + 16, s1);
+    }
+    // acc += scale · Σ q·x over 32 codes (q) and inputs k0..k0+31: one sub-block of one scale
+    inline void add32(__m256i q, int k0, float scale) {
+        __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q))), _mm512_loadu_ps(x + k0));
+        v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1))), _mm512_loadu_ps(x + k0 + 16), v);
         a[i & 3] = _mm512_fmadd_ps(_mm512_set1_ps(scale), v, a[i & 3]);
         ++i;
     }
+    inline void add32u(__m256i q, int k0, float scale) { add32(q, k0, scale); }
+    // codes q less `off` (q4_0's 8, q5_0's 16), subtracted first
+    inline void add32_off(__m256i q, int k0, float scale, int off) {
+        add32(_mm256_sub_epi8(q, _mm256_set1_epi8((char)off)), k0, scale);
+    }
+    inline void add16x2_off(__m256i q, int k0, float s0, float s1, int off) {
+        add16x2(_mm256_sub_epi8(q, _mm256_set1_epi8((char)off)), k0, s0, s1);
+    }
+    inline float xsum32(int b) const { return xs32[b]; }
     inline float sum() const {
         return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3])));
     }
@@ -758,9 +775,11 @@ inline void nibbles64(const uint8_t* b, __m256i& lo, __m256i& hi) {
     hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
 }
 
-// Σ w·x over one row of K weights of type t (one of gemv512_type's); xs32: x's sums per 32 inputs (for the mins).
-inline float gemv512_row(int t, const uint8_t* row, const float* x, const float* xs32, int K) {
-    Acc4 acc;
+// Σ w·x over one row of K weights of type t (one of gemv512_type's): the blocks' codes made in registers and handed
+// to the accumulator A with their scales — Acc4 (x in fp32, gemv512_row) or AccQ8 (x rounded to 8 bits, q8_row).
+// The type is a template argument, so each type's block loop is its own code (no type tests inside it).
+template <int t, class A>
+inline float row512_t(const uint8_t* row, A& acc, int K) {
     float mins = 0.f;
     switch (t) {
         case 2: case 3: case 6: case 7: case 8: {      // q4_0, q4_1, q5_0, q5_1, q8_0: 32-weight blocks
@@ -769,20 +788,21 @@ inline float gemv512_row(int t, const uint8_t* row, const float* x, const float*
                 const uint8_t* b = row + (size_t)bi * size;
                 const float d = f16_at(b);
                 __m256i q;
-                if (t == 8) {
-                    q = _mm256_loadu_si256((const __m256i*)(b + 2));
-                } else if (t == 2 || t == 3) {
+                if (t == 8) {                          // signed codes
+                    acc.add32(_mm256_loadu_si256((const __m256i*)(b + 2)), 32 * bi, d);
+                } else if (t == 2 || t == 3) {         // codes 0..15, less 8 for q4_0
                     q = nibbles32(b + (t == 2 ? 2 : 4));
-                    if (t == 2) q = _mm256_sub_epi8(q, _mm256_set1_epi8(8));
-                } else {
+                    if (t == 2) acc.add32_off(q, 32 * bi, d, 8);
+                    else acc.add32u(q, 32 * bi, d);
+                } else {                               // codes 0..31, less 16 for q5_0
                     uint32_t qh;
                     std::memcpy(&qh, b + (t == 6 ? 2 : 4), 4);
                     q = _mm256_or_si256(nibbles32(b + (t == 6 ? 6 : 8)),
                                         _mm256_and_si256(_mm256_movm_epi8(qh), _mm256_set1_epi8(16)));
-                    if (t == 6) q = _mm256_sub_epi8(q, _mm256_set1_epi8(16));
+                    if (t == 6) acc.add32_off(q, 32 * bi, d, 16);
+                    else acc.add32u(q, 32 * bi, d);
                 }
-                acc.add32(q, x + 32 * bi, d);
-                if (t == 3 || t == 7) mins += f16_at(b + 2) * xs32[bi];
+                if (t == 3 || t == 7) mins += f16_at(b + 2) * acc.xsum32(bi);
             }
             return acc.sum() + mins;
         }
@@ -808,17 +828,17 @@ inline float gemv512_row(int t, const uint8_t* row, const float* x, const float*
                     }
                     int sc, m;
                     scale_min_k4(2 * c, b + 4, sc, m);
-                    acc.add32(lo, x + 256 * bi + 64 * c, d * float(sc));
-                    mins += dmin * float(m) * xs32[8 * bi + 2 * c];
+                    acc.add32u(lo, 256 * bi + 64 * c, d * float(sc));
+                    mins += dmin * float(m) * acc.xsum32(8 * bi + 2 * c);
                     scale_min_k4(2 * c + 1, b + 4, sc, m);
-                    acc.add32(hi, x + 256 * bi + 64 * c + 32, d * float(sc));
-                    mins += dmin * float(m) * xs32[8 * bi + 2 * c + 1];
+                    acc.add32u(hi, 256 * bi + 64 * c + 32, d * float(sc));
+                    mins += dmin * float(m) * acc.xsum32(8 * bi + 2 * c + 1);
                 }
             }
             return acc.sum() - mins;
         }
         case 14: {                                     // q6_k: 16 sub-blocks of 16, int8 scales
-            const __m256i low = _mm256_set1_epi8(15), two = _mm256_set1_epi8(3), off = _mm256_set1_epi8(32);
+            const __m256i low = _mm256_set1_epi8(15), two = _mm256_set1_epi8(3);
             for (int bi = 0; bi < K / 256; ++bi) {
                 const uint8_t* b = row + (size_t)bi * 210;
                 const float d = f16_at(b + 208);
@@ -827,16 +847,14 @@ inline float gemv512_row(int t, const uint8_t* row, const float* x, const float*
                     const __m256i ql0 = _mm256_loadu_si256((const __m256i*)(b + 64 * h));
                     const __m256i ql1 = _mm256_loadu_si256((const __m256i*)(b + 64 * h + 32));
                     const __m256i qh = _mm256_loadu_si256((const __m256i*)(b + 128 + 32 * h));
-                    const __m256i q[4] = {
-                        _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(ql0, low), _mm256_slli_epi16(_mm256_and_si256(qh, two), 4)), off),
-                        _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(ql1, low), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), two), 4)), off),
-                        _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), low), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), two), 4)), off),
-                        _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), low), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), two), 4)), off)};
-                    const float* xb = x + 256 * bi + 128 * h;
-                    for (int g = 0; g < 4; ++g) {       // 32 weights l + 32g: sub-blocks 8h + 2g and 8h + 2g + 1
-                        acc.add16(_mm256_castsi256_si128(q[g]), xb + 32 * g, d * float(sc[8 * h + 2 * g]));
-                        acc.add16(_mm256_extracti128_si256(q[g], 1), xb + 32 * g + 16, d * float(sc[8 * h + 2 * g + 1]));
-                    }
+                    const __m256i q[4] = {             // codes 0..63, less 32
+                        _mm256_or_si256(_mm256_and_si256(ql0, low), _mm256_slli_epi16(_mm256_and_si256(qh, two), 4)),
+                        _mm256_or_si256(_mm256_and_si256(ql1, low), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), two), 4)),
+                        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), low), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), two), 4)),
+                        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), low), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), two), 4))};
+                    const int kb = 256 * bi + 128 * h;
+                    for (int g = 0; g < 4; ++g)         // 32 weights l + 32g: sub-blocks 8h + 2g and 8h + 2g + 1
+                        acc.add16x2_off(q[g], kb + 32 * g, d * float(sc[8 * h + 2 * g]), d * float(sc[8 * h + 2 * g + 1]), 32);
                 }
             }
             return acc.sum();
@@ -845,8 +863,152 @@ inline float gemv512_row(int t, const uint8_t* row, const float* x, const float*
     return 0.f;
 }
 
+template <class A>
+inline float row512(int t, const uint8_t* row, A& acc, int K) {
+    switch (t) {
+        case 2: return row512_t<2>(row, acc, K);
+        case 3: return row512_t<3>(row, acc, K);
+        case 6: return row512_t<6>(row, acc, K);
+        case 7: return row512_t<7>(row, acc, K);
+        case 8: return row512_t<8>(row, acc, K);
+        case 12: return row512_t<12>(row, acc, K);
+        case 13: return row512_t<13>(row, acc, K);
+        case 14: return row512_t<14>(row, acc, K);
+    }
+    return 0.f;
+}
+
 inline bool gemv512_type(int t) { return t == 2 || t == 3 || t == 6 || t == 7 || t == 8 || t == 12 || t == 13 || t == 14; }
+
+// Σ w·x over one row, x in fp32; xs32: x's sums per 32 inputs (for the mins).
+inline float gemv512_row(int t, const uint8_t* row, const float* x, const float* xs32, int K) {
+    Acc4 acc(x, xs32);
+    return row512(t, row, acc, K);
+}
 #endif
+
+// ---------------------------------------------------------------- int8 activations (opt-in: --cpu-activations int8)
+// llama.cpp's way of computing a GGUF's blocks on the CPU: x rounded once to 8 bits per 32 inputs (Q8_0 of x:
+// d = max|x|/127, q = nearest-even(x·(1/d))), then integer dot products of the weights' codes with q, each scaled by
+// the weights' sub-block scale times d; a block's min times Σ of x̂ = d·Σq. So y = W·x̂, W gguf's dequantization and
+// x̂ x's 8-bit rounding (engine.kernels.native.q8_reference is that function): not the float path's y = W·x, which
+// is why it is a mode a model is loaded with (EngineConfig.cpu_activations), set around its passes (native.allow)
+// and read by every GGUF GEMV here, whatever M (a prefill row keeps a decode step's bits).
+int g_int8_activations = 0;
+
+// x [K] (K a multiple of 32) → codes q [K], scales d [K/32], Σq per 16 inputs s16 [K/16].
+inline void quantize_q8(const float* x, int K, int8_t* q, float* d, int32_t* s16) {
+    for (int b = 0; b < K / 32; ++b) {
+        const float* xb = x + 32 * b;
+        float amax = 0.f;
+        for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(xb[i]));
+        const float db = amax / 127.f, id = db != 0.f ? 1.f / db : 0.f;
+        d[b] = db;
+        for (int h = 0; h < 2; ++h) {
+            int sum = 0;
+            for (int i = 16 * h; i < 16 * h + 16; ++i) {
+                const int v = (int)std::nearbyint(xb[i] * id);
+                q[32 * b + i] = (int8_t)v;
+                sum += v;
+            }
+            s16[2 * b + h] = sum;
+        }
+    }
+}
+
+struct Q8x { const int8_t* q; const float* d; const int32_t* s16; const float* xs; };   // xs: Σx̂ per 32 (d·Σq)
+
+// M rows of x [M, K] rounded to 8 bits, each on its own (so a row's bits do not depend on the rows beside it).
+struct Q8Rows {
+    int K;
+    std::vector<int8_t> q;
+    std::vector<float> d;
+    std::vector<int32_t> s16;
+    std::vector<float> xs;
+    Q8Rows(const float* x, int M, int K_)
+        : K(K_), q((size_t)M * K_), d((size_t)M * K_ / 32), s16((size_t)M * K_ / 16), xs((size_t)M * K_ / 32) {
+        for (int m = 0; m < M; ++m)
+            quantize_q8(x + (size_t)m * K, K, &q[(size_t)m * K], &d[(size_t)m * K / 32], &s16[(size_t)m * K / 16]);
+        for (size_t b = 0; b < xs.size(); ++b) xs[b] = d[b] * float(s16[2 * b] + s16[2 * b + 1]);
+    }
+    Q8x row(int m) const {
+        return {&q[(size_t)m * K], &d[(size_t)m * K / 32], &s16[(size_t)m * K / 16], &xs[(size_t)m * K / 32]};
+    }
+};
+
+// Any quantized type, any CPU: a block unpacked (unpack_block: w = sc·q - mn per sub-block), Σ q·qx per sub-block in
+// int32, scaled in fp32.
+inline float q8_row_generic(int t, const uint8_t* row, const Q8x& x, int K) {
+    const GgmlType gt = ggml_type(t);
+    Unpacked u;
+    float acc = 0.f, mins = 0.f;
+    for (int bi = 0; bi < K / gt.block; ++bi) {
+        unpack_block(t, row + (size_t)bi * gt.size, u);
+        for (int s = 0; s * u.sub < gt.block; ++s) {
+            const int k = bi * gt.block + s * u.sub;
+            int dot = 0, sq = 0;
+            for (int i = 0; i < u.sub; ++i) dot += int(u.q[s * u.sub + i]) * int(x.q[k + i]);
+            for (int g = 0; g < u.sub / 16; ++g) sq += x.s16[k / 16 + g];
+            const float dx = x.d[k / 32];
+            acc += u.sc[s] * dx * float(dot);
+            if (u.mn[s] != 0.f) mins += u.mn[s] * dx * float(sq);
+        }
+    }
+    return acc - mins;
+}
+
+#ifdef KILN_GEMV512
+// Σ over each 4 bytes of w·x, both signed (|w| <= 128): |w| · sign(x, w), u8 × s8 (llama.cpp's trick), by VNNI where
+// the CPU has it, else pmaddubsw (pairs <= 2·128·127: no saturation) and pmaddwd: the same integers either way.
+inline __m256i dot_u8s8x32(__m256i w, __m256i x) {           // w unsigned (0..128), x signed
+#if defined(__AVX512VNNI__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1));
+#endif
+}
+inline __m256i dot_s8x32(__m256i w, __m256i x) { return dot_u8s8x32(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)); }
+
+// row512's accumulator for x rounded to 8 bits: a sub-block's integer dot times (its scale · x's block scale).
+struct AccQ8 {
+    Q8x x;
+    __m256 a = _mm256_setzero_ps();     // one accumulator: a dynamic index into several keeps them in memory
+    float corr = 0.f;                   // the codes' offsets times x̂'s sums, subtracted at the end
+    explicit AccQ8(const Q8x& x_) : x(x_) {}
+    inline void fma(__m256 scale, __m256i p) { a = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(p), a); }
+    inline __m256i qx(int k0) const { return _mm256_loadu_si256((const __m256i*)(x.q + k0)); }
+    inline void add32(__m256i w, int k0, float scale) {          // signed codes
+        fma(_mm256_set1_ps(scale * x.d[k0 / 32]), dot_s8x32(w, qx(k0)));
+    }
+    inline void add32u(__m256i w, int k0, float scale) {         // codes 0..127
+        fma(_mm256_set1_ps(scale * x.d[k0 / 32]), dot_u8s8x32(w, qx(k0)));
+    }
+    inline void add32_off(__m256i w, int k0, float scale, int off) {
+        add32u(w, k0, scale);
+        corr += scale * float(off) * x.xs[k0 / 32];
+    }
+    // codes 0..127 less off; lanes 0..3: inputs k0..k0+15 with scale s0, lanes 4..7: the next 16 with s1
+    inline void add16x2_off(__m256i w, int k0, float s0, float s1, int off) {
+        const float dx = x.d[k0 / 32];
+        const __m256i q = qx(k0);           // Σ (w - off)·q per 4 inputs, in integers
+        const __m256i p = _mm256_sub_epi32(dot_u8s8x32(w, q), dot_u8s8x32(_mm256_set1_epi8((char)off), q));
+        fma(_mm256_setr_m128(_mm_set1_ps(s0 * dx), _mm_set1_ps(s1 * dx)), p);
+    }
+    inline float xsum32(int b) const { return x.xs[b]; }
+    inline float sum() const { return hsum(a) - corr; }
+};
+#endif
+
+// Σ w·x̂ over one row of K weights of quantized type t.
+inline float q8_row(int t, const uint8_t* row, const Q8x& x, int K) {
+#ifdef KILN_GEMV512
+    if (gemv512_type(t)) {
+        AccQ8 acc(x);
+        return row512(t, row, acc, K);
+    }
+#endif
+    return q8_row_generic(t, row, x, K);
+}
 
 // y [M, N] = x [M, K] · Wᵀ, W [N, K] in GGML type t (rows of K/block·size bytes, K a multiple of the block).
 void ggml_mm(int t, const float* x, int M, int K, const uint8_t* w, int N, float* y, int threads) {
@@ -856,6 +1018,16 @@ void ggml_mm(int t, const float* x, int M, int K, const uint8_t* w, int N, float
 #pragma omp parallel for num_threads(threads) schedule(static)
         for (int n = 0; n < N; ++n)
             for (int m = 0; m < M; ++m) y[(size_t)m * N + n] = dot_float(t, w + (size_t)n * row_bytes, x + (size_t)m * K, K);
+        return;
+    }
+    if (g_int8_activations) {                    // every row of x rounded on its own, each by the one-row kernel
+        const Q8Rows xq(x, M, K);
+#pragma omp parallel for num_threads(threads) schedule(static)
+        for (int n = 0; n < N; ++n) {
+            const uint8_t* row = w + (size_t)n * row_bytes;
+            _mm_prefetch((const char*)row + PREFETCH, _MM_HINT_T0);
+            for (int m = 0; m < M; ++m) y[(size_t)m * N + n] = q8_row(t, row, xq.row(m), K);
+        }
         return;
     }
     // x's sums per 16 inputs, for the blocks' mins (K is whole blocks, so a multiple of 32)
@@ -912,6 +1084,27 @@ void ggml_mm(int t, const float* x, int M, int K, const uint8_t* w, int N, float
 // ggml_mm makes, so y holds ggml_mm's bits either way.
 void ggml_gemv_parts(const float* x, int K, int nparts, const uint8_t* const* parts, const int* types,
                      const int* rows, float* y, int threads) {
+    bool quantized = g_int8_activations && nparts > 1;
+    for (int i = 0; i < nparts; ++i) quantized = quantized && !is_float_type(types[i]);
+    if (quantized) {                             // x rounded once; every row q8_row's, as ggml_mm's
+        const Q8Rows xq(x, 1, K);
+        int total = 0;
+        size_t row_bytes[3];
+        for (int i = 0; i < nparts; ++i) {
+            const GgmlType gt = ggml_type(types[i]);
+            row_bytes[i] = (size_t)K / gt.block * gt.size;
+            total += rows[i];
+        }
+#pragma omp parallel for num_threads(threads) schedule(static)
+        for (int n = 0; n < total; ++n) {
+            int i = 0, r = n;
+            while (r >= rows[i]) r -= rows[i++];
+            const uint8_t* row = parts[i] + (size_t)r * row_bytes[i];
+            _mm_prefetch((const char*)row + PREFETCH, _MM_HINT_T0);
+            y[n] = q8_row(types[i], row, xq.row(0), K);
+        }
+        return;
+    }
 #ifdef KILN_GEMV512
     bool fused = nparts > 1;
     for (int i = 0; i < nparts; ++i) fused = fused && gemv512_type(types[i]);
@@ -1889,6 +2082,13 @@ void q8_gemv_rows(const float* x, int M, int K, const int8_t* q, const float* d,
 
 // GGML types (engine.quant.ggml): 1 where type t has a kernel here, else 0.
 int ggml_supported(int t) { return ggml_type(t).block != 0; }
+
+// Whether the GGUF GEMVs round x to 8 bits (the int8 activations region); set around a model's passes.
+void set_int8_activations(int on) { g_int8_activations = on ? 1 : 0; }
+int int8_activations() { return g_int8_activations; }
+
+// x [K] (K % 32 == 0) rounded to 8 bits as the int8 GEMVs round it: codes q, scales d [K/32], Σq per 16 s16 [K/16].
+void q8_quantize(const float* x, int K, int8_t* q, float* d, int32_t* s16) { quantize_q8(x, K, q, d, s16); }
 
 // y [M, N] = x [M, K] · Wᵀ, W [N, K] a GGUF matrix of GGML type t, as the file holds its blocks (K whole blocks).
 void ggml_matmul(int t, const float* x, int M, int K, const uint8_t* w, int N, float* y, int threads) {
