@@ -19,7 +19,8 @@ def gguf_projection(w, names: list[str], rows: bool = False):
     kept = [ggml_blocks(f"{n}.weight") for n in names] if ggml_blocks is not None else [None]
     if any(k is None for k in kept):
         return None
-    return gguf_tensors.projection([(n, *k) for n, k in zip(names, kept)], device=w.device, dtype=w.dtype, rows=rows)
+    return gguf_tensors.projection([(n, *k) for n, k in zip(names, kept)], device=w.device, dtype=w.dtype, rows=rows,
+                                   blocks_only=w.int8_activations)
 
 
 def dense_projection(w, names: list[str], bias: torch.Tensor | None):

@@ -18,6 +18,7 @@ DEVICE_KINDS = ("cpu", "cuda")
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 EXPERTS = ("auto", "resident", "tiered")              # engine.tiers.choose_placement's modes
 CPU_EXPERTS = ("auto", "on", "off")                   # engine.tiers.lanes.split's modes
+CPU_ACTIVATIONS = ("float", "int8")                   # the native GGUF GEMVs: x in fp32, or rounded to 8 bits
 ZERO_COPY = ("auto", "on", "off")                     # engine.tiers.tiered.TieredExperts.use_zero_copy's modes
 LANE_RATES = ("pcie", "cpu", "disk")
 BENCH_ROUTING = ("model", "uniform", "calibrated")  # engine.routing_trace.MODES (this module is free of torch)
@@ -65,6 +66,9 @@ class EngineConfig:
     lane_rates: str | None = None       # e.g. "pcie=25,cpu=12,disk=6" GB/s for the lane cost model; None: measured
     fused_kernels: bool = True          # CUDA decode steps on engine.kernels.triton_decode's (glm5_next: triton_glm5's) fused kernels
     native_kernels: bool = True         # CPU decode on engine.kernels.native (built with g++ at first use) where it builds
+    # float | int8: the native GGUF GEMVs take x in fp32, or rounded to 8 bits per 32 inputs (llama.cpp's way: faster,
+    # not the float function; engine.kernels.native_cpu.cpp's "int8 activations")
+    cpu_activations: str = "float"
     preload: bool = True                # tiered: fill the GPU and RAM tiers from the store at load (TieredExperts.preload)
     zero_copy: str = "auto"             # auto | on | off: tiered decode reads RAM-tier records in place (tiers.zero_copy)
     # BENCHMARKING ONLY: the routers' top-k choice replaced by drawn picks (engine.routing_trace); "model": the model's
@@ -101,6 +105,10 @@ class EngineConfig:
             raise ValueError(f"zero_copy {self.zero_copy!r} is not one of {', '.join(ZERO_COPY)}")
         if self.bench_routing not in BENCH_ROUTING:
             raise ValueError(f"bench_routing {self.bench_routing!r} is not one of {', '.join(BENCH_ROUTING)}")
+        if self.cpu_activations not in CPU_ACTIVATIONS:
+            raise ValueError(f"cpu_activations {self.cpu_activations!r} is not one of {', '.join(CPU_ACTIVATIONS)}")
+        if self.cpu_activations == "int8" and self.device_kind != "cpu":
+            raise ValueError(f"cpu_activations int8 is for device cpu, not {device}")
         if self.placement not in PLACEMENT:
             raise ValueError(f"placement {self.placement!r} is not one of {', '.join(PLACEMENT)}")
         parse_lane_rates(self.lane_rates)

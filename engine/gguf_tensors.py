@@ -169,14 +169,15 @@ class StackedProjection:
 
 
 def projection(parts: Sequence[tuple[str, str | int, torch.Tensor]], *, device: str | torch.device = "cpu",
-               dtype: torch.dtype = torch.float32, rows: bool = False):
+               dtype: torch.dtype = torch.float32, rows: bool = False, blocks_only: bool = False):
     """Matrices (name, ggml_type, raw blocks uint8 [out, row bytes]) of one input, stacked along the output in order,
     as one projection: on the CPU 4-bit blocks of one type that torch's int4 operand tiles as one Int4Projection (one
     call: the native attention block takes it), else consecutive matrices of one type as one BlockProjection each
     (their rows concatenated; weight() where no native kernel has the type, or for the vocabulary) and several of
     those as a StackedProjection; on a GPU (Triton) each run of one type a DeviceBlockProjection; elsewhere the float
     weights concatenated, dequantized once. rows: one matrix, the vocabulary (on the CPU a BlockProjection where the
-    native kernel has its type, else weight(rows=True))."""
+    native kernel has its type, else weight(rows=True)). blocks_only (EngineConfig.cpu_activations "int8"): on the
+    CPU every run a BlockProjection, 4-bit ones too, since only the GGUF GEMVs round x to 8 bits."""
     got = []
     for name, t, raw in parts:
         g = ggml.ggml_type(t)
@@ -197,7 +198,7 @@ def projection(parts: Sequence[tuple[str, str | int, torch.Tensor]], *, device: 
     if device.type != "cpu":
         return Projection(torch.cat([weight(n, t, [b.shape[0], inp], b, device=device, dtype=dtype, linear=False)
                                      for n, t, b, _ in got]))
-    if not rows and len({t for _, t, *_ in got}) == 1 and got[0][1] in ("q4_1", "q4_k") \
+    if not rows and not blocks_only and len({t for _, t, *_ in got}) == 1 and got[0][1] in ("q4_1", "q4_k") \
             and all(b.shape[0] % INT4PACK_N == 0 for _, _, b, _ in got):
         return Int4Projection([(t, b) for _, t, b, _ in got])
     runs = _runs(got)

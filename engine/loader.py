@@ -51,8 +51,9 @@ class CheckpointWeights:
     """The model's non-expert tensors, read on demand and moved to device/dtype; remembers what was
     used so the loader can refuse a checkpoint with tensors the model would silently ignore."""
 
-    def __init__(self, ckpt: Checkpoint, num_layers: int, device, dtype: torch.dtype):
+    def __init__(self, ckpt: Checkpoint, num_layers: int, device, dtype: torch.dtype, int8_activations: bool = False):
         self.ckpt, self.device, self.dtype = ckpt, device, dtype
+        self.int8_activations = int8_activations
         # Layers past num_hidden_layers are GLM's multi-token-prediction heads (transformers ignores them too).
         self.names = {n for n in ckpt.non_expert_names()
                       if not ((m := _LAYER.match(n)) and int(m.group(1)) >= num_layers)}
@@ -121,9 +122,14 @@ def load_model(model_dir: str | Path | Checkpoint, provider: ExpertProvider | No
     cls = model_class(cfg.arch)
     caches = cls.caches_for(ckpt.config, cfg, max_batch, max_context, dtype=dtype, device=device,
                             where=str(ckpt.dir / "config.json"))
-    weights = CheckpointWeights(ckpt, cfg.num_layers, device, dtype)
+    int8 = config.cpu_activations == "int8"
+    if int8 and cfg.arch == "glm5_next":
+        raise ValueError("cpu_activations int8: glm5_next has no int8-activation path (its CPU decode is the "
+                         "reference's torch ops)")
+    weights = CheckpointWeights(ckpt, cfg.num_layers, device, dtype, int8_activations=int8)
     model = cls(cfg, weights, provider, caches, device=device, dtype=dtype,
-                fused_kernels=config.fused_kernels, native_kernels=config.native_kernels)
+                fused_kernels=config.fused_kernels, native_kernels=config.native_kernels,
+                **({"int8_activations": True} if int8 else {}))
     if unused := weights.unused():
         raise CheckpointError(f"{ckpt.dir}: {len(unused)} tensors are not part of the {cfg.arch} model "
                               f"(unsupported variant?), e.g. {unused[0]}")

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import click
 
-from engine.engine_config import BENCH_ROUTING, CPU_EXPERTS, DTYPE_NAMES, EXPERTS, PLACEMENT, ZERO_COPY, EngineConfig
+from engine.engine_config import (BENCH_ROUTING, CPU_ACTIVATIONS, CPU_EXPERTS, DTYPE_NAMES, EXPERTS, PLACEMENT, ZERO_COPY,
+                                  EngineConfig)
 from engine.errors import EngineError, Exit
 from engine.tiers.cache import POLICIES
 
@@ -76,6 +77,13 @@ native_kernels = click.option("--native-kernels/--no-native-kernels", default=En
                                    "norm, rotary + KV write + attention; built with g++ at first use and cached); off, or "
                                    "where they do not build: torch's ops, the same functions.")
 
+cpu_activations = click.option("--cpu-activations", type=click.Choice(CPU_ACTIVATIONS),
+                               default=EngineConfig.cpu_activations, show_default=True,
+                               help="On the CPU, a GGUF's blocks multiply x in fp32 (float: gguf's dequantization "
+                                    "then a float matmul) or x rounded to 8 bits per 32 inputs with integer dot "
+                                    "products (int8: llama.cpp's way; faster, within ~0.5%% of each GEMV's float "
+                                    "result, not the same function). Needs the native kernels; not glm5_next.")
+
 preload = click.option("--preload/--no-preload", default=EngineConfig.preload, show_default=True,
                        help="Tiered: fill the GPU slots and the RAM tier from the store at load (as many records as "
                             "they hold), so the first requests decode at the steady speed instead of reading each "
@@ -108,10 +116,10 @@ placement = click.option("--placement", type=click.Choice(PLACEMENT), default=En
 def tiers(f):
     """Where the routed experts live and who reads them: --experts, --gpu-slots, --ram-slots, --readers,
     --cpu-layout, --threads, --policy, where RAM-tier experts are computed (--cpu-experts, --lane-rates) and
-    whether prompts reuse cached prefixes (--prefix-cache); how a GPU decodes (--cuda-graphs, --decode-ahead, --fused-kernels, --zero-copy) and a CPU (--native-kernels); whether the tiers
+    whether prompts reuse cached prefixes (--prefix-cache); how a GPU decodes (--cuda-graphs, --decode-ahead, --fused-kernels, --zero-copy) and a CPU (--native-kernels, --cpu-activations); whether the tiers
     fill at load (--preload)."""
     for option in reversed((experts, gpu_slots, ram_slots, readers, cpu_layout, threads, policy, cpu_experts,
-                            lane_rates, cuda_graphs, decode_ahead, prefix_cache, fused_kernels, native_kernels, preload,
+                            lane_rates, cuda_graphs, decode_ahead, prefix_cache, fused_kernels, native_kernels, cpu_activations, preload,
                             zero_copy, placement, bench_routing, bench_routing_seed)):
         f = option(f)
     return f

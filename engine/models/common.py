@@ -49,6 +49,7 @@ class WeightSource(Protocol):
 
     device: torch.device | str
     dtype: torch.dtype
+    int8_activations: bool      # EngineConfig.cpu_activations "int8": a GGUF's blocks stay blocks (gguf_tensors)
 
     def get(self, name: str, *, fp32: bool = False) -> torch.Tensor: ...
 
@@ -342,7 +343,8 @@ class MoEModel(nn.Module):
     bench_routing = None       # engine.routing_trace.BenchRouting where the loader installed one (benchmarking only)
 
     def __init__(self, cfg: ModelConfig, w: WeightSource, provider: ExpertProvider, kv: KVCache, *,
-                 device, dtype: torch.dtype, fused_kernels: bool = True, native_kernels: bool = True):
+                 device, dtype: torch.dtype, fused_kernels: bool = True, native_kernels: bool = True,
+                 int8_activations: bool = False):
         super().__init__()
         self.cfg, self.provider, self.kv = cfg, provider, kv
         self.device, self.dtype = torch.device(device), dtype
@@ -353,6 +355,11 @@ class MoEModel(nn.Module):
         # One-sequence CPU decode steps on engine.kernels.native (EngineConfig.native_kernels) where it builds and
         # the model fits it (float32, no q/k norm, heads of at most 512): the torch forms' function in a few calls.
         self.native_kernels = native_kernels and self.device.type == "cpu" and native.lib() is not None
+        # EngineConfig.cpu_activations "int8": the native GGUF GEMVs round x to 8 bits in this model's passes.
+        self.int8_activations = int8_activations
+        if int8_activations and not self.native_kernels:
+            raise ValueError("cpu_activations int8 needs the native CPU kernels on the CPU (device cpu, "
+                             "--native-kernels, g++ on x86-64); they are off or did not build here")
         self.native_decode = (self.native_kernels and dtype == torch.float32 and not cfg.use_qk_norm
                               and cfg.head_dim <= 512)
         # native: the attention's scores, one row per head over the whole cache
@@ -559,7 +566,7 @@ class MoEModel(nn.Module):
         t = ids.shape[1]
         assert t > 0 and start + t <= self.max_len, f"{start}+{t} tokens exceed the KV cache's {self.max_len}"
         if self.exact_prefill:
-            with native.allow(self.native_kernels):
+            with native.allow(self.native_kernels, self.int8_activations):
                 h = self._prefill_rows(ids, slot, start)
                 if not all_logits:
                     return self.head(h[-1])
@@ -580,7 +587,7 @@ class MoEModel(nn.Module):
         s = Step(slots=[slot], sel=sel, idx=idx, positions=positions, start=start, kv_len=kv_len,
                  cos=self.cos[start:kv_len].view(1, t, 1, -1), sin=self.sin[start:kv_len].view(1, t, 1, -1),
                  mask=mask, decode=False)
-        with native.allow(self.native_kernels):
+        with native.allow(self.native_kernels, self.int8_activations):
             h = self._run(ids, s)[0]
             return self.head(h if all_logits else h[-1])
 
@@ -662,5 +669,5 @@ class MoEModel(nn.Module):
             # fused attention a grid per step: the graphs' buckets.
             kv_len = kv_bucket(kv_len, self.max_len)
         s = self.decode_meta(slots, sel, idx, pos, kv_len)
-        with native.allow(self.native_kernels):
+        with native.allow(self.native_kernels, self.int8_activations):
             return self.head(self._run(ids, s)[:, 0])                   # one row: lm_head's column halves on two threads
