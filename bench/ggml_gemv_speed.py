@@ -1,15 +1,18 @@
-"""Per-type speed of the one-token GEMVs a GGUF served on the CPU runs (issue 29's CPU target), against llama.cpp's
-way of computing them.
+"""Per-type speed of the one-token GEMVs a GGUF served on the CPU runs (issue 29's CPU target): the engine's two
+modes side by side, and optionally an earlier tree's float kernel.
 
-Kiln computes a GGUF's blocks with x kept in fp32 (engine.kernels.native.ggml_matmul, one row: native_cpu.cpp's
-gemv512_row; the vocabulary's Q8_0 as int8 codes and fp32 scales: q8_gemv), so its outputs are gguf's dequantization
-then a float matmul, another summation order apart. llama.cpp quantizes x once to Q8_0/Q8_K and takes integer dot
-products (VNNI where the CPU has it). bench/ggml_gemv_int8.cpp is a prototype of that for Q5_0, Q8_0 and Q4_K (x as
-Q8_0 per 32, vpdpbusd): what an integer path would buy per type, and what it costs in exactness (its outputs' relative
-error against Kiln's). Each figure: GB/s of weight bytes read, one thread, the best of `reps` calls (robust to a loaded
-host; the host load is recorded), a matrix that stays in L2 (compute) and one of ~96 MB (DRAM).
+  float  x kept in fp32 (native_cpu.cpp's gemv512_row: gguf's dequantization then a float matmul, another
+         summation order): the default, `--cpu-activations float`
+  int8   x rounded to 8 bits per 32 inputs, integer dot products (the "int8 activations" region, llama.cpp's way):
+         `--cpu-activations int8`; its relative difference from the float result is reported beside it
+  before --before REV: REV's native_cpu.cpp built with the engine's flags, its float kernel (what a change bought)
 
-    python -m bench.ggml_gemv_speed --out bench/results/<date>-ggml-gemv-speed.json
+The types are those a Q4_K_M of the demo holds (hidden 576 is no multiple of 256, so the K-quants fall back), each
+at the row length it has there. Each figure: GB/s of weight bytes read, the best of `reps` calls in each of 5 rounds
+that alternate the sides (robust to a loaded host; the host load is recorded), on 1 and 2 threads, a matrix that
+stays in L2 and one of ~96 MB (DRAM).
+
+    python -m bench.ggml_gemv_speed --before 62c78c0 --out bench/results/<date>-ggml-gemv-speed.json
 """
 from __future__ import annotations
 
@@ -24,12 +27,11 @@ import torch
 
 from bench import harness
 
-HERE = Path(__file__).parent
-# The types a Q4_K_M of the demo holds (hidden 576 is no multiple of 256: the K-quants fall back), with the row
-# length each has there: q|k|v, o and the experts' gate|up read 576 inputs, the experts' downs 1,536.
-TYPES = [("q5_0", 576), ("q5_1", 576), ("q8_0", 576), ("q4_k", 1536), ("q6_k", 1536)]
-PROTOTYPED = {"q5_0", "q8_0", "q4_k"}
+# The types a Q4_K_M of the demo holds, with the row length each has there: q|k|v, o and the experts' gate|up read
+# 576 inputs, the experts' downs 1,536; Q4_1 is the demo's own file.
+TYPES = [("q4_1", 576), ("q5_0", 576), ("q5_1", 576), ("q8_0", 576), ("q4_k", 1536), ("q6_k", 1536)]
 SIZES = {"L2": 384 << 10, "DRAM": 96 << 20}
+ROUNDS = 5
 
 
 def best(fn, reps: int) -> float:
@@ -41,65 +43,71 @@ def best(fn, reps: int) -> float:
     return out
 
 
-def build_prototype(where: Path) -> ctypes.CDLL:
-    so = where / "ggml_gemv_int8.so"
-    subprocess.run(["g++", "-O3", "-march=native", "-shared", "-fPIC", "-std=c++17", str(HERE / "ggml_gemv_int8.cpp"),
-                    "-o", str(so)], check=True)
-    lib = ctypes.CDLL(str(so))
-    p, i = ctypes.c_void_p, ctypes.c_int
-    lib.quant_x.argtypes = [p, i, p, p, p, p]
-    lib.int_gemv.argtypes = [i, p, i, i, p, p, p, p, p]
+def build_before(rev: str, where: Path) -> ctypes.CDLL:
+    """REV's native_cpu.cpp, built as engine.kernels.native builds this tree's."""
+    from engine.kernels import native
+    src, so = where / "before.cpp", where / "before.so"
+    src.write_bytes(subprocess.run(["git", "show", f"{rev}:engine/kernels/native_cpu.cpp"], cwd=harness.REPO,
+                                   check=True, capture_output=True).stdout)
+    subprocess.run([native.compiler(), *native.FLAGS, *native.ARCH, str(src), "-o", str(so)], check=True)
+    lib = ctypes.PyDLL(str(so))
+    lib.ggml_matmul.argtypes = native.SIGNATURES["ggml_matmul"]
     return lib
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
-    ap.add_argument("--reps-l2", type=int, default=300)
-    ap.add_argument("--reps-dram", type=int, default=10)
+    ap.add_argument("--before", default=None, help="a git revision whose float kernel is timed beside this tree's")
+    ap.add_argument("--reps-l2", type=int, default=60)
+    ap.add_argument("--reps-dram", type=int, default=4)
     args = ap.parse_args(argv)
     from engine.kernels import native
     from engine.quant import ggml
     from tests.engine.test_ggml_types import random_blocks        # random blocks with the types' edge cases
-    torch.set_num_threads(1)
     lib = native.lib()
     gen = torch.Generator().manual_seed(0)
     rows, load_before = [], harness.host_load()
     with tempfile.TemporaryDirectory() as tmp:
-        proto = build_prototype(Path(tmp))
-        for name, k in TYPES:
-            t = ggml.ggml_type(name)
-            row_bytes = k // t.block * t.size
-            for where, target in SIZES.items():
-                n = max(64, target // row_bytes // 64 * 64)
-                w = random_blocks(name, 64, k, gen).repeat(n // 64, 1).contiguous()
-                x, y = torch.randn(k, generator=gen), torch.empty(n)
-                reps = args.reps_l2 if where == "L2" else args.reps_dram
-                s = best(lambda: lib.ggml_matmul(t.code, x.data_ptr(), 1, k, w.data_ptr(), n, y.data_ptr(), 1), reps)
-                row = {"type": name, "in": k, "rows": n, "where": where, "MB": round(w.numel() / 2 ** 20, 2),
-                       "kiln_float_gbps": round(w.numel() / s / 1e9, 2)}
-                if name == "q8_0":            # the vocabulary's form (Q8Projection): int8 codes, fp32 scales
-                    q8 = w.view(-1, 34)
-                    q = q8[:, 2:].contiguous().view(torch.int8).view(n, k)
-                    d = q8[:, :2].contiguous().view(torch.float16).float().view(n, k // 32)
-                    s8 = best(lambda: lib.q8_gemv(x.data_ptr(), k, q.data_ptr(), d.data_ptr(), n, y.data_ptr(), 1), reps)
-                    row["kiln_q8_gemv_gbps"] = round((q.numel() + 4 * d.numel()) / s8 / 1e9, 2)
-                if name in PROTOTYPED:
-                    qx, dx = torch.empty(k, dtype=torch.int8), torch.empty(k // 32)
-                    sq, sx, y2 = torch.empty(k // 32, dtype=torch.int32), torch.empty(k // 32), torch.empty(n)
-
-                    def integer():
-                        proto.quant_x(x.data_ptr(), k, qx.data_ptr(), dx.data_ptr(), sq.data_ptr(), sx.data_ptr())
-                        proto.int_gemv(t.code, w.data_ptr(), n, k, qx.data_ptr(), dx.data_ptr(), sq.data_ptr(),
-                                       sx.data_ptr(), y2.data_ptr())
-                    si = best(integer, reps)
-                    lib.ggml_matmul(t.code, x.data_ptr(), 1, k, w.data_ptr(), n, y.data_ptr(), 1)
-                    row.update(int8_dot_gbps=round(w.numel() / si / 1e9, 2), int8_over_float=round(s / si, 2),
-                               int8_rel_err=float((y2 - y).norm() / y.norm()))
-                harness.log(row)
-                rows.append(row)
-    harness.write_result(Path(args.out), {"threads": 1, "host_before": load_before, "host_after": harness.host_load(),
-                                          "rows": rows})
+        sides = {"float": (lib, 0), "int8": (lib, 1)}
+        if args.before:
+            sides = {"before": (build_before(args.before, Path(tmp)), 0), **sides}
+        for threads in (1, 2):
+            for name, k in TYPES:
+                t = ggml.ggml_type(name)
+                for where, target in SIZES.items():
+                    n = max(64, target // (k // t.block * t.size) // 64 * 64)
+                    w = random_blocks(name, 64, k, gen).repeat(n // 64, 1).contiguous()
+                    x, y = torch.randn(k, generator=gen), torch.empty(n)
+                    reps = args.reps_l2 if where == "L2" else args.reps_dram
+                    got: dict[str, float] = {}
+                    for _ in range(ROUNDS):
+                        for side, (so, q8) in sides.items():
+                            lib.set_int8_activations(q8)
+                            s = best(lambda: so.ggml_matmul(t.code, x.data_ptr(), 1, k, w.data_ptr(), n, y.data_ptr(),
+                                                            threads), reps)
+                            got[side] = min(got.get(side, s), s)
+                    outs = {}
+                    for q8 in (0, 1):
+                        lib.set_int8_activations(q8)
+                        outs[q8] = native.ggml_matmul(t.code, x.view(1, -1), w, n).view(-1)
+                    lib.set_int8_activations(0)
+                    gbps = {side: round(w.numel() / s / 1e9, 2) for side, s in got.items()}
+                    row = {"type": name, "in": k, "rows": n, "where": where, "MB": round(w.numel() / 2 ** 20, 2),
+                           "threads": threads, **{f"{side}_gbps": v for side, v in gbps.items()},
+                           "int8_over_float": round(gbps["int8"] / gbps["float"], 2),
+                           "int8_rel_diff": float((outs[1] - outs[0]).norm() / outs[0].norm())}
+                    if args.before:
+                        row["float_over_before"] = round(gbps["float"] / gbps["before"], 2)
+                    harness.log(row)
+                    rows.append(row)
+    cols = ["type", "where", "threads", *(f"{s}_gbps" for s in sides), "int8_over_float",
+            *(["float_over_before"] if args.before else []), "int8_rel_diff"]
+    table = harness.table(rows, cols)
+    print(table)
+    harness.write_result(Path(args.out), {"what": __doc__.splitlines()[0], "before": args.before,
+                                          "host_before": load_before, "host_after": harness.host_load(),
+                                          "rows": rows, "table": table})
     return 0
 
 

@@ -61,8 +61,12 @@ def machine() -> dict:
     out = {"cpus": os.cpu_count(), "cpu": platform.processor() or None}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                out["cpu"] = line.split(":", 1)[1].strip()
+            key, _, value = (part.strip() for part in line.partition(":"))
+            if key == "model name":
+                out["cpu"] = value
+            elif key in ("cpu family", "model"):      # tells hosts apart where the name does not ("AMD EPYC")
+                out["cpu_family" if key == "cpu family" else "cpu_model"] = int(value)
+            elif not line.strip() and "cpu" in out:
                 break
         mem = Path("/proc/meminfo").read_text().split()
         out["ram_gib"] = round(int(mem[mem.index("MemTotal:") + 1]) / (1 << 20), 1)
