@@ -65,11 +65,11 @@ def prompt_ids(tok) -> dict[str, list[int]]:
 class KilnServer:
     """`engine serve --model FILE.gguf` of this tree on 127.0.0.1 (a free port), the GGUF alone."""
 
-    def __init__(self, gguf: Path, threads: int):
+    def __init__(self, gguf: Path, threads: int, cpu_activations: str = "float"):
         env = {**os.environ, "PYTHONPATH": str(REPO)}
         self.p = subprocess.Popen([sys.executable, "-m", "engine", "serve", "--model", str(gguf), "--port", "0",
                                    "--ctx", "2048", "--max-batch", "1", "--threads", str(threads), "--device", "cpu",
-                                   "--log-level", "warning"], stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
+                                   "--cpu-activations", cpu_activations, "--log-level", "warning"], stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
         line = self.p.stderr.readline()
         m = re.search(r"listening on (http://127\.0\.0\.1:\d+)", line)
         if not m:
@@ -122,7 +122,8 @@ def llama_side(path: Path, ids, prompts, llama_threads: int, full: bool, vocab: 
     return dist, greedy
 
 
-def measure_file(path: Path, ref, ids, prompts, threads: int, llama_threads: int, full: bool, texts) -> dict:
+def measure_file(path: Path, ref, ids, prompts, threads: int, llama_threads: int, full: bool, texts,
+                 cpu_activations: str = "float") -> dict:
     from engine.llm import LLM
     res: dict = {"file": path.name, "bytes": path.stat().st_size, "tensor_types": ga.tensor_types(path),
                  "llama_distribution": "full" if full else f"top-{N_PROBS}"}
@@ -131,14 +132,14 @@ def measure_file(path: Path, ref, ids, prompts, threads: int, llama_threads: int
                                      llama_cache(path, len(ids), full))
     res["llama_seconds"] = round(time.perf_counter() - t0, 1)
     t0 = time.perf_counter()
-    srv = KilnServer(path, threads)
+    srv = KilnServer(path, threads, cpu_activations)
     try:
         served, ambiguous = ga.kiln_prompt_topn(srv.url, ids, N_PROBS, texts)
         kiln_greedy = {g: ga.greedy_kiln(srv.url, p, MAX_TOKENS) for g, p in prompts.items()}
     finally:
         srv.close()
     res["kiln_http_seconds"] = round(time.perf_counter() - t0, 1)
-    llm = LLM.load(path, max_context=2048, max_batch=1, threads=threads)
+    llm = LLM.load(path, max_context=2048, max_batch=1, threads=threads, cpu_activations=cpu_activations)
     try:
         kiln = ga.kiln_logprobs(llm, ids)[:len(ids) - 1]
     finally:
@@ -191,6 +192,8 @@ def main(argv=None) -> int:
                     help="comma list of MODEL or MODEL:TYPE whose llama-server distribution is taken whole (exact KL; "
                          "~0.4 s a position unloaded against ~0.02 for the top-20)")
     ap.add_argument("--index", action="store_true", help="add the result's row to bench/results/index.jsonl")
+    ap.add_argument("--cpu-activations", choices=["float", "int8"], default="float",
+                    help="Kiln's --cpu-activations (int8: x rounded to 8 bits per 32 inputs, as llama.cpp computes)")
     a = ap.parse_args(argv)
     from engine.kernels.cpu import set_compute_threads
     from tool.checks.llama_cpp import version
@@ -208,7 +211,7 @@ def main(argv=None) -> int:
                            "exact; kl_mean_nats_lower_bound is over a top-20 plus one rest bin: a lower bound",
                 "full": a.full, "targets_smollm2": TARGETS, "llama_server": version(llama_cpp_program("llama-server")),
                 "gate_prompts": ga.GATE_PROMPTS, "host_load_start": host_load(),
-                "threads": {"kiln": a.threads, "llama_server": a.llama_threads}})
+                "threads": {"kiln": a.threads, "llama_server": a.llama_threads}, "cpu_activations": a.cpu_activations})
     doc.setdefault("models", {})
     for name, m in files["models"].items():
         if a.only and name not in a.only.split(","):
@@ -224,7 +227,7 @@ def main(argv=None) -> int:
             f = m["files"][q]
             log(f"{name} {q}: measuring")
             r = measure_file(Path(f["path"]), ref, ids, prompts, a.threads, a.llama_threads,
-                             bool({name, f"{name}:{q}"} & set(a.full.split(","))), texts)
+                             bool({name, f"{name}:{q}"} & set(a.full.split(","))), texts, a.cpu_activations)
             entry["types"][q] = r
             doc["host_load_end"] = host_load()
             write_result(a.out, doc)

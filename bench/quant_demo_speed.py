@@ -32,6 +32,10 @@ in the file's own GGML type), against llama-server on the same file. The demo ma
   python -m bench.gguf_files --work /tmp/ggufcpu/work --only smollm2-demo --types Q4_K_M
   python -m bench.quant_demo_speed --direct --variants gguf --gguf /tmp/ggufcpu/work/smollm2-demo/Q4_K_M.gguf \
       --rounds 8 --tokens 128 --out bench/results/2026-12-05-gguf-demo-speed.json
+
+--variants gguf-int8 serves the same file and store with `--cpu-activations int8` (x rounded to 8 bits per 32 inputs,
+integer dot products: llama.cpp's own way of computing these blocks); `--variants gguf,gguf-int8` runs both, each
+against llama-server in its own alternating rounds.
 """
 from __future__ import annotations
 
@@ -73,12 +77,13 @@ def prepare(gguf: Path, work: Path, variants: list[str]) -> dict[str, Path]:
     """q4_1: the model and store as the recipe's prepare step makes them; fp32: the same conversion with the
     experts' float weights (and float attention), packed into fp32 records (paths["fp32_model"])."""
     paths: dict[str, Path] = {"model": work / "model"}
-    if "gguf" in variants:         # the file is the model: only its experts are packed, in their own types
-        paths["gguf_model"], store = gguf, work / f"gguf-{gguf.stem}"
-        paths["gguf"] = store
+    if GGUF_VARIANTS & set(variants):   # the file is the model: only its experts are packed, in their own types
+        store = work / f"gguf-{gguf.stem}"
+        for v in GGUF_VARIANTS:             # gguf-int8: the same file and store, served with --cpu-activations int8
+            paths[f"{v}_model"], paths[v] = gguf, store
         if not (store / "manifest.json").exists():
             sh([*ENGINE, "pack-store", "-q", "--model", str(gguf), "--store", str(store)], check=True)
-    converted = [v for v in variants if v != "gguf"]
+    converted = [v for v in variants if v not in GGUF_VARIANTS]
     for name in ("q4_1", *(v for v in converted if v != "q4_1")) if converted else ():
         model = paths["model"] if name == "q4_1" else work / f"{name}-model"
         if name != "q4_1":
@@ -94,6 +99,7 @@ def prepare(gguf: Path, work: Path, variants: list[str]) -> dict[str, Path]:
     return paths
 
 
+GGUF_VARIANTS = {"gguf", "gguf-int8"}
 ENGINE_THREADS: list[str] = []     # --engine-threads N: engine serve --threads N appended (default: the engine's own)
 
 
@@ -104,6 +110,11 @@ def serve_args(model: Path, store: Path, port: int) -> list[str]:
     fill = {"@store@/model": str(model), "@store@/experts": str(store), "@host@": "127.0.0.1", "@port@": str(port)}
     return [*(fill.get(a, a) for a in recipe["steps"]["serve"]["args"]),
             "--max-batch", str(recipe["serve"]["max_batch_size"]), *ENGINE_THREADS]
+
+
+def activations(variant: str) -> str:
+    """The engine's --cpu-activations for a variant: int8 for the *-int8 ones, else float (the default)."""
+    return "int8" if variant.endswith("-int8") else "float"
 
 
 def vm(pid: int, key: str) -> int | None:
@@ -147,7 +158,8 @@ def start_engine(name: str, paths: dict, evidence: Path):
     log = open(evidence / f"engine-{name}.log", "w")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     model = paths.get(f"{name}_model", paths["model"])
-    proc = subprocess.Popen([*ENGINE, *serve_args(model, paths[name], port)], cwd=REPO, env=env,
+    argv = [*serve_args(model, paths[name], port), "--cpu-activations", activations(name)]
+    proc = subprocess.Popen([*ENGINE, *argv], cwd=REPO, env=env,
                             stdout=log, stderr=subprocess.STDOUT)
     try:
         waited = wait_ready(proc, f"http://127.0.0.1:{port}", Path(log.name), f"engine serve ({name})", limit_s=900)
@@ -195,7 +207,8 @@ def direct(name: str, paths: dict, gguf: Path, llama: Path, evidence: Path, roun
             if breakdown:                # the engine's token in-process, in this round: where the served one's time goes
                 threads = ENGINE_THREADS[1] if ENGINE_THREADS else "0"
                 r = sh([sys.executable, "-m", "bench.quant_demo_speed", "--breakdown-row", str(paths.get(f"{name}_model", paths["model"])),
-                        str(paths[name]), str(tokens), threads, "--out", "-"], capture_output=True, text=True)
+                        str(paths[name]), str(tokens), threads, activations(name), "--out", "-"], capture_output=True,
+                       text=True)
                 if r.returncode:
                     raise SystemExit(f"breakdown row failed: {r.stderr[-1500:]}")
                 inproc.append(json.loads(r.stdout.strip().splitlines()[-1]))
@@ -274,7 +287,7 @@ def engine_row(model: Path, store: str, tokens: int) -> float:
     return rate
 
 
-def breakdown_row(model: Path, store: Path, tokens: int, threads: int | None) -> dict:
+def breakdown_row(model: Path, store: Path, tokens: int, threads: int | None, cpu_activations: str = "float") -> dict:
     """--breakdown-row: where a served token's time goes, measured in-process on the server's own path (LLM, its
     scheduler thread, the recipe's RAM tier and KV cache, the gate's chat prompt, greedy, eos ignored), each decode
     turn of the scheduler timed with perf_counter_ns: the native calls (every engine.kernels.native call inside
@@ -294,7 +307,8 @@ def breakdown_row(model: Path, store: Path, tokens: int, threads: int | None) ->
     pc = time.perf_counter_ns
     acc = {"native": 0, "step": 0}
     with LLM.load(model, store, max_context=int(args[args.index("--ctx") + 1]), max_batch=recipe["serve"]["max_batch_size"],
-                  ram_slots=int(args[args.index("--ram-slots") + 1]), threads=threads) as llm:
+                  ram_slots=int(args[args.index("--ram-slots") + 1]), threads=threads,
+                  cpu_activations=cpu_activations) as llm:
         prompt = llm.tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True)
         prompt = prompt if isinstance(prompt, list) else prompt["input_ids"]
         list(llm.stream(prompt, SamplingParams(max_tokens=8, ignore_eos=True)))         # warm, as the HTTP rounds are
@@ -453,7 +467,8 @@ def main():
         importlib.import_module("engine.cli")    # its OpenMP wait setting before torch loads libgomp, as `engine serve`
         i = sys.argv.index("--breakdown-row")
         th = int(sys.argv[i + 4]) or None
-        print(json.dumps(breakdown_row(Path(sys.argv[i + 1]), Path(sys.argv[i + 2]), int(sys.argv[i + 3]), th)))
+        print(json.dumps(breakdown_row(Path(sys.argv[i + 1]), Path(sys.argv[i + 2]), int(sys.argv[i + 3]), th,
+                                       sys.argv[i + 5])))
         return
     if "--row" in sys.argv:
         i = sys.argv.index("--row")
