@@ -5,7 +5,9 @@ moe(): all of one MoE layer's CPU-lane picks for a step's tokens in ONE call —
 expert's rows, split over a team of threads pinned to the lane's CPUs — for 4-bit records of either order:
   cols (QuantLayout.cpu_int4, the CPU's stores): each pick bitwise engine.kernels.native.int4_ffn;
   rows (scheme int4, the GPU kernels' form a CUDA machine's RAM tier holds): the same function (x and the GEMV
-      outputs rounded to bf16, fp32 accumulation), computed from the rows form, the same bits on any thread count.
+      outputs rounded to bf16, fp32 accumulation), computed from the rows form, the same bits on any thread count;
+and for a GGUF's ggml: records (each matrix in its own type, QuantLayout.mixed): each pick bitwise
+engine.kernels.native.ggml_ffn (x in fp32, or rounded to 8 bits in the --cpu-activations int8 mode).
 The picks' sum per token is moe_forward's one-token sum (y·w, then + y'·w' ...) in the order given, in fp32.
 
 Why: the lane used to compute a CUDA machine's int4 records by dequantizing each to fp32 and multiplying in torch
@@ -24,15 +26,18 @@ import time
 import torch
 
 from engine.kernels import native
+from engine.quant import ggml
 from engine.quant.records import FOUR_BIT, group_size
 
 _P, _I = ctypes.c_void_p, ctypes.c_int
 SIGNATURES = {
     "lane_int4_moe": ([_P, _I, _I, _I, _I, _I, _P, _I, _P, _P, _P, _P, _I, _P, _I, ctypes.c_float], _I),
+    "lane_ggml_moe": ([_P, _I, _I, _I, _P, _I, _P, _P, _P, _P, _I, _P, _I, ctypes.c_float], _I),
     "lane_read": ([_P, ctypes.c_int64, _I, _P, _I], ctypes.c_uint64),
     "lane_isa": ([], _I),
 }
 ISA = {0: "scalar", 1: "avx2+fma", 2: "avx512f", 3: "avx512f+bf16"}
+GGML = 2              # offsets()' order code for ggml: records (lane_ggml_moe); 0 rows, 1 cols (lane_int4_moe)
 
 
 @functools.cache
@@ -60,8 +65,13 @@ def isa(so: ctypes.CDLL | None = None) -> str | None:
 
 def offsets(quant) -> tuple[int, int] | None:
     """(order code, byte offsets) of a QuantLayout's records the kernel reads, or None where it takes none of them:
-    cols 4-bit (gate|up codes, scales, down codes, scales) or rows int4 (gate, up, down: codes, scales each)."""
-    if quant is None or quant.mixed or group_size(quant.hidden, quant.scheme) != 32 \
+    cols 4-bit (gate|up codes, scales, down codes, scales), rows int4 (gate, up, down: codes, scales each), or
+    GGML (order GGML: gate, up, down, whose types the records' headers name; every type one the kernels have)."""
+    if quant is not None and quant.mixed:
+        if not all(native.ggml_supported(ggml.ggml_type(t).code) for t in quant.capacity):
+            return None
+        return GGML, tuple(r[0] for r in quant.regions.values())
+    if quant is None or group_size(quant.hidden, quant.scheme) != 32 \
             or group_size(quant.intermediate, quant.scheme) != 32:
         return None
     regs = quant.regions
@@ -111,6 +121,13 @@ def moe(x: torch.Tensor, tokens: list[int], records: list[int], weights: list[fl
     recs = (ctypes.c_uint64 * max(1, n))(*records)
     w = (ctypes.c_float * max(1, n))(*weights)
     off = (ctypes.c_int64 * 6)(*offs, *([0] * (6 - len(offs))))
+    if order == GGML:
+        rc = so.lane_ggml_moe(xf.data_ptr(), t, h, quant.intermediate, off, n, tok, recs, w, out.data_ptr(),
+                              team.threads, team._cpus, len(team.cpus), native._limit(limit))
+        if rc:
+            raise ValueError(f"lane_ggml_moe refused the records (hidden {h}, intermediate {quant.intermediate}, "
+                             f"types {quant.capacity})")
+        return out
     rc = so.lane_int4_moe(xf.data_ptr(), t, h, quant.intermediate, 32, order, off, n, tok, recs, w, out.data_ptr(),
                           team.threads, team._cpus, len(team.cpus), native._limit(limit))
     if rc:

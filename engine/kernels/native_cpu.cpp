@@ -24,6 +24,7 @@
 #include <cstdint>
 #include <cstring>
 #include <immintrin.h>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -1008,6 +1009,41 @@ inline float q8_row(int t, const uint8_t* row, const Q8x& x, int K) {
     }
 #endif
     return q8_row_generic(t, row, x, K);
+}
+
+// One row of x [K] as ggml_mm computes it with M = 1, for callers that split rows their own way (the CPU lane):
+// x, its sums per 16 and per 32 inputs as ggml_mm makes them, and (int8 mode) x rounded to 8 bits.
+struct GgmlRowInput {
+    std::vector<float> x, xs16, xs32;
+    Q8Rows q8;
+    bool int8;
+    GgmlRowInput(const float* x_, int K)
+        : x(x_, x_ + K), xs16(K / 16), xs32(K / 32), q8(x_, g_int8_activations ? 1 : 0, K), int8(g_int8_activations) {
+        for (int g = 0; g < K / 16; ++g) {
+            float s = 0.f;
+            for (int i = 0; i < 16; ++i) s += x_[16 * g + i];
+            xs16[g] = s;
+        }
+        for (int g = 0; g < K / 32; ++g) xs32[g] = xs16[2 * g] + xs16[2 * g + 1];
+    }
+};
+
+inline float ggml_row1(int t, const uint8_t* row, const GgmlRowInput& in, int K) {
+    if (is_float_type(t)) return dot_float(t, row, in.x.data(), K);
+    if (in.int8) return q8_row(t, row, in.q8.row(0), K);
+#ifdef KILN_GEMV512
+    if (gemv512_type(t)) return gemv512_row(t, row, in.x.data(), in.xs32.data(), K);
+#endif
+    const GgmlType gt = ggml_type(t);
+    Unpacked u;
+    Acc acc = acc_zero();
+    float mins = 0.f;
+    for (int bi = 0; bi < K / gt.block; ++bi) {
+        unpack_block(t, row + (size_t)bi * gt.size, u);
+        const int k0 = bi * gt.block;
+        dot_unpacked(u, in.x.data() + k0, in.xs16.data() + k0 / 16, gt.block, acc, mins);
+    }
+    return acc_sum(acc) - mins;
 }
 
 // y [M, N] = x [M, K] · Wᵀ, W [N, K] in GGML type t (rows of K/block·size bytes, K a multiple of the block).
@@ -2396,6 +2432,30 @@ void lane_chunk(const LaneInput& in, int K, int N, int g, int order, const uint8
     for (int r = r0; r < r1; ++r) y[r] = bf16_round(y[r]);
 }
 
+// Inside a lane team's parallel region: out [T, H] = per token, the picks naming it in the order given, y·w then
+// + y'·w' ... (moe_forward's one-token sum), 256 columns a work item; a token no pick names gets zeros.
+void lane_sum_picks(int T, int H, int n, const int32_t* tok, const float* w, const float* ys, float* out) {
+    const int col_chunks = (H + 255) / 256;
+#pragma omp for schedule(static)
+    for (long it = 0; it < (long)T * col_chunks; ++it) {
+        const int t = it / col_chunks, c0 = (it % col_chunks) * 256, c1 = c0 + 256 < H ? c0 + 256 : H;
+        float* o = out + (size_t)t * H;
+        bool first = true;
+        for (int p = 0; p < n; ++p) {
+            if (tok[p] != t) continue;
+            const float* y = ys + (size_t)p * H;
+            const float wp = w[p];
+            if (first)
+                for (int i = c0; i < c1; ++i) o[i] = y[i] * wp;
+            else
+                for (int i = c0; i < c1; ++i) o[i] = o[i] + y[i] * wp;
+            first = false;
+        }
+        if (first)
+            for (int i = c0; i < c1; ++i) o[i] = 0.f;
+    }
+}
+
 }  // namespace
 
 extern "C" {
@@ -2431,7 +2491,6 @@ int lane_int4_moe(const float* x, int T, int H, int I, int g, int order, const i
     const int d_chunks = (H + rows - 1) / rows;
     std::vector<LaneInput> xin(T), hin(n);
     std::vector<float> gu((size_t)n * 2 * I), ys((size_t)n * H);
-    const int col_chunks = (H + 255) / 256;
 #pragma omp parallel num_threads(threads)
     {
         lane_pin(cpus, ncpus);
@@ -2466,24 +2525,68 @@ int lane_int4_moe(const float* x, int T, int H, int I, int g, int order, const i
             lane_chunk(hin[p], I, H, g, order, rec + d_codes, reinterpret_cast<const uint16_t*>(rec + d_sz), c,
                        ys.data() + (size_t)p * H);
         }
-#pragma omp for schedule(static)
-        for (long it = 0; it < (long)T * col_chunks; ++it) {
-            const int t = it / col_chunks, c0 = (it % col_chunks) * 256, c1 = c0 + 256 < H ? c0 + 256 : H;
-            float* o = out + (size_t)t * H;
-            bool first = true;
-            for (int p = 0; p < n; ++p) {
-                if (tok[p] != t) continue;
-                const float* y = ys.data() + (size_t)p * H;
-                const float wp = w[p];
-                if (first)
-                    for (int i = c0; i < c1; ++i) o[i] = y[i] * wp;
-                else
-                    for (int i = c0; i < c1; ++i) o[i] = o[i] + y[i] * wp;
-                first = false;
-            }
-            if (first)
-                for (int i = c0; i < c1; ++i) o[i] = 0.f;
+        lane_sum_picks(T, H, n, tok, w, ys.data(), out);
+    }
+    return 0;
+}
+
+// lane_int4_moe for ggml: records (a GGUF's experts, each matrix in its own GGML type, which the record's header
+// names: bytes 4..6 its gate, up and down type codes; off: the three matrices' byte offsets): gate [I, H], up [I, H],
+// down [H, I]. Each output row is ggml_row1's, so each pick is bitwise what ggml_ffn computes for it (float x, or
+// x rounded to 8 bits in the int8 mode), and the sum over picks is lane_int4_moe's. → 0, or 1 where a type or a
+// shape is not one this kernel computes (nothing written).
+int lane_ggml_moe(const float* x, int T, int H, int I, const int64_t* off, int n, const int32_t* tok,
+                  const uint64_t* recs, const float* w, float* out, int threads, const int* cpus, int ncpus,
+                  float limit) {
+    if (n < 0 || T < 1 || H % 32 || I % 32) return 1;
+    for (int p = 0; p < n; ++p) {
+        const uint8_t* rec = reinterpret_cast<const uint8_t*>(recs[p]);
+        if (tok[p] < 0 || tok[p] >= T) return 1;
+        for (int m = 0; m < 3; ++m) {
+            const GgmlType gt = ggml_type(rec[4 + m]);
+            if (gt.block == 0 || (m < 2 ? H : I) % gt.block) return 1;
         }
+    }
+    if (threads < 1) threads = 1;
+    constexpr int R = LANE_ROWS_ROWS;
+    const int half = (I + R - 1) / R, gu_chunks = 2 * half, d_chunks = (H + R - 1) / R;
+    std::vector<std::unique_ptr<GgmlRowInput>> xin(T), hin(n);
+    std::vector<float> gu((size_t)n * 2 * I), ys((size_t)n * H);
+#pragma omp parallel num_threads(threads)
+    {
+        lane_pin(cpus, ncpus);
+#pragma omp for schedule(dynamic, 1)
+        for (int t = 0; t < T; ++t) xin[t] = std::make_unique<GgmlRowInput>(x + (size_t)t * H, H);
+#pragma omp for schedule(dynamic, 1)
+        for (long it = 0; it < (long)n * gu_chunks; ++it) {
+            const int p = it / gu_chunks, c = it % gu_chunks, m = c < half ? 0 : 1;
+            const uint8_t* rec = reinterpret_cast<const uint8_t*>(recs[p]);
+            const int t = rec[4 + m];
+            const GgmlType gt = ggml_type(t);
+            const size_t row_bytes = (size_t)H / gt.block * gt.size;
+            const int r0 = (c - m * half) * R, r1 = r0 + R < I ? r0 + R : I;
+            float* y = gu.data() + (size_t)p * 2 * I + (size_t)m * I;
+            for (int r = r0; r < r1; ++r) y[r] = ggml_row1(t, rec + off[m] + r * row_bytes, *xin[tok[p]], H);
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int p = 0; p < n; ++p) {                      // ggml_ffn's silu(gate)·up, then down's input
+            const float* a = gu.data() + (size_t)p * 2 * I;
+            std::vector<float> h(I);
+            swiglu(a, a + I, I, limit, h.data());
+            hin[p] = std::make_unique<GgmlRowInput>(h.data(), I);
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (long it = 0; it < (long)n * d_chunks; ++it) {
+            const int p = it / d_chunks, c = it % d_chunks;
+            const uint8_t* rec = reinterpret_cast<const uint8_t*>(recs[p]);
+            const int t = rec[6];
+            const GgmlType gt = ggml_type(t);
+            const size_t row_bytes = (size_t)I / gt.block * gt.size;
+            const int r0 = c * R, r1 = r0 + R < H ? r0 + R : H;
+            float* y = ys.data() + (size_t)p * H;
+            for (int r = r0; r < r1; ++r) y[r] = ggml_row1(t, rec + off[2] + r * row_bytes, *hin[p], I);
+        }
+        lane_sum_picks(T, H, n, tok, w, ys.data(), out);
     }
     return 0;
 }

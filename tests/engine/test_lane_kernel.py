@@ -163,6 +163,18 @@ def int4_store(tiny_checkpoint, tmp_path_factory):
     return ck, store
 
 
+@pytest.fixture(scope="module")
+def ggml_store(tiny_checkpoint, tmp_path_factory):
+    """The same model shape as a GGUF's own Q5_0 blocks, packed from the file alone: ggml: records."""
+    from engine.store.pack import pack_store
+    from tests.fixtures.tiny_gguf import write_gguf
+    d = tmp_path_factory.mktemp("lane-ggml")
+    ck = tiny_checkpoint("qwen3_moe", experts=16, top_k=4, layers=3)
+    path = write_gguf(ck, d / "model.Q5_0.gguf", qtype="Q5_0")
+    pack_store(path, d / "store", quant="gguf", gguf=path)
+    return path, d / "store"
+
+
 def _provider(store, mode, rates, cpus, device="cpu"):
     from engine.store import manifest as mf
     from engine.tiers.tiered import TieredExperts
@@ -173,12 +185,16 @@ def _provider(store, mode, rates, cpus, device="cpu"):
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA device"))])
 @pytest.mark.parametrize("limit", [None, 0.1])
-def test_the_tiered_lane_computes_a_layer_in_one_kernel_call(int4_store, monkeypatch, device, limit):
-    """The tiered provider's CPU lane on int4 records: a decode layer's CPU picks go to lane.moe in ONE call on the
-    lane's pinned team (a spy on the real function counts them), the CPU rate is measured with it, and the layer's
-    output is the slot side's within a bf16 rounding (cuda: the GPU's int4 kernels; cpu: the same, interpreted).
-    With a SwiGLU limit (glm5_next's) too: the lane takes it rather than falling back to moe_forward."""
-    ck, store = int4_store
+@pytest.mark.parametrize("records", ["int4", "ggml"])
+def test_the_tiered_lane_computes_a_layer_in_one_kernel_call(records, request, monkeypatch, device, limit):
+    """The tiered provider's CPU lane on int4 records and on a GGUF's ggml: records: a decode layer's CPU picks go to
+    lane.moe in ONE call on the lane's pinned team (a spy on the real function counts them), the CPU rate is measured
+    with it, and the layer's output is the slot side's within a bf16 rounding (cuda: the GPU's kernels; cpu: the
+    same, interpreted). With a SwiGLU limit (glm5_next's) too: the lane takes it rather than falling back to
+    moe_forward."""
+    ck, store = request.getfixturevalue(f"{records}_store")
+    if records == "ggml":
+        assert lane.offsets(_provider(store, "off", None, []).layout.quantized)[0] == lane.GGML
     calls = []
     real = lane.moe
     monkeypatch.setattr(lane, "moe", lambda *a, **kw: calls.append(len(a[1])) or real(*a, **kw))
@@ -225,3 +241,41 @@ def test_greedy_tokens_are_the_same_with_the_int4_lane_on(int4_store):
             finally:
                 prov.close()
     assert toks["on"] == toks["off"]
+
+
+# ---- a GGUF's ggml: records (each matrix in its own type, named by the record's header)
+def ggml_records(n: int, seed: int = 3):
+    """A ggml: layout whose layers mix types as a Q4_K_M does (Q5_0 or Q4_K gate/up, Q5_1 or Q8_0 down; I = 192 is
+    no multiple of 256, so no K-quant down, as llama-quantize falls back) and n
+    records of random blocks (tests.engine.test_ggml_types.random_blocks: a zero scale, the extreme codes)."""
+    from engine.gguf_tensors import expert_layout, expert_record
+    from tests.engine.test_ggml_types import random_blocks
+    gen = torch.Generator().manual_seed(seed)
+    triples = [("q5_0", "q5_0", "q5_1"), ("q4_k", "q4_k", "q8_0"), ("q5_0", "iq4_nl", "q4_0")]
+    layout = expert_layout(H, I, triples)
+    recs = []
+    for j in range(n):
+        g, u, d = triples[j % len(triples)]
+        recs.append(expert_record(layout, (g, random_blocks(g, I, H, gen)), (u, random_blocks(u, I, H, gen)),
+                                  (d, random_blocks(d, H, I, gen))))
+    return layout.quantized, recs
+
+
+@pytest.mark.parametrize("int8", [False, True])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_ggml_picks_are_ggml_ffn_bitwise_summed_in_the_pick_order(threads, int8):
+    """ggml: records on the lane: each pick ggml_ffn's bits (the per-type row kernels; with int8 activations, x
+    rounded to 8 bits as the one-token step rounds it), summed in the pick order, zeros for a token with no pick."""
+    from engine.kernels.quant_cpu import ggml_ffn
+    q, recs = ggml_records(5)
+    assert lane.offsets(q)[0] == lane.GGML
+    x = torch.randn(4, H, generator=torch.Generator().manual_seed(1)) * 0.2
+    picks = [recs[i] for i in WHICH]
+    with native.allow(True, int8_activations=int8):
+        got = lane.moe(x, TOKENS, [r.data_ptr() for r in picks], WEIGHTS, q, lane.Team(threads), limit=7.0)
+        want = per_pick_sum(lambda xt, r: ggml_ffn(q, r, xt.view(1, -1), 7.0).view(-1), x, TOKENS, picks, WEIGHTS)
+    assert torch.equal(got, want)
+    assert torch.equal(got[3], torch.zeros(H))
+    with native.allow(True, int8_activations=not int8):
+        other = lane.moe(x, TOKENS, [r.data_ptr() for r in picks], WEIGHTS, q, lane.Team(threads), limit=7.0)
+    assert not torch.equal(other, got)                      # the mode reaches the lane's rows
