@@ -1011,6 +1011,15 @@ inline float q8_row(int t, const uint8_t* row, const Q8x& x, int K) {
     return q8_row_generic(t, row, x, K);
 }
 
+// x [K]'s sums per 16 inputs (K a multiple of 16), in input order: the blocks' mins read them (and per 32 as pairs).
+inline void sums16(const float* x, int K, float* out) {
+    for (int g = 0; g < K / 16; ++g) {
+        float s = 0.f;
+        for (int i = 0; i < 16; ++i) s += x[16 * g + i];
+        out[g] = s;
+    }
+}
+
 // One row of x [K] as ggml_mm computes it with M = 1, for callers that split rows their own way (the CPU lane):
 // x, its sums per 16 and per 32 inputs as ggml_mm makes them, and (int8 mode) x rounded to 8 bits.
 struct GgmlRowInput {
@@ -1019,11 +1028,7 @@ struct GgmlRowInput {
     bool int8;
     GgmlRowInput(const float* x_, int K)
         : x(x_, x_ + K), xs16(K / 16), xs32(K / 32), q8(x_, g_int8_activations ? 1 : 0, K), int8(g_int8_activations) {
-        for (int g = 0; g < K / 16; ++g) {
-            float s = 0.f;
-            for (int i = 0; i < 16; ++i) s += x_[16 * g + i];
-            xs16[g] = s;
-        }
+        sums16(x_, K, xs16.data());
         for (int g = 0; g < K / 32; ++g) xs32[g] = xs16[2 * g] + xs16[2 * g + 1];
     }
 };
@@ -1068,12 +1073,7 @@ void ggml_mm(int t, const float* x, int M, int K, const uint8_t* w, int N, float
     }
     // x's sums per 16 inputs, for the blocks' mins (K is whole blocks, so a multiple of 32)
     float* xs16 = new float[(size_t)M * (K / 16)];
-    for (int m = 0; m < M; ++m)
-        for (int g = 0; g < K / 16; ++g) {
-            float s = 0.f;
-            for (int i = 0; i < 16; ++i) s += x[(size_t)m * K + 16 * g + i];
-            xs16[(size_t)m * (K / 16) + g] = s;
-        }
+    for (int m = 0; m < M; ++m) sums16(x + (size_t)m * K, K, xs16 + (size_t)m * (K / 16));
     const int blocks = K / gt.block;
 #ifdef KILN_GEMV512
     if (M == 1 && gemv512_type(t)) {             // one token: the register-unpacking GEMV above
@@ -1118,56 +1118,47 @@ void ggml_mm(int t, const float* x, int M, int K, const uint8_t* w, int N, float
 // their outputs concatenated in y: q|k|v, an expert's gate|up. Where every type is a gemv512 one, all their rows are
 // one OpenMP region (one barrier, not one a matrix) over x's sums made once; each row is gemv512_row's on the sums
 // ggml_mm makes, so y holds ggml_mm's bits either way.
+// The rows of up to 3 stacked matrices of K inputs (parts[i]: rows[i] rows of GGML type types[i]) in one OpenMP
+// region, y[n] = row_fn(type, row) in the stacked order.
+template <class RowFn>
+void stacked_rows(int K, int nparts, const uint8_t* const* parts, const int* types, const int* rows, float* y,
+                  int threads, const RowFn& row_fn) {
+    int total = 0;
+    size_t row_bytes[3];
+    for (int i = 0; i < nparts; ++i) {
+        const GgmlType gt = ggml_type(types[i]);
+        row_bytes[i] = (size_t)K / gt.block * gt.size;
+        total += rows[i];
+    }
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int n = 0; n < total; ++n) {
+        int i = 0, r = n;
+        while (r >= rows[i]) r -= rows[i++];
+        const uint8_t* row = parts[i] + (size_t)r * row_bytes[i];
+        _mm_prefetch((const char*)row + PREFETCH, _MM_HINT_T0);
+        y[n] = row_fn(types[i], row);
+    }
+}
+
 void ggml_gemv_parts(const float* x, int K, int nparts, const uint8_t* const* parts, const int* types,
                      const int* rows, float* y, int threads) {
     bool quantized = g_int8_activations && nparts > 1;
     for (int i = 0; i < nparts; ++i) quantized = quantized && !is_float_type(types[i]);
     if (quantized) {                             // x rounded once; every row q8_row's, as ggml_mm's
         const Q8Rows xq(x, 1, K);
-        int total = 0;
-        size_t row_bytes[3];
-        for (int i = 0; i < nparts; ++i) {
-            const GgmlType gt = ggml_type(types[i]);
-            row_bytes[i] = (size_t)K / gt.block * gt.size;
-            total += rows[i];
-        }
-#pragma omp parallel for num_threads(threads) schedule(static)
-        for (int n = 0; n < total; ++n) {
-            int i = 0, r = n;
-            while (r >= rows[i]) r -= rows[i++];
-            const uint8_t* row = parts[i] + (size_t)r * row_bytes[i];
-            _mm_prefetch((const char*)row + PREFETCH, _MM_HINT_T0);
-            y[n] = q8_row(types[i], row, xq.row(0), K);
-        }
+        stacked_rows(K, nparts, parts, types, rows, y, threads,
+                     [&](int t, const uint8_t* row) { return q8_row(t, row, xq.row(0), K); });
         return;
     }
 #ifdef KILN_GEMV512
     bool fused = nparts > 1;
     for (int i = 0; i < nparts; ++i) fused = fused && gemv512_type(types[i]);
     if (fused) {
-        float* xs = new float[K / 16];       // as ggml_mm: sums per 16, then in place per 32
-        for (int g = 0; g < K / 16; ++g) {
-            float s = 0.f;
-            for (int i = 0; i < 16; ++i) s += x[16 * g + i];
-            xs[g] = s;
-        }
+        std::vector<float> xs(K / 16);       // as ggml_mm: sums per 16, then in place per 32
+        sums16(x, K, xs.data());
         for (int g = 0; g < K / 32; ++g) xs[g] = xs[2 * g] + xs[2 * g + 1];
-        int total = 0;
-        size_t row_bytes[3];
-        for (int i = 0; i < nparts; ++i) {
-            const GgmlType gt = ggml_type(types[i]);
-            row_bytes[i] = (size_t)K / gt.block * gt.size;
-            total += rows[i];
-        }
-#pragma omp parallel for num_threads(threads) schedule(static)
-        for (int n = 0; n < total; ++n) {
-            int i = 0, r = n;
-            while (r >= rows[i]) r -= rows[i++];
-            const uint8_t* row = parts[i] + (size_t)r * row_bytes[i];
-            _mm_prefetch((const char*)row + PREFETCH, _MM_HINT_T0);
-            y[n] = gemv512_row(types[i], row, x, xs, K);
-        }
-        delete[] xs;
+        stacked_rows(K, nparts, parts, types, rows, y, threads,
+                     [&](int t, const uint8_t* row) { return gemv512_row(t, row, x, xs.data(), K); });
         return;
     }
 #endif
