@@ -99,18 +99,21 @@ def first_difference(a: str, b: str) -> int | None:
     return None if a == b else next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-def llama_cache(path: Path, n_ids: int, full: bool) -> Path:
-    """Where llama-server's distributions of `path` on n_ids tokens are kept (whole, or its top-N), beside the file:
-    bench/gguf_rounding.py reads them, and a rerun does not ask again."""
-    return path.with_suffix(f".llama-{'full' if full else f'top{N_PROBS}'}-{n_ids}.pt")
+def llama_cache(path: Path, n_ids: int, full: bool, kv: str = "f16") -> Path:
+    """Where llama-server's distributions of `path` on n_ids tokens are kept (whole, or its top-N; per KV cache type
+    other than the default f16), beside the file: bench/gguf_rounding.py reads them, and a rerun does not ask again."""
+    return path.with_suffix(f".llama-{'full' if full else f'top{N_PROBS}'}-{n_ids}{'' if kv == 'f16' else '-kv' + kv}.pt")
 
 
-def llama_side(path: Path, ids, prompts, llama_threads: int, full: bool, vocab: int, cache: Path):
+def llama_side(path: Path, ids, prompts, llama_threads: int, full: bool, vocab: int, cache: Path,
+               kv: str = "f16"):
     """llama-server's distributions (whole, cached beside the file, where `full`; else its top-N) and its greedy
-    answers."""
+    answers; kv: its KV cache's type (-ctk/-ctv; f16 is llama.cpp's default)."""
     from tool.checks.llama_cpp import LlamaServerProcess
     from tool.programs import llama_cpp_program
-    with LlamaServerProcess(llama_cpp_program("llama-server"), path, ctx=2048, threads=llama_threads) as srv:
+    extra = () if kv == "f16" else ("-ctk", kv, "-ctv", kv)
+    with LlamaServerProcess(llama_cpp_program("llama-server"), path, ctx=2048, threads=llama_threads,
+                            extra=extra) as srv:
         base = srv.url.removesuffix("/v1")
         if cache.is_file():
             dist = torch.load(cache)
@@ -123,13 +126,13 @@ def llama_side(path: Path, ids, prompts, llama_threads: int, full: bool, vocab: 
 
 
 def measure_file(path: Path, ref, ids, prompts, threads: int, llama_threads: int, full: bool, texts,
-                 cpu_activations: str = "float") -> dict:
+                 cpu_activations: str = "float", llama_kv: str = "f16") -> dict:
     from engine.llm import LLM
     res: dict = {"file": path.name, "bytes": path.stat().st_size, "tensor_types": ga.tensor_types(path),
                  "llama_distribution": "full" if full else f"top-{N_PROBS}"}
     t0 = time.perf_counter()
     llama, llama_greedy = llama_side(path, ids, prompts, llama_threads, full, ref.shape[-1],
-                                     llama_cache(path, len(ids), full))
+                                     llama_cache(path, len(ids), full, llama_kv), llama_kv)
     res["llama_seconds"] = round(time.perf_counter() - t0, 1)
     t0 = time.perf_counter()
     srv = KilnServer(path, threads, cpu_activations)
@@ -192,6 +195,8 @@ def main(argv=None) -> int:
                     help="comma list of MODEL or MODEL:TYPE whose llama-server distribution is taken whole (exact KL; "
                          "~0.4 s a position unloaded against ~0.02 for the top-20)")
     ap.add_argument("--index", action="store_true", help="add the result's row to bench/results/index.jsonl")
+    ap.add_argument("--llama-kv", choices=["f16", "f32"], default="f16",
+                    help="llama-server's KV cache type (-ctk/-ctv): f16 is its default, f32 Kiln's")
     ap.add_argument("--cpu-activations", choices=["float", "int8"], default="float",
                     help="Kiln's --cpu-activations (int8: x rounded to 8 bits per 32 inputs, as llama.cpp computes)")
     a = ap.parse_args(argv)
@@ -211,7 +216,8 @@ def main(argv=None) -> int:
                            "exact; kl_mean_nats_lower_bound is over a top-20 plus one rest bin: a lower bound",
                 "full": a.full, "targets_smollm2": TARGETS, "llama_server": version(llama_cpp_program("llama-server")),
                 "gate_prompts": ga.GATE_PROMPTS, "host_load_start": host_load(),
-                "threads": {"kiln": a.threads, "llama_server": a.llama_threads}, "cpu_activations": a.cpu_activations})
+                "threads": {"kiln": a.threads, "llama_server": a.llama_threads}, "cpu_activations": a.cpu_activations,
+                "llama_kv_cache": a.llama_kv})
     doc.setdefault("models", {})
     for name, m in files["models"].items():
         if a.only and name not in a.only.split(","):
@@ -227,7 +233,8 @@ def main(argv=None) -> int:
             f = m["files"][q]
             log(f"{name} {q}: measuring")
             r = measure_file(Path(f["path"]), ref, ids, prompts, a.threads, a.llama_threads,
-                             bool({name, f"{name}:{q}"} & set(a.full.split(","))), texts, a.cpu_activations)
+                             bool({name, f"{name}:{q}"} & set(a.full.split(","))), texts, a.cpu_activations,
+                             a.llama_kv)
             entry["types"][q] = r
             doc["host_load_end"] = host_load()
             write_result(a.out, doc)

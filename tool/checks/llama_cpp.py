@@ -54,7 +54,8 @@ class LlamaServerProcess:
     as a user's plain `llama-server -m FILE` does. One slot (--parallel 1): the gates time one stream."""
 
     def __init__(self, exe: str | os.PathLike, gguf: str | os.PathLike, *, ctx: int = 8192,
-                 alias: str | None = None, threads: int | None = None, cwd: str | os.PathLike | None = None):
+                 alias: str | None = None, threads: int | None = None, cwd: str | os.PathLike | None = None,
+                 extra: tuple[str, ...] = ()):
         self.exe, self.port, self.cwd = str(exe), free_port(), cwd
         self.argv = [self.exe, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(self.port), "-c", str(ctx),
                      "--parallel", "1", "--no-webui", *host_args()]
@@ -62,6 +63,7 @@ class LlamaServerProcess:
             self.argv += ["--alias", alias]
         if threads:
             self.argv += ["--threads", str(threads)]
+        self.argv += list(extra)             # a bench's own llama-server options (e.g. the KV cache's type)
         fd, name = tempfile.mkstemp(prefix="kiln-llama-server-", suffix=".log")
         os.close(fd)
         self.log = Path(name)
