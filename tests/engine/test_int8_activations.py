@@ -133,3 +133,16 @@ def test_int8_activations_need_the_native_kernels(q4_1_gguf):
     from engine.loader import load_model
     with pytest.raises(ValueError, match="needs the native CPU kernels"):
         load_model(q4_1_gguf, max_context=64, max_batch=1, cpu_activations="int8", native_kernels=False)
+
+
+def test_engine_generate_takes_the_flag_and_refuses_it_on_a_gpu(q4_1_gguf, capsys):
+    """As a user types it: `engine generate --cpu-activations int8` decodes; on --device cuda it is a usage error
+    (exit 2) in one line that names the option, before anything loads."""
+    from engine.cli import main
+    assert main(["generate", "--model", str(q4_1_gguf), "--prompt", "hi", "--max-tokens", "3",
+                 "--cpu-activations", "int8"]) == 0
+    capsys.readouterr()
+    assert main(["generate", "--model", str(q4_1_gguf), "--prompt", "hi", "--max-tokens", "1", "--device", "cuda",
+                 "--cpu-activations", "int8"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "cpu_activations int8 is for device cpu" in err and "Traceback" not in err
