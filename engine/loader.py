@@ -20,6 +20,7 @@ from engine.models.common import MoEModel, layer_ahead_predictor
 from engine.routing_trace import install as install_bench_routing
 from engine.dense_weights import BLOCK_SCHEMES, BLOCKS_SUFFIX
 from engine.engine_config import EngineConfig
+from engine.kernels import native
 from engine.tiers import build_provider
 from engine.tiers.ram import trim_heap
 
@@ -96,6 +97,9 @@ def load_model(model_dir: str | Path | Checkpoint, provider: ExpertProvider | No
     Raises CheckpointError (bad checkpoint) or ValueError (bad argument)."""
     config = EngineConfig.of(config, **knobs)
     device, max_context, max_batch = config.device, config.max_context, config.max_batch
+    if config.cpu_activations == "int8" and not (config.native_kernels and native.lib() is not None):
+        raise ValueError("cpu_activations int8 needs the native CPU kernels (--native-kernels, g++ on x86-64); "
+                         "they are off or did not build here")
     ckpt = open_checkpoint(model_dir)       # a checkpoint directory or a GGUF (engine.model_source)
     cfg = ModelConfig.from_checkpoint(ckpt)
     dtype = resolve_dtype(device, config.dtype, ckpt.dtype)
@@ -123,13 +127,9 @@ def load_model(model_dir: str | Path | Checkpoint, provider: ExpertProvider | No
     caches = cls.caches_for(ckpt.config, cfg, max_batch, max_context, dtype=dtype, device=device,
                             where=str(ckpt.dir / "config.json"))
     int8 = config.cpu_activations == "int8"
-    if int8 and cfg.arch == "glm5_next":
-        raise ValueError("cpu_activations int8: glm5_next has no int8-activation path (its CPU decode is the "
-                         "reference's torch ops)")
     weights = CheckpointWeights(ckpt, cfg.num_layers, device, dtype, int8_activations=int8)
-    model = cls(cfg, weights, provider, caches, device=device, dtype=dtype,
-                fused_kernels=config.fused_kernels, native_kernels=config.native_kernels,
-                **({"int8_activations": True} if int8 else {}))
+    model = cls(cfg, weights, provider, caches, device=device, dtype=dtype, fused_kernels=config.fused_kernels,
+                native_kernels=config.native_kernels, int8_activations=int8)
     if unused := weights.unused():
         raise CheckpointError(f"{ckpt.dir}: {len(unused)} tensors are not part of the {cfg.arch} model "
                               f"(unsupported variant?), e.g. {unused[0]}")

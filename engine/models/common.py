@@ -355,11 +355,9 @@ class MoEModel(nn.Module):
         # One-sequence CPU decode steps on engine.kernels.native (EngineConfig.native_kernels) where it builds and
         # the model fits it (float32, no q/k norm, heads of at most 512): the torch forms' function in a few calls.
         self.native_kernels = native_kernels and self.device.type == "cpu" and native.lib() is not None
-        # EngineConfig.cpu_activations "int8": the native GGUF GEMVs round x to 8 bits in this model's passes.
-        self.int8_activations = int8_activations
-        if int8_activations and not self.native_kernels:
-            raise ValueError("cpu_activations int8 needs the native CPU kernels on the CPU (device cpu, "
-                             "--native-kernels, g++ on x86-64); they are off or did not build here")
+        # EngineConfig.cpu_activations "int8": the native GGUF GEMVs round x to 8 bits in this model's passes
+        # (engine.loader refuses it where the native kernels are off or not built).
+        self.int8_activations = int8_activations and self.native_kernels
         self.native_decode = (self.native_kernels and dtype == torch.float32 and not cfg.use_qk_norm
                               and cfg.head_dim <= 512)
         # native: the attention's scores, one row per head over the whole cache

@@ -670,9 +670,11 @@ class Glm5Next(nn.Module):
     many sequences), the interface engine.llm drives every architecture through."""
 
     def __init__(self, cfg: ModelConfig, w: WeightSource, provider: ExpertProvider, caches: Glm5Caches, *,
-                 device, dtype: torch.dtype, fused_kernels: bool = True, **_kernels):
+                 device, dtype: torch.dtype, fused_kernels: bool = True, int8_activations: bool = False, **_kernels):
         super().__init__()
         # **_kernels: the native kernel switch other models take; glm5_next's CPU forms are torch's
+        if int8_activations:
+            raise ValueError("cpu_activations int8: glm5_next has no int8-activation path (its CPU forms are torch's)")
         self.cfg, self.spec, self.provider, self.caches = cfg, caches.spec, provider, caches
         provider.use_swiglu_limit(caches.spec.swiglu_limit)      # the routed experts' clamp, in every kernel
         self.device, self.dtype = torch.device(device), dtype

@@ -129,10 +129,12 @@ def test_int8_activations_are_refused_where_they_cannot_run(knobs, why):
         EngineConfig(**knobs)
 
 
-def test_int8_activations_need_the_native_kernels(q4_1_gguf):
+def test_int8_activations_need_the_native_kernels_and_not_glm5_next(q4_1_gguf, tiny_checkpoint):
     from engine.loader import load_model
     with pytest.raises(ValueError, match="needs the native CPU kernels"):
         load_model(q4_1_gguf, max_context=64, max_batch=1, cpu_activations="int8", native_kernels=False)
+    with pytest.raises(ValueError, match="glm5_next has no int8-activation path"):
+        load_model(tiny_checkpoint("glm5_next"), max_context=64, max_batch=1, cpu_activations="int8")
 
 
 def test_engine_generate_takes_the_flag_and_refuses_it_on_a_gpu(q4_1_gguf, capsys):
@@ -146,3 +148,7 @@ def test_engine_generate_takes_the_flag_and_refuses_it_on_a_gpu(q4_1_gguf, capsy
                  "--cpu-activations", "int8"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "cpu_activations int8 is for device cpu" in err and "Traceback" not in err
+    code = main(["generate", "--model", str(q4_1_gguf), "--prompt", "hi", "--max-tokens", "1", "--no-native-kernels",
+                 "--cpu-activations", "int8"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "needs the native CPU kernels" in err and "Traceback" not in err
