@@ -14,6 +14,7 @@ from engine.checkpoint import Checkpoint, CheckpointError
 from engine.model_config import ModelConfig
 from engine.experts.layout import DTYPES
 from engine.experts.provider import ExpertProvider
+from engine.gguf_model import GgufModel
 from engine.model_source import open_checkpoint
 from engine.models import model_class
 from engine.models.common import MoEModel, layer_ahead_predictor
@@ -101,6 +102,9 @@ def load_model(model_dir: str | Path | Checkpoint, provider: ExpertProvider | No
         raise ValueError("cpu_activations int8 needs the native CPU kernels (--native-kernels, g++ on x86-64); "
                          "they are off or did not build here")
     ckpt = open_checkpoint(model_dir)       # a checkpoint directory or a GGUF (engine.model_source)
+    if config.cpu_activations == "int8" and not isinstance(ckpt, GgufModel):
+        raise ValueError(f"cpu_activations int8 computes a GGUF file's own blocks: --model must be a .gguf file, not "
+                         f"the checkpoint directory {ckpt.dir}")
     cfg = ModelConfig.from_checkpoint(ckpt)
     dtype = resolve_dtype(device, config.dtype, ckpt.dtype)
     if max_context is None:

@@ -82,7 +82,8 @@ cpu_activations = click.option("--cpu-activations", type=click.Choice(CPU_ACTIVA
                                help="On the CPU, a GGUF's blocks multiply x in fp32 (float: gguf's dequantization "
                                     "then a float matmul) or x rounded to 8 bits per 32 inputs with integer dot "
                                     "products (int8: llama.cpp's way; faster, within ~0.5%% of each GEMV's float "
-                                    "result, not the same function). Needs the native kernels; not glm5_next.")
+                                    "result, not the same function). int8 needs --model FILE.gguf and the native "
+                                    "kernels; not glm5_next.")
 
 preload = click.option("--preload/--no-preload", default=EngineConfig.preload, show_default=True,
                        help="Tiered: fill the GPU slots and the RAM tier from the store at load (as many records as "

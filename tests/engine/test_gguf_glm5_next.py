@@ -154,3 +154,10 @@ def test_a_damaged_file_is_one_line_exit_bad_model(files, tmp_path, capsys, edit
         assert main(argv) == 3, argv
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and err.startswith("engine: ") and says in err, (argv, err)
+
+
+def test_int8_activations_are_refused_for_glm5_next(files):
+    """--cpu-activations int8 has no glm5_next path (its CPU forms are torch's): one line from its constructor, not
+    a silently float model."""
+    with pytest.raises(ValueError, match="glm5_next has no int8-activation path"):
+        load_model(files["F32"], max_context=64, max_batch=1, cpu_activations="int8")

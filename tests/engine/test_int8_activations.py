@@ -129,12 +129,14 @@ def test_int8_activations_are_refused_where_they_cannot_run(knobs, why):
         EngineConfig(**knobs)
 
 
-def test_int8_activations_need_the_native_kernels_and_not_glm5_next(q4_1_gguf, tiny_checkpoint):
+def test_int8_activations_need_the_native_kernels_and_a_gguf_file(q4_1_gguf, tiny_checkpoint):
+    """Refused where they would not apply: without the native kernels, and on a checkpoint directory (its dense
+    weights are floats or torch's int4 operand, its experts int4 records: nothing the mode computes)."""
     from engine.loader import load_model
     with pytest.raises(ValueError, match="needs the native CPU kernels"):
         load_model(q4_1_gguf, max_context=64, max_batch=1, cpu_activations="int8", native_kernels=False)
-    with pytest.raises(ValueError, match="glm5_next has no int8-activation path"):
-        load_model(tiny_checkpoint("glm5_next"), max_context=64, max_batch=1, cpu_activations="int8")
+    with pytest.raises(ValueError, match="must be a .gguf file, not the checkpoint directory"):
+        load_model(tiny_checkpoint("mixtral"), max_context=64, max_batch=1, cpu_activations="int8")
 
 
 def test_engine_generate_takes_the_flag_and_refuses_it_on_a_gpu(q4_1_gguf, capsys):
