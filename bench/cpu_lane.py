@@ -7,10 +7,12 @@ Per round, for the lane's thread counts 1 and N (N = the --cpus given, each team
           last-level cache, printed) with 64-byte loads;
   lane  — GB/s of int4 expert records (payload bytes) the kernel computes through at 1, 8 and 32 picks a layer call
           (1 and 8: one token's picks; 32: four tokens × 8), every pick a distinct record of a pool of --pool-mib
-          (≫ the LLC), records of the Qwen3-30B-A3B expert shape (hidden 2048, FFN 768), in both orders: rows (what
-          a CUDA machine's RAM tier holds, the H200's lane) and cols (a CPU store's).
+          (≫ the LLC), records of the Qwen3-30B-A3B expert shape (hidden 2048, FFN 768), in both int4 orders: rows
+          (what a CUDA machine's RAM tier holds, the H200's lane) and cols (a CPU store's); and ggml (--orders
+          ...,ggml): a GGUF's records as a Q4_K_M holds them, Q4_K gate and up, Q6_K down (random blocks).
 And once, for reference, what the lane ran before: quant_ffn per pick (rows: dequantize + F.linear in fp32; cols:
-native int4_ffn one expert at a time) on N torch threads, 8 picks. Every figure prints with the lane/DRAM ratio
+native int4_ffn one expert at a time; ggml: native ggml_ffn one expert at a time, holding the GIL) on N torch
+threads, 8 picks. Every figure prints with the lane/DRAM ratio
 beside the target (>= 0.5) and the host load of its round.
 """
 from __future__ import annotations
@@ -44,12 +46,27 @@ def cpu_list(spec: str | None) -> list[int]:
     return out
 
 
+GGML_TYPES = ("q4_k", "q4_k", "q6_k")          # a Q4_K_M's expert record: gate, up, down
+
+
+def ggml_layout(hidden: int, intermediate: int) -> QuantLayout:
+    from engine.gguf_tensors import expert_layout
+    return expert_layout(hidden, intermediate, [GGML_TYPES]).quantized
+
+
 def pool(layout: QuantLayout, mib: int, distinct: int = 4) -> torch.Tensor:
-    """[n, record_bytes] uint8: `distinct` real records (random weights, packed) repeated to fill `mib`."""
+    """[n, record_bytes] uint8: `distinct` real records (random weights packed, or for ggml: random blocks of its
+    types) repeated to fill `mib`."""
     gen = torch.Generator().manual_seed(0)
     h, i = layout.hidden, layout.intermediate
-    recs = [layout.pack(*(torch.randn(o, k, generator=gen) * 0.02 for o, k in ((i, h), (i, h), (h, i))))
-            for _ in range(distinct)]
+    shapes = ((i, h), (i, h), (h, i))
+    if layout.mixed:
+        from engine.gguf_tensors import expert_record
+        from tests.engine.test_ggml_types import random_blocks     # blocks with finite scales and the edge cases
+        recs = [expert_record(layout, *((t, random_blocks(t, o, k, gen)) for t, (o, k) in zip(GGML_TYPES, shapes)))
+                for _ in range(distinct)]
+    else:
+        recs = [layout.pack(*(torch.randn(o, k, generator=gen) * 0.02 for o, k in shapes)) for _ in range(distinct)]
     n = max(64, mib * (1 << 20) // layout.record_bytes)
     out = torch.empty(n, layout.record_bytes, dtype=torch.uint8)
     for j in range(n):
@@ -109,7 +126,8 @@ def main():
     llc = lane.llc_bytes()
     dram_mib = args.dram_mib or max(1024, 8 * (llc or 0) >> 20)
     teams = {1: lane.Team(1, cpus[:1]), len(cpus): lane.Team(len(cpus), cpus)}
-    layouts = {o: QuantLayout(args.hidden, args.intermediate, "int4", o) for o in args.orders.split(",")}
+    layouts = {o: ggml_layout(args.hidden, args.intermediate) if o == "ggml" else
+               QuantLayout(args.hidden, args.intermediate, "int4", o) for o in args.orders.split(",")}
     log(f"lane kernels: {lane.isa()}; CPUs {cpus[0]}-{cpus[-1]} ({len(cpus)}); LLC {llc and llc >> 20} MiB; "
         f"DRAM buffer {dram_mib} MiB; record pool {args.pool_mib} MiB; load {host_load()['loadavg']}")
     pools = {o: pool(q, args.pool_mib) for o, q in layouts.items()}
