@@ -2235,7 +2235,12 @@ void ggml_moe_tail(const float* h, int k, const int64_t* ids, const uint64_t* re
 namespace {
 
 constexpr int LANE_ROWS = 64;        // output rows of one cols work item (an int4pack tile)
-constexpr int LANE_ROWS_ROWS = 16;   // output rows of one rows work item: one pick's rows still spread over 16 threads
+// Output rows of one rows-order (and ggml) work item: about 8 items a thread over the call's rows, 16..128. A
+// 16-row item is a few microseconds, spent largely in the shared counter and on the cache lines its neighbours
+// write (2 threads ran slower than 1); 16 still spreads one pick's rows over 16 threads.
+inline int lane_item_rows(int n, int I, int H, int threads) {
+    return std::min(128, std::max(16, (int)((long)n * (2 * I + H) / (8L * threads)) / 16 * 16));
+}
 
 // Pin the calling OpenMP thread to cpus[tid % n] once (a team thread stays pinned across calls).
 inline void lane_pin(const int* cpus, int ncpus) {
@@ -2427,11 +2432,12 @@ struct LaneInput {
     }
 };
 
-// Output rows [r·c, r·c + r) ∩ [0, N) (r: 64 cols, 16 rows) of one matrix (its codes and scales at `codes`, `sz`) on a prepared input.
+// Output rows [r·c, r·c + r) ∩ [0, N) (r: 64 cols, `rows` rows) of one matrix (its codes and scales at `codes`, `sz`)
+// on a prepared input.
 void lane_chunk(const LaneInput& in, int K, int N, int g, int order, const uint8_t* codes, const uint16_t* sz,
-                int c, float* y) {
+                int c, int rows, float* y) {
     if (order == 0) {
-        const int r0 = c * LANE_ROWS_ROWS, r1 = r0 + LANE_ROWS_ROWS < N ? r0 + LANE_ROWS_ROWS : N;
+        const int r0 = c * rows, r1 = r0 + rows < N ? r0 + rows : N;
 #if defined(__AVX512BF16__)
         lane_rows_bf16(in.xlo.data(), in.xhi.data(), in.xs.data(), K, codes, sz, r0, r1, y);
 #else
@@ -2504,7 +2510,7 @@ int lane_int4_moe(const float* x, int T, int H, int I, int g, int order, const i
     for (int p = 0; p < n; ++p)
         if (tok[p] < 0 || tok[p] >= T) return 1;
     if (threads < 1) threads = 1;
-    const int rows = order == 1 ? LANE_ROWS : LANE_ROWS_ROWS;
+    const int rows = order == 1 ? LANE_ROWS : lane_item_rows(n, I, H, threads);
     const int half = (I + rows - 1) / rows;                // rows: gate chunks, then up chunks
     const int gu_chunks = order == 1 ? 2 * I / LANE_ROWS : 2 * half;
     const int d_chunks = (H + rows - 1) / rows;
@@ -2522,12 +2528,13 @@ int lane_int4_moe(const float* x, int T, int H, int I, int g, int order, const i
             float* y = gu.data() + (size_t)p * 2 * I;
             if (order == 1)
                 lane_chunk(xin[tok[p]], H, 2 * I, g, 1, rec + off[0], reinterpret_cast<const uint16_t*>(rec + off[1]),
-                           c, y);
+                           c, rows, y);
             else if (c < half)
-                lane_chunk(xin[tok[p]], H, I, g, 0, rec + off[0], reinterpret_cast<const uint16_t*>(rec + off[1]), c, y);
+                lane_chunk(xin[tok[p]], H, I, g, 0, rec + off[0], reinterpret_cast<const uint16_t*>(rec + off[1]), c,
+                           rows, y);
             else
                 lane_chunk(xin[tok[p]], H, I, g, 0, rec + off[2], reinterpret_cast<const uint16_t*>(rec + off[3]),
-                           c - half, y + I);
+                           c - half, rows, y + I);
         }
 #pragma omp for schedule(dynamic, 1)
         for (int p = 0; p < n; ++p) {                      // int4_ffn's silu(gate)·up, then down's input
@@ -2541,7 +2548,7 @@ int lane_int4_moe(const float* x, int T, int H, int I, int g, int order, const i
         for (long it = 0; it < (long)n * d_chunks; ++it) {
             const int p = it / d_chunks, c = it % d_chunks;
             const uint8_t* rec = reinterpret_cast<const uint8_t*>(recs[p]);
-            lane_chunk(hin[p], I, H, g, order, rec + d_codes, reinterpret_cast<const uint16_t*>(rec + d_sz), c,
+            lane_chunk(hin[p], I, H, g, order, rec + d_codes, reinterpret_cast<const uint16_t*>(rec + d_sz), c, rows,
                        ys.data() + (size_t)p * H);
         }
         lane_sum_picks(T, H, n, tok, w, ys.data(), out);
@@ -2567,7 +2574,7 @@ int lane_ggml_moe(const float* x, int T, int H, int I, const int64_t* off, int n
         }
     }
     if (threads < 1) threads = 1;
-    constexpr int R = LANE_ROWS_ROWS;
+    const int R = lane_item_rows(n, I, H, threads);
     const int half = (I + R - 1) / R, gu_chunks = 2 * half, d_chunks = (H + R - 1) / R;
     std::vector<std::unique_ptr<GgmlRowInput>> xin(T), hin(n);
     std::vector<float> gu((size_t)n * 2 * I), ys((size_t)n * H);
