@@ -30,6 +30,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine import interrupts
 from engine.errors import EngineError, Exit
 from engine.experts.layout import DTYPES
 from engine.dense_weights import BLOCK_SCHEMES, BLOCKS_SUFFIX
@@ -343,7 +344,9 @@ def _make_durable(root: Path) -> None:
 
 
 def _publish(staging: Path, out: Path) -> None:
-    """Rename staging into place; an existing --out (with --force) is moved aside first, then removed."""
+    """Rename staging into place; an existing --out (with --force) is moved aside first, then removed. Not after a
+    Ctrl-C or kill that Python dropped on the way (engine.interrupts)."""
+    interrupts.check()
     old = None
     if out.exists():
         old = out.with_name(f".{out.name}.old-{os.getpid()}")

@@ -42,7 +42,14 @@ def rpc_hello(port: int, source: str) -> bytes:
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=10, source_address=(source, 0)) as s:
             s.sendall(bytes([14]) + struct.pack("<Q", len(caps)) + caps)
-            return s.recv(64)
+            # the whole reply: its 8-byte size, then that many bytes (one recv may return the size alone)
+            reply = b""
+            while len(reply) < 8 or len(reply) < 8 + struct.unpack("<Q", reply[:8])[0]:
+                chunk = s.recv(64)
+                if not chunk:
+                    break
+                reply += chunk
+            return reply
     except (ConnectionResetError, ConnectionRefusedError, BrokenPipeError):
         return b""
 

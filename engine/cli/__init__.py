@@ -99,7 +99,15 @@ def main(argv=None) -> int:
 
 
 def entry():
-    sys.exit(main())
+    code = main()
+    if code == Exit.INTERRUPTED:
+        # CPython ends a process by re-raising SIGINT (exit status -2, not the documented 130) once a Ctrl-C passed
+        # through interpreter code run from C (its "unhandled KeyboardInterrupt" flag), even when main() caught it.
+        # The work is unwound by now (staging removed); only the streams need flushing.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
 
 
 if __name__ == "__main__":

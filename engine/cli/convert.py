@@ -5,6 +5,7 @@ from pathlib import Path
 
 import click
 
+from engine import interrupts
 from engine.convert import convert_gguf
 from engine.experts.layout import DTYPES
 
@@ -34,5 +35,6 @@ def convert(gguf, out, experts, top_k, seed, dtype, expert_weights, attention_bl
     Every MLP becomes EXPERTS identical experts behind a seeded router (top-K, weights renormalised), so the
     result computes the dense model's function. Exit codes: 3 bad GGUF, 4 gguf missing, 6 disk full/unwritable.
     """
-    path = convert_gguf(gguf, out, experts, top_k, seed, dtype, force, expert_weights, attention_blocks)
+    with interrupts.recorded():        # a Ctrl-C or kill stops the publish, even one a destructor drops
+        path = convert_gguf(gguf, out, experts, top_k, seed, dtype, force, expert_weights, attention_blocks)
     click.echo(str(path))

@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 import json
-import signal
 from contextlib import contextmanager
 
 import click
 
+from engine import interrupts
 from engine.checkpoint import CheckpointError
 from engine.gguf_model import GgufModel, is_gguf
 from engine.model_source import open_checkpoint
@@ -49,22 +49,6 @@ def _progress(total: int | None, phases: list[str], quiet: bool):
     finally:
         if tasks:
             bar.stop()
-
-
-@contextmanager
-def _sigterm_as_interrupt():
-    """`kill` (SIGTERM) unwinds like Ctrl-C so the staging directory is removed, not left behind."""
-    def raise_interrupt(signum, frame):
-        raise KeyboardInterrupt
-    try:
-        old = signal.signal(signal.SIGTERM, raise_interrupt)
-    except ValueError:          # not the main thread (e.g. under a test runner thread)
-        yield
-        return
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, old)
 
 
 @click.command("pack-store")
@@ -112,7 +96,7 @@ def pack_store(model_dir, store_dir, dtype, order, quant, gguf_file, readers, qu
         raise EngineError(str(e), Exit.BAD_MODEL) from None
     total = len(plan_offsets(ck.moe_layers, ck.n_experts, layout.record_bytes)) * layout.record_bytes
     try:
-        with _sigterm_as_interrupt(), _progress(total, ["write", "verify"], quiet) as advance:
+        with interrupts.recorded(), _progress(total, ["write", "verify"], quiet) as advance:
             r = pack(ck, store_dir, dtype=None if layout.quantized else layout.dtype, order=order,
                      readers=readers, progress=advance, quant=scheme, gguf=gguf_file)
     except CheckpointError as e:

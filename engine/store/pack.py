@@ -28,6 +28,7 @@ import torch
 
 from engine.checkpoint import Checkpoint
 from engine.model_source import open_checkpoint
+from engine import interrupts
 from engine.errors import EngineError, Exit
 from engine.store.source import record_source
 from engine.store import manifest as mf
@@ -260,6 +261,7 @@ def _exchange(a: Path, b: Path) -> bool:
 
 
 def _publish(staging: Path, store_dir: Path) -> None:
+    interrupts.check()          # not after a Ctrl-C or kill that Python dropped on the way (engine.interrupts)
     if store_dir.exists():
         if _exchange(staging, store_dir):
             shutil.rmtree(staging, ignore_errors=True)        # staging now holds the old store

@@ -130,6 +130,32 @@ def test_an_existing_out_is_not_overwritten(gguf, tmp_path):
     assert (out / "keep").read_text() == "x"
 
 
+class _DropsAnInterrupt:
+    """A destructor during which SIGINT arrives: its handler's KeyboardInterrupt is raised there, and Python drops it
+    ("Exception ignored in __del__"), as it did when a Ctrl-C landed while transformers freed its regex objects."""
+
+    def __del__(self):
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.01)
+
+
+def test_a_ctrl_c_that_python_drops_still_publishes_nothing(gguf, tmp_path, monkeypatch):
+    """The real signal and handler (engine.interrupts) and the real convert; only the moment is forced: right after
+    the staging directory is complete, inside a destructor. The publish is refused and nothing is left."""
+    from engine import convert, interrupts
+    write = convert.model_manifest.write
+
+    def write_then_drop(staging):
+        write(staging)
+        _DropsAnInterrupt()                  # made and freed at once: the signal lands in its __del__
+    monkeypatch.setattr(convert.model_manifest, "write", write_then_drop)
+    with pytest.raises(KeyboardInterrupt), interrupts.recorded():
+        convert.convert_gguf(gguf, tmp_path / "model", 8, 1, 0, expert_weights=False)
+    assert list(tmp_path.iterdir()) == []
+    with interrupts.recorded():              # a new block starts clean
+        interrupts.check()
+
+
 def test_ctrl_c_half_way_publishes_nothing(gguf, tmp_path):
     out = tmp_path / "model"
     p = subprocess.Popen([*ENGINE, "convert", "--gguf", str(gguf), "--out", str(out)], cwd=REPO,
