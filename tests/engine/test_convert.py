@@ -139,6 +139,7 @@ class _DropsAnInterrupt:
         time.sleep(0.01)
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")    # the dropped interrupt itself
 def test_a_ctrl_c_that_python_drops_still_publishes_nothing(gguf, tmp_path, monkeypatch):
     """The real signal and handler (engine.interrupts) and the real convert; only the moment is forced: right after
     the staging directory is complete, inside a destructor. The publish is refused and nothing is left."""
