@@ -9,6 +9,10 @@ nothing but the request's own seed and position, so a seeded request draws the s
 and no generator state has to travel with it (a step launched ahead draws from the ids still on the GPU,
 engine.decode_ahead). Every op is a fixed-shape tensor op: no host read inside. (Per-token noise, as
 Gumbel-max needs, cost 12 ms a draw over SmolLM2's 49,152 logits on the CPU; one number a row costs nothing.)
+On a GPU the plain draw (temperature alone, the common case; also every non-truncating row of a truncating batch)
+is two fused launches (engine.kernels.triton_sampling) instead of ~15 torch ops: the same function, its sums in
+another order, so a GPU's ids equal themselves in any batch but may differ from a CPU's on a token within rounding
+of the draw's boundary.
 
 Numerically safe at every value the API lets through: a temperature too small to divide by is greedy, top-p and
 min-p always keep the most likely token, NaN logits never win and +inf ones share the draw. A row that has no
@@ -22,6 +26,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from engine.kernels import triton_sampling
 
 # Below this a softmax(logits / T) is one-hot up to fp32 rounding (a logit gap of 1e-3 is e^-100 apart),
 # and dividing by a subnormal T overflows: such requests are greedy, as T -> 0+ is in the limit.
@@ -186,26 +192,40 @@ def _argmax(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return best, torch.isfinite(logits.gather(-1, best[:, None]))[:, 0]
 
 
+def _plain(x: torch.Tensor, best: torch.Tensor | None, floats: torch.Tensor, ints: torch.Tensor) -> torch.Tensor:
+    """Every row's plain draw from logits x [B, V] (its whole softmax at temperature T), greedy rows' `best`. On a
+    GPU the fused kernels (engine.kernels.triton_sampling: two launches, which clean x and find the argmax
+    themselves, so `best` may be None there); elsewhere the torch form on clean x."""
+    seed, index, _, greedy = ints.T
+    if triton_sampling.available(x.device):
+        return triton_sampling.plain_draw(x, floats[:, 0], seed, index, greedy)[0]
+    temperature = floats[:, :1]
+    z = x / torch.where(temperature < GREEDY_BELOW, 1.0, temperature)
+    return torch.where(greedy.bool(), best, _invert(torch.softmax(z, dim=-1), uniform(seed, index)))
+
+
 def _pick(x: torch.Tensor, best: torch.Tensor, floats: torch.Tensor, ints: torch.Tensor, truncate: bool) -> torch.Tensor:
     """The draw from clean (penalised) logits x [B, V]: greedy rows take `best`, the others invert the kept
     tokens' CDF at their (seed, index)'s number. A row that keeps every token draws by the plain path in any batch
     (the sorted path sums in another order: its ids could differ in the last bit), so its id does not depend on its
     neighbours' settings. Fixed-shape tensor ops only: CUDA-graph capturable."""
+    drawn = _plain(x, best, floats, ints)
+    if not truncate:
+        return drawn
     temperature, top_p, min_p = floats.T[:3, :, None]
     seed, index, top_k, greedy = ints.T
     z = x / torch.where(temperature < GREEDY_BELOW, 1.0, temperature)
     u = uniform(seed, index)
-    drawn = _invert(torch.softmax(z, dim=-1), u)
-    if truncate:       # the sorted path for the rows that truncate; the others keep the plain draw, as alone
-        z, order = torch.sort(z, dim=-1, descending=True)
-        pos = torch.arange(z.shape[-1], device=z.device)
-        z = torch.where((top_k[:, None] > 0) & (pos >= top_k[:, None]), float("-inf"), z)
-        p = torch.softmax(z, dim=-1)
-        keep = ((torch.cumsum(p, -1) - p) < top_p) & (p >= min_p * p[:, :1])
-        keep[:, 0] = True                               # the most likely token always stays
-        kept = order.gather(-1, _invert(torch.where(keep, p, 0.0), u)[:, None])[:, 0]
-        drawn = torch.where((top_k > 0) | (top_p[:, 0] < 1.0) | (min_p[:, 0] > 0.0), kept, drawn)
-    return torch.where(greedy.bool(), best, drawn)
+    # the sorted path for the rows that truncate; the others keep the plain draw, as alone
+    z, order = torch.sort(z, dim=-1, descending=True)
+    pos = torch.arange(z.shape[-1], device=z.device)
+    z = torch.where((top_k[:, None] > 0) & (pos >= top_k[:, None]), float("-inf"), z)
+    p = torch.softmax(z, dim=-1)
+    keep = ((torch.cumsum(p, -1) - p) < top_p) & (p >= min_p * p[:, :1])
+    keep[:, 0] = True                               # the most likely token always stays
+    kept = order.gather(-1, _invert(torch.where(keep, p, 0.0), u)[:, None])[:, 0]
+    truncating = (top_k > 0) | (top_p[:, 0] < 1.0) | (min_p[:, 0] > 0.0)
+    return torch.where(truncating & ~greedy.bool(), kept, drawn)
 
 
 def _penalise(x: torch.Tensor, floats: torch.Tensor, penalties: Penalties, slots: torch.Tensor) -> torch.Tensor:
@@ -225,6 +245,9 @@ def draw(logits: torch.Tensor, floats: torch.Tensor, ints: torch.Tensor, how: st
     bit for bit (sample() runs it)."""
     if how == GREEDY:
         return _argmax(logits)
+    if how == PLAIN and penalties is None and triton_sampling.available(logits.device):
+        ids, ok, _ = triton_sampling.plain_draw(logits, floats[:, 0], ints[:, 0], ints[:, 1], ints[:, 3])
+        return ids, ok.bool()             # the kernels clean the logits and take greedy rows' argmax themselves
     x, ok = _clean(logits)
     if penalties is not None:
         x = _penalise(x, floats, penalties, slots)
