@@ -21,6 +21,8 @@ beside `llama-bench` on the same file and Kiln's own int4 records of the same we
    --steps and --prefill (the same seed-0 file) whose llama-bench figures are taken instead of running it again.
 5. Kiln's own int4 records of the same weights, all resident, served the same way (context; last, where time allows;
    --no-int4: neither made nor served, which spares the call a quarter of its synthesis).
+6. --blocks-context: the file served again greedy with `--gguf-dense blocks` (attention and head on their own blocks,
+   where step 3 runs the engine's choice, `auto`, which its log line names and `gguf_dense` records): context.
 Targets (issue 29): Kiln's decode on the file >= 1.1x llama-bench's tg, its 8k prefill >= 1.0x llama-bench's pp.
 Each speed beside the HBM bound of the file's bytes a token (engine.measure.peer, lanes measured in the run).
 Writes --out after every part (a part that fails or does not fit --budget-s is recorded as such); prints a table.
@@ -84,6 +86,15 @@ def kiln_both(model: Path, store: Path | None, flags: list[str], args, vocab: in
         return out
 
 
+def dense_choice(serve_log: Path) -> str | None:
+    """The engine's one log line saying where a GGUF's dense matrices went on the GPU (engine.loader), if any."""
+    try:
+        lines = serve_log.read_text(errors="replace").splitlines()
+    except OSError:
+        return None
+    return next((l.split("gguf dense matrices on ", 1)[1] for l in lines if "gguf dense matrices on " in l), None)
+
+
 def agree_ids(args, vocab: int) -> list[int]:
     return prompt_ids(args.agree_positions + 1, vocab, 7)
 
@@ -132,6 +143,8 @@ def main():
                     "figures stand in for running llama-bench again")
     ap.add_argument("--no-int4", action="store_true", help="skip Kiln's own int4 records (made and served)")
     ap.add_argument("--greedy-only", action="store_true", help="Kiln's greedy requests alone (no temperature 1)")
+    ap.add_argument("--blocks-context", action="store_true",
+                    help="last: the file served again, greedy, with --gguf-dense blocks (context, not judged)")
     args = ap.parse_args()
     args.steps = args.steps or (16 if args.tiny else 128)
     args.prefill = args.prefill or (512 if args.tiny else 8192)
@@ -242,6 +255,9 @@ def main():
     runs["kiln_gguf_q4_k_m"] = part("kiln serves the Q4_K_M alone", 30 if args.tiny else 90,
                                     lambda: kiln_both(q4, None, args.kiln_flags, args, vocab, work / "serve-gguf.log", then))
     result["agreement_q4_k_m"] = runs["kiln_gguf_q4_k_m"].pop("then", None) or {"llama_server": llama}
+    result["gguf_dense"] = dense_choice(work / "serve-gguf.log")
+    if result["gguf_dense"] is not None:
+        result["cuda_paths"] = cuda_paths(q4, dense_blocks=": blocks (" in result["gguf_dense"])
     save()
 
     # 4. llama-bench on the file, all on the GPU (or an earlier run's figures on the same file)
@@ -257,11 +273,21 @@ def main():
                                                        work / "serve-int4.log"))
     save()
 
+    # 6. the file again with its dense matrices on their blocks (context)
+    if args.blocks_context and not args.tiny:
+        blocks_args = argparse.Namespace(**{**vars(args), "greedy_only": True})
+        runs["kiln_gguf_q4_k_m_dense_blocks"] = part(
+            "kiln serves the Q4_K_M alone, --gguf-dense blocks", 60,
+            lambda: kiln_both(q4, None, [*args.kiln_flags, "--gguf-dense", "blocks"], blocks_args, vocab,
+                              work / "serve-gguf-blocks.log"))
+        save()
+
     # the table
     lb, bound = runs.get("llama_bench_q4_k_m") or {}, (result.get("bound") or {}).get("bound_tps")
     log(f"\n| engine | file | decoding | decode tok/s | 4 streams agg | {args.prefill} prefill tok/s | HBM bound tok/s |")
     log("|---|---|---|---:|---:|---:|---:|")
     for name, file, key in (("Kiln served", "Q4_K_M GGUF alone", "kiln_gguf_q4_k_m"),
+                            ("Kiln served", "Q4_K_M GGUF alone, --gguf-dense blocks", "kiln_gguf_q4_k_m_dense_blocks"),
                             ("Kiln served", "int4 records, same weights", "kiln_int4_records")):
         for dec in ("greedy", "sampled"):
             r = (runs.get(key) or {}).get(dec) or {}

@@ -20,7 +20,7 @@ def gguf_projection(w, names: list[str], rows: bool = False):
     if any(k is None for k in kept):
         return None
     return gguf_tensors.projection([(n, *k) for n, k in zip(names, kept)], device=w.device, dtype=w.dtype, rows=rows,
-                                   blocks_only=w.int8_activations)
+                                   blocks_only=w.int8_activations, device_blocks=getattr(w, "gpu_blocks", True))
 
 
 def dense_projection(w, names: list[str], bias: torch.Tensor | None):

@@ -19,6 +19,7 @@ DTYPE_NAMES = ("float32", "bfloat16", "float16")
 EXPERTS = ("auto", "resident", "tiered")              # engine.tiers.choose_placement's modes
 CPU_EXPERTS = ("auto", "on", "off")                   # engine.tiers.lanes.split's modes
 CPU_ACTIVATIONS = ("float", "int8")                   # the native GGUF GEMVs: x in fp32, or rounded to 8 bits
+GGUF_DENSE = ("auto", "blocks", "dequantized")    # a GGUF's quantized dense matrices on a GPU
 ZERO_COPY = ("auto", "on", "off")                     # engine.tiers.tiered.TieredExperts.use_zero_copy's modes
 LANE_RATES = ("pcie", "cpu", "disk")
 BENCH_ROUTING = ("model", "uniform", "calibrated")  # engine.routing_trace.MODES (this module is free of torch)
@@ -69,6 +70,10 @@ class EngineConfig:
     # float | int8: the native GGUF GEMVs take x in fp32, or rounded to 8 bits per 32 inputs (llama.cpp's way: faster,
     # not the float function; engine.kernels.native_cpu.cpp's "int8 activations")
     cpu_activations: str = "float"
+    # auto | blocks | dequantized: on a GPU, a GGUF's quantized dense matrices (attention, the output head) computed
+    # on their own blocks, or dequantized once at load to the compute dtype (faster GEMVs, more memory). auto:
+    # dequantized where every expert is resident and the copies fit the free memory, else blocks (engine.loader)
+    gguf_dense: str = "auto"
     preload: bool = True                # tiered: fill the GPU and RAM tiers from the store at load (TieredExperts.preload)
     zero_copy: str = "auto"             # auto | on | off: tiered decode reads RAM-tier records in place (tiers.zero_copy)
     # BENCHMARKING ONLY: the routers' top-k choice replaced by drawn picks (engine.routing_trace); "model": the model's
@@ -109,6 +114,11 @@ class EngineConfig:
             raise ValueError(f"cpu_activations {self.cpu_activations!r} is not one of {', '.join(CPU_ACTIVATIONS)}")
         if self.cpu_activations == "int8" and self.device_kind != "cpu":
             raise ValueError(f"cpu_activations int8 is for device cpu, not {device}")
+        if self.gguf_dense not in GGUF_DENSE:
+            raise ValueError(f"gguf_dense {self.gguf_dense!r} is not one of {', '.join(GGUF_DENSE)}")
+        if self.gguf_dense != "auto" and self.device_kind != "cuda":
+            raise ValueError(f"gguf_dense {self.gguf_dense} is for a CUDA device, not {device} (the CPU computes a "
+                             f"GGUF's dense blocks with its native kernels)")
         if self.placement not in PLACEMENT:
             raise ValueError(f"placement {self.placement!r} is not one of {', '.join(PLACEMENT)}")
         parse_lane_rates(self.lane_rates)

@@ -169,7 +169,8 @@ class StackedProjection:
 
 
 def projection(parts: Sequence[tuple[str, str | int, torch.Tensor]], *, device: str | torch.device = "cpu",
-               dtype: torch.dtype = torch.float32, rows: bool = False, blocks_only: bool = False):
+               dtype: torch.dtype = torch.float32, rows: bool = False, blocks_only: bool = False,
+               device_blocks: bool = True):
     """Matrices (name, ggml_type, raw blocks uint8 [out, row bytes]) of one input, stacked along the output in order,
     as one projection: on the CPU 4-bit blocks of one type that torch's int4 operand tiles as one Int4Projection (one
     call: the native attention block takes it), else consecutive matrices of one type as one BlockProjection each
@@ -177,7 +178,8 @@ def projection(parts: Sequence[tuple[str, str | int, torch.Tensor]], *, device: 
     those as a StackedProjection; on a GPU (Triton) each run of one type a DeviceBlockProjection; elsewhere the float
     weights concatenated, dequantized once. rows: one matrix, the vocabulary (on the CPU a BlockProjection where the
     native kernel has its type, else weight(rows=True)). blocks_only (EngineConfig.cpu_activations "int8"): on the
-    CPU every run a BlockProjection, 4-bit ones too, since only the GGUF GEMVs round x to 8 bits."""
+    CPU every run a BlockProjection, 4-bit ones too, since only the GGUF GEMVs round x to 8 bits. device_blocks=False
+    (EngineConfig.gguf_dense): on a GPU the matrices dequantized once to `dtype`, as where no kernel keeps them."""
     got = []
     for name, t, raw in parts:
         g = ggml.ggml_type(t)
@@ -191,7 +193,7 @@ def projection(parts: Sequence[tuple[str, str | int, torch.Tensor]], *, device: 
                          f"{sorted({inp for *_, inp in got})}")
     inp = got[0][3]
     device = torch.device(device)
-    if device.type != "cpu" and not rows and device_kernel(device):
+    if device.type != "cpu" and not rows and device_blocks and device_kernel(device):
         out = [DeviceBlockProjection(run[0][1], torch.cat([p[2] for p in run]).to(device),
                                      sum(p[2].shape[0] for p in run), inp) for run in _runs(got)]
         return out[0] if len(out) == 1 else StackedProjection(out)

@@ -4,6 +4,7 @@ memory, all on the GPU, or the tiered store: engine.tiers.build_provider chooses
 on CUDA decode steps replayed from CUDA graphs (config.cuda_graphs; engine.gpu.graphs)."""
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import replace
 from pathlib import Path
@@ -23,9 +24,11 @@ from engine.dense_weights import BLOCK_SCHEMES, BLOCKS_SUFFIX
 from engine.engine_config import EngineConfig
 from engine.kernels import native
 from engine.tiers import build_provider
+from engine.tiers.gpu import gpu_reserve
 from engine.tiers.ram import trim_heap
 
 DEFAULT_MAX_CONTEXT = 4096      # the KV cache is preallocated: a 128k default would take tens of GB
+log = logging.getLogger("engine.loader")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 # Compute dtypes per device kind, and the default for each checkpoint dtype.
@@ -53,9 +56,11 @@ class CheckpointWeights:
     """The model's non-expert tensors, read on demand and moved to device/dtype; remembers what was
     used so the loader can refuse a checkpoint with tensors the model would silently ignore."""
 
-    def __init__(self, ckpt: Checkpoint, num_layers: int, device, dtype: torch.dtype, int8_activations: bool = False):
+    def __init__(self, ckpt: Checkpoint, num_layers: int, device, dtype: torch.dtype, int8_activations: bool = False,
+                 gpu_blocks: bool = True):
         self.ckpt, self.device, self.dtype = ckpt, device, dtype
         self.int8_activations = int8_activations
+        self.gpu_blocks = gpu_blocks        # a GGUF's quantized dense matrices keep their blocks on a GPU (gguf_dense)
         # Layers past num_hidden_layers are GLM's multi-token-prediction heads (transformers ignores them too).
         self.names = {n for n in ckpt.non_expert_names()
                       if not ((m := _LAYER.match(n)) and int(m.group(1)) >= num_layers)}
@@ -90,6 +95,27 @@ class CheckpointWeights:
 
     def unused(self) -> list[str]:
         return sorted(self.names - self.used)
+
+
+def gguf_dense_blocks(config: EngineConfig, ckpt: Checkpoint, provider: ExpertProvider, dtype: torch.dtype) -> bool:
+    """On a GPU, whether a GGUF's quantized dense matrices (attention, the output head) stay blocks
+    (engine.gguf_tensors.DeviceBlockProjection) or are dequantized once to `dtype`. The blocks move 3.5x fewer bytes
+    a token, but the bf16 GEMVs read faster (bench/README.md: a Q6_K head 370 µs against 151 on the H200), so
+    `auto` dequantizes where every expert is resident and the copies fit what the card has free, and keeps the
+    blocks where experts are tiered (each GiB on the card is then a GiB of expert slots) or room is short."""
+    device = torch.device(config.device)
+    if device.type != "cuda" or not isinstance(ckpt, GgufModel):
+        return True
+    if config.gguf_dense != "auto":
+        return config.gguf_dense == "blocks"
+    copies = ckpt.non_expert_elements() * dtype.itemsize
+    free, total = torch.cuda.mem_get_info(device)
+    tiered = provider.counters().get("provider") == "tiered"
+    blocks = tiered or free - gpu_reserve(total) < copies
+    log.info("gguf dense matrices on %s: %s (%s; copies %.2f GiB, %.2f GiB free)", device,
+             "blocks" if blocks else f"dequantized to {str(dtype).removeprefix('torch.')}",
+             "experts tiered" if tiered else "experts resident", copies / 2**30, free / 2**30)
+    return blocks
 
 
 def load_model(model_dir: str | Path | Checkpoint, provider: ExpertProvider | None = None, *, store_dir: str | Path | None = None,
@@ -131,7 +157,8 @@ def load_model(model_dir: str | Path | Checkpoint, provider: ExpertProvider | No
     caches = cls.caches_for(ckpt.config, cfg, max_batch, max_context, dtype=dtype, device=device,
                             where=str(ckpt.dir / "config.json"))
     int8 = config.cpu_activations == "int8"
-    weights = CheckpointWeights(ckpt, cfg.num_layers, device, dtype, int8_activations=int8)
+    weights = CheckpointWeights(ckpt, cfg.num_layers, device, dtype, int8_activations=int8,
+                                gpu_blocks=gguf_dense_blocks(config, ckpt, provider, dtype))
     model = cls(cfg, weights, provider, caches, device=device, dtype=dtype, fused_kernels=config.fused_kernels,
                 native_kernels=config.native_kernels, int8_activations=int8)
     if unused := weights.unused():

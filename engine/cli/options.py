@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import click
 
-from engine.engine_config import (BENCH_ROUTING, CPU_ACTIVATIONS, CPU_EXPERTS, DTYPE_NAMES, EXPERTS, PLACEMENT, ZERO_COPY,
-                                  EngineConfig)
+from engine.engine_config import (BENCH_ROUTING, CPU_ACTIVATIONS, CPU_EXPERTS, DTYPE_NAMES, EXPERTS, GGUF_DENSE, PLACEMENT,
+                                  ZERO_COPY, EngineConfig)
 from engine.errors import EngineError, Exit
 from engine.tiers.cache import POLICIES
 
@@ -85,6 +85,13 @@ cpu_activations = click.option("--cpu-activations", type=click.Choice(CPU_ACTIVA
                                     "result, not the same function). int8 needs --model FILE.gguf and the native "
                                     "kernels; not glm5_next.")
 
+gguf_dense = click.option("--gguf-dense", type=click.Choice(GGUF_DENSE), default=EngineConfig.gguf_dense,
+                          show_default=True,
+                          help="On a GPU, a GGUF's quantized attention and output head computed on the file's own "
+                               "blocks, or dequantized once at load to the compute dtype (faster GEMVs, about 3.5x "
+                               "their bytes on the card). auto = dequantized where every expert is resident and "
+                               "the copies fit the free memory, blocks where experts are tiered; the log says which.")
+
 preload = click.option("--preload/--no-preload", default=EngineConfig.preload, show_default=True,
                        help="Tiered: fill the GPU slots and the RAM tier from the store at load (as many records as "
                             "they hold), so the first requests decode at the steady speed instead of reading each "
@@ -117,10 +124,11 @@ placement = click.option("--placement", type=click.Choice(PLACEMENT), default=En
 def tiers(f):
     """Where the routed experts live and who reads them: --experts, --gpu-slots, --ram-slots, --readers,
     --cpu-layout, --threads, --policy, where RAM-tier experts are computed (--cpu-experts, --lane-rates) and
-    whether prompts reuse cached prefixes (--prefix-cache); how a GPU decodes (--cuda-graphs, --decode-ahead, --fused-kernels, --zero-copy) and a CPU (--native-kernels, --cpu-activations); whether the tiers
+    whether prompts reuse cached prefixes (--prefix-cache); how a GPU decodes (--cuda-graphs, --decode-ahead, --fused-kernels, --zero-copy) and a CPU (--native-kernels, --cpu-activations), a GGUF's dense matrices on a GPU (--gguf-dense); whether the tiers
     fill at load (--preload)."""
     for option in reversed((experts, gpu_slots, ram_slots, readers, cpu_layout, threads, policy, cpu_experts,
-                            lane_rates, cuda_graphs, decode_ahead, prefix_cache, fused_kernels, native_kernels, cpu_activations, preload,
+                            lane_rates, cuda_graphs, decode_ahead, prefix_cache, fused_kernels, native_kernels, cpu_activations, gguf_dense,
+                            preload,
                             zero_copy, placement, bench_routing, bench_routing_seed)):
         f = option(f)
     return f

@@ -4,6 +4,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
+import logging
 import os
 import socket
 import threading
@@ -85,6 +86,19 @@ def drain_on_exit(server, engine, drain_seconds: float):
     server.handle_exit = handle_exit
 
 
+def log_engine(level: str) -> None:
+    """The engine's own log lines (the expert placement, the tiers' sizes and plan, what a GGUF's matrices became)
+    to stderr beside uvicorn's, at --log-level: uvicorn configures only its own loggers, and Python's last-resort
+    handler would drop everything below a warning."""
+    log = logging.getLogger("engine")
+    if not any(getattr(h, "kiln_serve", False) for h in log.handlers):
+        handler = logging.StreamHandler()
+        handler.kiln_serve = True
+        handler.setFormatter(logging.Formatter("%(levelname)s:     %(name)s: %(message)s"))
+        log.addHandler(handler)
+    log.setLevel(level.upper())
+
+
 @click.command(epilog="Exit codes: 2 usage (e.g. a bad --cpu-layout, an empty --api-key), 3 the model directory is missing or not a checkpoint, or the GGUF is not a model Kiln serves (named: truncated, a type or architecture Kiln lacks, a shape against its metadata, a split part missing, no tokenizer), 6 the store's "
                       "filesystem refuses O_DIRECT, 7 the address is in use or cannot be bound, 8 a converted model's "
                       "files (kiln-files.json) or the store's manifest fail their check. "
@@ -154,6 +168,7 @@ def serve(model_dir, store_dir, host, port, served_name, max_body_bytes, drain_s
     bound = sock.getsockname()
     click.echo(f"engine: listening on http://{host}:{bound[1]} (model {model_dir} loading; /health says when ready)",
                err=True)
+    log_engine(log_level)
     server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=drain_seconds + 5))
     drain_on_exit(server, app.state.engine, drain_seconds)
     try:

@@ -27,12 +27,13 @@ def gguf_tensors(gguf_path: Path) -> dict[str, int]:
     return {t.name: int(t.n_bytes) for t in gguf.GGUFReader(gguf_path).tensors}
 
 
-def cuda_paths(gguf_path: Path) -> dict[str, dict[str, int]]:
+def cuda_paths(gguf_path: Path, dense_blocks: bool = True) -> dict[str, dict[str, int]]:
     """What Kiln's CUDA serving path computes each tensor type of a GGUF with, by the engine's own rules, as
     "TYPE: path" -> {"expert"|"dense": tensors}. Routed experts (*_exps) become ggml records read by
     engine.kernels.quant_triton's typed kernels (each layer's types compiled in, whole sub-blocks: _ggml_sub); a
     quantized dense matrix keeps its blocks on the GPU (engine.gguf_tensors.DeviceBlockProjection, computed by
-    engine.kernels.ggml_linear) but the embedding, whose rows are dequantized once at load; float tensors are used as
+    engine.kernels.ggml_linear), or with dense_blocks=False (--gguf-dense as the engine chose it: its log line) is
+    dequantized once at load; the embedding's rows are dequantized at load either way; float tensors are used as
     they are. A type outside engine.quant.ggml shows as NO KERNEL."""
     import gguf
     from engine.quant import ggml
@@ -47,8 +48,10 @@ def cuda_paths(gguf_path: Path) -> dict[str, dict[str, int]]:
             path = "float, as it is"
         elif t.name == "token_embd.weight":
             path = "dequantized at load (embedding rows)"
-        else:
+        elif dense_blocks:
             path = "triton, ggml_linear on its blocks"
+        else:
+            path = "dequantized at load (--gguf-dense), bf16 matmuls"
         role = out.setdefault(f"{ty.upper()}: {path}", {})
         role["expert" if expert else "dense"] = role.get("expert" if expert else "dense", 0) + 1
     return dict(sorted(out.items()))

@@ -371,8 +371,8 @@ class MoEModel(nn.Module):
             self.head, self.rows_from = kept
             self.lm_head = None
             self.embed = w.get("model.embed_tokens.weight") if self.rows_from is None else None
-        elif self.device.type != "cpu" and (gpu_head := gguf_projection(w, ["lm_head"])) is not None \
-                and not isinstance(gpu_head, Projection):
+        elif self.device.type != "cpu" and getattr(w, "gpu_blocks", True) \
+                and (gpu_head := gguf_projection(w, ["lm_head"])) is not None and not isinstance(gpu_head, Projection):
             # A GGUF's untied output on the GPU: its blocks (engine.gguf_tensors.DeviceBlockProjection: a Q6_K head
             # reads 6.6 bits a weight a token, not bf16's 16); the embedding's rows as floats.
             self.head, self.lm_head, self.rows_from = gpu_head, None, None

@@ -105,8 +105,10 @@ def test_pack_store_packs_the_files_own_blocks_and_serving_them_equals_memory(q8
 
 
 def test_engine_serve_serves_a_gguf_over_http(q8_gguf):
-    p = subprocess.Popen([ENGINE, "serve", "--model", str(q8_gguf), "--port", "0", "--ctx", "256",
-                          "--log-level", "warning"], stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    """Served as typed, at the default --log-level info: the engine's own load lines (where the experts went) reach
+    stderr beside uvicorn's."""
+    p = subprocess.Popen([ENGINE, "serve", "--model", str(q8_gguf), "--port", "0", "--ctx", "256"],
+                         stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         with ready_engine(p) as c:
             assert [m["id"] for m in c.get("/v1/models").json()["data"]] == ["tiny-qwen.Q8_0"]
@@ -124,3 +126,4 @@ def test_engine_serve_serves_a_gguf_over_http(q8_gguf):
         p.send_signal(signal.SIGTERM)
         _, err = p.communicate(timeout=30)
     assert "Traceback" not in err, err
+    assert "INFO:     engine.tiers: experts: memory (" in err, err

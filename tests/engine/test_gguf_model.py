@@ -268,3 +268,27 @@ def test_a_ggufs_decode_step_in_one_native_call_is_the_layer_walk(form, tiny_ggu
     assert stops.count(layers) == 11                  # every decode step finished in it ...
     if form.endswith("tiered"):
         assert any(s < layers for s in stops)         # ... some after a layer's records were read mid-step
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the H200)")
+@pytest.mark.parametrize("dense", ["blocks", "dequantized", "auto"])
+def test_on_cuda_the_dense_matrices_are_blocks_or_copies_as_asked_and_compute_alike(dense, tiny_gguf):
+    """--gguf-dense: a GGUF's attention and untied head on the GPU as their blocks (DeviceBlockProjection) or
+    dequantized copies (Projection); auto with every expert resident on a card with room: copies. The logits agree
+    with the CPU's either way (float32 compute)."""
+    from engine.dense_weights import Projection
+    _, path = tiny_gguf("mixtral", "Q5_0")
+    cpu = _logits(load_model(path, max_context=64))
+    model = load_model(path, max_context=64, device="cuda", dtype="float32", gguf_dense=dense)
+    copies = isinstance(model.layers[0].attn.qkv, Projection)
+    assert copies == (dense != "blocks")
+    torch.testing.assert_close(_logits(model).cpu(), cpu, atol=2e-3, rtol=0)
+
+
+def test_gguf_dense_is_refused_off_a_gpu_in_one_line(tiny_gguf, capsys):
+    from engine.cli import main
+    _, path = tiny_gguf("mixtral", "Q8_0")
+    assert main(["generate", "--model", str(path), "--prompt", "hi", "--max-tokens", "1",
+                 "--gguf-dense", "dequantized"]) == 2
+    err = capsys.readouterr().err
+    assert "gguf_dense dequantized is for a CUDA device, not cpu" in err and len(err.strip().splitlines()) == 1
