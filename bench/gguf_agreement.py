@@ -99,19 +99,22 @@ def first_difference(a: str, b: str) -> int | None:
     return None if a == b else next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-def llama_cache(path: Path, n_ids: int, full: bool, kv: str = "f16") -> Path:
+def llama_cache(path: Path, n_ids: int, full: bool, kv: str = "f16", fa: str = "auto") -> Path:
     """Where llama-server's distributions of `path` on n_ids tokens are kept (whole, or its top-N; per KV cache type
-    other than the default f16), beside the file: bench/gguf_rounding.py reads them, and a rerun does not ask again."""
-    return path.with_suffix(f".llama-{'full' if full else f'top{N_PROBS}'}-{n_ids}{'' if kv == 'f16' else '-kv' + kv}.pt")
+    other than the default f16 and flash attention other than its default auto), beside the file:
+    bench/gguf_rounding.py reads them, and a rerun does not ask again."""
+    return path.with_suffix(f".llama-{'full' if full else f'top{N_PROBS}'}-{n_ids}{'' if kv == 'f16' else '-kv' + kv}"
+                            f"{'' if fa == 'auto' else '-fa' + fa}.pt")
 
 
 def llama_side(path: Path, ids, prompts, llama_threads: int, full: bool, vocab: int, cache: Path,
-               kv: str = "f16"):
+               kv: str = "f16", fa: str = "auto"):
     """llama-server's distributions (whole, cached beside the file, where `full`; else its top-N) and its greedy
-    answers; kv: its KV cache's type (-ctk/-ctv; f16 is llama.cpp's default)."""
+    answers; kv: its KV cache's type (-ctk/-ctv; f16 is llama.cpp's default); fa: its flash attention (-fa; auto,
+    its default, takes the CPU's flash-attention kernel)."""
     from tool.checks.llama_cpp import LlamaServerProcess
     from tool.programs import llama_cpp_program
-    extra = () if kv == "f16" else ("-ctk", kv, "-ctv", kv)
+    extra = (() if kv == "f16" else ("-ctk", kv, "-ctv", kv)) + (() if fa == "auto" else ("-fa", fa))
     with LlamaServerProcess(llama_cpp_program("llama-server"), path, ctx=2048, threads=llama_threads,
                             extra=extra) as srv:
         base = srv.url.removesuffix("/v1")
@@ -126,13 +129,13 @@ def llama_side(path: Path, ids, prompts, llama_threads: int, full: bool, vocab: 
 
 
 def measure_file(path: Path, ref, ids, prompts, threads: int, llama_threads: int, full: bool, texts,
-                 cpu_activations: str = "float", llama_kv: str = "f16") -> dict:
+                 cpu_activations: str = "float", llama_kv: str = "f16", llama_fa: str = "auto") -> dict:
     from engine.llm import LLM
     res: dict = {"file": path.name, "bytes": path.stat().st_size, "tensor_types": ga.tensor_types(path),
                  "llama_distribution": "full" if full else f"top-{N_PROBS}"}
     t0 = time.perf_counter()
     llama, llama_greedy = llama_side(path, ids, prompts, llama_threads, full, ref.shape[-1],
-                                     llama_cache(path, len(ids), full, llama_kv), llama_kv)
+                                     llama_cache(path, len(ids), full, llama_kv, llama_fa), llama_kv, llama_fa)
     res["llama_seconds"] = round(time.perf_counter() - t0, 1)
     t0 = time.perf_counter()
     srv = KilnServer(path, threads, cpu_activations)
@@ -197,6 +200,9 @@ def main(argv=None) -> int:
     ap.add_argument("--index", action="store_true", help="add the result's row to bench/results/index.jsonl")
     ap.add_argument("--llama-kv", choices=["f16", "f32"], default="f16",
                     help="llama-server's KV cache type (-ctk/-ctv): f16 is its default, f32 Kiln's")
+    ap.add_argument("--llama-fa", choices=["auto", "on", "off"], default="auto",
+                    help="llama-server's flash attention (-fa): auto, its default, runs the CPU's flash-attention "
+                         "kernel, which rounds Q to the KV type; off: the plain attention graph")
     ap.add_argument("--cpu-activations", choices=["float", "int8"], default="float",
                     help="Kiln's --cpu-activations (int8: x rounded to 8 bits per 32 inputs, as llama.cpp computes)")
     a = ap.parse_args(argv)
@@ -217,7 +223,7 @@ def main(argv=None) -> int:
                 "full": a.full, "targets_smollm2": TARGETS, "llama_server": version(llama_cpp_program("llama-server")),
                 "gate_prompts": ga.GATE_PROMPTS, "host_load_start": host_load(),
                 "threads": {"kiln": a.threads, "llama_server": a.llama_threads}, "cpu_activations": a.cpu_activations,
-                "llama_kv_cache": a.llama_kv})
+                "llama_kv_cache": a.llama_kv, "llama_flash_attention": a.llama_fa})
     doc.setdefault("models", {})
     for name, m in files["models"].items():
         if a.only and name not in a.only.split(","):
@@ -234,7 +240,7 @@ def main(argv=None) -> int:
             log(f"{name} {q}: measuring")
             r = measure_file(Path(f["path"]), ref, ids, prompts, a.threads, a.llama_threads,
                              bool({name, f"{name}:{q}"} & set(a.full.split(","))), texts, a.cpu_activations,
-                             a.llama_kv)
+                             a.llama_kv, a.llama_fa)
             entry["types"][q] = r
             doc["host_load_end"] = host_load()
             write_result(a.out, doc)
