@@ -213,7 +213,7 @@ def test_what_systemd_can_escape_is_materialised_and_verifies(name, tmp_path, ca
     assert main(["materialise", str(path), "--root", str(root), "--state-dir", str(tmp_path / "state"), *bins]) == 0
     capsys.readouterr()
     unit_dir = root / "etc/systemd/system"
-    assert verify(unit_dir, False, tmp_path) == "rc=0"
+    assert verify(unit_dir, False) == "rc=0"
     flags = dict(b.removeprefix("--").split("=", 1) for b in bins)
     plan = nixeval.compile_plan(path, {"uid": 1000, "gid": 1000, "stateDir": str(tmp_path / "state"), "toolBin": flags["tool-bin"],
                                        "engineBin": flags["engine-bin"], "dockerBin": flags["docker-bin"]})

@@ -12,6 +12,7 @@ import shutil
 import stat
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -57,17 +58,19 @@ def materialise_cli(capsys, *argv) -> tuple[int, str, str]:
     return code, out, err
 
 
-def verify(unit_dir: Path, user: bool, tmp_path: Path) -> str:
+def verify(unit_dir: Path, user: bool) -> str:
     units = sorted(str(p) for p in unit_dir.glob("*.service"))
     assert units
     env = dict(os.environ)
     cmd = ["systemd-analyze"]
-    if user:
-        runtime = tmp_path / "xdg-runtime"                # the user manager needs a runtime dir
-        runtime.mkdir(mode=0o700, exist_ok=True)
-        env["XDG_RUNTIME_DIR"] = str(runtime)
-        cmd.append("--user")
-    proc = subprocess.run(cmd + ["verify", "--man=no", *units], capture_output=True, text=True, env=env)
+    with tempfile.TemporaryDirectory(prefix="xdg-") as short:
+        if user:
+            # The user manager needs a runtime dir, and its sockets' paths must fit AF_UNIX's 108 bytes: under
+            # pytest-xdist tmp_path is long enough that the host's gpg-agent-browser.socket fails to parse there.
+            os.chmod(short, 0o700)
+            env["XDG_RUNTIME_DIR"] = short
+            cmd.append("--user")
+        proc = subprocess.run(cmd + ["verify", "--man=no", *units], capture_output=True, text=True, env=env)
     # verify exits 0 on unknown keys too (it only warns), so any output at all is a failure.
     return f"rc={proc.returncode} {proc.stdout}{proc.stderr}".strip()
 
@@ -83,7 +86,7 @@ def test_every_unit_passes_systemd_analyze_verify(recipe_id, user, tmp_path, cap
     unit_dir = root / (".config/systemd/user" if user else "etc/systemd/system")
     written = out.splitlines()
     assert sorted(str(p) for p in unit_dir.glob("*.service")) == sorted(w for w in written if w.endswith(".service"))
-    assert verify(unit_dir, user, tmp_path) == "rc=0"
+    assert verify(unit_dir, user) == "rc=0"
 
 
 FLEET_HOSTS = [(rid, host) for rid in RECIPE_IDS for host, spec in (recipes.load(rid).data.get("fleet") or {}).get(
@@ -103,13 +106,13 @@ def test_every_fleet_workers_units_pass_systemd_analyze_verify(recipe_id, host, 
     unit_dir = root / (".config/systemd/user" if user else "etc/systemd/system")
     names = sorted(p.name for p in unit_dir.glob("*.service"))
     assert names and all(n.startswith(f"kiln-{recipe_id}-{host}") for n in names)
-    assert verify(unit_dir, user, tmp_path) == "rc=0"
+    assert verify(unit_dir, user) == "rc=0"
 
 
 def test_verify_catches_a_bad_unit(tmp_path):
     """Guards the test above: a key systemd 252 does not know is reported."""
     (tmp_path / "kiln-bad.service").write_text(f"[Service]\nExecStart={BIN / 'tool'}\nRestartSteps=3\n")
-    assert "RestartSteps" in verify(tmp_path, False, tmp_path)
+    assert "RestartSteps" in verify(tmp_path, False)
 
 
 def test_files_land_byte_for_byte_with_their_mode(tmp_path, capsys):
