@@ -115,14 +115,15 @@ def run_synth(cmd: list[str], log_path: Path, timeout_s: float) -> dict:
 
 # ------------------------------------------------------------------ Kiln
 
-def kiln_run(model_dir: Path, store: Path, b: dict, routing: str, args, vocab: int, placement: str = "auto") -> dict:
+def kiln_run(model_dir: Path, store: Path, b: dict, routing: str, args, vocab: int, placement: str = "auto",
+             cpu_experts: str = "off") -> dict:
     import torch
     from engine.llm import LLM, SamplingParams
     ctx = args.prefill + args.steps + 256
     cuda = not args.tiny
     knobs = dict(device="cuda" if cuda else "cpu", max_context=ctx, max_batch=1, experts="auto",
                  gpu_slots=b["gpu_slots"] if cuda else None, ram_slots=b["records"] - (b["gpu_slots"] if cuda else 0) + 64, readers=16, bench_routing=routing,
-                 bench_routing_seed=args.seed, placement=placement)
+                 bench_routing_seed=args.seed, placement=placement, cpu_experts=cpu_experts if cuda else "off")
     out: dict = {"routing": routing, "engine_config": {k: v for k, v in knobs.items()}}
     with GpuMemoryPeak() as mem:
         t0 = time.perf_counter()
@@ -145,6 +146,7 @@ def kiln_run(model_dir: Path, store: Path, b: dict, routing: str, args, vocab: i
             out["zero_copy"] = (c1.get("zero_copy") is not None)
             out["decode_window"] = window(c0, c1)
             out["placement"] = c1.get("placement")
+            out["lanes"] = c1.get("lanes")
             out["bench_routing"] = c1.get("bench_routing")
         finally:
             llm.close()
@@ -187,6 +189,9 @@ def main() -> int:
     ap.add_argument("--prefill", type=int, default=8192)
     ap.add_argument("--reps", type=int, default=1, help="llama-bench -r")
     ap.add_argument("--seed", type=int, default=1, help="--bench-routing-seed")
+    ap.add_argument("--cpu-experts", default="off",
+                    help="comma list of Kiln's --cpu-experts modes to run at the offloading budgets (off: the "
+                         "engine's default; auto/on add runs keyed ROUTING_lane_MODE, after the judged ones)")
     ap.add_argument("--no-placement-ab", dest="placement_ab", action="store_false",
                     help="skip the last run: uniform routing with --placement cache at the offloading budgets")
     ap.add_argument("--tiny", action="store_true", help="the CPU dry run: a 16-expert, 256-wide checkpoint, Kiln on "
@@ -289,20 +294,23 @@ def main() -> int:
     # 4. Kiln per budget and routing, the judged ones first: the offloading budgets' calibrated and uniform runs,
     # then the model's routing, then (the placement's A/B) uniform routing with --placement cache where it offloads
     offload = [b for b in budgets if not plans[b][0]["all_resident"]]
-    order = [(b, r, "auto") for b in budgets for r in routings if r != "model"]
+    lanes = [m for m in args.cpu_experts.split(",") if m and m != "off"]
+    order = [(b, r, "auto", "off") for b in budgets for r in routings if r != "model"]
     order.sort(key=lambda x: x[0] not in offload)
-    order += [(b, "model", "auto") for b in budgets if "model" in routings]
-    order += [(b, "uniform", "cache") for b in offload if args.placement_ab and "uniform" in routings]
-    for b, routing, placement in order:
+    order += [(b, r, "auto", m) for m in lanes for b in offload for r in routings if r != "model"]
+    order += [(b, "model", "auto", "off") for b in budgets if "model" in routings]
+    order += [(b, "uniform", "cache", "off") for b in offload if args.placement_ab and "uniform" in routings]
+    for b, routing, placement, cpu in order:
         name, kb = f"{b:g}gib", plans[b][0]
         key = routing if placement == "auto" else f"{routing}_placement_{placement}"
+        key += "" if cpu == "off" else f"_lane_{cpu}"
         try:
             need(clock, 45, f"Kiln at {name} under {key} routing")
         except Skipped as e:
             res["skipped"].append(str(e))
             continue
         try:
-            r = kiln_run(model4, store4, kb, routing, args, vocab, placement)
+            r = kiln_run(model4, store4, kb, routing, args, vocab, placement, cpu)
         except Exception as e:          # one failed run must not lose the others' figures
             r = {"error": f"{type(e).__name__}: {e}"[-2000:]}
         r["over_budget"] = (r.get("gpu_memory_peak_gib") or 0) > kb["budget_gib_here"]
@@ -317,7 +325,7 @@ def main() -> int:
         name = f"{b:g}gib"
         peer = res["llama_cpp"].get(name, {})
         pd, pp = peer.get("decode_tps"), peer.get(f"prefill_tps_{args.prefill}")
-        for routing in [*routings, "uniform_placement_cache"]:
+        for routing in [*routings, "uniform_placement_cache", *(f"{r}_lane_{m}" for m in lanes for r in routings)]:
             k = res["kiln"].get(name, {}).get(routing)
             if k is None:
                 continue
