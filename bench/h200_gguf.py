@@ -252,8 +252,11 @@ def main():
     llama = part("llama-server top-1 on the Q4_K_M", 20 if args.tiny else 40, lambda: llama_top1(bin_dir, q4, ids))
     then = kiln_top1_against(llama, q4, ids) if "top1" in llama else None
     log("kiln on the GGUF alone:")
+    # --log-level info (the later flag wins over kiln_server's warning): the engine's line naming where the file's
+    # dense matrices went (--gguf-dense auto's choice) is an INFO line, read back by dense_choice
     runs["kiln_gguf_q4_k_m"] = part("kiln serves the Q4_K_M alone", 30 if args.tiny else 90,
-                                    lambda: kiln_both(q4, None, args.kiln_flags, args, vocab, work / "serve-gguf.log", then))
+                                    lambda: kiln_both(q4, None, [*args.kiln_flags, "--log-level", "info"], args, vocab,
+                                                      work / "serve-gguf.log", then))
     result["agreement_q4_k_m"] = runs["kiln_gguf_q4_k_m"].pop("then", None) or {"llama_server": llama}
     result["gguf_dense"] = dense_choice(work / "serve-gguf.log")
     if result["gguf_dense"] is not None:
