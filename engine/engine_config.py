@@ -62,7 +62,8 @@ class EngineConfig:
     decode_ahead: bool = True           # steps launch before the last one's tokens are read (engine.decode_ahead)
     prefix_cache: bool = True           # a prompt's prefill starts after the prefix a KV slot holds (engine.prefix_cache)
     # auto | on | off: RAM-tier experts computed on the CPU lane (tiers.lanes). Off by default: the lane is tested
-    # on the H200 (same tokens as the resident engine, eager and graphed) but its speed is not measured there yet.
+    # on the GPU (same tokens as the resident engine, eager and graphed), and forced on it halved an H100's decode at
+    # a 6 GiB budget against zero-copy reads (42 against 99 tok/s, bench/README.md, 2026-12-06).
     cpu_experts: str = "off"
     lane_rates: str | None = None       # e.g. "pcie=25,cpu=12,disk=6" GB/s for the lane cost model; None: measured
     fused_kernels: bool = True          # CUDA decode steps on engine.kernels.triton_decode's (glm5_next: triton_glm5's) fused kernels

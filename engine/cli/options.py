@@ -49,8 +49,9 @@ cpu_experts = click.option("--cpu-experts", type=click.Choice(CPU_EXPERTS), defa
                            show_default=True,
                            help="Tiered on a GPU: compute experts held in RAM on the CPU lane (the `lane=` CPUs of "
                                 "--cpu-layout) while the GPU computes its slots. auto = per pick, whichever of "
-                                "CPU and PCIe copy the lane rates make faster; on = always the CPU; off = always copy (the "
-                                "default until the lane's speed is measured on a GPU host).")
+                                "CPU and PCIe copy the lane rates make faster, and giving way where zero-copy decode serves the "
+                                "RAM tier; on = always the CPU; off = always copy or read in place (the default: "
+                                "forced on, the lane halved an H100's decode at a 6 GiB budget, bench/README.md).")
 lane_rates = click.option("--lane-rates", default=None,
                           help="Lane rates for --cpu-experts auto, LANE=GB/s entries, e.g. pcie=25,cpu=12,disk=6 "
                                "(default: measured by the engine — disk and PCIe at load, the CPU at the first "
