@@ -288,7 +288,39 @@ def test_on_cuda_the_dense_matrices_are_blocks_or_copies_as_asked_and_compute_al
 def test_gguf_dense_is_refused_off_a_gpu_in_one_line(tiny_gguf, capsys):
     from engine.cli import main
     _, path = tiny_gguf("mixtral", "Q8_0")
+    capsys.readouterr()                   # the fixture's own progress lines, when it makes the file now
     assert main(["generate", "--model", str(path), "--prompt", "hi", "--max-tokens", "1",
                  "--gguf-dense", "dequantized"]) == 2
     err = capsys.readouterr().err
     assert "gguf_dense dequantized is for a CUDA device, not cpu" in err and len(err.strip().splitlines()) == 1
+
+
+def test_gguf_dense_auto_dequantizes_only_where_every_expert_is_resident_and_the_copies_fit(tiny_gguf, monkeypatch):
+    """engine.loader.gguf_dense_blocks' rule, with the card's free memory stood in for (no GPU here: a test double
+    for torch.cuda.mem_get_info alone): auto keeps the blocks where experts are tiered or the copies do not fit the
+    free memory beside the reserve, dequantizes otherwise; blocks / dequantized force it; a checkpoint directory or
+    the CPU is never asked."""
+    from engine.engine_config import EngineConfig
+    from engine.loader import gguf_dense_blocks
+    from engine.tiers.gpu import gpu_reserve
+    ck = GgufModel(tiny_gguf("mixtral", "Q8_0")[1])
+    copies = ck.non_expert_elements() * 2                       # bf16
+    total = 80 << 30
+
+    class Provider:
+        def __init__(self, kind):
+            self.kind = kind
+
+        def counters(self):
+            return {"provider": self.kind}
+
+    def rule(mode, kind, free, ckpt=ck, device="cuda"):
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, total))
+        return gguf_dense_blocks(EngineConfig(device=device, gguf_dense=mode), ckpt, Provider(kind), torch.bfloat16)
+
+    roomy, tight = gpu_reserve(total) + copies + (1 << 20), gpu_reserve(total) + copies - 1
+    assert rule("auto", "resident", roomy) is False                     # dequantized copies
+    assert rule("auto", "resident", tight) is True                      # no room for them: the blocks
+    assert rule("auto", "tiered", roomy) is True                        # every GiB holds expert slots
+    assert rule("blocks", "resident", roomy) is True and rule("dequantized", "tiered", tight) is False
+    assert rule("auto", "memory", roomy, device="cpu") is True          # the CPU keeps blocks (native kernels)
