@@ -10,9 +10,10 @@ and no generator state has to travel with it (a step launched ahead draws from t
 engine.decode_ahead). Every op is a fixed-shape tensor op: no host read inside. (Per-token noise, as
 Gumbel-max needs, cost 12 ms a draw over SmolLM2's 49,152 logits on the CPU; one number a row costs nothing.)
 On a GPU the plain draw (temperature alone, the common case; also every non-truncating row of a truncating batch)
-is two fused launches (engine.kernels.triton_sampling) instead of ~15 torch ops: the same function, its sums in
-another order, so a GPU's ids equal themselves in any batch but may differ from a CPU's on a token within rounding
-of the draw's boundary.
+is two fused launches (engine.kernels.triton_sampling) instead of ~15 torch ops, and truncation the sorted torch
+form; on the CPU each row is drawn with numpy, truncation ranking only the candidates it needs (no sort of the
+vocabulary). The same function everywhere, its sums in other orders, so a device's ids equal themselves in any
+batch but may differ from another device's on a token within rounding of the draw's boundary.
 
 Numerically safe at every value the API lets through: a temperature too small to divide by is greedy, top-p and
 min-p always keep the most likely token, NaN logits never win and +inf ones share the draw. A row that has no
@@ -221,11 +222,59 @@ def _pick(x: torch.Tensor, best: torch.Tensor, floats: torch.Tensor, ints: torch
     pos = torch.arange(z.shape[-1], device=z.device)
     z = torch.where((top_k[:, None] > 0) & (pos >= top_k[:, None]), float("-inf"), z)
     p = torch.softmax(z, dim=-1)
-    keep = ((torch.cumsum(p, -1) - p) < top_p) & (p >= min_p * p[:, :1])
+    # top_p 1 keeps every token, whatever float32's sum of the ones before it rounds to
+    keep = (((torch.cumsum(p, -1) - p) < top_p) | (top_p >= 1.0)) & (p >= min_p * p[:, :1])
     keep[:, 0] = True                               # the most likely token always stays
     kept = order.gather(-1, _invert(torch.where(keep, p, 0.0), u)[:, None])[:, 0]
     truncating = (top_k > 0) | (top_p[:, 0] < 1.0) | (min_p[:, 0] > 0.0)
     return torch.where(truncating & ~greedy.bool(), kept, drawn)
+
+
+CANDIDATES = 256        # the CPU's truncating draw: tokens ranked first, then 8x more until the kept set is inside
+
+
+def _cpu_pick(x: torch.Tensor, best: torch.Tensor, floats: torch.Tensor, ints: torch.Tensor) -> torch.Tensor:
+    """_pick's function on the CPU, a row at a time with numpy and without sorting the vocabulary: the GPU's sorted
+    path (torch.sort over every logit, inside a graph) took ~4 ms a token over SmolLM2's 49,152 logits here, more
+    than the CPU demo's whole decode step. Each row's id depends on its own logits, settings and number alone."""
+    xs, fl, it = x.numpy(), floats.numpy(), ints.numpy()
+    u = uniform(ints[:, 0], ints[:, 1]).numpy()
+    out = best.numpy().copy()
+    for r in range(xs.shape[0]):
+        if not it[r, 3]:
+            out[r] = _cpu_row(xs[r], float(fl[r, 0]), float(fl[r, 1]), float(fl[r, 2]), int(it[r, 2]), float(u[r]))
+    return torch.from_numpy(out)
+
+
+def _cpu_row(x: np.ndarray, temperature: float, top_p: float, min_p: float, top_k: int, u: float) -> int:
+    """One row's draw from clean logits x [V]: softmax(x / T) restricted as _pick restricts it (the top_k largest,
+    then the most likely tokens while the mass before each is below top_p and each is at least min_p times the
+    first; the first always), its CDF inverted at u. Ranked by logit, ties by the lower id."""
+    z = x / np.float32(temperature if temperature >= GREEDY_BELOW else 1.0)
+    top = z.max()
+    if not np.isfinite(top):                # no finite logit: the row's failure is reported by `ok`
+        return 0
+    e = np.exp(z - top)                     # float32 weights; -inf logits weigh 0
+    v = len(z)
+    if top_k <= 0 and top_p >= 1.0 and min_p <= 0.0:
+        c = np.cumsum(e, dtype=np.float64)
+        return min(int(np.searchsorted(c, u * c[-1])), v - 1)
+    k = min(top_k, v) if top_k > 0 else min(CANDIDATES, v)
+    while True:
+        ids = np.argpartition(-z, k - 1)[:k] if k < v else np.arange(v)
+        ids = ids[np.lexsort((ids, -z[ids]))]            # by logit, descending; ties by id
+        w = e[ids].astype(np.float64)
+        p = w / (w.sum() if top_k > 0 else e.sum(dtype=np.float64))   # top-k renormalises over its tokens
+        before = np.cumsum(p) - p
+        keep = ((before < top_p) | (top_p >= 1.0)) & (p >= min_p * p[0])
+        keep[0] = True
+        # the kept tokens are a prefix of the ranking: done once one of these ranked tokens falls outside it (or
+        # every candidate there is has been ranked)
+        if top_k > 0 or k == v or not keep[-1]:
+            break
+        k = min(8 * k, v)
+    c = np.cumsum(np.where(keep, p, 0.0))
+    return int(ids[min(int(np.searchsorted(c, u * c[-1])), len(ids) - 1)])
 
 
 def _penalise(x: torch.Tensor, floats: torch.Tensor, penalties: Penalties, slots: torch.Tensor) -> torch.Tensor:
@@ -252,7 +301,12 @@ def draw(logits: torch.Tensor, floats: torch.Tensor, ints: torch.Tensor, how: st
     if penalties is not None:
         x = _penalise(x, floats, penalties, slots)
     best = x.argmax(-1)
-    tokens = best if how == ARGMAX else _pick(x, best, floats, ints, how == TRUNCATE)
+    if how == ARGMAX:
+        tokens = best
+    elif x.device.type == "cpu":
+        tokens = _cpu_pick(x, best, floats, ints)
+    else:
+        tokens = _pick(x, best, floats, ints, how == TRUNCATE)
     if penalties is not None:
         penalties.record(slots, tokens)
     return tokens, ok

@@ -209,3 +209,22 @@ def test_the_extreme_seeds_of_64_bits_are_taken():
 def test_bad_sampler_knobs_are_named_with_their_limit(knob, value, message):
     with pytest.raises(ValueError, match=message):
         check_params(1.0, 1.0, None, **{knob: value})
+
+
+@pytest.mark.parametrize("spec", [dict(temperature=1.0), dict(temperature=0.7, top_p=0.9), dict(temperature=0.8, top_k=40),
+                                  dict(temperature=1.0, min_p=0.05), dict(temperature=0.6, top_p=0.95, top_k=20),
+                                  dict(temperature=1.2, top_p=0.999), dict(temperature=1.0, top_k=100000)],
+                         ids=["t1", "top-p", "top-k", "min-p", "all", "wide-top-p", "top-k-past-vocab"])
+def test_the_cpus_row_draw_is_the_sorted_torch_forms(spec):
+    """The CPU draws a row at a time without sorting the vocabulary (engine.sampling._cpu_pick); the same ids as the
+    sorted torch form (_pick, what a GPU runs) on rows of distinct logits, a wide top-p included (its kept set
+    outgrows the first candidates, which then widen)."""
+    from engine.sampling import _clean, _cpu_pick, _pick, pack
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(64, 4096, generator=gen) * 2.5
+    rows = [RowSpec(seed=s, index=s % 7, **spec) for s in range(64)]
+    floats, ints = pack(rows)
+    z, _ = _clean(x)
+    best = z.argmax(-1)
+    truncate = any(r.truncates for r in rows)
+    assert torch.equal(_cpu_pick(z, best, floats, ints), _pick(z, best, floats, ints, truncate))
