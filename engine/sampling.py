@@ -142,6 +142,18 @@ def uniform(seed: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return (((key >> 11) & ((1 << 53) - 1)).double() + 0.5) * (1.0 / (1 << 53))
 
 
+def uniform_one(seed: int, index: int) -> float:
+    """uniform()'s number for one row, in Python's integers (the CPU's draw: ~1 µs where the tensor form's dozen ops
+    take ~40), bit for bit the same: the same wrap modulo 2^64, its masked shifts the logical ones here."""
+    m = (1 << 64) - 1
+    z = (seed * _GOLDEN + index * _STEP) & m
+    for _ in range(2):
+        z = ((z ^ (z >> 30)) * _MIX1) & m
+        z = ((z ^ (z >> 27)) * _MIX2) & m
+        z = z ^ (z >> 31)
+    return (float(z >> 11) + 0.5) * (1.0 / (1 << 53))
+
+
 def _invert(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Per row, the first index whose cumulative weight reaches u × the row's total: weights [B, N] >= 0 (a zero
     weight is never chosen), u [B]."""
@@ -233,16 +245,16 @@ def _pick(x: torch.Tensor, best: torch.Tensor, floats: torch.Tensor, ints: torch
 CANDIDATES = 256        # the CPU's truncating draw: tokens ranked first, then 8x more until the kept set is inside
 
 
-def _cpu_pick(x: torch.Tensor, best: torch.Tensor, floats: torch.Tensor, ints: torch.Tensor) -> torch.Tensor:
-    """_pick's function on the CPU, a row at a time with numpy and without sorting the vocabulary: the GPU's sorted
-    path (torch.sort over every logit, inside a graph) took ~4 ms a token over SmolLM2's 49,152 logits here, more
-    than the CPU demo's whole decode step. Each row's id depends on its own logits, settings and number alone."""
-    xs, fl, it = x.numpy(), floats.numpy(), ints.numpy()
-    u = uniform(ints[:, 0], ints[:, 1]).numpy()
-    out = best.numpy().copy()
-    for r in range(xs.shape[0]):
+def _cpu_pick(x: np.ndarray, best: np.ndarray, floats: torch.Tensor, ints: torch.Tensor) -> torch.Tensor:
+    """_pick's function on the CPU for clean (penalised) logits x [B, V] float32: a row at a time with numpy and
+    without sorting the vocabulary (the sorted torch form took ~4 ms a token over SmolLM2's 49,152 logits here, more
+    than the CPU demo's whole decode step). Each row's id depends on its own logits, settings and number alone."""
+    fl, it = floats.numpy(), ints.numpy()
+    out = np.array(best, dtype=np.int64)
+    for r in range(x.shape[0]):
         if not it[r, 3]:
-            out[r] = _cpu_row(xs[r], float(fl[r, 0]), float(fl[r, 1]), float(fl[r, 2]), int(it[r, 2]), float(u[r]))
+            u = uniform_one(int(it[r, 0]), int(it[r, 1]))
+            out[r] = _cpu_row(x[r], float(fl[r, 0]), float(fl[r, 1]), float(fl[r, 2]), int(it[r, 2]), u)
     return torch.from_numpy(out)
 
 
@@ -257,7 +269,7 @@ def _cpu_row(x: np.ndarray, temperature: float, top_p: float, min_p: float, top_
     e = np.exp(z - top)                     # float32 weights; -inf logits weigh 0
     v = len(z)
     if top_k <= 0 and top_p >= 1.0 and min_p <= 0.0:
-        c = np.cumsum(e, dtype=np.float64)
+        c = torch.cumsum(torch.from_numpy(e), 0, dtype=torch.float64).numpy()     # numpy's widening sum: 5x slower
         return min(int(np.searchsorted(c, u * c[-1])), v - 1)
     k = min(top_k, v) if top_k > 0 else min(CANDIDATES, v)
     while True:
@@ -294,6 +306,10 @@ def draw(logits: torch.Tensor, floats: torch.Tensor, ints: torch.Tensor, how: st
     bit for bit (sample() runs it)."""
     if how == GREEDY:
         return _argmax(logits)
+    if how != ARGMAX and penalties is None and logits.device.type == "cpu" and logits.dtype == torch.float32:
+        xs = logits.detach().numpy()
+        if np.isfinite(xs).all():               # nothing for _clean to do: numpy's argmax, the rows drawn in numpy
+            return _cpu_pick(xs, xs.argmax(-1), floats, ints), torch.ones(len(xs), dtype=torch.bool)
     if how == PLAIN and penalties is None and triton_sampling.available(logits.device):
         ids, ok, _ = triton_sampling.plain_draw(logits, floats[:, 0], ints[:, 0], ints[:, 1], ints[:, 3])
         return ids, ok.bool()             # the kernels clean the logits and take greedy rows' argmax themselves
@@ -304,7 +320,7 @@ def draw(logits: torch.Tensor, floats: torch.Tensor, ints: torch.Tensor, how: st
     if how == ARGMAX:
         tokens = best
     elif x.device.type == "cpu":
-        tokens = _cpu_pick(x, best, floats, ints)
+        tokens = _cpu_pick(x.numpy(), best.numpy(), floats, ints)
     else:
         tokens = _pick(x, best, floats, ints, how == TRUNCATE)
     if penalties is not None:

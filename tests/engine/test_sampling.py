@@ -4,6 +4,7 @@ batch. The same sampler runs on the GPU; the CUDA twins at the end run there."""
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 import torch
@@ -227,4 +228,13 @@ def test_the_cpus_row_draw_is_the_sorted_torch_forms(spec):
     z, _ = _clean(x)
     best = z.argmax(-1)
     truncate = any(r.truncates for r in rows)
-    assert torch.equal(_cpu_pick(z, best, floats, ints), _pick(z, best, floats, ints, truncate))
+    assert torch.equal(_cpu_pick(z.numpy(), best.numpy(), floats, ints), _pick(z, best, floats, ints, truncate))
+
+
+def test_the_cpus_number_is_the_tensor_hashs_bit_for_bit():
+    from engine.sampling import uniform, uniform_one
+    rng = random.Random(4)
+    seeds = [0, 1, -1, 2**63 - 1, -2**63] + [rng.randrange(-2**63, 2**63) for _ in range(200)]
+    indices = [0, 1, 7, 2**31, 10**12] + [rng.randrange(0, 2**40) for _ in range(200)]
+    want = uniform(torch.tensor(seeds), torch.tensor(indices))
+    assert [uniform_one(s, i) for s, i in zip(seeds, indices)] == want.tolist()
