@@ -60,6 +60,20 @@ ENGINE = [sys.executable, "-m", "engine"]
 TOOL = [sys.executable, "-c", "import sys; from tool.cli import entry; sys.argv[0] = 'tool'; sys.exit(entry())"]
 
 
+SAMPLING: dict = {}          # --sampling: the request settings of --direct's rounds (greedy when empty)
+
+
+def sampling_settings(text: str | None) -> dict:
+    """`temperature=0.7,top_p=0.9,seed=1` -> the request fields, numbers as numbers."""
+    out: dict = {}
+    for item in filter(None, (text or "").split(",")):
+        key, _, value = item.partition("=")
+        if key not in ("temperature", "top_p", "top_k", "min_p", "seed"):
+            raise SystemExit(f"--sampling: {key!r} is not one of temperature, top_p, top_k, min_p, seed")
+        out[key] = int(value) if key in ("top_k", "seed") else float(value)
+    return out
+
+
 def sh(argv, **kw):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     return subprocess.run(argv, cwd=REPO, env=env, **kw)
@@ -189,7 +203,7 @@ def direct(name: str, paths: dict, gguf: Path, llama: Path, evidence: Path, roun
         llama_srv.start()
         clients = {"engine": Client(url, timeout_s=600), "llama.cpp": Client(llama_srv.url, timeout_s=600)}
         body = {"model": served, "messages": MESSAGES, "max_tokens": tokens, "temperature": 0.0, "ignore_eos": True,
-                "stream_options": {"include_usage": True}}
+                "stream_options": {"include_usage": True}, **SAMPLING}
         for c in clients.values():                                   # untimed warm-up, as the gate gives one
             c.chat({k: v for k, v in body.items() if k != "stream_options"} | {"max_tokens": 8})
         got: dict[str, list[dict]] = {k: [] for k in clients}
@@ -494,7 +508,15 @@ def main():
                     help="--direct: skip the in-process row after each round (the per-token breakdown).")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--sampling", default=None,
+                    help="--direct: both servers' request settings, e.g. temperature=0.7,top_p=0.9,top_k=0,min_p=0,"
+                         "seed=1 (top_k 0 and min_p 0 turn llama-server's default top-k 40 and min-p 0.05 off, so "
+                         "both sample the same distribution); default greedy")
     args = ap.parse_args()
+    SAMPLING.update(sampling_settings(args.sampling))
+    if SAMPLING and not (args.direct and args.no_breakdown):
+        raise SystemExit("--sampling times --direct's HTTP rounds only: add --direct --no-breakdown (the in-process "
+                         "breakdown rows decode greedy)")
     if args.engine_threads:
         ENGINE_THREADS[:] = ["--threads", str(args.engine_threads)]
     gguf = args.gguf or next((p for p in (REPO / ".kiln/cache/smollm2" / GGUF_NAME,
@@ -532,6 +554,7 @@ def main():
                        "(--direct: no host-quiet rule; each round's load and CPU pressure beside it)")
         out["tokens"] = args.tokens
         out["engine_threads"] = args.engine_threads or "the engine's default (2 on 2 CPUs)"
+        out["sampling"] = SAMPLING or "greedy (temperature 0)"
         for name in args.variants.split(","):
             out["variants"][name] = direct(name, paths, gguf, args.llama_server, evidence, args.rounds, args.tokens,
                                            breakdown=not args.no_breakdown)
