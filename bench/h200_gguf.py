@@ -64,11 +64,12 @@ def llama_bench(bin_dir: Path, gguf: Path, prompt: int, steps: int, reps: int, e
     return out
 
 
-def kiln_both(model: Path, store: Path | None, flags: list[str], args, vocab: int, log_path: Path, then=None) -> dict:
+def kiln_both(model: Path, store: Path | None, flags: list[str], args, vocab: int, log_path: Path, then=None,
+              log_level: str = "warning") -> dict:
     """One `engine serve`, greedy then temperature 1 (seeded): the same requests as every H200 bench; then(base), if
     given, asks the same server more (its answer under "then"). --tiny: greedy alone (the sampled requests'
     320-token warm-up takes minutes on two shared cores; the sampled HTTP path is the same code either way)."""
-    with kiln_server(model, store, flags, args.prefill + 512, log_path, args.device) as (base, load_s, command):
+    with kiln_server(model, store, flags, args.prefill + 512, log_path, args.device, log_level) as (base, load_s, command):
         out = {"load_s": load_s, "command": command}
         for key, sampled in (("greedy", False), ("sampled", True))[:1 if args.tiny or args.greedy_only else 2]:
             r = measure_served(base, vocab, args.steps, args.prefill, sampled)
@@ -252,11 +253,11 @@ def main():
     llama = part("llama-server top-1 on the Q4_K_M", 20 if args.tiny else 40, lambda: llama_top1(bin_dir, q4, ids))
     then = kiln_top1_against(llama, q4, ids) if "top1" in llama else None
     log("kiln on the GGUF alone:")
-    # --log-level info (the later flag wins over kiln_server's warning): the engine's line naming where the file's
-    # dense matrices went (--gguf-dense auto's choice) is an INFO line, read back by dense_choice
+    # at --log-level info: the engine's line naming where the file's dense matrices went (--gguf-dense auto's
+    # choice) is an INFO line, read back by dense_choice
     runs["kiln_gguf_q4_k_m"] = part("kiln serves the Q4_K_M alone", 30 if args.tiny else 90,
-                                    lambda: kiln_both(q4, None, [*args.kiln_flags, "--log-level", "info"], args, vocab,
-                                                      work / "serve-gguf.log", then))
+                                    lambda: kiln_both(q4, None, args.kiln_flags, args, vocab, work / "serve-gguf.log",
+                                                      then, log_level="info"))
     result["agreement_q4_k_m"] = runs["kiln_gguf_q4_k_m"].pop("then", None) or {"llama_server": llama}
     result["gguf_dense"] = dense_choice(work / "serve-gguf.log")
     if result["gguf_dense"] is not None:

@@ -106,14 +106,16 @@ def inprocess(model_dir, store, kw: dict, vocab, steps, prefill, sampled, unifor
 # ------------------------------------------------------------------ served (engine serve, HTTP)
 
 @contextmanager
-def kiln_server(model, store, args: list[str], ctx: int, log_path: Path, device: str = "cuda"):
+def kiln_server(model, store, args: list[str], ctx: int, log_path: Path, device: str = "cuda",
+                log_level: str = "warning"):
     """A real `engine serve` subprocess (model: a checkpoint directory, or a GGUF file alone where store is None)
-    on a free port; yields (base URL, seconds to ready, the command), stopped on leaving."""
+    on a free port; yields (base URL, seconds to ready, the command), stopped on leaving. log_level: its
+    --log-level (info: the engine's own load lines reach log_path too)."""
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "engine", "serve", "--model", str(model), *(["--store", str(store)] if store else []),
            "--device", device, "--port", str(port), "--ctx", str(ctx), "--max-batch", str(STREAMS),
-           "--served-name", "synth", "--log-level", "warning", *args]
+           "--served-name", "synth", "--log-level", log_level, *args]
     logf = open(log_path, "w")
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
     try:
