@@ -272,11 +272,12 @@ def _cpu_row(x: np.ndarray, temperature: float, top_p: float, min_p: float, top_
         c = torch.cumsum(torch.from_numpy(e), 0, dtype=torch.float64).numpy()     # numpy's widening sum: 5x slower
         return min(int(np.searchsorted(c, u * c[-1])), v - 1)
     k = min(top_k, v) if top_k > 0 else min(CANDIDATES, v)
+    total = None if top_k > 0 else e.sum(dtype=np.float64)          # top-k renormalises over its own tokens
     while True:
         ids = np.argpartition(-z, k - 1)[:k] if k < v else np.arange(v)
         ids = ids[np.lexsort((ids, -z[ids]))]            # by logit, descending; ties by id
         w = e[ids].astype(np.float64)
-        p = w / (w.sum() if top_k > 0 else e.sum(dtype=np.float64))   # top-k renormalises over its tokens
+        p = w / (w.sum() if total is None else total)
         before = np.cumsum(p) - p
         keep = ((before < top_p) | (top_p >= 1.0)) & (p >= min_p * p[0])
         keep[0] = True
@@ -301,9 +302,10 @@ def draw(logits: torch.Tensor, floats: torch.Tensor, ints: torch.Tensor, how: st
          slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """sample() for rows that mode() gives `how` (not None), from their pack()ed settings already on the logits'
     device: (ids [B], whether each is final [B]); with `penalties`, the rows' slots' counts [B] penalise the logits
-    first and record the ids after. No host read and no branch on the tensors' values, so it can be captured in a
-    CUDA graph whose static inputs are floats, ints and slots (engine.gpu.sampler_graph); its ids equal sample()'s
-    bit for bit (sample() runs it)."""
+    first and record the ids after. Off the CPU no host read and no branch on the tensors' values, so it can be
+    captured in a CUDA graph whose static inputs are floats, ints and slots (engine.gpu.sampler_graph); on the CPU
+    (no graph there) the rows are read and drawn on the host (_cpu_pick). Its ids equal sample()'s bit for bit
+    (sample() runs it)."""
     if how == GREEDY:
         return _argmax(logits)
     if how != ARGMAX and penalties is None and logits.device.type == "cpu" and logits.dtype == torch.float32:
