@@ -193,7 +193,9 @@ def run_with_tree(tree: Path) -> str:
         (shadow / "engine").symlink_to(tree / "engine", target_is_directory=True)
         env = {**os.environ, TREE_ENV: str(tree), "PYTHONPATH": os.pathsep.join(
             [str(shadow), str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])}
-        os.execve(sys.executable, [sys.executable, "-m", _module_name(), *sys.argv[1:]], env)
+        # -P: `python -m` would put the working directory (usually this checkout) ahead of PYTHONPATH, and its
+        # engine/ would shadow `tree`'s.
+        os.execve(sys.executable, [sys.executable, "-P", "-m", _module_name(), *sys.argv[1:]], env)
     return tree_commit(tree)
 
 
