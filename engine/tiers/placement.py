@@ -17,7 +17,9 @@ Why not always a cache: under near-uniform routing a hot set does not exist, so 
 How a layer's plan is chosen (Planner.plan, every `every` picks of a layer):
 - pick counts per expert, decayed by `decay` at each re-plan (a window of ~every/(1-decay) picks);
 - skew = the share of the layer's picks on its hottest h experts minus h/E (what any h experts get under uniform
-  routing), h = the layer's GPU slots, or E/8 where it has none or all;
+  routing), h = the layer's share of the GPU slots (slots / MoE layers), or E/8 where that is none or all — not
+  the layer's residents now: those follow the plans themselves (a static layer keeps its preload, a prefill keeps
+  the hot set), and a layer holding 12 of 16 experts cannot show more than 0.25 of skew at h = 12;
 - noise = what that skew reaches under uniform routing with the window's picks: the expected excess of the top h
   of E equal counts (a sample's hottest are hot by chance) plus 3 standard deviations of a binomial share;
 - the cache's gain per pick = skew x record_bytes / miss lane rate (the misses it saves, at the rate of the
@@ -89,11 +91,12 @@ class Planner:
     layer); tick(picks, resident, rates) re-plans once `every` picks of a layer have passed."""
 
     def __init__(self, layers: list[int], experts: int, record_bytes: int, *, mode: str = "auto",
-                 every: int = EVERY, decay: float = DECAY):
+                 every: int = EVERY, decay: float = DECAY, gpu_slots: int | None = None):
         if mode not in PLANS:
             raise ValueError(f"placement {mode!r} is not one of {', '.join(PLANS)}")
         self.layers, self.experts, self.record_bytes = list(layers), experts, record_bytes
         self.mode, self.every, self.decay = mode, every, decay
+        self.share = round(gpu_slots / len(self.layers)) if gpu_slots and self.layers else None   # h, per layer
         self.row = {layer: i for i, layer in enumerate(self.layers)}
         self.counts = np.zeros((len(self.layers), experts), dtype=np.float64)
         self.picks = 0                           # picks of a layer since the last plan
@@ -150,7 +153,8 @@ class Planner:
             p.miss_lane = miss_lane
             if self.mode != "auto" or counts.sum() < MIN_PICKS:
                 continue
-            p.hot = on_gpu if 0 < on_gpu < self.experts else max(1, self.experts // 8)
+            h = self.share if self.share is not None else on_gpu
+            p.hot = h if 0 < h < self.experts else max(1, self.experts // 8)
             p.skew, p.noise = skew_and_noise(counts, p.hot)
             b = self.record_bytes
             p.gain_s = max(0.0, p.skew) * b / miss_rate if miss_rate else 0.0

@@ -122,7 +122,7 @@ class TieredExperts(ExpertProvider):
         self.zero_copy: ZeroCopyDecode | None = None    # use_zero_copy() turns it on
         # Per layer a static split or a cache, from the measured picks and lane rates (engine.tiers.placement)
         self.planner = Planner(list(manifest.moe_layers), manifest.experts_per_layer, self.layout.record_bytes,
-                               mode=placement)
+                               mode=placement, gpu_slots=self.gpu.cache.capacity if self.gpu is not None else None)
         self._given_rates_gbps = parse_lane_rates(lane_rates)
         if self.cpu_experts != "off":
             self.lane = CpuLane(lane_cpus)
@@ -243,11 +243,13 @@ class TieredExperts(ExpertProvider):
 
     # -- ExpertProvider -------------------------------------------------------------------------
     def forward(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        keep: set = set()
         if self.zero_copy is not None:
             if topk_ids.numel() <= GEMV_MAX_PAIRS:
                 return self.zero_copy.forward(layer, x, topk_ids, topk_weights)
             self.zero_copy.fence_needed = True       # the kernels below read slots by the cache, not the table
             self.zero_copy.sync_policy()             # ... and admit by the eviction policy: it hears of decode's picks
+            keep = self.zero_copy.prefill_keep()     # ... but not over decode's hot set
         elif self.gpu is not None and self.graph_pairs_ok(topk_ids.numel()) \
                 and (triton_available(self.device) or not self.cuda):
             return self._decode_from_slots(layer, x, topk_ids, topk_weights)
@@ -257,9 +259,10 @@ class TieredExperts(ExpertProvider):
         self.record_trace(layer, list(picks))
         lane = "gpu" if self.gpu is not None else "cpu"
         self.lanes.add(lane, topk_ids.numel(), len(picks) * self.layout.record_bytes)
-        resolve = (lambda wave: self._resolve_gpu(layer, wave, picks)) if self.gpu is not None else \
+        resolve = (lambda wave: self._resolve_gpu(layer, wave, picks, keep)) if self.gpu is not None else \
             (lambda wave: self._resolve_ram(layer, wave, picks))
-        return moe_forward(x, topk_weights, routes, resolve, self.wave, self.swiglu_limit)
+        # The kept records' slots are not the waves': each wave's copies fit the rest.
+        return moe_forward(x, topk_weights, routes, resolve, self.wave - len(keep), self.swiglu_limit)
 
     def host_records(self, layer: int, experts: list[int]) -> list[int] | None:
         """One token's picked experts computed on the CPU by the caller (the native decode step,
@@ -535,14 +538,14 @@ class TieredExperts(ExpertProvider):
             gpu.lookup(key)             # hit/miss counters and recency of the GPU tier
 
     # -- prefill on CUDA, and everything on the CPU: moe_forward over waves -----------------------
-    def _resolve_gpu(self, layer: int, wave: list[int], picks: dict[int, int]):
+    def _resolve_gpu(self, layer: int, wave: list[int], picks: dict[int, int], keep: set = frozenset()):
         keys = {ExpertKey(layer, e) for e in wave}
         for e in wave:
             key = ExpertKey(layer, e)
             tier = self.origin.pop(key, None) or ("gpu" if self.gpu.cache.lookup(key) is not None else
                                                   "ram" if key in self.ram.cache else "store")
             self.served[tier] += picks[e]
-        self.gpu.load(layer, wave, self.ram, keys)
+        self.gpu.load(layer, wave, self.ram, keys | keep)
         self.gpu.wait_copies()
         return [self.layout.views(self.gpu.data[self.gpu.slot(layer, e)]) for e in wave]
 

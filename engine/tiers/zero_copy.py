@@ -21,12 +21,18 @@ How the tiers still follow the routing, without the compute stream ever waiting 
   step's launch the host queues that log's copy to page-locked memory, and reads it one step later — as arrays
   (the host work of a step is ~0.1 ms: it is the server's too, under the GIL), noting each record's last use; the
   GPU tier's eviction policy hears of those uses only when it must choose (a write-back, or the other path).
-- promotions: experts a step read from RAM are candidates; after the next step is launched, up to a budget of
-  them (half of a step's time at the measured copy rate) are copied into free GPU slots, and the GPU tier's
-  victims (its eviction policy's) written back to free RAM slots to keep free slots at hand — on the copy
-  stream, while the GPU computes. The table update follows those copies on the compute stream, so the next
-  step reads the new places. A slot whose record moved away is freed only after the step that could still
-  read it has finished (an event recorded behind the table update): no copy lands under a running kernel.
+- promotions, by frequency: the GPU slots should hold the hot set, the records the planner's windowed pick counts
+  (engine.tiers.placement) rank highest among the cache layers' (a static layer's residents stay). A resident
+  ranks as if picked 3 standard deviations more often than it was, so a record displaces it only when it is
+  measurably hotter, not by a sample's noise. After each launch, experts the last step read from RAM that belong
+  to the hot set are copied into free GPU slots, the hottest first, up to a budget (half of a step's time at the
+  measured copy rate); residents outside it are written back to free RAM slots, the coldest first, as many as
+  hot records wait — on the copy stream, while the GPU computes. The table update follows those copies on the
+  compute stream, so the next step reads the new places. A slot whose record moved away is freed only after the
+  step that could still read it has finished (an event recorded behind the table update): no copy lands under
+  a running kernel. Why not recency: under a calibrated skew (11.4 % of experts taking 39 % of picks) promoting
+  whatever a step read, evicting the least recently used, kept the tail cycling through the slots: 16 promotions a
+  step, and the slots served 36 % of picks where the hottest records would serve 56 % (bench/placement_sim.py).
 Prefill and batches of more picks than the GEMV kernels take go TieredExperts' usual way (copies into slots,
 per-expert GEMMs); the tiers' caches record what that moves and the table follows it before the next step.
 The result never depends on where a record was read from (tests/engine/test_zero_copy.py).
@@ -48,7 +54,9 @@ log = logging.getLogger("engine.tiers")
 
 MAX_MOVES = 16            # promotions a step at most (each also frees a GPU slot for the next: a write-back)
 COPY_SHARE = 0.5          # of a step's time the promotions' copies may take on the PCIe lane
-REFILL = 8                # free GPU slots made at once beyond the budget, when fewer than it are free
+HOT_Z = 3.0               # standard deviations of its count a resident is credited with (the hot set's hysteresis)
+HOT_EVERY = 8             # steps between recomputations of the hot set (its counts move slowly)
+PREFILL_ROOM = 0.25       # of the GPU slots a prefill's waves may use when the hot set would fill them
 
 
 def blocker(provider) -> str | None:
@@ -115,6 +123,8 @@ class ZeroCopyDecode:
         # Set by TieredExperts' other path (prefill, large batches): kernels that read GPU slots by the cache, not
         # the table, may still run when a slot is released; the next promotions wait for them (fence()).
         self.fence_needed = False
+        self._hot: np.ndarray | None = None     # hot_set(), recomputed every HOT_EVERY steps
+        self._hot_step = 0
         self._last_launch: float | None = None
         self.step_seconds = 0.0            # running mean of the time between two launches (the budget's clock)
         self.picks = {"gpu": 0, "ram": 0}
@@ -293,46 +303,83 @@ class ZeroCopyDecode:
             return 1
         return max(1, min(MAX_MOVES, int(COPY_SHARE * self.step_seconds * rate / self.layout.record_bytes)))
 
+    def hot_set(self) -> np.ndarray:
+        """Which records the GPU slots should hold (a bool per record, self.keys' order): every static layer's
+        resident, and of the cache layers' records the highest ranked by the planner's windowed pick counts, a
+        resident (or one on its way up) credited with HOT_Z standard deviations of its count, as many as the
+        slots the static layers leave."""
+        planner = self.p.planner
+        counts = planner.counts.ravel()                 # planner rows are the MoE layers in manifest order: ours
+        resident = np.zeros(len(self.keys), dtype=bool)
+        for key in self.gpu.cache.resident():
+            if key not in self.demoting:
+                resident[self._index(key)] = True
+        for key in self.promoting:
+            resident[self._index(key)] = True
+        static = np.zeros(len(self.keys), dtype=bool)
+        for layer in planner.static_layers:
+            r = self.rows[layer] * self.experts
+            static[r:r + self.experts] = True
+        hot = resident & static
+        room = self.gpu.cache.capacity - int(hot.sum())
+        cand = np.flatnonzero(~static)
+        if room > 0 and cand.size:
+            rank = counts[cand] + np.where(resident[cand], HOT_Z * np.sqrt(counts[cand] + 1.0), 0.0)
+            take = cand if cand.size <= room else cand[np.argpartition(-rank, room - 1)[:room]]
+            hot[take] = True
+        return hot
+
+    def prefill_keep(self) -> set:
+        """The GPU-resident records a prefill's waves (TieredExperts' other path) must leave in their slots: the
+        hot set's, the hottest first, all but PREFILL_ROOM of the slots at most (the waves' room). Without it an
+        8k prompt streams every expert of every layer through the slots and decode starts from whatever the last
+        waves left (bench/placement_sim.py: 0.435 of the next 32 steps' picks served from slots, 0.549 before)."""
+        hot = self.hot_set()
+        counts = self.p.planner.counts.ravel()
+        static = self.p.planner.static_layers
+        kept = [k for k in self.gpu.cache.resident() if k not in self.demoting and hot[self._index(k)]]
+        most = self.gpu.cache.capacity - max(1, int(self.gpu.cache.capacity * PREFILL_ROOM))
+        if len(kept) > most:
+            kept.sort(key=lambda k: (k.layer not in static, -counts[self._index(k)]))
+            kept = kept[:most]
+        return set(kept)
+
     def _promote(self, picked: np.ndarray, from_ram: Counter) -> None:
         budget = self.budget()
         moves = self.room - 1 - len(self.promoting) - len(self.demoting)   # a write-back always finds a RAM slot
-        planner = self.p.planner
-        static = planner.static_layers      # their residents stay, and nothing of theirs is promoted (tiers.placement)
+        if self._hot is None or self._step - self._hot_step >= HOT_EVERY:
+            self._hot, self._hot_step = self.hot_set(), self._step
+        hot, counts = self._hot, self.p.planner.counts.ravel()
         up, down = [], []
-        for key, _ in from_ram.most_common():
+        cands = sorted((k for k in from_ram if k not in self.promoting and k not in self.gpu.cache
+                        and hot[self._index(k)]), key=lambda k: -counts[self._index(k)])
+        for key in cands:
             if len(up) >= budget or moves <= 0 or self.gpu.cache.free == 0:
                 break
-            if key in self.promoting or key in self.gpu.cache or key.layer in static:
-                continue
             slot, evicted = self.gpu.cache.admit(key)
             assert evicted is None
             up.append((slot, self.ram.arena.tensor(self.ram.cache.slot_of(key), self.layout.dtype)))
             self.promoting.add(key)
-            planner.note_promotion(key.layer)
+            self.p.planner.note_promotion(key.layer)
             self._unsynced.append(("up", key))
             moves -= 1
-        # Keep at least `budget` GPU slots free for the next steps' promotions: below that, write the coldest back
-        # to RAM until REFILL more are free (in batches: the policy catches up on the decode's picks once a batch).
-        free = self.gpu.cache.free + len(self.demoting)
-        want = budget + REFILL - free if free < budget else 0
-        if want > 0 and moves > 0 and self.ram.cache.free > 0:
-            self.sync_policy()
-            protect = {self.keys[j] for j in picked.tolist()} | self.promoting | self.demoting
-            if static:
-                protect |= {k for k in self.gpu.cache.resident() if k.layer in static}
-        while want > 0 and moves > 0 and self.ram.cache.free > 0:
-            try:
-                victim = self.gpu.cache.policy.victim(protect)
-            except LookupError:
-                break
-            r, evicted = self.ram.cache.admit(victim)
-            assert evicted is None
-            down.append((self.ram.arena.tensor(r, self.layout.dtype), self.gpu.cache.slot_of(victim)))
-            self.demoting.add(victim)
-            protect.add(victim)
-            self._unsynced.append(("down", victim))
-            want -= 1
-            moves -= 1
+        # Write back as many cold residents as hot records wait in RAM beyond the slots already free or freeing:
+        # the coldest first, none the last step picked (it may be picked again before it has left). Where each
+        # record is: the mirror (synced after every promotion; this call's are in `up`).
+        in_gpu = (self.mirror_np >= 0) & (self.mirror_np < self.gpu_span)
+        waiting = int((hot & ~in_gpu).sum()) - len(up)
+        want = min(budget, moves, self.ram.cache.free, waiting - self.gpu.cache.free - len(self.demoting))
+        if want > 0:
+            cold = in_gpu & ~hot
+            cold[picked] = False
+            js = np.flatnonzero(cold)
+            for j in js[np.argsort(counts[js], kind="stable")[:want]].tolist():
+                victim = self.keys[j]
+                r, evicted = self.ram.cache.admit(victim)
+                assert evicted is None
+                down.append((self.ram.arena.tensor(r, self.layout.dtype), self.gpu.cache.slot_of(victim)))
+                self.demoting.add(victim)
+                self._unsynced.append(("down", victim))
         if up or down:
             self.gpu.move(up, down, after=self._fence())
             self.promotions += len(up)

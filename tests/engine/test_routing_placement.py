@@ -124,10 +124,10 @@ def _serve(store, routing: str, placement: str, steps: int = 6):
 
 
 @pytest.mark.slow
-def test_uniform_routing_freezes_the_split_and_a_cache_would_promote(store, caplog):
+def test_uniform_routing_freezes_the_split(store, caplog):
     """Uniform draws: every layer plans static after the prefill, and decode then promotes nothing (the preload's
-    whole-layer split stays, llama.cpp's kind); the same run with --placement cache promotes what it reads from
-    RAM. /metrics shows each layer's plan."""
+    whole-layer split stays, llama.cpp's kind); the same run with --placement cache stays a cache. /metrics shows
+    each layer's plan."""
     from engine.server.metrics import Metrics
     import engine.tiers.placement as placement
     mp = pytest.MonkeyPatch()
@@ -135,12 +135,12 @@ def test_uniform_routing_freezes_the_split_and_a_cache_would_promote(store, capl
     try:
         with caplog.at_level(logging.INFO, logger="engine.tiers"):
             auto, moved = _serve(store, "uniform", "auto")
-        cache, moved_cache = _serve(store, "uniform", "cache")
+        cache, _ = _serve(store, "uniform", "cache")
     finally:
         mp.undo()
     plan = auto["placement"]
     assert plan["replans"] >= 1 and plan["layers_static"] == 3, plan
-    assert moved == 0 and moved_cache > 0
+    assert moved == 0
     assert sum("placement: layer" in r.message and "-> static" in r.message for r in caplog.records) == 3
     assert cache["placement"]["layers_cache"] == 3
     text = Metrics(lambda: {**auto, "bench_routing": {"mode": "uniform"}}).render().decode()
@@ -159,5 +159,98 @@ def test_calibrated_routing_keeps_the_cache(store):
         c, moved = _serve(store, "calibrated", "auto")
     finally:
         mp.undo()
-    assert c["placement"]["replans"] >= 1 and c["placement"]["layers_cache"] == 3, c["placement"]
+    assert c["placement"]["replans"] >= 1 and c["placement"]["layers_cache"] == 3, c["placement"]["layers"]
     assert all(p["skew"] > p["noise"] for p in c["placement"]["layers"].values())
+
+
+# ------------------------------------------------------------------ zero-copy's hot set, driven step by step
+
+def _zero_copy(store, placement="auto"):
+    from engine.store import manifest as mf
+    from engine.tiers.tiered import TieredExperts
+    _, st = store
+    prov = TieredExperts(mf.load(st), st, device="cpu", gpu_slots=16, ram_slots=40, readers=2, placement=placement)
+    prov.preload()
+    assert prov.use_zero_copy("on")
+    prov.zero_copy.budget = lambda: 4             # the copy budget a GPU's step time gives; fixed: deterministic
+    return prov
+
+
+def _drive(prov, bench, steps, k=4):
+    """`steps` decode steps of drawn picks through zero-copy's host side: each step's picks written into the routing
+    log a GPU step's kernels write, then the after-launch hook that reads it, plans, promotes and writes back (what
+    runs between two real steps; no kernel is needed for where records lie). → (share of the picks the GPU slots
+    served, promotions a step)."""
+    zc = prov.zero_copy
+    g0, r0, p0 = zc.picks["gpu"], zc.picks["ram"], zc.promotions
+    for _ in range(steps):
+        for layer, row in zc.rows.items():
+            zc.log[row, :k] = bench(layer, torch.zeros(1, k, dtype=torch.long)).reshape(-1).to(torch.int32)
+        prov.after_decode_launch(k)
+    g, r = zc.picks["gpu"] - g0, zc.picks["ram"] - r0
+    return g / (g + r), (zc.promotions - p0) / steps
+
+
+def _best_static(bench, layers, slots=16, experts=16):
+    """The share of the bench's draws the `slots` most-drawn (layer, expert) records serve: a perfect static split."""
+    counts = np.concatenate([np.bincount(bench.pool[layer].reshape(-1).numpy(), minlength=experts)
+                             for layer in layers]).astype(float)
+    return np.sort(counts)[::-1][:slots].sum() / counts.sum()
+
+
+def test_the_slots_converge_on_the_hottest_records_and_then_hold_still(store):
+    """Calibrated draws: the GPU slots come to serve what the hottest 16 records would (0.95 of a perfect static
+    split at least), and then promote almost nothing. Promoting whatever a step read and evicting the least recently
+    used kept the tail cycling through the slots (a budget's promotions every step, 0.38 where 0.56 was possible at
+    the 6 GiB bench's shape: bench/placement_sim.py)."""
+    prov = _zero_copy(store)
+    try:
+        layers = list(prov.zero_copy.rows)
+        bench = BenchRouting("calibrated", 16, 4, layers, seed=3)
+        _drive(prov, bench, 400)
+        share, promotions = _drive(prov, bench, 300)
+        assert prov.planner.summary()["layers_cache"] == 3
+    finally:
+        prov.close()
+    assert share >= 0.95 * _best_static(bench, layers), (share, _best_static(bench, layers))
+    assert promotions <= 0.1, promotions
+
+
+def test_a_cache_under_uniform_routing_does_not_chase_noise(store):
+    """--placement cache under uniform draws: a record displaces a resident only when measurably hotter (a resident
+    is credited with 3 standard deviations of its count), so a sample's chance favourites are not promoted."""
+    prov = _zero_copy(store, placement="cache")
+    try:
+        bench = BenchRouting("uniform", 16, 4, list(prov.zero_copy.rows), seed=4)
+        _drive(prov, bench, 100)
+        _, promotions = _drive(prov, bench, 400)
+    finally:
+        prov.close()
+    assert promotions <= 0.05, promotions
+
+
+def test_a_prefill_leaves_the_hot_set_in_its_slots(store):
+    """A prefill's waves go through the slots the hot set leaves (a quarter of them here): the hottest residents are
+    still in their slots after a prompt that picks every expert of every layer, and the prefill's output is the
+    in-memory provider's."""
+    from engine.tiers import build_provider
+    ck, _ = store
+    prov = _zero_copy(store)
+    ref = build_provider(ck, None)
+    try:
+        layers = list(prov.zero_copy.rows)
+        _drive(prov, BenchRouting("calibrated", 16, 4, layers, seed=3), 300)
+        kept = prov.zero_copy.prefill_keep()
+        assert len(kept) == 12                             # 16 slots, a quarter the waves'
+        g = torch.Generator().manual_seed(0)
+        with torch.inference_mode():
+            for layer in layers:
+                ids = torch.stack([torch.randperm(16, generator=g)[:4] for _ in range(40)])
+                x = torch.randn(40, prov.layout.hidden, generator=g)
+                w = torch.rand(40, 4, generator=g)
+                got = prov.forward(layer, x, ids, w)
+                want = ref.forward(layer, x, ids, w)
+                assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+        assert kept <= set(prov.gpu.cache.resident())
+    finally:
+        prov.close()

@@ -213,16 +213,19 @@ def test_a_moved_slot_is_reused_only_after_its_table_update(store):
         zc = prov.zero_copy
         zc.step_seconds = 1.0                                   # a budget of several moves
         assert prov.gpu.cache.free == 0                         # preloaded full: write-backs first
+        hot = [k for k in zc.keys if k not in prov.gpu.cache][:3]
+        for k in hot:                                           # three RAM-tier records picked far more than any
+            prov.planner.counts.ravel()[zc._index(k)] = 100.0
         zc._promote(np.array([], dtype=np.int64), Counter())
         down = set(zc.demoting)
-        assert down and all(k in prov.gpu.cache and k in prov.ram.cache for k in down)
+        assert len(down) == 3 and all(k in prov.gpu.cache and k in prov.ram.cache for k in down)
         assert all(zc._offset(k) == zc.ram_offsets[prov.ram.cache.slot_of(k)] for k in down)   # the table: RAM
         zc._release()
         assert zc.demoting == down and prov.gpu.cache.free == 0     # not synced yet: nothing freed
         zc.sync()
         zc._release()
         assert not zc.demoting and prov.gpu.cache.free == len(down) and not any(k in prov.gpu.cache for k in down)
-        key = next(k for k in zc.keys if k not in prov.gpu.cache)
+        key = hot[0]
         zc._promote(np.array([zc._index(key)]), Counter({key: 1}))
         assert key in zc.promoting and key in prov.gpu.cache and key in prov.ram.cache
         assert zc._offset(key) == prov.gpu.cache.slot_of(key) * zc.rec_elems         # the table: its slot
