@@ -869,14 +869,16 @@ def quant_moe_reference(x, arena, slots, topk_weights, layout: QuantLayout, limi
 
 def quant_moe_from_slots(x, arena, slots, topk_weights, layout: QuantLayout, *, slot_offset: int = 0,
                          table: torch.Tensor | None = None, log: torch.Tensor | None = None,
-                         limit: float | None = None, types=None) -> torch.Tensor:
+                         limit: float | None = None, types=None, gemv: dict | None = None) -> torch.Tensor:
     """The providers' hook: GEMV kernels for few pairs (decode), the grouped GEMM for many (prefill);
     the reference where Triton cannot run. The slots read are slot_offset + slots (or a record table's).
     limit: the experts' swiglu limit, in every one of them (None: none). types: the records' (gate, up, down)
-    GGML types where the caller knows them (one layer's: the provider's record_types), for the typed kernels."""
+    GGML types where the caller knows them (one layer's: the provider's record_types), for the typed kernels.
+    gemv: quant_slot_moe's int8/int4 tiles (max_span, warps, block_i, block_h) where the caller's reads differ
+    from HBM's (zero-copy decode reads most records over PCIe)."""
     if available(x.device) and slots.numel() <= GEMV_MAX_PAIRS:
         return quant_slot_moe(x, arena, slots, topk_weights, layout, slot_offset=slot_offset, table=table, log=log,
-                              limit=limit, types=types)
+                              limit=limit, types=types, **(gemv or {}))
     if slot_offset:
         slots = slots + slot_offset
     if not available(x.device):

@@ -139,19 +139,21 @@ def slot_moe_reference(x, arena, slots, topk_weights, layout: ExpertLayout, expe
 
 def moe_from_slots(x, arena, slots, topk_weights, layout: ExpertLayout, expert_ids=None, *,
                    slot_offset: int = 0, table: torch.Tensor | None = None,
-                   log: torch.Tensor | None = None, limit: float | None = None, types=None) -> torch.Tensor:
+                   log: torch.Tensor | None = None, limit: float | None = None, types=None,
+                   gemv: dict | None = None) -> torch.Tensor:
     """Pick the kernel for the shape: GEMV kernels for few pairs (decode), GEMMs for many (prefill).
     Quantized records go to their own kernels (engine.kernels.quant_triton), picked the same way. The slots
     read are slot_offset + slots (the GEMV kernels add it themselves). table / log (slot_moe's): only the GEMV
     kernels read a record table, so a caller giving one must keep to their shapes. limit: the experts' swiglu
     limit (ExpertProvider.swiglu_limit), carried into every kernel; None: none. types: the records' (gate, up,
-    down) GGML types (one layer's, GGUF records: the quantized kernels compile them in); None: unknown."""
+    down) GGML types (one layer's, GGUF records: the quantized kernels compile them in); None: unknown. gemv: the
+    quantized GEMVs' tiles (engine.kernels.quant_triton.quant_moe_from_slots)."""
     if table is not None or log is not None:
         assert slots.numel() <= GEMV_MAX_PAIRS and triton_available(x.device), \
             "a record table is read by the GEMV kernels only: at most GEMV_MAX_PAIRS picks, where Triton runs"
     if layout.quantized:
         return quant_moe_from_slots(x, arena, slots, topk_weights, layout.quantized, slot_offset=slot_offset,
-                                    table=table, log=log, limit=limit, types=types)
+                                    table=table, log=log, limit=limit, types=types, gemv=gemv)
     if slots.numel() <= GEMV_MAX_PAIRS and triton_available(x.device):
         return slot_moe(x, arena, slots, topk_weights, layout, slot_offset=slot_offset, table=table, log=log,
                         limit=limit)

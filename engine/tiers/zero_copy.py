@@ -56,6 +56,9 @@ MAX_MOVES = 16            # promotions a step at most (each also frees a GPU slo
 COPY_SHARE = 0.5          # of a step's time the promotions' copies may take on the PCIe lane
 HOT_Z = 3.0               # standard deviations of its count a resident is credited with (the hot set's hysteresis)
 HOT_EVERY = 8             # steps between recomputations of the hot set (its counts move slowly)
+# The int4/int8 decode GEMVs' tiles when most records are read over PCIe: 16 groups a load and 4 warps read in place
+# at 43 GB/s on the H200 where HBM's best (64 groups, 2 warps) reads 37 (bench/pcie_reads.py, 2026-12-06).
+IN_PLACE_GEMV = {"max_span": 16, "warps": 4}
 PREFILL_ROOM = 0.25       # of the GPU slots a prefill's waves may use when the hot set would fill them
 
 
@@ -209,7 +212,7 @@ class ZeroCopyDecode:
         row = self.rows[layer]
         return moe_from_slots(x, self.gpu.data, topk_ids, topk_weights, self.layout, topk_ids,
                               slot_offset=row * self.experts, table=self.table, log=self.log[row],
-                              limit=self.p.swiglu_limit, types=self.p.manifest.record_types(layer))
+                              limit=self.p.swiglu_limit, types=self.p.manifest.record_types(layer), gemv=IN_PLACE_GEMV)
 
     def before_decode(self) -> None:
         """Before a step's launch: what a prefill moved reaches the table (usually nothing to do)."""
