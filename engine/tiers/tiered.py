@@ -259,6 +259,8 @@ class TieredExperts(ExpertProvider):
         self.record_trace(layer, list(picks))
         lane = "gpu" if self.gpu is not None else "cpu"
         self.lanes.add(lane, topk_ids.numel(), len(picks) * self.layout.record_bytes)
+        if self.gpu is not None and self.layout.quantized and triton_available(x.device):
+            return self._prefill_from_slots(layer, x, topk_ids, topk_weights, picks, keep)
         resolve = (lambda wave: self._resolve_gpu(layer, wave, picks, keep)) if self.gpu is not None else \
             (lambda wave: self._resolve_ram(layer, wave, picks))
         # The kept records' slots are not the waves': each wave's copies fit the rest.
@@ -539,6 +541,12 @@ class TieredExperts(ExpertProvider):
 
     # -- prefill on CUDA, and everything on the CPU: moe_forward over waves -----------------------
     def _resolve_gpu(self, layer: int, wave: list[int], picks: dict[int, int], keep: set = frozenset()):
+        self._load_wave(layer, wave, picks, keep)
+        return [self.layout.views(self.gpu.data[self.gpu.slot(layer, e)]) for e in wave]
+
+    def _load_wave(self, layer: int, wave: list[int], picks: dict[int, int], keep: set) -> None:
+        """A wave of the layer's experts into GPU slots (counted where each came from), `keep` left in place; the
+        compute stream waits for the copies."""
         keys = {ExpertKey(layer, e) for e in wave}
         for e in wave:
             key = ExpertKey(layer, e)
@@ -547,7 +555,41 @@ class TieredExperts(ExpertProvider):
             self.served[tier] += picks[e]
         self.gpu.load(layer, wave, self.ram, keys | keep)
         self.gpu.wait_copies()
-        return [self.layout.views(self.gpu.data[self.gpu.slot(layer, e)]) for e in wave]
+
+    def _prefill_from_slots(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                            picks: dict[int, int], keep: set) -> torch.Tensor:
+        """Quantized records, many tokens: the layer's picked experts into GPU slots in as few waves as the slots
+        allow (the ones resident already first), each wave computed by the grouped GEMM over the slots the resident
+        provider's prefill runs (engine.kernels.quant_triton), its other picks weighted 0. moe_forward's per-expert
+        path dequantized each record with torch ops first: ~3 s for an 8k prompt at any budget (2,100-2,700 tok/s on
+        the H200 and an H100, bench/README). One wave: the resident provider's arithmetic; several: their sums."""
+        cache, cap = self.gpu.cache, self.gpu.cache.capacity
+        experts = sorted(picks)
+        here = [e for e in experts if ExpertKey(layer, e) in cache]
+        rest = [e for e in experts if ExpertKey(layer, e) not in cache]
+        held = keep | {ExpertKey(layer, e) for e in here}
+        first = max(0, cap - len(held))               # slots the first wave's copies may take
+        waves = [here + rest[:first]]
+        room = max(1, cap - len(keep))
+        waves += [rest[i:i + room] for i in range(first, len(rest), room)]
+        n = self.manifest.experts_per_layer
+        types = self.manifest.record_types(layer)
+        out = None
+        for wave in waves:
+            self._load_wave(layer, wave, picks, keep)
+            # Picks outside the wave read one of its records (finite weights) and weigh 0.
+            slot_of = torch.full((n,), self.gpu.slot(layer, wave[0]), dtype=torch.int32)
+            slot_of[wave] = torch.tensor([self.gpu.slot(layer, e) for e in wave], dtype=torch.int32)
+            slots = slot_of.to(x.device)[topk_ids]
+            if len(waves) == 1:
+                return moe_from_slots(x, self.gpu.data, slots, topk_weights, self.layout, limit=self.swiglu_limit,
+                                      types=types)
+            member = torch.zeros(n, dtype=torch.bool)
+            member[wave] = True
+            w = topk_weights * member.to(x.device)[topk_ids].to(topk_weights.dtype)
+            y = moe_from_slots(x, self.gpu.data, slots, w, self.layout, limit=self.swiglu_limit, types=types)
+            out = y if out is None else out + y
+        return out
 
     def _resolve_ram(self, layer: int, wave: list[int], picks: dict[int, int]):
         slots, from_store = self.ram.fetch(layer, wave, ())
