@@ -15,6 +15,7 @@ medians, peaks, the peer and the bound; `write_result` stamps the first three.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -197,6 +198,21 @@ def run_with_tree(tree: Path) -> str:
         # engine/ would shadow `tree`'s.
         os.execve(sys.executable, [sys.executable, "-P", "-m", _module_name(), *sys.argv[1:]], env)
     return tree_commit(tree)
+
+
+@contextlib.contextmanager
+def commit_tree(rev: str | None):
+    """A detached `git worktree` of commit `rev` for the length of the block (None: no tree, yields None): the
+    baseline a bench's `--before REV` measures beside this checkout, removed afterwards."""
+    if rev is None:
+        yield None
+        return
+    tmp = tempfile.mkdtemp(prefix="kiln-before-")
+    subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", tmp, rev], check=True, capture_output=True)
+    try:
+        yield Path(tmp)
+    finally:
+        subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", tmp], capture_output=True)
 
 
 def parse_with_tree(ap) -> tuple:

@@ -32,14 +32,9 @@ TILES = [(8, 32, 2, 64), (8, 32, 4, 64), (16, 64, 8, 64), (8, 32, 4, 16), (8, 32
 
 
 def _timed(fn, iters: int) -> float:
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-    for i in range(iters):
-        starts[i].record()
-        fn(i)
-        ends[i].record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) * 1e-3 for s, e in zip(starts, ends))     # seconds
+    """Median seconds of fn(i) over `iters` calls (CUDA events: bench.quant_gpu_kernels.timed)."""
+    from bench.quant_gpu_kernels import timed
+    return statistics.median(timed(fn, iters)) * 1e-6
 
 
 def _huge_arena(n: int, rec: int):

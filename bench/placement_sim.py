@@ -26,7 +26,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench.harness import REPO, log, table, tree_commit, write_result
+from bench.harness import REPO, commit_tree, log, table, tree_commit, write_result
 
 ROUTINGS = ("calibrated", "uniform")
 EXPERTS, TOP_K = 128, 8
@@ -119,14 +119,8 @@ def main(argv=None) -> int:
         a.work.mkdir(parents=True, exist_ok=True)
         print(json.dumps(measure(a.work, **knobs)))
         return 0
-    trees = {"now": REPO}
-    tmp = None
-    if a.before:
-        tmp = tempfile.mkdtemp(prefix="kiln-placement-before-")
-        subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", tmp, a.before], check=True,
-                       capture_output=True)
-        trees[f"before ({a.before})"] = Path(tmp)
-    try:
+    with commit_tree(a.before) as before:
+        trees = {"now": REPO, **({f"before ({a.before})": before} if before else {})}
         results = {}
         for name, tree in trees.items():
             cmd = [sys.executable, "-m", "bench.placement_sim", "--tree", str(tree), "--work", str(a.work),
@@ -136,22 +130,18 @@ def main(argv=None) -> int:
                 raise SystemExit(f"placement_sim: the {name} tree failed: {r.stderr.strip().splitlines()[-1:]}")
             results[name] = {"commit": tree_commit(tree), "rows": json.loads(r.stdout.strip().splitlines()[-1])}
             log(f"{name}: done")
-        flat = [{"tree": name, **row} for name, res in results.items() for row in res["rows"]]
-        cols = ["tree", "routing", "before_prefill", "first_32", "next_96", "steady", "best_static",
-                "promotions_per_step"]
-        text = table(flat, cols)
-        if a.out:
-            write_result(a.out, {"bench": "placement_sim", "knobs": knobs, "results": results,
-                                 "columns": {"before_prefill": "share of decode picks served from GPU slots, the 128 "
-                                             "steps before the prefill", "first_32": "the 32 steps after it",
-                                             "next_96": "the 96 after those", "steady": f"the {a.steps} after those",
-                                             "best_static": "the hottest records by the routing pools' own counts "
-                                             "(uniform: the slots' share of records)"},
-                                 "table": text})
-            log(f"wrote {a.out}")
-    finally:
-        if tmp:
-            subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", tmp], capture_output=True)
+    flat = [{"tree": name, **row} for name, res in results.items() for row in res["rows"]]
+    cols = ["tree", "routing", "before_prefill", "first_32", "next_96", "steady", "best_static", "promotions_per_step"]
+    text = table(flat, cols)
+    if a.out:
+        write_result(a.out, {"bench": "placement_sim", "knobs": knobs, "results": results,
+                             "columns": {"before_prefill": "share of decode picks served from GPU slots, the 128 steps "
+                                         "before the prefill", "first_32": "the 32 steps after it",
+                                         "next_96": "the 96 after those", "steady": f"the {a.steps} after those",
+                                         "best_static": "the hottest records by the routing pools' own counts "
+                                         "(uniform: the slots' share of records)"},
+                             "table": text})
+        log(f"wrote {a.out}")
     return 0
 
 

@@ -11,15 +11,13 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from bench.harness import host_load, log, write_result
+from bench.harness import commit_tree, host_load, log, write_result
 
 REPO = Path(__file__).resolve().parent.parent
 MODES = {
@@ -69,14 +67,8 @@ def main(argv=None) -> int:
     ap.add_argument("--before", default=None, help="an earlier commit whose sampler is timed beside this tree's")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
-    trees = {"now": REPO}
-    tmp = None
-    if a.before:
-        tmp = tempfile.mkdtemp(prefix="kiln-sampler-before-")
-        subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", tmp, a.before], check=True,
-                       capture_output=True)
-        trees[f"before ({a.before})"] = Path(tmp)
-    try:
+    with commit_tree(a.before) as before:
+        trees = {"now": REPO, **({f"before ({a.before})": before} if before else {})}
         samplers = {k: sampler_of(t) for k, t in trees.items()}
         gen = torch.Generator().manual_seed(0)
         x = torch.randn(1, a.vocab, generator=gen) * 3          # a model's logits: a few dominant, a long tail
@@ -88,22 +80,19 @@ def main(argv=None) -> int:
                     row[f"{name} | {mode}"] = round(time_draws(s, x, spec, a.draws), 1)
             rounds.append(row)
             log(f"round {r + 1}: load {row['load']}")
-        med = {k: round(statistics.median(rr[k] for rr in rounds), 1) for k in rounds[0] if "|" in k}
-        lines = ["| mode | " + " | ".join(f"{n} µs" for n in samplers) + (" | now / before |" if a.before else " |"),
-                 "|---|" + "---:|" * (len(samplers) + (1 if a.before else 0))]
-        for mode in MODES:
-            vals = [med[f"{n} | {mode}"] for n in samplers]
-            ratio = f" | {vals[0] / vals[1]:.3f} |" if a.before else " |"
-            lines.append(f"| {mode} | " + " | ".join(f"{v:,.1f}" for v in vals) + ratio)
-        table = "\n".join(lines)
-        print(table)
-        write_result(a.out, {"bench": "sampler_speed", "vocab": a.vocab, "threads": a.threads, "rounds": rounds,
-                             "medians_us": med, "modes": MODES, "before": a.before, "table": table,
-                             "device": "cpu", "host_load_end": host_load()})
-        log(f"wrote {a.out}")
-    finally:
-        if tmp:
-            subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", tmp], capture_output=True)
+    med = {k: round(statistics.median(rr[k] for rr in rounds), 1) for k in rounds[0] if "|" in k}
+    lines = ["| mode | " + " | ".join(f"{n} µs" for n in samplers) + (" | now / before |" if a.before else " |"),
+             "|---|" + "---:|" * (len(samplers) + (1 if a.before else 0))]
+    for mode in MODES:
+        vals = [med[f"{n} | {mode}"] for n in samplers]
+        ratio = f" | {vals[0] / vals[1]:.3f} |" if a.before else " |"
+        lines.append(f"| {mode} | " + " | ".join(f"{v:,.1f}" for v in vals) + ratio)
+    table = "\n".join(lines)
+    print(table)
+    write_result(a.out, {"bench": "sampler_speed", "vocab": a.vocab, "threads": a.threads, "rounds": rounds,
+                         "medians_us": med, "modes": MODES, "before": a.before, "table": table,
+                         "device": "cpu", "host_load_end": host_load()})
+    log(f"wrote {a.out}")
     return 0
 
 
