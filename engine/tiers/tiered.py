@@ -249,7 +249,7 @@ class TieredExperts(ExpertProvider):
                 return self.zero_copy.forward(layer, x, topk_ids, topk_weights)
             self.zero_copy.fence_needed = True       # the kernels below read slots by the cache, not the table
             self.zero_copy.sync_policy()             # ... and admit by the eviction policy: it hears of decode's picks
-            keep = self.zero_copy.prefill_keep()     # ... but not over decode's hot set
+            keep = self.zero_copy.prefill_keep(layer)    # ... but not over decode's hot set
         elif self.gpu is not None and self.graph_pairs_ok(topk_ids.numel()) \
                 and (triton_available(self.device) or not self.cuda):
             return self._decode_from_slots(layer, x, topk_ids, topk_weights)

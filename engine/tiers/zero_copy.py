@@ -128,6 +128,7 @@ class ZeroCopyDecode:
         self.fence_needed = False
         self._hot: np.ndarray | None = None     # hot_set(), recomputed every HOT_EVERY steps
         self._hot_step = 0
+        self._keep: set | None = None           # prefill_keep()'s, for the rest of a pass's layers
         self._last_launch: float | None = None
         self.step_seconds = 0.0            # running mean of the time between two launches (the budget's clock)
         self.picks = {"gpu": 0, "ram": 0}
@@ -332,11 +333,19 @@ class ZeroCopyDecode:
             hot[take] = True
         return hot
 
-    def prefill_keep(self) -> set:
+    def prefill_keep(self, layer: int) -> set:
         """The GPU-resident records a prefill's waves (TieredExperts' other path) must leave in their slots: the
         hot set's, the hottest first, all but PREFILL_ROOM of the slots at most (the waves' room). Without it an
         8k prompt streams every expert of every layer through the slots and decode starts from whatever the last
-        waves left (bench/placement_sim.py: 0.435 of the next 32 steps' picks served from slots, 0.549 before)."""
+        waves left (bench/placement_sim.py: 0.435 of the next 32 steps' picks served from slots, 0.549 before).
+        Chosen at a pass's first MoE layer and kept for its others (the waves never evict it meanwhile): a few ms
+        of Python a layer for a large model's thousands of slots."""
+        if layer != self.p.manifest.moe_layers[0] and self._keep is not None:
+            return self._keep
+        self._keep = self._prefill_keep()
+        return self._keep
+
+    def _prefill_keep(self) -> set:
         hot = self.hot_set()
         counts = self.p.planner.counts.ravel()
         static = self.p.planner.static_layers

@@ -240,7 +240,7 @@ def test_a_prefill_leaves_the_hot_set_in_its_slots(store):
     try:
         layers = list(prov.zero_copy.rows)
         _drive(prov, BenchRouting("calibrated", 16, 4, layers, seed=3), 300)
-        kept = prov.zero_copy.prefill_keep()
+        kept = prov.zero_copy.prefill_keep(layers[0])
         assert len(kept) == 12                             # 16 slots, a quarter the waves'
         g = torch.Generator().manual_seed(0)
         with torch.inference_mode():
