@@ -571,7 +571,7 @@ class TieredExperts(ExpertProvider):
         first = max(0, cap - len(held))               # slots the first wave's copies may take
         waves = [here + rest[:first]]
         room = max(1, cap - len(keep))
-        waves += [rest[i:i + room] for i in range(first, len(rest), room)]
+        waves = [w for w in waves + [rest[i:i + room] for i in range(first, len(rest), room)] if w]
         n = self.manifest.experts_per_layer
         types = self.manifest.record_types(layer)
         out = None
