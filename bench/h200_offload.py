@@ -137,8 +137,12 @@ def kiln_run(model_dir: Path, store: Path, b: dict, routing: str, args, vocab: i
             concurrent([stream(prompt_ids(args.prefill, vocab, 4), 2, 4)])          # the 8k shapes, untimed
             pre = summarize(concurrent([stream(prompt_ids(args.prefill, vocab, 3), 2, 3)]))
             c0 = llm.counters()
-            one = summarize(concurrent([stream(prompt_ids(128, vocab, 1), args.steps, 1)]))
+            # --decode-runs streams, each its own prompt and seed, one after another: the median is the figure
+            runs = [summarize(concurrent([stream(prompt_ids(128, vocab, i + 1), args.steps, i + 1)]))
+                    for i in range(args.decode_runs)]
             c1 = llm.counters()
+            one = sorted(runs, key=lambda r: r["decode_tps"])[len(runs) // 2]
+            out["decode_tps_runs"] = [r["decode_tps"] for r in runs]
             out.update({"decode_tps": one["decode_tps"], "steps": args.steps, "ttft_s_128_prompt": one["ttft_s"],
                         "prefill_tokens": args.prefill, "prefill_ttft_s": pre["ttft_s"],
                         "prefill_tps": round(args.prefill / pre["ttft_s"], 1)})
@@ -187,7 +191,9 @@ def main() -> int:
     ap.add_argument("--routings", default=",".join(ROUTINGS))
     ap.add_argument("--steps", type=int, default=128, help="decoded tokens of the timed stream")
     ap.add_argument("--prefill", type=int, default=8192)
-    ap.add_argument("--reps", type=int, default=1, help="llama-bench -r")
+    ap.add_argument("--reps", type=int, default=3, help="llama-bench -r (its figure is their mean)")
+    ap.add_argument("--decode-runs", type=int, default=3, help="Kiln's timed decode streams a configuration, one "
+                    "model load (the median is the figure; each is in decode_tps_runs)")
     ap.add_argument("--seed", type=int, default=1, help="--bench-routing-seed")
     ap.add_argument("--cpu-experts", default="off",
                     help="comma list of Kiln's --cpu-experts modes to run at the offloading budgets (off: the "
@@ -212,7 +218,8 @@ def main() -> int:
                                 "picks), the model's (reported, not judged)",
                      "budget": "nvidia-smi memory.used peak, polled every 100 ms, both engines",
                      "layers": args.layers, "budgets_scaled_from_24_layers": args.layers != FULL_LAYERS,
-                     "rounds": "one timed run per configuration (the call's time): no spread",
+                     "rounds": f"Kiln: {args.decode_runs} decode streams a configuration (median; all in "
+                               f"decode_tps_runs), one 8k prefill; llama-bench -r {args.reps} (mean, stdev)",
                      "kiln_side": "in-process (LLM.load), not through engine serve"},
                  "kiln": {}, "llama_cpp": {}, "skipped": []}
 
