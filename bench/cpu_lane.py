@@ -9,7 +9,9 @@ Per round, for the lane's thread counts 1 and N (N = the --cpus given, each team
           (1 and 8: one token's picks; 32: four tokens × 8), every pick a distinct record of a pool of --pool-mib
           (≫ the LLC), records of the Qwen3-30B-A3B expert shape (hidden 2048, FFN 768), in both int4 orders: rows
           (what a CUDA machine's RAM tier holds, the H200's lane) and cols (a CPU store's); and ggml (--orders
-          ...,ggml): a GGUF's records as a Q4_K_M holds them, Q4_K gate and up, Q6_K down (random blocks).
+          ...,ggml): a GGUF's records as a Q4_K_M holds them, Q4_K gate and up, Q6_K down (random blocks); and
+          ggml-int8: the same records with x rounded to 8 bits per 32 inputs (`--cpu-activations int8`, llama.cpp's
+          way: integer dot products).
 And once, for reference, what the lane ran before: quant_ffn per pick (rows: dequantize + F.linear in fp32; cols:
 native int4_ffn one expert at a time; ggml: native ggml_ffn one expert at a time, holding the GIL) on N torch
 threads, 8 picks. Every figure prints with the lane/DRAM ratio
@@ -27,7 +29,7 @@ from pathlib import Path
 import torch
 
 from bench.harness import host_load, log, table, write_result
-from engine.kernels import lane
+from engine.kernels import lane, native
 from engine.kernels.quant_cpu import quant_ffn
 from engine.quant.records import QuantLayout
 
@@ -126,11 +128,15 @@ def main():
     llc = lane.llc_bytes()
     dram_mib = args.dram_mib or max(1024, 8 * (llc or 0) >> 20)
     teams = {1: lane.Team(1, cpus[:1]), len(cpus): lane.Team(len(cpus), cpus)}
-    layouts = {o: ggml_layout(args.hidden, args.intermediate) if o == "ggml" else
+    layouts = {o: ggml_layout(args.hidden, args.intermediate) if o.startswith("ggml") else
                QuantLayout(args.hidden, args.intermediate, "int4", o) for o in args.orders.split(",")}
+    # ggml-int8: the library's process-wide activation mode around that order's calls (native.allow sets it back)
+    mode = lambda o: native.allow(True, int8_activations=o == "ggml-int8")               # noqa: E731
     log(f"lane kernels: {lane.isa()}; CPUs {cpus[0]}-{cpus[-1]} ({len(cpus)}); LLC {llc and llc >> 20} MiB; "
         f"DRAM buffer {dram_mib} MiB; record pool {args.pool_mib} MiB; load {host_load()['loadavg']}")
-    pools = {o: pool(q, args.pool_mib) for o, q in layouts.items()}
+    pools: dict = {}
+    for o, q in layouts.items():          # ggml-int8 reads ggml's records where both are measured
+        pools[o] = pools["ggml"] if o == "ggml-int8" and "ggml" in pools else pool(q, args.pool_mib)
     worker = ThreadPoolExecutor(1, thread_name_prefix="lane-bench")    # the lane's own thread: its team's master
     run = lambda fn, *a: worker.submit(fn, *a).result()                # noqa: E731
     rounds = []
@@ -141,13 +147,17 @@ def main():
             row[f"dram_t{n}"] = run(lambda: lane.read_bandwidth(dram_mib << 20, team, reps=3))["gbps"]
             for o, q in layouts.items():
                 for p in PICKS:
-                    row[f"{o}_p{p}_t{n}"] = run(lane_gbps, q, pools[o], p, team)
+                    with mode(o):
+                        row[f"{o}_p{p}_t{n}"] = run(lane_gbps, q, pools[o], p, team)
         row["host"] = {"before": load0, "after": host_load()}
         log(f"round {r + 1}/{args.rounds}: load {row['host']['after']['loadavg']}, " +
             ", ".join(f"{k} {v:.2f}" for k, v in row.items() if isinstance(v, float)))
         rounds.append(row)
     n_max = len(cpus)
-    before = {o: run(before_gbps, q, pools[o], n_max) for o, q in layouts.items()}
+    before = {}
+    for o, q in layouts.items():
+        with mode(o):
+            before[o] = run(before_gbps, q, pools[o], n_max)
     med = lambda k: round(statistics.median(x[k] for x in rounds), 3)                # noqa: E731
     rows, summary = [], {}
     for n in teams:
