@@ -5,8 +5,10 @@ never depends on it:
 - on the CPU the experts are computed straight from their RAM slots (engine.tiers.waves.moe_forward,
   moe_reference's arithmetic operation for operation, in waves of at most the RAM tier's slots);
 - on a CUDA device they are copied into GPU slots on a side stream (engine.tiers.gpu) and computed
-  there: a decode step's few pairs by the slot-indexed GEMV kernels from a slot table, prefill by
-  moe_forward in waves of at most the GPU tier's slots, so any tier sizes give the same result;
+  there: a decode step's few pairs by the slot-indexed GEMV kernels from a slot table, prefill in waves of at
+  most the GPU tier's slots (quantized records: the grouped GEMM over the slots, the resident provider's kernel;
+  others: moe_forward), so any tier sizes give the same result (several waves of quantized records: within
+  rounding);
 - with the CPU expert lane (cpu_experts auto/on, engine.tiers.lanes) a decode step's picks whose expert
   is in RAM but not in a GPU slot may instead be computed on the CPU, from the RAM slot, while the GPU
   computes the slot picks (their slot-table entries weigh 0 there); the CPU partial sum is copied to the

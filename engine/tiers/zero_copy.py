@@ -20,7 +20,7 @@ How the tiers still follow the routing, without the compute stream ever waiting 
 - the routing log: the gate/up kernel writes each pick's expert id into a device row per MoE layer; after each
   step's launch the host queues that log's copy to page-locked memory, and reads it one step later — as arrays
   (the host work of a step is ~0.1 ms: it is the server's too, under the GIL), noting each record's last use; the
-  GPU tier's eviction policy hears of those uses only when it must choose (a write-back, or the other path).
+  GPU tier's eviction policy hears of those uses only when it must choose (on the other path, below).
 - promotions, by frequency: the GPU slots should hold the hot set, the records the planner's windowed pick counts
   (engine.tiers.placement) rank highest among the cache layers' (a static layer's residents stay). A resident
   ranks as if picked 3 standard deviations more often than it was, so a record displaces it only when it is
@@ -32,9 +32,10 @@ How the tiers still follow the routing, without the compute stream ever waiting 
   step that could still read it has finished (an event recorded behind the table update): no copy lands under
   a running kernel. Why not recency: under a calibrated skew (11.4 % of experts taking 39 % of picks) promoting
   whatever a step read, evicting the least recently used, kept the tail cycling through the slots: 16 promotions a
-  step, and the slots served 36 % of picks where the hottest records would serve 56 % (bench/placement_sim.py).
-Prefill and batches of more picks than the GEMV kernels take go TieredExperts' usual way (copies into slots,
-per-expert GEMMs); the tiers' caches record what that moves and the table follows it before the next step.
+  step, and the slots served 37.5 % of picks where the hottest records would serve 56 % (bench/placement_sim.py).
+Prefill and batches of more picks than the GEMV kernels take go TieredExperts' other path (copies into slots, then
+the grouped GEMM over them for quantized records, per-expert GEMMs otherwise), in waves through the slots the hot
+set leaves (prefill_keep); the tiers' caches record what that moves and the table follows it before the next step.
 The result never depends on where a record was read from (tests/engine/test_zero_copy.py).
 """
 from __future__ import annotations
@@ -337,7 +338,8 @@ class ZeroCopyDecode:
         """The GPU-resident records a prefill's waves (TieredExperts' other path) must leave in their slots: the
         hot set's, the hottest first, all but PREFILL_ROOM of the slots at most (the waves' room). Without it an
         8k prompt streams every expert of every layer through the slots and decode starts from whatever the last
-        waves left (bench/placement_sim.py: 0.435 of the next 32 steps' picks served from slots, 0.549 before).
+        waves left (bench/placement_sim.py: the next 32 steps' picks served from slots 0.349 with neither the hot
+        set nor this, 0.529 with both).
         Chosen at a pass's first MoE layer and kept for its others (the waves never evict it meanwhile): a few ms
         of Python a layer for a large model's thousands of slots."""
         if layer != self.p.manifest.moe_layers[0] and self._keep is not None:
