@@ -40,7 +40,8 @@ cpu_layout = click.option("--cpu-layout", default=None,
 threads = click.option("--threads", type=click.IntRange(min=1), default=None,
                        help="CPU compute threads (default: 2 where 2 CPUs are available, as measured on 2 cores).")
 policy = click.option("--policy", type=click.Choice(sorted(POLICIES)), default=EngineConfig.policy, show_default=True,
-                      help="Expert-cache eviction policy (compare them with `engine simulate-cache`).")
+                      help="Expert-cache eviction policy (compare them with `engine simulate-cache`); zero-copy "
+                           "decode's write-backs follow the placement's hot set instead.")
 
 experts = click.option("--experts", type=click.Choice(EXPERTS), default=EngineConfig.experts, show_default=True,
                        help="Where the routed experts live on a GPU: auto = all on the GPU when they fit its budget "
@@ -118,8 +119,9 @@ bench_routing_seed = click.option("--bench-routing-seed", type=int, default=Engi
 placement = click.option("--placement", type=click.Choice(PLACEMENT), default=EngineConfig.placement, show_default=True,
                          help="Tiered: per MoE layer, keep a fixed set of experts on the GPU and read the rest from "
                               "RAM (static, llama.cpp's --n-cpu-moe kind of split) or keep the hot experts there "
-                              "(cache, promoted as picked); auto = chosen per layer from the measured picks and lane "
-                              "rates, re-planned while serving (shown on /metrics and in the log).")
+                              "(cache: the most picked of a recent window, a resident displaced only by a measurably "
+                              "hotter expert); auto = chosen per layer from the measured picks and lane rates, "
+                              "re-planned while serving (shown on /metrics and in the log).")
 
 
 def tiers(f):
