@@ -295,7 +295,9 @@ def wait_ready(p) -> str:
 
 
 def test_sigterm_mid_stream_ends_it_with_an_error_event_and_done(qwen_dir):
-    p = serve_proc("--model", str(qwen_dir), "--port", "0", "--ctx", "512", "--max-batch", "2", "--chunk-size", "16",
+    # A stream far longer than the drain: this host's tiny model decodes ~1,000 tokens a second, so 480 could end
+    # inside the 0.5 s drain and never see the shutdown.
+    p = serve_proc("--model", str(qwen_dir), "--port", "0", "--ctx", "4096", "--max-batch", "2", "--chunk-size", "16",
                    "--drain-seconds", "0.5", "--log-level", "warning")
     try:
         url = wait_ready(p)
@@ -303,7 +305,7 @@ def test_sigterm_mid_stream_ends_it_with_an_error_event_and_done(qwen_dir):
             # --max-batch reached the engine: it bounds the prompts of one request
             r = c.post("/v1/completions", json={"prompt": ["a", "b", "c"], "max_tokens": 1})
             assert r.status_code == 400 and "at most 2" in r.json()["error"]["message"]
-            body = {"messages": HI, "max_tokens": 480, "ignore_eos": True, "stream": True}
+            body = {"messages": HI, "max_tokens": 4000, "ignore_eos": True, "stream": True}
             with c.stream("POST", "/v1/chat/completions", json=body) as r:
                 lines = r.iter_lines()
                 got = [next(lines) for _ in range(6)]
