@@ -75,15 +75,14 @@ def main(argv=None) -> int:
     arena = RamArena(n, rec, pin_cuda=True)
     arena.bytes.view(n, rec).copy_(src.cpu())
     memories["RamArena (mmap + cudaHostRegister)"] = (arena.bytes.view(n, rec), arena.device_address(0))
-    mm, huge, huge_dev = _huge_arena(n, rec)
-    huge.view(n, rec).copy_(src.cpu())
-    memories["mmap, MADV_HUGEPAGE, registered"] = (huge.view(n, rec), huge_dev)
+    mm = None
     if a.all_memories:
+        mm, huge, huge_dev = _huge_arena(n, rec)
+        huge.view(n, rec).copy_(src.cpu())
+        memories["mmap, MADV_HUGEPAGE, registered"] = (huge.view(n, rec), huge_dev)
         pinned = torch.empty(n, rec, dtype=torch.uint8, pin_memory=True)
         pinned.copy_(src.cpu())
         memories["torch pin_memory (cudaHostAlloc)"] = (pinned, pinned.data_ptr())
-    else:
-        del memories["mmap, MADV_HUGEPAGE, registered"]
     memories["GPU slots (HBM)"] = (slots, slots.data_ptr())
 
     g = torch.Generator().manual_seed(0)

@@ -365,8 +365,9 @@ class ZeroCopyDecode:
             self._hot, self._hot_step = self.hot_set(), self._step
         hot, counts = self._hot, self.p.planner.counts.ravel()
         up, down = [], []
+        # Nothing to rank while no slot is free (the steady state: write-backs below make room first).
         cands = sorted((k for k in from_ram if k not in self.promoting and k not in self.gpu.cache
-                        and hot[self._index(k)]), key=lambda k: -counts[self._index(k)])
+                        and hot[self._index(k)]), key=lambda k: -counts[self._index(k)]) if self.gpu.cache.free else ()
         for key in cands:
             if len(up) >= budget or moves <= 0 or self.gpu.cache.free == 0:
                 break
