@@ -127,7 +127,7 @@ def test_a_long_call_releases_the_gil():
     """Another Python thread keeps running while a call computes (ctypes.CDLL drops the GIL; native.lib()'s PyDLL
     would hold it)."""
     q, recs = records("rows", 2)
-    n = 1200                                          # ~0.3 GB of records read per call: long on any host
+    n = 4800        # two records read again and again from cache: ~20 ms per 1,200 on a fast host (a CI host's was 19)
     x = torch.randn(1, H)
     span = {}
 
@@ -143,7 +143,8 @@ def test_a_long_call_releases_the_gil():
         stamps.append(time.perf_counter())
     th.join()
     inside = [s for s in stamps if span["start"] < s < span["end"]]
-    assert span["end"] - span["start"] > 0.02 and len(inside) > 1000
+    # the loop here stamps millions a second while the GIL is free, none while a call holds it
+    assert span["end"] - span["start"] > 0.005 and len(inside) > 1000
 
 
 def test_refuses_shapes_it_was_not_written_for():
