@@ -3,9 +3,11 @@ modes side by side, and optionally an earlier tree's float kernel.
 
   float  x kept in fp32 (native_cpu.cpp's gemv512_row: gguf's dequantization then a float matmul, another
          summation order): the default, `--cpu-activations float`
-  int8   x rounded to 8 bits per 32 inputs, integer dot products (the "int8 activations" region, llama.cpp's way):
+  int8   x rounded to 8 bits as llama.cpp rounds it for the type (Q8_0/Q8_1 per 32, Q8_K per 256 for the K-quants),
+         integer dot products (the "int8 activations" region, llama.cpp's way):
          `--cpu-activations int8`; its relative difference from the float result is reported beside it
-  before --before REV: REV's native_cpu.cpp built with the engine's flags, its float kernel (what a change bought)
+  before --before REV: REV's native_cpu.cpp built with the engine's flags, its float kernel (what a change bought),
+         and before_int8, REV's int8 mode
 
 The types are those a Q4_K_M of the demo holds (hidden 576 is no multiple of 256, so the K-quants fall back), each
 at the row length it has there. Each figure: GB/s of weight bytes read, the best of `reps` calls in each of 5 rounds
@@ -58,7 +60,7 @@ def build_before(rev: str, where: Path) -> ctypes.CDLL:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
-    ap.add_argument("--before", default=None, help="a git revision whose float kernel is timed beside this tree's")
+    ap.add_argument("--before", default=None, help="a git revision whose kernels (both modes) are timed beside this tree's")
     ap.add_argument("--reps-l2", type=int, default=60)
     ap.add_argument("--reps-dram", type=int, default=4)
     args = ap.parse_args(argv)
@@ -71,7 +73,8 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         sides = {"float": (lib, 0), "int8": (lib, 1)}
         if args.before:
-            sides = {"before": (build_before(args.before, Path(tmp)), 0), **sides}
+            old = build_before(args.before, Path(tmp))
+            sides = {"before": (old, 0), "before_int8": (old, 1), **sides}
         for threads in (1, 2):
             for name, k in TYPES:
                 t = ggml.ggml_type(name)
@@ -83,7 +86,7 @@ def main(argv=None) -> int:
                     got: dict[str, float] = {}
                     for _ in range(ROUNDS):
                         for side, (so, q8) in sides.items():
-                            lib.set_int8_activations(q8)
+                            so.set_int8_activations(q8)
                             s = best(lambda: so.ggml_matmul(t.code, x.data_ptr(), 1, k, w.data_ptr(), n, y.data_ptr(),
                                                             threads), reps)
                             got[side] = min(got.get(side, s), s)
@@ -99,10 +102,11 @@ def main(argv=None) -> int:
                            "int8_rel_diff": float((outs[1] - outs[0]).norm() / outs[0].norm())}
                     if args.before:
                         row["float_over_before"] = round(gbps["float"] / gbps["before"], 2)
+                        row["int8_over_before_int8"] = round(gbps["int8"] / gbps["before_int8"], 2)
                     harness.log(row)
                     rows.append(row)
     cols = ["type", "where", "threads", *(f"{s}_gbps" for s in sides), "int8_over_float",
-            *(["float_over_before"] if args.before else []), "int8_rel_diff"]
+            *(["float_over_before", "int8_over_before_int8"] if args.before else []), "int8_rel_diff"]
     table = harness.table(rows, cols)
     print(table)
     harness.write_result(Path(args.out), {"what": __doc__.splitlines()[0], "before": args.before,

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from engine.quant import ggml
 from engine.quant.records import int4pack_operands, to_int4pack
 
 log = logging.getLogger("engine.kernels")
@@ -76,7 +77,7 @@ SIGNATURES = {
     "exact_expf_mismatches": [ctypes.c_uint32, ctypes.c_uint32, ctypes.c_uint32],
     "set_int8_activations": [_I],
     "int8_activations": [],
-    "q8_quantize": [_P, _I, _P, _P, _P],
+    "q8_quantize": [_P, _I, _I, _P, _P, _P],
 }
 ROWS = ("q8_gemv_rows", "attn_rows", "add_rms_norm_rows", "attn_block_rows", "router_topk_rows", "int4_ffn_rows",
         "moe_sum_rows", "moe_rows")
@@ -655,19 +656,53 @@ def moe_rows(h: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, records: torch
     return out
 
 
-def q8_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x fp32 [K] (K % 32 == 0) as the int8 GEMVs round it: (codes int8 [K], scales fp32 [K/32])."""
+def q8_kind(t: str | int) -> str:
+    """The rounding of x the int8 GEMVs use for a matrix of GGML type t: llama.cpp's vec_dot_type for it on a CPU,
+    "q8_1" (q4_1, q5_1), "q8_k" (the K-quants and iq4_xs) or "q8_0" (the other 32-blocks)."""
+    name = ggml.ggml_type(t).name
+    return "q8_1" if name in ("q4_1", "q5_1") else "q8_k" if name.endswith("_k") or name == "iq4_xs" else "q8_0"
+
+
+def q8_quantize(x: torch.Tensor, t: str | int = "q8_0") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x fp32 [K] as the int8 GEMVs round it for a matrix of type t: (codes int8 [K], scales fp32 [K/32] (Q8_K's
+    one per 256 given once per 32), the sums a block's min multiplies fp32 [K/32])."""
     x = x.float().contiguous().view(-1)
-    q, d = torch.empty(x.numel(), dtype=torch.int8), torch.empty(x.numel() // 32)
-    s16 = torch.empty(x.numel() // 16, dtype=torch.int32)
-    lib().q8_quantize(x.data_ptr(), x.numel(), q.data_ptr(), d.data_ptr(), s16.data_ptr())
-    return q, d
+    q, d, xs = torch.empty(x.numel(), dtype=torch.int8), torch.empty(x.numel() // 32), torch.empty(x.numel() // 32)
+    lib().q8_quantize(x.data_ptr(), x.numel(), ggml.ggml_type(t).code, q.data_ptr(), d.data_ptr(), xs.data_ptr())
+    return q, d, xs
 
 
-def q8_reference(x: torch.Tensor) -> torch.Tensor:
-    """x [..., K] rounded to 8 bits per 32 inputs as the int8 GEMVs round it (llama.cpp's Q8_0 of x), in torch:
-    d = max|x|/127, q = round-half-even(x·(1/d)); returns x̂ = d·q (fp32), what those GEMVs multiply W by."""
+def _q8_codes(x: torch.Tensor, t: str | int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q, d, d32) per block of x [..., K] for t's kind, in fp32 as ggml-cpu computes them (see q8_reference)."""
+    if q8_kind(t) == "q8_k":
+        xb = x.float().reshape(*x.shape[:-1], -1, 256)
+        m = xb.gather(-1, xb.abs().argmax(-1, keepdim=True))           # the first x of largest |x|
+        # tensor / tensor: torch computes `scalar / tensor` as reciprocal·scalar, two roundings where C has one
+        iscale = torch.where(m != 0, torch.full_like(m, -127.0) / m, torch.zeros_like(m))
+        d = torch.where(m != 0, torch.ones_like(m) / iscale, torch.zeros_like(m))
+        return torch.round(xb * iscale).clamp(max=127), d, d
     xb = x.float().reshape(*x.shape[:-1], -1, 32)
-    d = xb.abs().amax(-1, keepdim=True) / 127
-    inv = torch.where(d != 0, 1 / d, torch.zeros_like(d))
-    return (torch.round(xb * inv) * d).reshape(x.shape)
+    amax = xb.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax != 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    d32 = amax / 127
+    return torch.round(xb * inv), d32.half().float(), d32
+
+
+def q8_reference(x: torch.Tensor, t: str | int = "q8_0") -> torch.Tensor:
+    """x [..., K] rounded to 8 bits as the int8 GEMVs round it for a matrix of GGML type t (llama.cpp's CPU rounding
+    for that type, q8_kind), in torch; returns x̂ = d·q (fp32), what those GEMVs multiply W by.
+      q8_0, q8_1  per 32 inputs: a = max|x|, d = fp16(a/127), q = round-half-even(x·(127/a))
+      q8_k        per 256 inputs: m = the first x of largest |x|, i = -127/m, q = min(127, round-half-even(x·i)),
+                  d = 1/i (fp32)"""
+    q, d, _ = _q8_codes(x, t)
+    return (q * d).reshape(x.shape)
+
+
+def q8_min_sums(x: torch.Tensor, t: str | int) -> torch.Tensor:
+    """[..., K/32]: what a 32-weight block's min multiplies in the int8 GEMVs, Σx̂ over the block, except for Q8_1
+    (q4_1, q5_1): its s = fp16((a/127)·Σq), llama.cpp's."""
+    q, d, d32 = _q8_codes(x, t)                                 # [..., blocks, 32 or 256], scales [..., blocks, 1]
+    sums = q.reshape(*x.shape[:-1], -1, 32).sum(-1)
+    if q8_kind(t) == "q8_1":
+        return (d32.squeeze(-1) * sums).half().float()
+    return d.squeeze(-1).repeat_interleave(q.shape[-1] // 32, -1) * sums

@@ -799,95 +799,91 @@ inline void nibbles64(const uint8_t* b, __m256i& lo, __m256i& hi) {
 template <int t, class A>
 inline __attribute__((always_inline)) float row512_t(const uint8_t* row, A& acc, int K) {
     float mins = 0.f;
-    switch (t) {
-        case 2: case 3: case 6: case 7: case 8: {      // q4_0, q4_1, q5_0, q5_1, q8_0: 32-weight blocks
-            const int size = t == 2 ? 18 : t == 3 ? 20 : t == 6 ? 22 : t == 7 ? 24 : 34;
-            for (int bi = 0; bi < K / 32; ++bi) {
-                const uint8_t* b = row + (size_t)bi * size;
-                const float d = f16_at(b);
-                __m256i q;
-                if (t == 8) {                          // signed codes
-                    acc.add32(_mm256_loadu_si256((const __m256i*)(b + 2)), 32 * bi, d);
-                } else if (t == 2 || t == 3) {         // codes 0..15, less 8 for q4_0
-                    q = nibbles32(b + (t == 2 ? 2 : 4));
-                    if (t == 2) acc.add32_off(q, 32 * bi, d, 8);
-                    else acc.add32u(q, 32 * bi, d);
-                } else {                               // codes 0..31, less 16 for q5_0
-                    uint32_t qh;
-                    std::memcpy(&qh, b + (t == 6 ? 2 : 4), 4);
-                    q = _mm256_or_si256(nibbles32(b + (t == 6 ? 6 : 8)),
-                                        _mm256_and_si256(_mm256_movm_epi8(qh), _mm256_set1_epi8(16)));
-                    if (t == 6) acc.add32_off(q, 32 * bi, d, 16);
-                    else acc.add32u(q, 32 * bi, d);
-                }
-                if (t == 3 || t == 7) mins += f16_at(b + 2) * acc.xsum32(bi);
+    if constexpr (t == 2 || t == 3 || t == 6 || t == 7 || t == 8) {    // q4_0, q4_1, q5_0, q5_1, q8_0: 32-weight blocks
+        const int size = t == 2 ? 18 : t == 3 ? 20 : t == 6 ? 22 : t == 7 ? 24 : 34;
+        for (int bi = 0; bi < K / 32; ++bi) {
+            const uint8_t* b = row + (size_t)bi * size;
+            const float d = f16_at(b);
+            __m256i q;
+            if (t == 8) {                          // signed codes
+                acc.add32(_mm256_loadu_si256((const __m256i*)(b + 2)), 32 * bi, d);
+            } else if (t == 2 || t == 3) {         // codes 0..15, less 8 for q4_0
+                q = nibbles32(b + (t == 2 ? 2 : 4));
+                if (t == 2) acc.add32_off(q, 32 * bi, d, 8);
+                else acc.add32u(q, 32 * bi, d);
+            } else {                               // codes 0..31, less 16 for q5_0
+                uint32_t qh;
+                std::memcpy(&qh, b + (t == 6 ? 2 : 4), 4);
+                q = _mm256_or_si256(nibbles32(b + (t == 6 ? 6 : 8)),
+                                    _mm256_and_si256(_mm256_movm_epi8(qh), _mm256_set1_epi8(16)));
+                if (t == 6) acc.add32_off(q, 32 * bi, d, 16);
+                else acc.add32u(q, 32 * bi, d);
             }
-            return acc.sum() + mins;
+            if (t == 3 || t == 7) mins += f16_at(b + 2) * acc.xsum32(bi);
         }
-        case 12: case 13: {                            // q4_k, q5_k: 8 sub-blocks of 32, 6-bit (scale, min)
-            const bool five = t == 13;
-            const int size = five ? 176 : 144;
-            for (int bi = 0; bi < K / 256; ++bi) {
-                const uint8_t* b = row + (size_t)bi * size;
-                const float d = f16_at(b), dmin = f16_at(b + 2);
-                // q4_k's scales unpacked all at once (+13-17 %); q5_k's one by one (the word form was 7 % slower
-                // there, its fifth bits' masks holding the registers)
-                const ScalesMinsK4 sm(b + 4);
-                auto scale_min = [&](int j, int& sc, int& m) {
-                    if (five) {
-                        scale_min_k4(j, b + 4, sc, m);
-                    } else {
-                        sc = sm.sc[j];
-                        m = sm.mn[j];
-                    }
-                };
-                const uint8_t* qs = b + (five ? 48 : 16);
-                uint32_t qh[8];
-                if (five) {                            // bit j of byte r: sub-block j's weight r, fifth bit
-                    for (int j = 0; j < 8; ++j)
-                        qh[j] = (uint32_t)_mm256_movemask_epi8(_mm256_slli_epi16(
-                            _mm256_loadu_si256((const __m256i*)(b + 16)), 7 - j));
+        return acc.sum() + mins;
+    } else if constexpr (t == 12 || t == 13) {    // q4_k, q5_k: 8 sub-blocks of 32, 6-bit (scale, min)
+        const bool five = t == 13;
+        const int size = five ? 176 : 144;
+        for (int bi = 0; bi < K / 256; ++bi) {
+            const uint8_t* b = row + (size_t)bi * size;
+            const float d = f16_at(b), dmin = f16_at(b + 2);
+            // q4_k's scales unpacked all at once (+13-17 %); q5_k's one by one (the word form was 7 % slower
+            // there, its fifth bits' masks holding the registers)
+            const ScalesMinsK4 sm(b + 4);
+            auto scale_min = [&](int j, int& sc, int& m) {
+                if (five) {
+                    scale_min_k4(j, b + 4, sc, m);
+                } else {
+                    sc = sm.sc[j];
+                    m = sm.mn[j];
                 }
-                for (int c = 0; c < 4; ++c) {
-                    __m256i lo, hi;
-                    nibbles64(qs + 32 * c, lo, hi);
-                    if (five) {
-                        lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_movm_epi8(qh[2 * c]), _mm256_set1_epi8(16)));
-                        hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_movm_epi8(qh[2 * c + 1]), _mm256_set1_epi8(16)));
-                    }
-                    int sc, m;
-                    scale_min(2 * c, sc, m);
-                    acc.add32u(lo, 256 * bi + 64 * c, d * float(sc));
-                    mins += dmin * float(m) * acc.xsum32(8 * bi + 2 * c);
-                    scale_min(2 * c + 1, sc, m);
-                    acc.add32u(hi, 256 * bi + 64 * c + 32, d * float(sc));
-                    mins += dmin * float(m) * acc.xsum32(8 * bi + 2 * c + 1);
-                }
+            };
+            const uint8_t* qs = b + (five ? 48 : 16);
+            uint32_t qh[8];
+            if (five) {                            // bit j of byte r: sub-block j's weight r, fifth bit
+                for (int j = 0; j < 8; ++j)
+                    qh[j] = (uint32_t)_mm256_movemask_epi8(_mm256_slli_epi16(
+                        _mm256_loadu_si256((const __m256i*)(b + 16)), 7 - j));
             }
-            return acc.sum() - mins;
-        }
-        case 14: {                                     // q6_k: 16 sub-blocks of 16, int8 scales
-            const __m256i low = _mm256_set1_epi8(15), two = _mm256_set1_epi8(3);
-            for (int bi = 0; bi < K / 256; ++bi) {
-                const uint8_t* b = row + (size_t)bi * 210;
-                const float d = f16_at(b + 208);
-                const int8_t* sc = (const int8_t*)(b + 192);
-                for (int h = 0; h < 2; ++h) {
-                    const __m256i ql0 = _mm256_loadu_si256((const __m256i*)(b + 64 * h));
-                    const __m256i ql1 = _mm256_loadu_si256((const __m256i*)(b + 64 * h + 32));
-                    const __m256i qh = _mm256_loadu_si256((const __m256i*)(b + 128 + 32 * h));
-                    const __m256i q[4] = {             // codes 0..63, less 32
-                        _mm256_or_si256(_mm256_and_si256(ql0, low), _mm256_slli_epi16(_mm256_and_si256(qh, two), 4)),
-                        _mm256_or_si256(_mm256_and_si256(ql1, low), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), two), 4)),
-                        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), low), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), two), 4)),
-                        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), low), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), two), 4))};
-                    const int kb = 256 * bi + 128 * h;
-                    for (int g = 0; g < 4; ++g)         // 32 weights l + 32g: sub-blocks 8h + 2g and 8h + 2g + 1
-                        acc.add16x2_off(q[g], kb + 32 * g, d * float(sc[8 * h + 2 * g]), d * float(sc[8 * h + 2 * g + 1]), 32);
+            for (int c = 0; c < 4; ++c) {
+                __m256i lo, hi;
+                nibbles64(qs + 32 * c, lo, hi);
+                if (five) {
+                    lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_movm_epi8(qh[2 * c]), _mm256_set1_epi8(16)));
+                    hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_movm_epi8(qh[2 * c + 1]), _mm256_set1_epi8(16)));
                 }
+                int sc, m;
+                scale_min(2 * c, sc, m);
+                acc.add32u(lo, 256 * bi + 64 * c, d * float(sc));
+                mins += dmin * float(m) * acc.xsum32(8 * bi + 2 * c);
+                scale_min(2 * c + 1, sc, m);
+                acc.add32u(hi, 256 * bi + 64 * c + 32, d * float(sc));
+                mins += dmin * float(m) * acc.xsum32(8 * bi + 2 * c + 1);
             }
-            return acc.sum();
         }
+        return acc.sum() - mins;
+    } else if constexpr (t == 14) {    // q6_k: 16 sub-blocks of 16, int8 scales
+        const __m256i low = _mm256_set1_epi8(15), two = _mm256_set1_epi8(3);
+        for (int bi = 0; bi < K / 256; ++bi) {
+            const uint8_t* b = row + (size_t)bi * 210;
+            const float d = f16_at(b + 208);
+            const int8_t* sc = (const int8_t*)(b + 192);
+            for (int h = 0; h < 2; ++h) {
+                const __m256i ql0 = _mm256_loadu_si256((const __m256i*)(b + 64 * h));
+                const __m256i ql1 = _mm256_loadu_si256((const __m256i*)(b + 64 * h + 32));
+                const __m256i qh = _mm256_loadu_si256((const __m256i*)(b + 128 + 32 * h));
+                const __m256i q[4] = {             // codes 0..63, less 32
+                    _mm256_or_si256(_mm256_and_si256(ql0, low), _mm256_slli_epi16(_mm256_and_si256(qh, two), 4)),
+                    _mm256_or_si256(_mm256_and_si256(ql1, low), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), two), 4)),
+                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), low), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), two), 4)),
+                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), low), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), two), 4))};
+                const int kb = 256 * bi + 128 * h;
+                for (int g = 0; g < 4; ++g)         // 32 weights l + 32g: sub-blocks 8h + 2g and 8h + 2g + 1
+                    acc.add16x2_off(q[g], kb + 32 * g, d * float(sc[8 * h + 2 * g]), d * float(sc[8 * h + 2 * g + 1]), 32);
+            }
+        }
+        return acc.sum();
     }
     return 0.f;
 }
@@ -917,22 +913,66 @@ inline __attribute__((always_inline)) float gemv512_row(int t, const uint8_t* ro
 #endif
 
 // ---------------------------------------------------------------- int8 activations (opt-in: --cpu-activations int8)
-// llama.cpp's way of computing a GGUF's blocks on the CPU: x rounded once to 8 bits per 32 inputs (Q8_0 of x:
-// d = max|x|/127, q = nearest-even(x·(1/d))), then integer dot products of the weights' codes with q, each scaled by
-// the weights' sub-block scale times d; a block's min times Σ of x̂ = d·Σq. So y = W·x̂, W gguf's dequantization and
-// x̂ x's 8-bit rounding (engine.kernels.native.q8_reference is that function): not the float path's y = W·x, which
-// is why it is a mode a model is loaded with (EngineConfig.cpu_activations), set around its passes (native.allow)
-// and read by every GGUF GEMV here, whatever M (a prefill row keeps a decode step's bits).
+// llama.cpp's way of computing a GGUF's blocks on a CPU: x rounded once to 8 bits as ggml-cpu rounds it for the
+// weights' type (its vec_dot_type, in its x86 code), integer dot products of the weights' codes with those 8 bits,
+// scaled in fp32:
+//   Q8_0 (q4_0, q5_0, q8_0, iq4_nl)  per 32 inputs: a = max|x|, d = fp16(a/127), q = nearest-even(x·(127/a));
+//   Q8_1 (q4_1, q5_1)                Q8_0's q and d, and s = fp16((a/127)·Σq), the sum a block's min multiplies;
+//   Q8_K (the K-quants, iq4_xs)      per 256 inputs: m = the first x of largest |x|, q = min(127, nearest-even(x·i)),
+//                                    i = -127/m, d = 1/i in fp32; its Σq per 16.
+// So y = W·x̂ (a Q8_1 block's min times s rather than Σx̂), W gguf's dequantization and x̂ = d·q
+// (engine.kernels.native.q8_reference is that function): not the float path's y = W·x, which is why it is a mode a
+// model is loaded with (EngineConfig.cpu_activations), set around its passes (native.allow) and read by every GGUF
+// GEMV here, whatever M (a prefill row keeps a decode step's bits).
 int g_int8_activations = 0;
 
-// x [K] (K a multiple of 32) → codes q [K], scales d [K/32], Σq per 16 inputs s16 [K/16].
-inline void quantize_q8(const float* x, int K, int8_t* q, float* d, int32_t* s16) {
+enum Q8Kind { Q8_0 = 0, Q8_1 = 1, Q8_K = 2 };
+inline int q8_kind(int t) { return t == 3 || t == 7 ? Q8_1 : (t >= 10 && t <= 14) || t == 23 ? Q8_K : Q8_0; }
+
+inline float fp16_round(float v) {           // to the nearest fp16, ties to even (GGML_CPU_FP32_TO_FP16), and back
+#if defined(__F16C__)
+    return _cvtsh_ss(_cvtss_sh(v, 0));
+#else
+    uint32_t w;                              // ggml's ggml_compute_fp32_to_fp16, for a CPU without F16C
+    std::memcpy(&w, &v, 4);
+    float base = (std::fabs(v) * 0x1.0p+112f) * 0x1.0p-110f;
+    const uint32_t shl1 = w + w, sign = w & 0x80000000u;
+    uint32_t bias = shl1 & 0xFF000000u;
+    if (bias < 0x71000000u) bias = 0x71000000u;
+    const uint32_t bb = (bias >> 1) + 0x07800000u;
+    float fb;
+    std::memcpy(&fb, &bb, 4);
+    base = fb + base;
+    uint32_t bits;
+    std::memcpy(&bits, &base, 4);
+    const uint32_t nonsign = ((bits >> 13) & 0x7C00u) + (bits & 0x0FFFu);
+    return fp16_to_float(uint16_t((sign >> 16) | (shl1 > 0xFF000000u ? 0x7E00u : nonsign)));
+#endif
+}
+
+// x [K] (K % 32 == 0) as Q8_0 / Q8_1: codes q [K], d [K/32], Σq per 16 s16 [K/16], and per 32 the sums a block's min
+// or offset multiplies: xs0 = d·Σq (Q8_0's), xs1 = s (Q8_1's).
+inline void quantize_q8_32(const float* x, int K, int8_t* q, float* d, int16_t* s16, float* xs0, float* xs1) {
     for (int b = 0; b < K / 32; ++b) {
         const float* xb = x + 32 * b;
+#if defined(__AVX512F__)
+        // the scalar loop's operations, 16 at a time: x·id one multiply, rounded to nearest even
+        const __m512 v0 = _mm512_loadu_ps(xb), v1 = _mm512_loadu_ps(xb + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+        const float d32 = amax / 127.f, id = amax != 0.f ? 127.f / amax : 0.f;
+        const __m512 vid = _mm512_set1_ps(id);
+        const __m512i i0 = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(v0, vid), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        const __m512i i1 = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(v1, vid), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        _mm_storeu_si128((__m128i*)(q + 32 * b), _mm512_cvtsepi32_epi8(i0));
+        _mm_storeu_si128((__m128i*)(q + 32 * b + 16), _mm512_cvtsepi32_epi8(i1));
+        const int sa = _mm512_reduce_add_epi32(i0), sb = _mm512_reduce_add_epi32(i1), total = sa + sb;
+        s16[2 * b] = (int16_t)sa;
+        s16[2 * b + 1] = (int16_t)sb;
+#else
         float amax = 0.f;
         for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(xb[i]));
-        const float db = amax / 127.f, id = db != 0.f ? 1.f / db : 0.f;
-        d[b] = db;
+        const float d32 = amax / 127.f, id = amax != 0.f ? 127.f / amax : 0.f;
+        int total = 0;
         for (int h = 0; h < 2; ++h) {
             int sum = 0;
             for (int i = 16 * h; i < 16 * h + 16; ++i) {
@@ -940,33 +980,114 @@ inline void quantize_q8(const float* x, int K, int8_t* q, float* d, int32_t* s16
                 q[32 * b + i] = (int8_t)v;
                 sum += v;
             }
-            s16[2 * b + h] = sum;
+            s16[2 * b + h] = (int16_t)sum;
+            total += sum;
+        }
+#endif
+        d[b] = fp16_round(d32);
+        xs0[b] = d[b] * float(total);
+        xs1[b] = fp16_round(d32 * float(total));
+    }
+}
+
+// x [K] (K % 256 == 0) as Q8_K: codes q [K], d [K/32] (each 256's scale, once per 32 inputs, so a 32-block kernel
+// reads it as it reads Q8_0's), Σq per 16 s16 [K/16], xs [K/32] = d·Σq per 32.
+inline void quantize_q8_k(const float* x, int K, int8_t* q, float* d, int16_t* s16, float* xs) {
+    for (int b = 0; b < K / 256; ++b) {
+        const float* xb = x + 256 * b;
+        float amax = 0.f, m = 0.f;
+#if defined(__AVX512F__)
+        __m512 mx = _mm512_setzero_ps();
+        for (int g = 0; g < 16; ++g) mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_loadu_ps(xb + 16 * g)));
+        amax = _mm512_reduce_max_ps(mx);
+        for (int g = 0; amax != 0.f && g < 16; ++g) {     // the first x of largest |x|, as the scalar scan finds it
+            const __mmask16 at = _mm512_cmp_ps_mask(_mm512_abs_ps(_mm512_loadu_ps(xb + 16 * g)), _mm512_set1_ps(amax), _CMP_EQ_OQ);
+            if (at) {
+                m = xb[16 * g + __builtin_ctz(at)];
+                break;
+            }
+        }
+#else
+        for (int i = 0; i < 256; ++i) {
+            const float ax = std::fabs(xb[i]);
+            if (ax > amax) {
+                amax = ax;
+                m = xb[i];
+            }
+        }
+#endif
+        const float is = amax != 0.f ? -127.f / m : 0.f, db = amax != 0.f ? 1.f / is : 0.f;
+#if defined(__AVX512F__)
+        const __m512 vis = _mm512_set1_ps(is);
+        for (int g = 0; g < 16; ++g) {
+            const __m512 r = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_loadu_ps(xb + 16 * g), vis),
+                                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            const __m512i v = _mm512_min_epi32(_mm512_cvtps_epi32(r), _mm512_set1_epi32(127));
+            _mm_storeu_si128((__m128i*)(q + 256 * b + 16 * g), _mm512_cvtsepi32_epi8(v));
+            s16[16 * b + g] = (int16_t)_mm512_reduce_add_epi32(v);
+        }
+#else
+        for (int i = 0; i < 256; ++i) q[256 * b + i] = (int8_t)std::min(127, (int)std::nearbyint(is * xb[i]));
+        for (int g = 0; g < 16; ++g) {
+            int sum = 0;
+            for (int i = 0; i < 16; ++i) sum += q[256 * b + 16 * g + i];
+            s16[16 * b + g] = (int16_t)sum;
+        }
+#endif
+        for (int j = 0; j < 8; ++j) {
+            d[8 * b + j] = db;
+            xs[8 * b + j] = db * float(s16[16 * b + 2 * j] + s16[16 * b + 2 * j + 1]);
         }
     }
 }
 
-struct Q8x { const int8_t* q; const float* d; const int32_t* s16; const float* xs; };   // xs: Σx̂ per 32 (d·Σq)
+struct Q8x { const int8_t* q; const float* d; const int16_t* s16; const float* xs; };   // xs: what a min multiplies
 
-// M rows of x [M, K] rounded to 8 bits, each on its own (so a row's bits do not depend on the rows beside it).
+// One rounding of x, each row on its own (so a row's bits do not depend on the rows beside it).
+struct Q8Plane {
+    std::vector<int8_t> q;
+    std::vector<float> d, xs;
+    std::vector<int16_t> s16;
+};
+
+// M rows of x [M, K] rounded as the kinds in `kinds` (bit k: Q8Kind k) need; Q8_K only where K % 256 == 0.
 struct Q8Rows {
     int K;
-    std::vector<int8_t> q;
-    std::vector<float> d;
-    std::vector<int32_t> s16;
-    std::vector<float> xs;
-    Q8Rows(const float* x, int M, int K_)
-        : K(K_), q((size_t)M * K_), d((size_t)M * K_ / 32), s16((size_t)M * K_ / 16), xs((size_t)M * K_ / 32) {
-        for (int m = 0; m < M; ++m)
-            quantize_q8(x + (size_t)m * K, K, &q[(size_t)m * K], &d[(size_t)m * K / 32], &s16[(size_t)m * K / 16]);
-        for (size_t b = 0; b < xs.size(); ++b) xs[b] = d[b] * float(s16[2 * b] + s16[2 * b + 1]);
+    Q8Plane p32, pk;
+    std::vector<float> xs1;                  // Q8_1's s, beside Q8_0's plane (the same q and d)
+    Q8Rows(const float* x, int M, int K_, int kinds) : K(K_) {
+        if (kinds & 3) {
+            p32.q.resize((size_t)M * K), p32.d.resize((size_t)M * K / 32), p32.xs.resize((size_t)M * K / 32);
+            p32.s16.resize((size_t)M * K / 16), xs1.resize((size_t)M * K / 32);
+            for (int m = 0; m < M; ++m)
+                quantize_q8_32(x + (size_t)m * K, K, &p32.q[(size_t)m * K], &p32.d[(size_t)m * K / 32],
+                               &p32.s16[(size_t)m * K / 16], &p32.xs[(size_t)m * K / 32], &xs1[(size_t)m * K / 32]);
+        }
+        if ((kinds & 4) && K % 256 == 0) {
+            pk.q.resize((size_t)M * K), pk.d.resize((size_t)M * K / 32), pk.xs.resize((size_t)M * K / 32);
+            pk.s16.resize((size_t)M * K / 16);
+            for (int m = 0; m < M; ++m)
+                quantize_q8_k(x + (size_t)m * K, K, &pk.q[(size_t)m * K], &pk.d[(size_t)m * K / 32],
+                              &pk.s16[(size_t)m * K / 16], &pk.xs[(size_t)m * K / 32]);
+        }
     }
-    Q8x row(int m) const {
-        return {&q[(size_t)m * K], &d[(size_t)m * K / 32], &s16[(size_t)m * K / 16], &xs[(size_t)m * K / 32]};
+    // row m as the weight type t's kernels read it
+    Q8x row(int m, int t) const {
+        const int kind = q8_kind(t);
+        const Q8Plane& p = kind == Q8_K ? pk : p32;
+        const float* xs = kind == Q8_1 ? &xs1[(size_t)m * K / 32] : &p.xs[(size_t)m * K / 32];
+        return {&p.q[(size_t)m * K], &p.d[(size_t)m * K / 32], &p.s16[(size_t)m * K / 16], xs};
     }
 };
 
+inline int q8_kinds_of(const int* types, int n) {
+    int kinds = 0;
+    for (int i = 0; i < n; ++i) kinds |= 1 << q8_kind(types[i]);
+    return kinds;
+}
+
 // Any quantized type, any CPU: a block unpacked (unpack_block: w = sc·q - mn per sub-block), Σ q·qx per sub-block in
-// int32, scaled in fp32.
+// int32, scaled in fp32; a 32-weight sub-block's min times x's xs (Q8_1's s), a 16-weight one's times d·Σq.
 inline float q8_row_generic(int t, const uint8_t* row, const Q8x& x, int K) {
     const GgmlType gt = ggml_type(t);
     Unpacked u;
@@ -975,12 +1096,11 @@ inline float q8_row_generic(int t, const uint8_t* row, const Q8x& x, int K) {
         unpack_block(t, row + (size_t)bi * gt.size, u);
         for (int s = 0; s * u.sub < gt.block; ++s) {
             const int k = bi * gt.block + s * u.sub;
-            int dot = 0, sq = 0;
+            int dot = 0;
             for (int i = 0; i < u.sub; ++i) dot += int(u.q[s * u.sub + i]) * int(x.q[k + i]);
-            for (int g = 0; g < u.sub / 16; ++g) sq += x.s16[k / 16 + g];
             const float dx = x.d[k / 32];
             acc += u.sc[s] * dx * float(dot);
-            if (u.mn[s] != 0.f) mins += u.mn[s] * dx * float(sq);
+            if (u.mn[s] != 0.f) mins += u.mn[s] * (u.sub == 32 ? x.xs[k / 32] : dx * float(x.s16[k / 16]));
         }
     }
     return acc - mins;
@@ -998,7 +1118,7 @@ inline __m256i dot_u8s8x32(__m256i w, __m256i x) {           // w unsigned (0..1
 }
 inline __m256i dot_s8x32(__m256i w, __m256i x) { return dot_u8s8x32(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)); }
 
-// row512's accumulator for x rounded to 8 bits: a sub-block's integer dot times (its scale · x's block scale).
+// row512's accumulator for the 32-weight blocks (Q8_0 / Q8_1 of x): a block's integer dot times (its scale · x's).
 struct AccQ8 {
     Q8x x;
     __m256 a = _mm256_setzero_ps();     // one accumulator: a dynamic index into several keeps them in memory
@@ -1016,24 +1136,105 @@ struct AccQ8 {
         add32u(w, k0, scale);
         corr += scale * float(off) * x.xs[k0 / 32];
     }
-    // codes 0..127 less off; lanes 0..3: inputs k0..k0+15 with scale s0, lanes 4..7: the next 16 with s1
-    inline void add16x2_off(__m256i w, int k0, float s0, float s1, int off) {
-        const float dx = x.d[k0 / 32];
-        const __m256i q = qx(k0);           // Σ (w - off)·q per 4 inputs, in integers
-        const __m256i p = _mm256_sub_epi32(dot_u8s8x32(w, q), dot_u8s8x32(_mm256_set1_epi8((char)off), q));
-        fma(_mm256_setr_m128(_mm_set1_ps(s0 * dx), _mm_set1_ps(s1 * dx)), p);
-    }
     inline float xsum32(int b) const { return x.xs[b]; }
     inline float sum() const { return hsum(a) - corr; }
 };
+
+// The K-quants against Q8_K, ggml's vec_dot_qN_K_q8_K: per 256 weights the integer Σ_s sc_s·(q·q8) (and the mins'
+// Σ_s m_s·Σq8, or q6_k's offset 32·Σ_s sc_s·Σq8), then one fp32 multiply-add by d8·d. 64 codes a step in a zmm:
+// pmaddubsw (codes 0..63 × int8: pairs within int16) then pmaddwd by the sub-blocks' scales as int16.
+inline __m512i idx_pairs16(int a, int width) {    // int16 lanes: `width` lanes of a, then of a+1, ... (32 lanes)
+    alignas(64) int16_t v[32];
+    for (int i = 0; i < 32; ++i) v[i] = int16_t(a + i / width);
+    return _mm512_load_si512((const void*)v);
+}
+
+template <int t>                                  // 12 q4_k, 13 q5_k: 8 sub-blocks of 32, 6-bit (scale, min)
+inline __attribute__((always_inline)) float qk45_q8k_row(const uint8_t* row, const Q8x& x, int K) {
+    constexpr bool five = t == 13;
+    constexpr int size = five ? 176 : 144;
+    const __m512i low = _mm512_set1_epi8(15), halves = _mm512_setr_epi64(0, 0, 0, 0, 4, 4, 4, 4);
+    const __m512i pick[4] = {idx_pairs16(0, 16), idx_pairs16(2, 16), idx_pairs16(4, 16), idx_pairs16(6, 16)};
+    __m256 acc = _mm256_setzero_ps(), accm = _mm256_setzero_ps();
+    for (int bi = 0; bi < K / 256; ++bi) {
+        const uint8_t* b = row + (size_t)bi * size;
+        const int8_t* q8 = x.q + 256 * bi;
+        const ScalesMinsK4 sm(b + 4);
+        const __m512i sc = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i*)sm.sc)));
+        const __m128i mn8 = _mm_loadl_epi64((const __m128i*)sm.mn);
+        const uint8_t* qs = b + (five ? 48 : 16);
+        __m512i hbits;
+        if (five)                                 // bit j of qh byte r: sub-block j's weight r; lanes 0-3: j even
+            hbits = _mm512_srlv_epi64(_mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(b + 16))),
+                                      _mm512_setr_epi64(0, 0, 0, 0, 1, 1, 1, 1));
+        __m512i sumi = _mm512_setzero_si512();
+        for (int c = 0; c < 4; ++c) {             // sub-blocks 2c (low nibbles) and 2c+1 (high) of qs[32c..]
+            const __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(qs + 32 * c)));
+            __m512i w = _mm512_and_si512(_mm512_srlv_epi64(v, halves), low);
+            if (five) {
+                w = _mm512_or_si512(w, _mm512_and_si512(_mm512_slli_epi16(hbits, 4), _mm512_set1_epi8(16)));
+                hbits = _mm512_srli_epi64(hbits, 2);
+            }
+            const __m512i p = _mm512_maddubs_epi16(w, _mm512_loadu_si512((const void*)(q8 + 64 * c)));
+            sumi = _mm512_add_epi32(sumi, _mm512_madd_epi16(p, _mm512_permutexvar_epi16(pick[c], sc)));
+        }
+        // the mins: Σ_j m_j · (Σq8 of its two 16s), as 8 int32
+        const __m256i mdup = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(mn8, mn8));
+        const __m256i pm = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i*)(x.s16 + 16 * bi)), mdup);
+        const __m256i s8 = _mm256_add_epi32(_mm512_castsi512_si256(sumi), _mm512_extracti64x4_epi64(sumi, 1));
+        const float d8 = x.d[8 * bi];
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(d8 * f16_at(b)), _mm256_cvtepi32_ps(s8), acc);
+        accm = _mm256_fmadd_ps(_mm256_set1_ps(d8 * f16_at(b + 2)), _mm256_cvtepi32_ps(pm), accm);
+    }
+    return hsum(acc) - hsum(accm);
+}
+
+// q6_k: 16 sub-blocks of 16, int8 scales, codes 0..63 less 32 (the 32 taken off in integers: 32·Σ_s sc_s·Σq8).
+inline __attribute__((always_inline)) float q6k_q8k_row(const uint8_t* row, const Q8x& x, int K) {
+    const __m512i low = _mm512_set1_epi8(15), two = _mm512_set1_epi8(0x30);
+    const __m512i sh0 = _mm512_setr_epi64(0, 0, 0, 0, 2, 2, 2, 2);
+    const __m512i pick[4] = {idx_pairs16(0, 8), idx_pairs16(4, 8), idx_pairs16(8, 8), idx_pairs16(12, 8)};
+    __m256 acc = _mm256_setzero_ps();
+    for (int bi = 0; bi < K / 256; ++bi) {
+        const uint8_t* b = row + (size_t)bi * 210;
+        const int8_t* q8 = x.q + 256 * bi;
+        const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(b + 192)));
+        const __m512i sc = _mm512_castsi256_si512(sc16);
+        __m512i sumi = _mm512_setzero_si512();
+        for (int h = 0; h < 2; ++h) {             // weights 128h..: [ql low | ql' low], then [ql high | ql' high]
+            const __m512i ql = _mm512_loadu_si512((const void*)(b + 64 * h));
+            const __m512i t0 = _mm512_srlv_epi64(_mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(b + 128 + 32 * h))), sh0);
+            const __m512i t1 = _mm512_srli_epi64(t0, 4);
+            const __m512i w0 = _mm512_ternarylogic_epi64(_mm512_and_si512(_mm512_slli_epi16(t0, 4), two), ql, low, 0xF8);
+            const __m512i w1 = _mm512_ternarylogic_epi64(_mm512_and_si512(_mm512_slli_epi16(t1, 4), two),
+                                                         _mm512_srli_epi16(ql, 4), low, 0xF8);
+            const __m512i p0 = _mm512_maddubs_epi16(w0, _mm512_loadu_si512((const void*)(q8 + 128 * h)));
+            const __m512i p1 = _mm512_maddubs_epi16(w1, _mm512_loadu_si512((const void*)(q8 + 128 * h + 64)));
+            sumi = _mm512_add_epi32(sumi, _mm512_madd_epi16(p0, _mm512_permutexvar_epi16(pick[2 * h], sc)));
+            sumi = _mm512_add_epi32(sumi, _mm512_madd_epi16(p1, _mm512_permutexvar_epi16(pick[2 * h + 1], sc)));
+        }
+        const __m256i off = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i*)(x.s16 + 16 * bi)), sc16);
+        __m256i s8 = _mm256_add_epi32(_mm512_castsi512_si256(sumi), _mm512_extracti64x4_epi64(sumi, 1));
+        s8 = _mm256_sub_epi32(s8, _mm256_slli_epi32(off, 5));
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(x.d[8 * bi] * f16_at(b + 208)), _mm256_cvtepi32_ps(s8), acc);
+    }
+    return hsum(acc);
+}
 #endif
 
-// Σ w·x̂ over one row of K weights of quantized type t.
+// Σ w·x̂ over one row of K weights of quantized type t, x rounded as t's kind (Q8Rows::row(m, t)).
 inline __attribute__((always_inline)) float q8_row(int t, const uint8_t* row, const Q8x& x, int K) {
 #ifdef KILN_GEMV512
-    if (gemv512_type(t)) {
-        AccQ8 acc(x);
-        return row512(t, row, acc, K);
+    AccQ8 acc(x);
+    switch (t) {
+        case 2: return row512_t<2>(row, acc, K);
+        case 3: return row512_t<3>(row, acc, K);
+        case 6: return row512_t<6>(row, acc, K);
+        case 7: return row512_t<7>(row, acc, K);
+        case 8: return row512_t<8>(row, acc, K);
+        case 12: return qk45_q8k_row<12>(row, x, K);
+        case 13: return qk45_q8k_row<13>(row, x, K);
+        case 14: return q6k_q8k_row(row, x, K);
     }
 #endif
     return q8_row_generic(t, row, x, K);
@@ -1054,8 +1255,9 @@ struct GgmlRowInput {
     std::vector<float> x, xs16, xs32;
     Q8Rows q8;
     bool int8;
-    GgmlRowInput(const float* x_, int K)
-        : x(x_, x_ + K), xs16(K / 16), xs32(K / 32), q8(x_, g_int8_activations ? 1 : 0, K), int8(g_int8_activations) {
+    GgmlRowInput(const float* x_, int K, int kinds = 7)      // kinds: the Q8 kinds its rows' types need (q8_kinds_of)
+        : x(x_, x_ + K), xs16(K / 16), xs32(K / 32), q8(x_, g_int8_activations ? 1 : 0, K, kinds),
+          int8(g_int8_activations) {
         sums16(x_, K, xs16.data());
         for (int g = 0; g < K / 32; ++g) xs32[g] = xs16[2 * g] + xs16[2 * g + 1];
     }
@@ -1063,7 +1265,7 @@ struct GgmlRowInput {
 
 inline float ggml_row1(int t, const uint8_t* row, const GgmlRowInput& in, int K) {
     if (is_float_type(t)) return dot_float(t, row, in.x.data(), K);
-    if (in.int8) return q8_row(t, row, in.q8.row(0), K);
+    if (in.int8) return q8_row(t, row, in.q8.row(0, t), K);
 #ifdef KILN_GEMV512
     if (gemv512_type(t)) return gemv512_row(t, row, in.x.data(), in.xs32.data(), K);
 #endif
@@ -1090,12 +1292,12 @@ void ggml_mm(int t, const float* x, int M, int K, const uint8_t* w, int N, float
         return;
     }
     if (g_int8_activations) {                    // every row of x rounded on its own, each by the one-row kernel
-        const Q8Rows xq(x, M, K);
+        const Q8Rows xq(x, M, K, 1 << q8_kind(t));
 #pragma omp parallel for num_threads(threads) schedule(static)
         for (int n = 0; n < N; ++n) {
             const uint8_t* row = w + (size_t)n * row_bytes;
             _mm_prefetch((const char*)row + PREFETCH, _MM_HINT_T0);
-            for (int m = 0; m < M; ++m) y[(size_t)m * N + n] = q8_row(t, row, xq.row(m), K);
+            for (int m = 0; m < M; ++m) y[(size_t)m * N + n] = q8_row(t, row, xq.row(m, t), K);
         }
         return;
     }
@@ -1173,9 +1375,9 @@ void ggml_gemv_parts(const float* x, int K, int nparts, const uint8_t* const* pa
     bool quantized = g_int8_activations && nparts > 1;
     for (int i = 0; i < nparts; ++i) quantized = quantized && !is_float_type(types[i]);
     if (quantized) {                             // x rounded once; every row q8_row's, as ggml_mm's
-        const Q8Rows xq(x, 1, K);
+        const Q8Rows xq(x, 1, K, q8_kinds_of(types, nparts));
         stacked_rows(K, nparts, parts, types, rows, y, threads,
-                     [&](int t, const uint8_t* row) { return q8_row(t, row, xq.row(0), K); });
+                     [&](int t, const uint8_t* row) { return q8_row(t, row, xq.row(0, t), K); });
         return;
     }
 #ifdef KILN_GEMV512
@@ -2142,8 +2344,15 @@ int ggml_supported(int t) { return ggml_type(t).block != 0; }
 void set_int8_activations(int on) { g_int8_activations = on ? 1 : 0; }
 int int8_activations() { return g_int8_activations; }
 
-// x [K] (K % 32 == 0) rounded to 8 bits as the int8 GEMVs round it: codes q, scales d [K/32], Σq per 16 s16 [K/16].
-void q8_quantize(const float* x, int K, int8_t* q, float* d, int32_t* s16) { quantize_q8(x, K, q, d, s16); }
+// x [K] rounded to 8 bits as the int8 GEMVs round it for a matrix of GGML type t (its Q8 kind): codes q [K], scales
+// d [K/32] (Q8_K's once per 32), and xs [K/32], what a block's min multiplies (Q8_1's s). K % 256 == 0 for Q8_K.
+void q8_quantize(const float* x, int K, int t, int8_t* q, float* d, float* xs) {
+    const Q8Rows r(x, 1, K, 1 << q8_kind(t));
+    const Q8x v = r.row(0, t);
+    std::memcpy(q, v.q, (size_t)K);
+    std::memcpy(d, v.d, sizeof(float) * (K / 32));
+    std::memcpy(xs, v.xs, sizeof(float) * (K / 32));
+}
 
 // y [M, N] = x [M, K] · Wᵀ, W [N, K] a GGUF matrix of GGML type t, as the file holds its blocks (K whole blocks).
 void ggml_matmul(int t, const float* x, int M, int K, const uint8_t* w, int N, float* y, int threads) {
@@ -2252,6 +2461,18 @@ inline void lane_pin(const int* cpus, int ncpus) {
     CPU_ZERO(&set);
     CPU_SET(cpu, &set);
     if (pthread_setaffinity_np(pthread_self(), sizeof set, &set) == 0) pinned = cpu;
+}
+
+// Before a row of an item is computed, the lines LANE_AHEAD bytes past it (within the item) are asked for: an item
+// is a short stream (16-128 rows) that the hardware prefetcher meets cold.
+constexpr size_t LANE_AHEAD = 8192;
+inline void lane_prefetch_ahead(const uint8_t* row, size_t row_bytes, const uint8_t* end) {
+    for (const uint8_t* p = row + LANE_AHEAD; p < row + LANE_AHEAD + row_bytes && p < end; p += 64)
+        _mm_prefetch((const char*)p, _MM_HINT_T0);
+}
+
+inline void lane_prefetch_start(const uint8_t* start, const uint8_t* end) {     // an item's first LANE_AHEAD bytes
+    for (const uint8_t* p = start; p < start + LANE_AHEAD && p < end; p += 64) _mm_prefetch((const char*)p, _MM_HINT_T0);
 }
 
 inline float lane_tree16(float* a) {            // a fixed summation tree over 16 lanes
@@ -2574,6 +2795,13 @@ int lane_ggml_moe(const float* x, int T, int H, int I, const int64_t* off, int n
         }
     }
     if (threads < 1) threads = 1;
+    int kinds_x = 0, kinds_h = 0;                          // the roundings of x and h the picks' types read
+    for (int p = 0; p < n; ++p) {
+        const uint8_t* rec = reinterpret_cast<const uint8_t*>(recs[p]);
+        const int gu[2] = {rec[4], rec[5]};
+        kinds_x |= q8_kinds_of(gu, 2);
+        kinds_h |= 1 << q8_kind(rec[6]);
+    }
     const int R = lane_item_rows(n, I, H, threads);
     const int half = (I + R - 1) / R, gu_chunks = 2 * half, d_chunks = (H + R - 1) / R;
     std::vector<std::unique_ptr<GgmlRowInput>> xin(T), hin(n);
@@ -2582,8 +2810,8 @@ int lane_ggml_moe(const float* x, int T, int H, int I, const int64_t* off, int n
     {
         lane_pin(cpus, ncpus);
 #pragma omp for schedule(dynamic, 1)
-        for (int t = 0; t < T; ++t) xin[t] = std::make_unique<GgmlRowInput>(x + (size_t)t * H, H);
-#pragma omp for schedule(dynamic, 1)
+        for (int t = 0; t < T; ++t) xin[t] = std::make_unique<GgmlRowInput>(x + (size_t)t * H, H, kinds_x);
+#pragma omp for schedule(static)
         for (long it = 0; it < (long)n * gu_chunks; ++it) {
             const int p = it / gu_chunks, c = it % gu_chunks, m = c < half ? 0 : 1;
             const uint8_t* rec = reinterpret_cast<const uint8_t*>(recs[p]);
@@ -2592,16 +2820,20 @@ int lane_ggml_moe(const float* x, int T, int H, int I, const int64_t* off, int n
             const size_t row_bytes = (size_t)H / gt.block * gt.size;
             const int r0 = (c - m * half) * R, r1 = r0 + R < I ? r0 + R : I;
             float* y = gu.data() + (size_t)p * 2 * I + (size_t)m * I;
-            for (int r = r0; r < r1; ++r) y[r] = ggml_row1(t, rec + off[m] + r * row_bytes, *xin[tok[p]], H);
+            lane_prefetch_start(rec + off[m] + r0 * row_bytes, rec + off[m] + r1 * row_bytes);
+            for (int r = r0; r < r1; ++r) {
+                lane_prefetch_ahead(rec + off[m] + r * row_bytes, row_bytes, rec + off[m] + r1 * row_bytes);
+                y[r] = ggml_row1(t, rec + off[m] + r * row_bytes, *xin[tok[p]], H);
+            }
         }
 #pragma omp for schedule(dynamic, 1)
         for (int p = 0; p < n; ++p) {                      // ggml_ffn's silu(gate)·up, then down's input
             const float* a = gu.data() + (size_t)p * 2 * I;
             std::vector<float> h(I);
             swiglu(a, a + I, I, limit, h.data());
-            hin[p] = std::make_unique<GgmlRowInput>(h.data(), I);
+            hin[p] = std::make_unique<GgmlRowInput>(h.data(), I, kinds_h);
         }
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(static)
         for (long it = 0; it < (long)n * d_chunks; ++it) {
             const int p = it / d_chunks, c = it % d_chunks;
             const uint8_t* rec = reinterpret_cast<const uint8_t*>(recs[p]);
@@ -2610,7 +2842,11 @@ int lane_ggml_moe(const float* x, int T, int H, int I, const int64_t* off, int n
             const size_t row_bytes = (size_t)I / gt.block * gt.size;
             const int r0 = c * R, r1 = r0 + R < H ? r0 + R : H;
             float* y = ys.data() + (size_t)p * H;
-            for (int r = r0; r < r1; ++r) y[r] = ggml_row1(t, rec + off[2] + r * row_bytes, *hin[p], I);
+            lane_prefetch_start(rec + off[2] + r0 * row_bytes, rec + off[2] + r1 * row_bytes);
+            for (int r = r0; r < r1; ++r) {
+                lane_prefetch_ahead(rec + off[2] + r * row_bytes, row_bytes, rec + off[2] + r1 * row_bytes);
+                y[r] = ggml_row1(t, rec + off[2] + r * row_bytes, *hin[p], I);
+            }
         }
         lane_sum_picks(T, H, n, tok, w, ys.data(), out);
     }

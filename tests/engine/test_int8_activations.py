@@ -1,6 +1,7 @@
 """The int8-activation mode of the native GGUF GEMVs (EngineConfig.cpu_activations "int8", llama.cpp's way: x
-rounded to 8 bits per 32 inputs, integer dot products): each quantized type's kernel against its definition,
-y = W·x̂ with W the gguf package's own dequantization and x̂ engine.kernels.native.q8_reference's rounding of x, on
+rounded to 8 bits as ggml-cpu rounds it for the weights' type -- Q8_0, Q8_1 or Q8_K -- integer dot products): each
+quantized type's kernel against its definition, y = W·x̂ (a Q8_1 block's min times llama.cpp's s) with W the gguf
+package's own dequantization and x̂ engine.kernels.native.q8_reference's rounding of x, on
 random blocks holding the edge cases (tests.engine.test_ggml_types.random_blocks); a row's bits the same whatever
 rows come with it and through every entry point a model's pass takes; and the mode confined to the passes of the
 model loaded with it. Real kernels, built here with g++.
@@ -27,12 +28,38 @@ def rows_x(m: int, k: int, gen: torch.Generator) -> torch.Tensor:
 
 def test_x_is_rounded_as_the_reference_rounds_it():
     gen = torch.Generator().manual_seed(1)
-    x = rows_x(2, 256, gen)
-    for row in x:
-        q, d = native.q8_quantize(row)
-        assert q.abs().max() <= 127
-        assert torch.equal((q.float().view(-1, 32) * d.view(-1, 1)).view(-1), native.q8_reference(row))
-    assert native.q8_quantize(x[0])[1][0] == 0.0
+    x = rows_x(2, 512, gen)
+    x[1, 256:512] = x[1, 256:512].abs()
+    x[1, 300] = -x[1, 256:512].max() * 1.5               # a negative extreme: Q8_K's scale is signed
+    for t in ("q8_0", "q4_1", "q4_k"):
+        for row in x:
+            q, d, xs = native.q8_quantize(row, t)
+            assert q.abs().max() <= 127
+            assert torch.equal((q.float().view(-1, 32) * d.view(-1, 1)).view(-1), native.q8_reference(row, t)), t
+            assert torch.equal(xs, native.q8_min_sums(row, t)), t
+        zero = x[0].clone()
+        zero[:256] = 0.0                                  # a block of zeros (Q8_K's is 256 wide): d = 0, q = 0
+        q, d, _ = native.q8_quantize(zero, t)
+        assert d[0] == 0.0 and not q[:32].any()
+    # the kinds differ where they should: Q8_0's fp16 scale per 32 against Q8_K's fp32 one per 256; Q8_1's s
+    assert not torch.equal(native.q8_reference(x, "q8_0"), native.q8_reference(x, "q4_k"))
+    assert not torch.equal(native.q8_min_sums(x, "q8_0"), native.q8_min_sums(x, "q4_1"))
+    q, d, _ = native.q8_quantize(x[1], "q4_k")
+    assert q[300] == -127 and d[8] > 0 and torch.all(d[8:] == d[8])     # the extreme maps to -127, d = 1/(-127/m)
+    _, d0, _ = native.q8_quantize(x[1], "q8_0")
+    assert torch.equal(d0, d0.half().float())                            # Q8_0's d is an fp16
+
+
+def int8_want(name: str, x: torch.Tensor, w: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
+    """The mode's definition in float64: W·x̂, plus for q4_1/q5_1 each block's min times (s - Σx̂), llama.cpp's Q8_1
+    multiplying a min by its own fp16 sum s."""
+    want = native.q8_reference(x, name).double() @ dense.T
+    if native.q8_kind(name) == "q8_1":
+        t = ggml.ggml_type(name)
+        mins = w.view(-1, t.size)[:, 2:4].contiguous().view(torch.float16).double().view(w.shape[0], -1)   # [out, K/32]
+        xr = native.q8_reference(x, name).double().view(x.shape[0], -1, 32).sum(-1)
+        want += (native.q8_min_sums(x, name).double() - xr) @ mins.T
+    return want
 
 
 @pytest.mark.parametrize("name", QUANTIZED)
@@ -44,14 +71,37 @@ def test_each_type_computes_w_times_x_rounded(name):
         w = random_blocks(name, out, k, gen)
         x = rows_x(3, k, gen)
         dense = gguf_dense(name, w, out, k)
-        want = native.q8_reference(x).double() @ dense.T
+        want = int8_want(name, x, w, dense)
         with native.allow(True, int8_activations=True):
             got = native.ggml_matmul(t.code, x, w, out).double()
-        scale = native.q8_reference(x).double().abs() @ dense.abs().T
+        scale = native.q8_reference(x, name).double().abs() @ dense.abs().T
         assert torch.all((got - want).abs() <= 2e-6 * scale + 1e-30), f"{name}, {k} inputs"
         with native.allow(True):
             float_y = native.ggml_matmul(t.code, x, w, out).double()
         assert not torch.equal(float_y, got), f"{name}: the mode changed nothing"     # x̂ is not x
+
+
+def test_the_avx2_build_computes_the_same_function():
+    """Without AVX-512 (-mno-avx512f: every type through q8_row_generic, a block unpacked then integer dots) the
+    mode computes what the AVX-512 kernels compute (q4_k/q5_k/q6_k: ggml's per-256 integer sums): the same integers,
+    another fp32 summation order."""
+    avx2 = native.load(native.build(native.compiler(), [*native.ARCH, "-mno-avx512f"]))
+    gen = torch.Generator().manual_seed(3)
+    for name in QUANTIZED:
+        t = ggml.ggml_type(name)
+        k = 512 if t.block == 256 else 160
+        w = random_blocks(name, 32, k, gen)
+        x = rows_x(2, k, gen)
+        with native.allow(True, int8_activations=True):
+            want = native.ggml_matmul(t.code, x, w, 32).double()
+        y = torch.empty(2, 32)
+        avx2.set_int8_activations(1)
+        try:
+            avx2.ggml_matmul(t.code, x.data_ptr(), 2, k, w.data_ptr(), 32, y.data_ptr(), 1)
+        finally:
+            avx2.set_int8_activations(0)
+        scale = native.q8_reference(x, name).double().abs() @ gguf_dense(name, w, 32, k).abs().T
+        assert torch.all((y.double() - want).abs() <= 2e-6 * scale + 1e-30), name
 
 
 @pytest.mark.parametrize("name", ["q4_1", "q5_0", "q8_0", "q4_k", "q6_k", "iq4_xs"])
