@@ -10,8 +10,8 @@ Per round, for the lane's thread counts 1 and N (N = the --cpus given, each team
           (≫ the LLC), records of the Qwen3-30B-A3B expert shape (hidden 2048, FFN 768), in both int4 orders: rows
           (what a CUDA machine's RAM tier holds, the H200's lane) and cols (a CPU store's); and ggml (--orders
           ...,ggml): a GGUF's records as a Q4_K_M holds them, Q4_K gate and up, Q6_K down (random blocks); and
-          ggml-int8: the same records with x rounded to 8 bits per 32 inputs (`--cpu-activations int8`, llama.cpp's
-          way: integer dot products).
+          ggml-int8: the same records with x rounded to 8 bits as llama.cpp rounds it for each type (Q8_K for the
+          K-quants: `--cpu-activations int8`, llama.cpp's way: integer dot products).
 And once, for reference, what the lane ran before: quant_ffn per pick (rows: dequantize + F.linear in fp32; cols:
 native int4_ffn one expert at a time; ggml: native ggml_ffn one expert at a time, holding the GIL) on N torch
 threads, 8 picks. Every figure prints with the lane/DRAM ratio

@@ -204,7 +204,7 @@ def main(argv=None) -> int:
                     help="llama-server's flash attention (-fa): auto, its default, runs the CPU's flash-attention "
                          "kernel, which rounds Q to the KV type; off: the plain attention graph")
     ap.add_argument("--cpu-activations", choices=["float", "int8"], default="float",
-                    help="Kiln's --cpu-activations (int8: x rounded to 8 bits per 32 inputs, as llama.cpp computes)")
+                    help="Kiln's --cpu-activations (int8: x rounded to 8 bits as llama.cpp rounds it for each type)")
     a = ap.parse_args(argv)
     from engine.kernels.cpu import set_compute_threads
     from tool.checks.llama_cpp import version

@@ -33,8 +33,8 @@ in the file's own GGML type), against llama-server on the same file. The demo ma
   python -m bench.quant_demo_speed --direct --variants gguf --gguf /tmp/ggufcpu/work/smollm2-demo/Q4_K_M.gguf \
       --rounds 8 --tokens 128 --out bench/results/2026-12-05-gguf-demo-speed.json
 
---variants gguf-int8 serves the same file and store with `--cpu-activations int8` (x rounded to 8 bits per 32 inputs,
-integer dot products: llama.cpp's own way of computing these blocks); `--variants gguf,gguf-int8` runs both, each
+--variants gguf-int8 serves the same file and store with `--cpu-activations int8` (x rounded to 8 bits as llama.cpp
+rounds it for each type, integer dot products: llama.cpp's own way of computing these blocks); `--variants gguf,gguf-int8` runs both, each
 against llama-server in its own alternating rounds.
 """
 from __future__ import annotations

@@ -68,7 +68,7 @@ class EngineConfig:
     lane_rates: str | None = None       # e.g. "pcie=25,cpu=12,disk=6" GB/s for the lane cost model; None: measured
     fused_kernels: bool = True          # CUDA decode steps on engine.kernels.triton_decode's (glm5_next: triton_glm5's) fused kernels
     native_kernels: bool = True         # CPU decode on engine.kernels.native (built with g++ at first use) where it builds
-    # float | int8: the native GGUF GEMVs take x in fp32, or rounded to 8 bits per 32 inputs (llama.cpp's way: faster,
+    # float | int8: the native GGUF GEMVs take x in fp32, or rounded to 8 bits as llama.cpp rounds it (faster,
     # not the float function; engine.kernels.native_cpu.cpp's "int8 activations")
     cpu_activations: str = "float"
     # auto | blocks | dequantized: on a GPU, a GGUF's quantized dense matrices (attention, the output head) computed

@@ -82,9 +82,9 @@ native_kernels = click.option("--native-kernels/--no-native-kernels", default=En
 cpu_activations = click.option("--cpu-activations", type=click.Choice(CPU_ACTIVATIONS),
                                default=EngineConfig.cpu_activations, show_default=True,
                                help="On the CPU, a GGUF's blocks multiply x in fp32 (float: gguf's dequantization "
-                                    "then a float matmul) or x rounded to 8 bits per 32 inputs with integer dot "
-                                    "products (int8: llama.cpp's way; faster, within ~0.5%% of each GEMV's float "
-                                    "result, not the same function). int8 needs --model FILE.gguf and the native "
+                                    "then a float matmul) or x rounded to 8 bits as llama.cpp rounds it for each "
+                                    "type, with integer dot products (int8: llama.cpp's way; faster, within ~1%% of "
+                                    "each GEMV's float result, not the same function). int8 needs --model FILE.gguf and the native "
                                     "kernels; not glm5_next.")
 
 gguf_dense = click.option("--gguf-dense", type=click.Choice(GGUF_DENSE), default=EngineConfig.gguf_dense,
