@@ -9,10 +9,10 @@ modes side by side, and optionally an earlier tree's float kernel.
   before --before REV: REV's native_cpu.cpp built with the engine's flags, its float kernel (what a change bought),
          and before_int8, REV's int8 mode
 
-The types are those a Q4_K_M of the demo holds (hidden 576 is no multiple of 256, so the K-quants fall back), each
-at the row length it has there. Each figure: GB/s of weight bytes read, the best of `reps` calls in each of 5 rounds
+The types (--types demo, the default) are those a Q4_K_M of the demo holds (hidden 576 is no multiple of 256, so
+the K-quants fall back), each at the row length it has there. Each figure: GB/s of weight bytes read, the best of `reps` calls in each of 5 rounds
 that alternate the sides (robust to a loaded host; the host load is recorded), on 1 and 2 threads, a matrix that
-stays in L2 and one of ~96 MB (DRAM).
+stays in L2 and one of ~96 MB (DRAM). --types all: every quantized type Kiln reads, rows of 2,048 inputs.
 
     python -m bench.ggml_gemv_speed --before 62c78c0 --out bench/results/<date>-ggml-gemv-speed.json
 """
@@ -32,6 +32,9 @@ from bench import harness
 # The types a Q4_K_M of the demo holds, with the row length each has there: q|k|v, o and the experts' gate|up read
 # 576 inputs, the experts' downs 1,536; Q4_1 is the demo's own file.
 TYPES = [("q4_1", 576), ("q5_0", 576), ("q5_1", 576), ("q8_0", 576), ("q4_k", 1536), ("q6_k", 1536)]
+# --types all: every quantized type Kiln reads, at a row of 2,048 inputs (Qwen3-30B-A3B's hidden size)
+ALL_TYPES = [(name, 2048) for name in ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k",
+                                       "iq4_nl", "iq4_xs")]
 SIZES = {"L2": 384 << 10, "DRAM": 96 << 20}
 ROUNDS = 5
 
@@ -61,6 +64,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--before", default=None, help="a git revision whose kernels (both modes) are timed beside this tree's")
+    ap.add_argument("--types", choices=("demo", "all"), default="demo",
+                    help="demo: the types a Q4_K_M of the demo holds, at its row lengths; all: every quantized type")
     ap.add_argument("--reps-l2", type=int, default=60)
     ap.add_argument("--reps-dram", type=int, default=4)
     args = ap.parse_args(argv)
@@ -76,7 +81,7 @@ def main(argv=None) -> int:
             old = build_before(args.before, Path(tmp))
             sides = {"before": (old, 0), "before_int8": (old, 1), **sides}
         for threads in (1, 2):
-            for name, k in TYPES:
+            for name, k in (ALL_TYPES if args.types == "all" else TYPES):
                 t = ggml.ggml_type(name)
                 for where, target in SIZES.items():
                     n = max(64, target // (k // t.block * t.size) // 64 * 64)

@@ -493,6 +493,22 @@ struct ScalesMinsK4 {
     }
 };
 
+// q3_k: its 16 6-bit scales, less 32, from the 12 packed bytes q (ggml's word shuffle; the same values as
+// unpack_block's per-scale bit picking): sc[s] = (q[s % 8] >> 4·(s / 8) & 15 | (q[8 + s % 4] >> 2·(s / 4) & 3) << 4) - 32.
+inline void scales_k3(const uint8_t* q, int8_t* sc) {
+    constexpr uint32_t k1 = 0x03030303, k2 = 0x0f0f0f0f;
+    uint32_t a[4];
+    std::memcpy(a, q, 12);
+    const uint32_t tmp = a[2];
+    a[2] = ((a[0] >> 4) & k2) | (((tmp >> 4) & k1) << 4);
+    a[3] = ((a[1] >> 4) & k2) | (((tmp >> 6) & k1) << 4);
+    a[0] = (a[0] & k2) | ((tmp & k1) << 4);
+    a[1] = (a[1] & k2) | (((tmp >> 2) & k1) << 4);
+    uint8_t u[16];
+    std::memcpy(u, a, 16);
+    for (int s = 0; s < 16; ++s) sc[s] = int8_t(u[s] - 32);
+}
+
 // Weight i of a float-type row (f32, f16, bf16) at b.
 inline float float_at(int t, const uint8_t* b, int i) {
     if (t == 0) {
@@ -742,10 +758,11 @@ constexpr int GGML_ROWS = 16;        // rows of x an unpacked block is dotted wi
 #define KILN_GEMV512 1
 struct Acc4 {
     const float* x;           // the row's inputs
-    const float* xs32;        // their sums per 32 (for the blocks' mins)
+    const float* xs16;        // their sums per 16 and per 32 (for the blocks' mins)
+    const float* xs32;
     __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
     int i = 0;
-    Acc4(const float* x_, const float* xs32_) : x(x_), xs32(xs32_) {}
+    Acc4(const float* x_, const float* xs16_, const float* xs32_) : x(x_), xs16(xs16_), xs32(xs32_) {}
     // acc += scale · Σ q·x over 16 codes (int8 in the low 16 bytes of q) and inputs k0..k0+15
     inline void add16(__m128i q, int k0, float scale) {
         const __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), _mm512_loadu_ps(x + k0));
@@ -773,6 +790,7 @@ struct Acc4 {
         add16x2(_mm256_sub_epi8(q, _mm256_set1_epi8((char)off)), k0, s0, s1);
     }
     inline float xsum32(int b) const { return xs32[b]; }
+    inline float xsum16(int g) const { return xs16[g]; }
     inline float sum() const {
         return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3])));
     }
@@ -884,6 +902,61 @@ inline __attribute__((always_inline)) float row512_t(const uint8_t* row, A& acc,
             }
         }
         return acc.sum();
+    } else if constexpr (t == 10) {    // q2_k: 16 sub-blocks of 16, 4-bit (scale, min), 2-bit codes
+        for (int bi = 0; bi < K / 256; ++bi) {
+            const uint8_t* b = row + (size_t)bi * 84;
+            const float d = f16_at(b + 80), dmin = f16_at(b + 82);
+            for (int h = 0; h < 2; ++h) {          // weights 128h + 32j + l: bits 2j of qs[32h + l]
+                const __m256i q = _mm256_loadu_si256((const __m256i*)(b + 16 + 32 * h));
+                for (int j = 0; j < 4; ++j) {
+                    const int s = 8 * h + 2 * j, k0 = 256 * bi + 128 * h + 32 * j;
+                    acc.add16x2(_mm256_and_si256(_mm256_srli_epi16(q, 2 * j), _mm256_set1_epi8(3)), k0,
+                                d * float(b[s] & 15), d * float(b[s + 1] & 15));
+                    mins += dmin * (float(b[s] >> 4) * acc.xsum16(k0 / 16) + float(b[s + 1] >> 4) * acc.xsum16(k0 / 16 + 1));
+                }
+            }
+        }
+        return acc.sum() - mins;
+    } else if constexpr (t == 11) {    // q3_k: 16 sub-blocks of 16, 6-bit scales less 32, codes 0..3 less 4 unless hmask
+        for (int bi = 0; bi < K / 256; ++bi) {
+            const uint8_t* b = row + (size_t)bi * 110;
+            const float d = f16_at(b + 108);
+            int8_t sc[16];
+            scales_k3(b + 96, sc);
+            const __m256i hm = _mm256_loadu_si256((const __m256i*)b), one = _mm256_set1_epi8(1), three = _mm256_set1_epi8(3);
+            for (int h = 0; h < 2; ++h) {          // weights 128h + 32j + l: bits 2j of qs[32h + l], hmask bit 4h + j of byte l
+                const __m256i q = _mm256_loadu_si256((const __m256i*)(b + 32 + 32 * h));
+                for (int j = 0; j < 4; ++j) {
+                    const __m256i lo = _mm256_and_si256(_mm256_srli_epi16(q, 2 * j), three);
+                    const __m256i hb = _mm256_and_si256(_mm256_srli_epi16(hm, 4 * h + j), one);
+                    const __m256i code = _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hb, 2)), _mm256_set1_epi8(4));
+                    const int s = 8 * h + 2 * j;
+                    acc.add16x2(code, 256 * bi + 128 * h + 32 * j, d * float(sc[s]), d * float(sc[s + 1]));
+                }
+            }
+        }
+        return acc.sum();
+    } else if constexpr (t == 20 || t == 23) {    // iq4_nl (32-blocks), iq4_xs (8 sub-blocks of 32, 6-bit scales less 32)
+        const __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)IQ4_NL_VALUES));
+        if constexpr (t == 20) {
+            for (int bi = 0; bi < K / 32; ++bi) {
+                const uint8_t* b = row + (size_t)bi * 18;
+                acc.add32(_mm256_shuffle_epi8(lut, nibbles32(b + 2)), 32 * bi, f16_at(b));
+            }
+        } else {
+            for (int bi = 0; bi < K / 256; ++bi) {
+                const uint8_t* b = row + (size_t)bi * 136;
+                const float d = f16_at(b);
+                uint16_t sh;
+                std::memcpy(&sh, b + 2, 2);
+                for (int j = 0; j < 8; ++j) {
+                    const int ls = (b[4 + j / 2] >> (4 * (j % 2))) & 15, hs = (sh >> (2 * j)) & 3;
+                    acc.add32(_mm256_shuffle_epi8(lut, nibbles32(b + 8 + 16 * j)), 256 * bi + 32 * j,
+                              d * float((ls | hs << 4) - 32));
+                }
+            }
+        }
+        return acc.sum();
     }
     return 0.f;
 }
@@ -899,15 +972,20 @@ inline __attribute__((always_inline)) float row512(int t, const uint8_t* row, A&
         case 12: return row512_t<12>(row, acc, K);
         case 13: return row512_t<13>(row, acc, K);
         case 14: return row512_t<14>(row, acc, K);
+        case 10: return row512_t<10>(row, acc, K);
+        case 11: return row512_t<11>(row, acc, K);
+        case 20: return row512_t<20>(row, acc, K);
+        case 23: return row512_t<23>(row, acc, K);
     }
     return 0.f;
 }
 
-inline bool gemv512_type(int t) { return t == 2 || t == 3 || t == 6 || t == 7 || t == 8 || t == 12 || t == 13 || t == 14; }
+inline bool gemv512_type(int t) { return ggml_type(t).block > 1; }       // every quantized type Kiln reads
 
-// Σ w·x over one row, x in fp32; xs32: x's sums per 32 inputs (for the mins).
-inline __attribute__((always_inline)) float gemv512_row(int t, const uint8_t* row, const float* x, const float* xs32, int K) {
-    Acc4 acc(x, xs32);
+// Σ w·x over one row, x in fp32; xs16, xs32: x's sums per 16 and per 32 inputs (for the mins).
+inline __attribute__((always_inline)) float gemv512_row(int t, const uint8_t* row, const float* x, const float* xs16,
+                                                        const float* xs32, int K) {
+    Acc4 acc(x, xs16, xs32);
     return row512(t, row, acc, K);
 }
 #endif
@@ -1136,7 +1214,13 @@ struct AccQ8 {
         add32u(w, k0, scale);
         corr += scale * float(off) * x.xs[k0 / 32];
     }
+    // signed codes, two sub-blocks of 16 (inputs k0..k0+15 with scale s0, the next 16 with s1)
+    inline void add16x2(__m256i w, int k0, float s0, float s1) {
+        const float dx = x.d[k0 / 32];
+        fma(_mm256_setr_m128(_mm_set1_ps(s0 * dx), _mm_set1_ps(s1 * dx)), dot_s8x32(w, qx(k0)));
+    }
     inline float xsum32(int b) const { return x.xs[b]; }
+    inline float xsum16(int g) const { return x.d[g / 2] * float(x.s16[g]); }
     inline float sum() const { return hsum(a) - corr; }
 };
 
@@ -1220,6 +1304,89 @@ inline __attribute__((always_inline)) float q6k_q8k_row(const uint8_t* row, cons
     }
     return hsum(acc);
 }
+
+// q2_k (16 sub-blocks of 16, 4-bit scale and min, codes 0..3) and q3_k (16 of 16, 6-bit scales less 32, codes 0..7
+// less 4: the 4 taken off in integers, 4·Σ_s sc_s·Σq8): ggml's integer sums per 256, 64 codes a step as above.
+template <int t>
+inline __attribute__((always_inline)) float qk23_q8k_row(const uint8_t* row, const Q8x& x, int K) {
+    constexpr bool three = t == 11;
+    constexpr int size = three ? 110 : 84;
+    const __m512i m3 = _mm512_set1_epi8(3), m4 = _mm512_set1_epi8(4);
+    const __m512i sh01 = _mm512_setr_epi64(0, 0, 0, 0, 2, 2, 2, 2), sh23 = _mm512_setr_epi64(4, 4, 4, 4, 6, 6, 6, 6);
+    const __m512i pick[4] = {idx_pairs16(0, 8), idx_pairs16(4, 8), idx_pairs16(8, 8), idx_pairs16(12, 8)};
+    __m256 acc = _mm256_setzero_ps(), accm = _mm256_setzero_ps();
+    for (int bi = 0; bi < K / 256; ++bi) {
+        const uint8_t* b = row + (size_t)bi * size;
+        const int8_t* q8 = x.q + 256 * bi;
+        const __m256i bs = _mm256_loadu_si256((const __m256i*)(x.s16 + 16 * bi));
+        __m256i sc16, mn16;
+        if (three) {
+            alignas(16) int8_t sc[16];
+            scales_k3(b + 96, sc);
+            sc16 = _mm256_cvtepi8_epi16(_mm_load_si128((const __m128i*)sc));
+        } else {
+            const __m128i raw = _mm_loadu_si128((const __m128i*)b);
+            sc16 = _mm256_cvtepu8_epi16(_mm_and_si128(raw, _mm_set1_epi8(15)));
+            mn16 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), _mm_set1_epi8(15)));
+        }
+        const __m512i sc = _mm512_castsi256_si512(sc16);
+        const __m512i hm = three ? _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)b)) : _mm512_setzero_si512();
+        __m512i sumi = _mm512_setzero_si512();
+        for (int h = 0; h < 2; ++h) {             // weights 128h + 32j + l: bits 2j of qs[32h + l] (hmask bit 4h + j)
+            const __m512i q = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(b + (three ? 32 : 16) + 32 * h)));
+            for (int part = 0; part < 2; ++part) {   // j = 2·part and 2·part + 1: 64 codes
+                __m512i w = _mm512_and_si512(_mm512_srlv_epi64(q, part ? sh23 : sh01), m3);
+                if (three) {                      // the high bit: 4 where hmask has it (codes 0..7)
+                    const __m512i hs = _mm512_add_epi64(_mm512_setr_epi64(0, 0, 0, 0, 1, 1, 1, 1),
+                                                        _mm512_set1_epi64(4 * h + 2 * part));
+                    w = _mm512_or_si512(w, _mm512_and_si512(_mm512_slli_epi16(_mm512_srlv_epi64(hm, hs), 2), m4));
+                }
+                const __m512i p = _mm512_maddubs_epi16(w, _mm512_loadu_si512((const void*)(q8 + 128 * h + 64 * part)));
+                sumi = _mm512_add_epi32(sumi, _mm512_madd_epi16(p, _mm512_permutexvar_epi16(pick[2 * h + part], sc)));
+            }
+        }
+        __m256i s8 = _mm256_add_epi32(_mm512_castsi512_si256(sumi), _mm512_extracti64x4_epi64(sumi, 1));
+        const float d8 = x.d[8 * bi];
+        if (three) {
+            s8 = _mm256_sub_epi32(s8, _mm256_slli_epi32(_mm256_madd_epi16(bs, sc16), 2));
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(d8 * f16_at(b + 108)), _mm256_cvtepi32_ps(s8), acc);
+        } else {
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(d8 * f16_at(b + 80)), _mm256_cvtepi32_ps(s8), acc);
+            accm = _mm256_fmadd_ps(_mm256_set1_ps(d8 * f16_at(b + 82)), _mm256_cvtepi32_ps(_mm256_madd_epi16(bs, mn16)), accm);
+        }
+    }
+    return hsum(acc) - hsum(accm);
+}
+
+// iq4_xs: 8 sub-blocks of 32, 6-bit scales less 32, codes the IQ4_NL values (signed: |w|·sign(x, w), as dot_s8x32).
+inline __attribute__((always_inline)) float iq4xs_q8k_row(const uint8_t* row, const Q8x& x, int K) {
+    const __m512i lut = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)IQ4_NL_VALUES));
+    const __m512i low = _mm512_set1_epi8(15), nib = _mm512_setr_epi64(0, 0, 4, 4, 0, 0, 4, 4);
+    const __m512i pick[4] = {idx_pairs16(0, 16), idx_pairs16(2, 16), idx_pairs16(4, 16), idx_pairs16(6, 16)};
+    __m256 acc = _mm256_setzero_ps();
+    for (int bi = 0; bi < K / 256; ++bi) {
+        const uint8_t* b = row + (size_t)bi * 136;
+        const int8_t* q8 = x.q + 256 * bi;
+        uint16_t sh;
+        std::memcpy(&sh, b + 2, 2);
+        alignas(16) int16_t sc[8];
+        for (int j = 0; j < 8; ++j) sc[j] = int16_t((((b[4 + j / 2] >> (4 * (j % 2))) & 15) | ((sh >> (2 * j)) & 3) << 4) - 32);
+        const __m512i scv = _mm512_castsi128_si512(_mm_load_si128((const __m128i*)sc));
+        __m512i sumi = _mm512_setzero_si512();
+        for (int c = 0; c < 4; ++c) {             // sub-blocks 2c, 2c+1: 16 bytes each, low nibbles then high
+            const __m512i v = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(b + 8 + 32 * c)));
+            const __m512i idx = _mm512_and_si512(_mm512_srlv_epi64(_mm512_shuffle_i64x2(v, v, 0x50), nib), low);
+            const __m512i w = _mm512_shuffle_epi8(lut, idx);
+            const __m512i xq = _mm512_loadu_si512((const void*)(q8 + 64 * c));
+            const __m512i sx = _mm512_mask_sub_epi8(xq, _mm512_movepi8_mask(w), _mm512_setzero_si512(), xq);
+            const __m512i p = _mm512_maddubs_epi16(_mm512_abs_epi8(w), sx);
+            sumi = _mm512_add_epi32(sumi, _mm512_madd_epi16(p, _mm512_permutexvar_epi16(pick[c], scv)));
+        }
+        const __m256i s8 = _mm256_add_epi32(_mm512_castsi512_si256(sumi), _mm512_extracti64x4_epi64(sumi, 1));
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(x.d[8 * bi] * f16_at(b)), _mm256_cvtepi32_ps(s8), acc);
+    }
+    return hsum(acc);
+}
 #endif
 
 // Σ w·x̂ over one row of K weights of quantized type t, x rounded as t's kind (Q8Rows::row(m, t)).
@@ -1235,6 +1402,10 @@ inline __attribute__((always_inline)) float q8_row(int t, const uint8_t* row, co
         case 12: return qk45_q8k_row<12>(row, x, K);
         case 13: return qk45_q8k_row<13>(row, x, K);
         case 14: return q6k_q8k_row(row, x, K);
+        case 10: return qk23_q8k_row<10>(row, x, K);
+        case 11: return qk23_q8k_row<11>(row, x, K);
+        case 20: return row512_t<20>(row, acc, K);
+        case 23: return iq4xs_q8k_row(row, x, K);
     }
 #endif
     return q8_row_generic(t, row, x, K);
@@ -1267,7 +1438,7 @@ inline float ggml_row1(int t, const uint8_t* row, const GgmlRowInput& in, int K)
     if (is_float_type(t)) return dot_float(t, row, in.x.data(), K);
     if (in.int8) return q8_row(t, row, in.q8.row(0, t), K);
 #ifdef KILN_GEMV512
-    if (gemv512_type(t)) return gemv512_row(t, row, in.x.data(), in.xs32.data(), K);
+    if (gemv512_type(t)) return gemv512_row(t, row, in.x.data(), in.xs16.data(), in.xs32.data(), K);
 #endif
     const GgmlType gt = ggml_type(t);
     Unpacked u;
@@ -1307,12 +1478,13 @@ void ggml_mm(int t, const float* x, int M, int K, const uint8_t* w, int N, float
     const int blocks = K / gt.block;
 #ifdef KILN_GEMV512
     if (M == 1 && gemv512_type(t)) {             // one token: the register-unpacking GEMV above
-        for (int g = 0; g < K / 32; ++g) xs16[g] = xs16[2 * g] + xs16[2 * g + 1];     // in place: sums per 32
+        std::vector<float> xs32(K / 32);
+        for (int g = 0; g < K / 32; ++g) xs32[g] = xs16[2 * g] + xs16[2 * g + 1];
 #pragma omp parallel for num_threads(threads) schedule(static)
         for (int n = 0; n < N; ++n) {
             const uint8_t* row = w + (size_t)n * row_bytes;
             _mm_prefetch((const char*)row + PREFETCH, _MM_HINT_T0);
-            y[n] = gemv512_row(t, row, x, xs16, K);
+            y[n] = gemv512_row(t, row, x, xs16, xs32.data(), K);
         }
         delete[] xs16;
         return;
@@ -1384,11 +1556,11 @@ void ggml_gemv_parts(const float* x, int K, int nparts, const uint8_t* const* pa
     bool fused = nparts > 1;
     for (int i = 0; i < nparts; ++i) fused = fused && gemv512_type(types[i]);
     if (fused) {
-        std::vector<float> xs(K / 16);       // as ggml_mm: sums per 16, then in place per 32
-        sums16(x, K, xs.data());
-        for (int g = 0; g < K / 32; ++g) xs[g] = xs[2 * g] + xs[2 * g + 1];
+        std::vector<float> xs16(K / 16), xs32(K / 32);       // as ggml_mm: sums per 16, and per 32 from them
+        sums16(x, K, xs16.data());
+        for (int g = 0; g < K / 32; ++g) xs32[g] = xs16[2 * g] + xs16[2 * g + 1];
         stacked_rows(K, nparts, parts, types, rows, y, threads,
-                     [&](int t, const uint8_t* row) { return gemv512_row(t, row, x, xs.data(), K); });
+                     [&](int t, const uint8_t* row) { return gemv512_row(t, row, x, xs16.data(), xs32.data(), K); });
         return;
     }
 #endif
