@@ -1219,6 +1219,12 @@ struct AccQ8 {
         const float dx = x.d[k0 / 32];
         fma(_mm256_setr_m128(_mm_set1_ps(s0 * dx), _mm_set1_ps(s1 * dx)), dot_s8x32(w, qx(k0)));
     }
+    inline void add16x2_off(__m256i w, int k0, float s0, float s1, int off) {      // codes 0..127 less off
+        const float dx = x.d[k0 / 32];
+        const __m256i q = qx(k0);
+        const __m256i p = _mm256_sub_epi32(dot_u8s8x32(w, q), dot_u8s8x32(_mm256_set1_epi8((char)off), q));
+        fma(_mm256_setr_m128(_mm_set1_ps(s0 * dx), _mm_set1_ps(s1 * dx)), p);
+    }
     inline float xsum32(int b) const { return x.xs[b]; }
     inline float xsum16(int g) const { return x.d[g / 2] * float(x.s16[g]); }
     inline float sum() const { return hsum(a) - corr; }
@@ -1392,20 +1398,18 @@ inline __attribute__((always_inline)) float iq4xs_q8k_row(const uint8_t* row, co
 // Σ w·x̂ over one row of K weights of quantized type t, x rounded as t's kind (Q8Rows::row(m, t)).
 inline __attribute__((always_inline)) float q8_row(int t, const uint8_t* row, const Q8x& x, int K) {
 #ifdef KILN_GEMV512
-    AccQ8 acc(x);
-    switch (t) {
-        case 2: return row512_t<2>(row, acc, K);
-        case 3: return row512_t<3>(row, acc, K);
-        case 6: return row512_t<6>(row, acc, K);
-        case 7: return row512_t<7>(row, acc, K);
-        case 8: return row512_t<8>(row, acc, K);
+    switch (t) {                                  // ggml's integer sums per 256 where there is one, else row512's
+        case 10: return qk23_q8k_row<10>(row, x, K);
+        case 11: return qk23_q8k_row<11>(row, x, K);
         case 12: return qk45_q8k_row<12>(row, x, K);
         case 13: return qk45_q8k_row<13>(row, x, K);
         case 14: return q6k_q8k_row(row, x, K);
-        case 10: return qk23_q8k_row<10>(row, x, K);
-        case 11: return qk23_q8k_row<11>(row, x, K);
-        case 20: return row512_t<20>(row, acc, K);
         case 23: return iq4xs_q8k_row(row, x, K);
+        default:
+            if (gemv512_type(t)) {
+                AccQ8 acc(x);
+                return row512(t, row, acc, K);
+            }
     }
 #endif
     return q8_row_generic(t, row, x, K);
