@@ -789,10 +789,74 @@ struct Acc4 {
     inline void add16x2_off(__m256i q, int k0, float s0, float s1, int off) {
         add16x2(_mm256_sub_epi8(q, _mm256_set1_epi8((char)off)), k0, s0, s1);
     }
-    inline float xsum32(int b) const { return xs32[b]; }
-    inline float xsum16(int g) const { return xs16[g]; }
+    // the blocks' mins: Σ coef·(x's sum over a 32, or over two 16s), summed apart and added or taken off at the end
+    float mins = 0.f;
+    inline void min32(int b, float coef) { mins += coef * xs32[b]; }
+    inline void min16x2(int g, float d, float m0, float m1) { mins += d * (m0 * xs16[g] + m1 * xs16[g + 1]); }
     inline float sum() const {
         return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3])));
+    }
+    inline float result(int sign) const { return sign > 0 ? sum() + mins : sign < 0 ? sum() - mins : sum(); }
+};
+
+// Acc4 for R rows of x at once (a prefill's rows): each block's codes widened once, then each row's products and
+// accumulators exactly as Acc4's, so each row gets gemv512_row's bits for it; result() writes out[m·stride].
+template <int R>
+struct AccRows {
+    const float* x[R];
+    const float* xs16[R];
+    const float* xs32[R];
+    float* out;
+    size_t stride;
+    __m512 a[R][4];
+    float mins[R];
+    int i = 0;
+    AccRows(const float* x0, const float* xs16_0, const float* xs32_0, int K, float* out_, size_t stride_)
+        : out(out_), stride(stride_) {
+        for (int m = 0; m < R; ++m) {
+            x[m] = x0 + (size_t)m * K, xs16[m] = xs16_0 + (size_t)m * (K / 16), xs32[m] = xs32_0 + (size_t)m * (K / 32);
+            for (int j = 0; j < 4; ++j) a[m][j] = _mm512_setzero_ps();
+            mins[m] = 0.f;
+        }
+    }
+    inline void add16(__m128i q, int k0, float scale) {
+        const __m512 w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), sc = _mm512_set1_ps(scale);
+        for (int m = 0; m < R; ++m) a[m][i & 3] = _mm512_fmadd_ps(sc, _mm512_mul_ps(w, _mm512_loadu_ps(x[m] + k0)), a[m][i & 3]);
+        ++i;
+    }
+    inline void add16x2(__m256i q, int k0, float s0, float s1) {
+        add16(_mm256_castsi256_si128(q), k0, s0);
+        add16(_mm256_extracti128_si256(q, 1), k0 + 16, s1);
+    }
+    inline void add32(__m256i q, int k0, float scale) {
+        const __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q)));
+        const __m512 w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1)));
+        const __m512 sc = _mm512_set1_ps(scale);
+        for (int m = 0; m < R; ++m) {
+            const __m512 v = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x[m] + k0 + 16), _mm512_mul_ps(w0, _mm512_loadu_ps(x[m] + k0)));
+            a[m][i & 3] = _mm512_fmadd_ps(sc, v, a[m][i & 3]);
+        }
+        ++i;
+    }
+    inline void add32u(__m256i q, int k0, float scale) { add32(q, k0, scale); }
+    inline void add32_off(__m256i q, int k0, float scale, int off) {
+        add32(_mm256_sub_epi8(q, _mm256_set1_epi8((char)off)), k0, scale);
+    }
+    inline void add16x2_off(__m256i q, int k0, float s0, float s1, int off) {
+        add16x2(_mm256_sub_epi8(q, _mm256_set1_epi8((char)off)), k0, s0, s1);
+    }
+    inline void min32(int b, float coef) {
+        for (int m = 0; m < R; ++m) mins[m] += coef * xs32[m][b];
+    }
+    inline void min16x2(int g, float d, float m0, float m1) {
+        for (int m = 0; m < R; ++m) mins[m] += d * (m0 * xs16[m][g] + m1 * xs16[m][g + 1]);
+    }
+    inline float result(int sign) {
+        for (int m = 0; m < R; ++m) {
+            const float s = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a[m][0], a[m][1]), _mm512_add_ps(a[m][2], a[m][3])));
+            out[m * stride] = sign > 0 ? s + mins[m] : sign < 0 ? s - mins[m] : s;
+        }
+        return 0.f;
     }
 };
 
@@ -816,7 +880,6 @@ inline void nibbles64(const uint8_t* b, __m256i& lo, __m256i& hi) {
 // call them out of line, and the float GEMVs lost up to 22 % (Q6_K; bench.ggml_gemv_speed).
 template <int t, class A>
 inline __attribute__((always_inline)) float row512_t(const uint8_t* row, A& acc, int K) {
-    float mins = 0.f;
     if constexpr (t == 2 || t == 3 || t == 6 || t == 7 || t == 8) {    // q4_0, q4_1, q5_0, q5_1, q8_0: 32-weight blocks
         const int size = t == 2 ? 18 : t == 3 ? 20 : t == 6 ? 22 : t == 7 ? 24 : 34;
         for (int bi = 0; bi < K / 32; ++bi) {
@@ -837,9 +900,9 @@ inline __attribute__((always_inline)) float row512_t(const uint8_t* row, A& acc,
                 if (t == 6) acc.add32_off(q, 32 * bi, d, 16);
                 else acc.add32u(q, 32 * bi, d);
             }
-            if (t == 3 || t == 7) mins += f16_at(b + 2) * acc.xsum32(bi);
+            if (t == 3 || t == 7) acc.min32(bi, f16_at(b + 2));
         }
-        return acc.sum() + mins;
+        return acc.result(1);
     } else if constexpr (t == 12 || t == 13) {    // q4_k, q5_k: 8 sub-blocks of 32, 6-bit (scale, min)
         const bool five = t == 13;
         const int size = five ? 176 : 144;
@@ -874,13 +937,13 @@ inline __attribute__((always_inline)) float row512_t(const uint8_t* row, A& acc,
                 int sc, m;
                 scale_min(2 * c, sc, m);
                 acc.add32u(lo, 256 * bi + 64 * c, d * float(sc));
-                mins += dmin * float(m) * acc.xsum32(8 * bi + 2 * c);
+                acc.min32(8 * bi + 2 * c, dmin * float(m));
                 scale_min(2 * c + 1, sc, m);
                 acc.add32u(hi, 256 * bi + 64 * c + 32, d * float(sc));
-                mins += dmin * float(m) * acc.xsum32(8 * bi + 2 * c + 1);
+                acc.min32(8 * bi + 2 * c + 1, dmin * float(m));
             }
         }
-        return acc.sum() - mins;
+        return acc.result(-1);
     } else if constexpr (t == 14) {    // q6_k: 16 sub-blocks of 16, int8 scales
         const __m256i low = _mm256_set1_epi8(15), two = _mm256_set1_epi8(3);
         for (int bi = 0; bi < K / 256; ++bi) {
@@ -901,7 +964,7 @@ inline __attribute__((always_inline)) float row512_t(const uint8_t* row, A& acc,
                     acc.add16x2_off(q[g], kb + 32 * g, d * float(sc[8 * h + 2 * g]), d * float(sc[8 * h + 2 * g + 1]), 32);
             }
         }
-        return acc.sum();
+        return acc.result(0);
     } else if constexpr (t == 10) {    // q2_k: 16 sub-blocks of 16, 4-bit (scale, min), 2-bit codes
         for (int bi = 0; bi < K / 256; ++bi) {
             const uint8_t* b = row + (size_t)bi * 84;
@@ -912,11 +975,11 @@ inline __attribute__((always_inline)) float row512_t(const uint8_t* row, A& acc,
                     const int s = 8 * h + 2 * j, k0 = 256 * bi + 128 * h + 32 * j;
                     acc.add16x2(_mm256_and_si256(_mm256_srli_epi16(q, 2 * j), _mm256_set1_epi8(3)), k0,
                                 d * float(b[s] & 15), d * float(b[s + 1] & 15));
-                    mins += dmin * (float(b[s] >> 4) * acc.xsum16(k0 / 16) + float(b[s + 1] >> 4) * acc.xsum16(k0 / 16 + 1));
+                    acc.min16x2(k0 / 16, dmin, float(b[s] >> 4), float(b[s + 1] >> 4));
                 }
             }
         }
-        return acc.sum() - mins;
+        return acc.result(-1);
     } else if constexpr (t == 11) {    // q3_k: 16 sub-blocks of 16, 6-bit scales less 32, codes 0..3 less 4 unless hmask
         for (int bi = 0; bi < K / 256; ++bi) {
             const uint8_t* b = row + (size_t)bi * 110;
@@ -935,7 +998,7 @@ inline __attribute__((always_inline)) float row512_t(const uint8_t* row, A& acc,
                 }
             }
         }
-        return acc.sum();
+        return acc.result(0);
     } else if constexpr (t == 20 || t == 23) {    // iq4_nl (32-blocks), iq4_xs (8 sub-blocks of 32, 6-bit scales less 32)
         const __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)IQ4_NL_VALUES));
         if constexpr (t == 20) {
@@ -956,7 +1019,7 @@ inline __attribute__((always_inline)) float row512_t(const uint8_t* row, A& acc,
                 }
             }
         }
-        return acc.sum();
+        return acc.result(0);
     }
     return 0.f;
 }
@@ -1225,9 +1288,13 @@ struct AccQ8 {
         const __m256i p = _mm256_sub_epi32(dot_u8s8x32(w, q), dot_u8s8x32(_mm256_set1_epi8((char)off), q));
         fma(_mm256_setr_m128(_mm_set1_ps(s0 * dx), _mm_set1_ps(s1 * dx)), p);
     }
-    inline float xsum32(int b) const { return x.xs[b]; }
-    inline float xsum16(int g) const { return x.d[g / 2] * float(x.s16[g]); }
+    float mins = 0.f;                   // the blocks' mins, as Acc4's
+    inline void min32(int b, float coef) { mins += coef * x.xs[b]; }
+    inline void min16x2(int g, float d, float m0, float m1) {
+        mins += d * (m0 * (x.d[g / 2] * float(x.s16[g])) + m1 * (x.d[g / 2] * float(x.s16[g + 1])));
+    }
     inline float sum() const { return hsum(a) - corr; }
+    inline float result(int sign) const { return sign > 0 ? sum() + mins : sign < 0 ? sum() - mins : sum(); }
 };
 
 // The K-quants against Q8_K, ggml's vec_dot_qN_K_q8_K: per 256 weights the integer Σ_s sc_s·(q·q8) (and the mins'
@@ -1489,6 +1556,26 @@ void ggml_mm(int t, const float* x, int M, int K, const uint8_t* w, int N, float
             const uint8_t* row = w + (size_t)n * row_bytes;
             _mm_prefetch((const char*)row + PREFETCH, _MM_HINT_T0);
             y[n] = gemv512_row(t, row, x, xs16, xs32.data(), K);
+        }
+        delete[] xs16;
+        return;
+    }
+    if (gemv512_type(t)) {                       // many tokens: 4 rows of x a pass over a weight row, each row's
+        std::vector<float> xs32((size_t)M * (K / 32));          // bits gemv512_row's (a prefill row keeps a decode
+        for (size_t g = 0; g < xs32.size(); ++g) xs32[g] = xs16[2 * g] + xs16[2 * g + 1];  // step's bits)
+#pragma omp parallel for num_threads(threads) schedule(static)
+        for (int n = 0; n < N; ++n) {
+            const uint8_t* row = w + (size_t)n * row_bytes;
+            _mm_prefetch((const char*)row + PREFETCH, _MM_HINT_T0);
+            int m = 0;
+            for (; m + 4 <= M; m += 4) {
+                AccRows<4> acc(x + (size_t)m * K, xs16 + (size_t)m * (K / 16), xs32.data() + (size_t)m * (K / 32), K,
+                               y + (size_t)m * N + n, N);
+                row512(t, row, acc, K);
+            }
+            for (; m < M; ++m)
+                y[(size_t)m * N + n] = gemv512_row(t, row, x + (size_t)m * K, xs16 + (size_t)m * (K / 16),
+                                                   xs32.data() + (size_t)m * (K / 32), K);
         }
         delete[] xs16;
         return;

@@ -95,6 +95,20 @@ def test_native_matmul_is_gguf_dequantize_then_matmul(name):
             close(got, matmul_bound(x, want_w))
 
 
+@pytest.mark.parametrize("name", QUANTIZED)
+def test_a_prefill_row_has_the_bits_a_decode_step_gives_it(name):
+    """Many rows of x (a prefill: 4 a pass over each weight row, then the rest one by one) give each row the bits
+    the one-token GEMV gives it alone, so a prompt's last position and a decode step at it agree exactly."""
+    t = ggml.ggml_type(name)
+    gen = torch.Generator().manual_seed(t.code + 100)
+    k = 512 if t.block == 256 else 160
+    w = random_blocks(name, 40, k, gen)
+    x = torch.randn(7, k, generator=gen) * torch.linspace(0.1, 3.0, k)
+    many = native.ggml_matmul(t.code, x, w, 40)
+    for m in range(7):
+        assert torch.equal(native.ggml_matmul(t.code, x[m:m + 1], w, 40), many[m:m + 1]), (name, m)
+
+
 @pytest.mark.skipif(native.lib() is None, reason="no C++ compiler: the native kernels are not built")
 def test_the_plain_cpp_path_computes_every_type_too(tmp_path, monkeypatch):
     """The source built without AVX2 (-march=x86-64: the scalar loops a CPU without it runs) against gguf."""
