@@ -33,6 +33,9 @@ in the file's own GGML type), against llama-server on the same file. The demo ma
   python -m bench.quant_demo_speed --direct --variants gguf --gguf /tmp/ggufcpu/work/smollm2-demo/Q4_K_M.gguf \
       --rounds 8 --tokens 128 --out bench/results/2026-12-05-gguf-demo-speed.json
 
+--prompt-words N (with --direct) makes each round's chat one user message of N words, new each round, so both
+servers prefill it: their times to first token are then the prefill's, reported with their ratio.
+
 --variants gguf-int8 serves the same file and store with `--cpu-activations int8` (x rounded to 8 bits as llama.cpp
 rounds it for each type, integer dot products: llama.cpp's own way of computing these blocks); `--variants gguf,gguf-int8` runs both, each
 against llama-server in its own alternating rounds.
@@ -183,8 +186,18 @@ def start_engine(name: str, paths: dict, evidence: Path):
     return proc, f"http://127.0.0.1:{port}/v1", log, waited
 
 
+def long_prompt(words: int, round_no: int) -> list[dict]:
+    """A chat of one user message of `words` words (a seeded draw from this repository's README), opened by the round's
+    number so no round's prompt shares more than the chat template's first tokens with another's: a prefill each
+    round, on either server's prefix cache."""
+    import random
+    vocab = sorted(set((REPO / "README.md").read_text().split()))
+    rng = random.Random(round_no)
+    return [{"role": "user", "content": f"Round {round_no}. " + " ".join(rng.choice(vocab) for _ in range(words))}]
+
+
 def direct(name: str, paths: dict, gguf: Path, llama: Path, evidence: Path, rounds: int, tokens: int,
-           breakdown: bool = True) -> dict:
+           breakdown: bool = True, prompt_words: int = 0) -> dict:
     """Both servers up at once (an idle one costs no CPU), timed in alternating rounds over HTTP exactly as
     the speed gate times a round (tool.checks.speed.time_stream on the gate's chat prompt, ignore_eos,
     greedy): no host-quiet rule, so a figure comes out on a busy host, each round with the load average
@@ -208,14 +221,17 @@ def direct(name: str, paths: dict, gguf: Path, llama: Path, evidence: Path, roun
             c.chat({k: v for k, v in body.items() if k != "stream_options"} | {"max_tokens": 8})
         got: dict[str, list[dict]] = {k: [] for k in clients}
         inproc: list[dict] = []
-        for _ in range(rounds):
+        for r in range(rounds):
+            if prompt_words:                                         # a new long prompt each round: a prefill
+                body["messages"] = long_prompt(prompt_words, r)
             for side, c in clients.items():
                 a0 = hostload.snapshot()
                 ans = c.stream_chat(body)
                 h = hostload.between(a0, hostload.snapshot())
                 timed = time_stream(ans)
                 got[side].append({"decode_tps": round(timed[0], 2) if timed else None, "tokens": timed[1] if timed else None,
-                                  "ttft_s": ans.ttft_s, "loadavg_1m": h["loadavg"][0] if h["loadavg"] else None,
+                                  "ttft_s": ans.ttft_s, "prompt_tokens": (ans.usage or {}).get("prompt_tokens"),
+                                  "loadavg_1m": h["loadavg"][0] if h["loadavg"] else None,
                                   "cpu_pressure_some": h["cpu_pressure_some"]})
                 print(f"  {side:9} {got[side][-1]}", file=sys.stderr, flush=True)
             if breakdown:                # the engine's token in-process, in this round: where the served one's time goes
@@ -232,6 +248,11 @@ def direct(name: str, paths: dict, gguf: Path, llama: Path, evidence: Path, roun
         pairs = [a["decode_tps"] / b["decode_tps"] for a, b in zip(got["engine"], got["llama.cpp"])
                  if a["decode_tps"] and b["decode_tps"]]
         out = {}
+        if prompt_words:                 # the prefill: time to first token, medians, and its ratio
+            ttft = {k: median_spread([r["ttft_s"] for r in v if r["ttft_s"]]) for k, v in got.items()}
+            out["prompt_words"] = prompt_words
+            out["ttft_median_spread"] = ttft
+            out["ttft_engine_over_llama_cpp"] = round(ttft["engine"]["median"] / ttft["llama.cpp"]["median"], 3)
         if inproc:                       # per token, ms: the served token = the in-process one + the server's share
             k = lambda key: round(statistics.median(r[key] for r in inproc), 3)
             served_ms = round(1e3 / med["engine"], 3)
@@ -506,6 +527,10 @@ def main():
                     help="engine serve --threads N (default: the engine's own choice, as the recipe serves).")
     ap.add_argument("--no-breakdown", action="store_true",
                     help="--direct: skip the in-process row after each round (the per-token breakdown).")
+    ap.add_argument("--prompt-words", type=int, default=0,
+                    help="--direct: each round's chat is one user message of this many words, new each round (a "
+                         "prefill per round on both servers: the time to first token is then its time); default: "
+                         "the gate's short prompt")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--sampling", default=None,
@@ -557,7 +582,7 @@ def main():
         out["sampling"] = SAMPLING or "greedy (temperature 0)"
         for name in args.variants.split(","):
             out["variants"][name] = direct(name, paths, gguf, args.llama_server, evidence, args.rounds, args.tokens,
-                                           breakdown=not args.no_breakdown)
+                                           breakdown=not args.no_breakdown, prompt_words=args.prompt_words)
         out["load_avg_end"] = os.getloadavg()
         write_result(args.out, out)
         print(f"\nhost load (1, 5, 15 min) at the start {out['load_avg_start']}, at the end {out['load_avg_end']}")
@@ -566,6 +591,13 @@ def main():
             m = v["median_decode_tps"]
             print(f"{name:7} {v['store_record_bytes'] / 1e6:9.2f} {m['engine']:12.1f} {m['llama.cpp']:15.1f} "
                   f"{v['vs_llama_cpp']:6.2f} {(v['engine_rss_peak_bytes'] or 0) / 1e9:11.2f}")
+        for name, v in out["variants"].items():
+            if "ttft_median_spread" in v:
+                t = v["ttft_median_spread"]
+                toks = [r["prompt_tokens"] for r in v["rounds"]["engine"] if r["prompt_tokens"]]
+                print(f"{name}: {v['prompt_words']}-word prompts ({min(toks, default=0)}-{max(toks, default=0)} tokens): "
+                      f"time to first token {t['engine']['median']:.3f} s against llama-server's "
+                      f"{t['llama.cpp']['median']:.3f} s ({v['ttft_engine_over_llama_cpp']:.2f}x)")
         for name, v in out["variants"].items():
             if "per_token_ms" in v:
                 print(f"\n{name}: a token's time, ms (medians; in-process rows interleaved with the HTTP rounds)")

@@ -819,10 +819,19 @@ struct AccRows {
             mins[m] = 0.f;
         }
     }
+    // Acc4's round robin, kept in registers: each add goes to a[m][0], then the four rotate (a[m][p] holds Acc4's
+    // accumulator (p + i) & 3), so no accumulator is indexed at run time
+    inline void rotate() {
+        for (int m = 0; m < R; ++m) {
+            const __m512 t = a[m][0];
+            a[m][0] = a[m][1], a[m][1] = a[m][2], a[m][2] = a[m][3], a[m][3] = t;
+        }
+        ++i;
+    }
     inline void add16(__m128i q, int k0, float scale) {
         const __m512 w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), sc = _mm512_set1_ps(scale);
-        for (int m = 0; m < R; ++m) a[m][i & 3] = _mm512_fmadd_ps(sc, _mm512_mul_ps(w, _mm512_loadu_ps(x[m] + k0)), a[m][i & 3]);
-        ++i;
+        for (int m = 0; m < R; ++m) a[m][0] = _mm512_fmadd_ps(sc, _mm512_mul_ps(w, _mm512_loadu_ps(x[m] + k0)), a[m][0]);
+        rotate();
     }
     inline void add16x2(__m256i q, int k0, float s0, float s1) {
         add16(_mm256_castsi256_si128(q), k0, s0);
@@ -834,9 +843,9 @@ struct AccRows {
         const __m512 sc = _mm512_set1_ps(scale);
         for (int m = 0; m < R; ++m) {
             const __m512 v = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x[m] + k0 + 16), _mm512_mul_ps(w0, _mm512_loadu_ps(x[m] + k0)));
-            a[m][i & 3] = _mm512_fmadd_ps(sc, v, a[m][i & 3]);
+            a[m][0] = _mm512_fmadd_ps(sc, v, a[m][0]);
         }
-        ++i;
+        rotate();
     }
     inline void add32u(__m256i q, int k0, float scale) { add32(q, k0, scale); }
     inline void add32_off(__m256i q, int k0, float scale, int off) {
@@ -852,8 +861,10 @@ struct AccRows {
         for (int m = 0; m < R; ++m) mins[m] += d * (m0 * xs16[m][g] + m1 * xs16[m][g + 1]);
     }
     inline float result(int sign) {
+        const int r = (4 - (i & 3)) & 3;                        // Acc4's accumulator j is at a[m][(j + r) & 3]
         for (int m = 0; m < R; ++m) {
-            const float s = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a[m][0], a[m][1]), _mm512_add_ps(a[m][2], a[m][3])));
+            const __m512 a0 = a[m][r], a1 = a[m][(1 + r) & 3], a2 = a[m][(2 + r) & 3], a3 = a[m][(3 + r) & 3];
+            const float s = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
             out[m * stride] = sign > 0 ? s + mins[m] : sign < 0 ? s - mins[m] : s;
         }
         return 0.f;
@@ -1563,19 +1574,27 @@ void ggml_mm(int t, const float* x, int M, int K, const uint8_t* w, int N, float
     if (gemv512_type(t)) {                       // many tokens: 4 rows of x a pass over a weight row, each row's
         std::vector<float> xs32((size_t)M * (K / 32));          // bits gemv512_row's (a prefill row keeps a decode
         for (size_t g = 0; g < xs32.size(); ++g) xs32[g] = xs16[2 * g] + xs16[2 * g + 1];  // step's bits)
-#pragma omp parallel for num_threads(threads) schedule(static)
-        for (int n = 0; n < N; ++n) {
-            const uint8_t* row = w + (size_t)n * row_bytes;
-            _mm_prefetch((const char*)row + PREFETCH, _MM_HINT_T0);
-            int m = 0;
-            for (; m + 4 <= M; m += 4) {
-                AccRows<4> acc(x + (size_t)m * K, xs16 + (size_t)m * (K / 16), xs32.data() + (size_t)m * (K / 32), K,
-                               y + (size_t)m * N + n, N);
-                row512(t, row, acc, K);
+        // x in blocks of MB rows that stay in L1 (~32 KB) while each thread's weight rows pass over them: reading x
+        // from L2 for every weight row bounded the loop at L2's rate. Each thread takes the same rows n for every
+        // block (static), so the blocks need no barrier between them.
+        const int MB = std::max(4, (int)((32 << 10) / ((size_t)K * 4)) / 4 * 4);
+#pragma omp parallel num_threads(threads)
+        for (int m0 = 0; m0 < M; m0 += MB) {
+            const int m1 = std::min(M, m0 + MB);
+#pragma omp for schedule(static) nowait
+            for (int n = 0; n < N; ++n) {
+                const uint8_t* row = w + (size_t)n * row_bytes;
+                _mm_prefetch((const char*)row + PREFETCH, _MM_HINT_T0);
+                int m = m0;
+                for (; m + 4 <= m1; m += 4) {
+                    AccRows<4> acc(x + (size_t)m * K, xs16 + (size_t)m * (K / 16), xs32.data() + (size_t)m * (K / 32),
+                                   K, y + (size_t)m * N + n, N);
+                    row512(t, row, acc, K);
+                }
+                for (; m < m1; ++m)
+                    y[(size_t)m * N + n] = gemv512_row(t, row, x + (size_t)m * K, xs16 + (size_t)m * (K / 16),
+                                                       xs32.data() + (size_t)m * (K / 32), K);
             }
-            for (; m < M; ++m)
-                y[(size_t)m * N + n] = gemv512_row(t, row, x + (size_t)m * K, xs16 + (size_t)m * (K / 16),
-                                                   xs32.data() + (size_t)m * (K / 32), K);
         }
         delete[] xs16;
         return;
