@@ -1270,43 +1270,70 @@ inline __m256i dot_u8s8x32(__m256i w, __m256i x) {           // w unsigned (0..1
 }
 inline __m256i dot_s8x32(__m256i w, __m256i x) { return dot_u8s8x32(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)); }
 
-// row512's accumulator for the 32-weight blocks (Q8_0 / Q8_1 of x): a block's integer dot times (its scale · x's).
-struct AccQ8 {
-    Q8x x;
-    __m256 a = _mm256_setzero_ps();     // one accumulator: a dynamic index into several keeps them in memory
-    float corr = 0.f;                   // the codes' offsets times x̂'s sums, subtracted at the end
-    explicit AccQ8(const Q8x& x_) : x(x_) {}
-    inline void fma(__m256 scale, __m256i p) { a = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(p), a); }
-    inline __m256i qx(int k0) const { return _mm256_loadu_si256((const __m256i*)(x.q + k0)); }
-    inline void add32(__m256i w, int k0, float scale) {          // signed codes
-        fma(_mm256_set1_ps(scale * x.d[k0 / 32]), dot_s8x32(w, qx(k0)));
+// row512's accumulator for the 32-weight blocks (Q8_0 / Q8_1 of x), for R rows of x̂ at once (a prefill's; R = 1:
+// AccQ8, a decode step's): a block's integer dot times (its scale · x's), the weights' side of it (|w| for signed
+// codes) made once for all R rows, each row's operations those of R = 1 (the same bits). result() returns row 0's
+// value and, given out, writes every row's to out[m·stride].
+template <int R>
+struct AccQ8R {
+    Q8x x[R];
+    __m256 a[R];                        // one accumulator a row: a dynamic index into several keeps them in memory
+    float corr[R];                      // the codes' offsets times x̂'s sums, subtracted at the end
+    float mins[R];                      // the blocks' mins, as Acc4's
+    float* out;
+    size_t stride;
+    explicit AccQ8R(const Q8x* x_, float* out_ = nullptr, size_t stride_ = 0) : out(out_), stride(stride_) {
+        for (int m = 0; m < R; ++m) x[m] = x_[m], a[m] = _mm256_setzero_ps(), corr[m] = 0.f, mins[m] = 0.f;
+    }
+    inline void fma(int m, __m256 scale, __m256i p) { a[m] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(p), a[m]); }
+    inline __m256i qx(int m, int k0) const { return _mm256_loadu_si256((const __m256i*)(x[m].q + k0)); }
+    inline void add32(__m256i w, int k0, float scale) {          // signed codes: |w| · sign(x, w), as dot_s8x32
+        const __m256i aw = _mm256_sign_epi8(w, w);
+        for (int m = 0; m < R; ++m)
+            fma(m, _mm256_set1_ps(scale * x[m].d[k0 / 32]), dot_u8s8x32(aw, _mm256_sign_epi8(qx(m, k0), w)));
     }
     inline void add32u(__m256i w, int k0, float scale) {         // codes 0..127
-        fma(_mm256_set1_ps(scale * x.d[k0 / 32]), dot_u8s8x32(w, qx(k0)));
+        for (int m = 0; m < R; ++m) fma(m, _mm256_set1_ps(scale * x[m].d[k0 / 32]), dot_u8s8x32(w, qx(m, k0)));
     }
     inline void add32_off(__m256i w, int k0, float scale, int off) {
         add32u(w, k0, scale);
-        corr += scale * float(off) * x.xs[k0 / 32];
+        for (int m = 0; m < R; ++m) corr[m] += scale * float(off) * x[m].xs[k0 / 32];
     }
     // signed codes, two sub-blocks of 16 (inputs k0..k0+15 with scale s0, the next 16 with s1)
     inline void add16x2(__m256i w, int k0, float s0, float s1) {
-        const float dx = x.d[k0 / 32];
-        fma(_mm256_setr_m128(_mm_set1_ps(s0 * dx), _mm_set1_ps(s1 * dx)), dot_s8x32(w, qx(k0)));
+        const __m256i aw = _mm256_sign_epi8(w, w);
+        for (int m = 0; m < R; ++m) {
+            const float dx = x[m].d[k0 / 32];
+            fma(m, _mm256_setr_m128(_mm_set1_ps(s0 * dx), _mm_set1_ps(s1 * dx)),
+                dot_u8s8x32(aw, _mm256_sign_epi8(qx(m, k0), w)));
+        }
     }
     inline void add16x2_off(__m256i w, int k0, float s0, float s1, int off) {      // codes 0..127 less off
-        const float dx = x.d[k0 / 32];
-        const __m256i q = qx(k0);
-        const __m256i p = _mm256_sub_epi32(dot_u8s8x32(w, q), dot_u8s8x32(_mm256_set1_epi8((char)off), q));
-        fma(_mm256_setr_m128(_mm_set1_ps(s0 * dx), _mm_set1_ps(s1 * dx)), p);
+        for (int m = 0; m < R; ++m) {
+            const float dx = x[m].d[k0 / 32];
+            const __m256i q = qx(m, k0);
+            const __m256i p = _mm256_sub_epi32(dot_u8s8x32(w, q), dot_u8s8x32(_mm256_set1_epi8((char)off), q));
+            fma(m, _mm256_setr_m128(_mm_set1_ps(s0 * dx), _mm_set1_ps(s1 * dx)), p);
+        }
     }
-    float mins = 0.f;                   // the blocks' mins, as Acc4's
-    inline void min32(int b, float coef) { mins += coef * x.xs[b]; }
+    inline void min32(int b, float coef) {
+        for (int m = 0; m < R; ++m) mins[m] += coef * x[m].xs[b];
+    }
     inline void min16x2(int g, float d, float m0, float m1) {
-        mins += d * (m0 * (x.d[g / 2] * float(x.s16[g])) + m1 * (x.d[g / 2] * float(x.s16[g + 1])));
+        for (int m = 0; m < R; ++m)
+            mins[m] += d * (m0 * (x[m].d[g / 2] * float(x[m].s16[g])) + m1 * (x[m].d[g / 2] * float(x[m].s16[g + 1])));
     }
-    inline float sum() const { return hsum(a) - corr; }
-    inline float result(int sign) const { return sign > 0 ? sum() + mins : sign < 0 ? sum() - mins : sum(); }
+    inline float result(int sign) {
+        float v0 = 0.f;
+        for (int m = 0; m < R; ++m) {
+            const float s = hsum(a[m]) - corr[m], v = sign > 0 ? s + mins[m] : sign < 0 ? s - mins[m] : s;
+            if (out) out[m * stride] = v;
+            if (m == 0) v0 = v;
+        }
+        return v0;
+    }
 };
+using AccQ8 = AccQ8R<1>;
 
 // The K-quants against Q8_K, ggml's vec_dot_qN_K_q8_K: per 256 weights the integer Σ_s sc_s·(q·q8) (and the mins'
 // Σ_s m_s·Σq8, or q6_k's offset 32·Σ_s sc_s·Σq8), then one fp32 multiply-add by d8·d. 64 codes a step in a zmm:
@@ -1485,13 +1512,16 @@ inline __attribute__((always_inline)) float q8_row(int t, const uint8_t* row, co
         case 23: return iq4xs_q8k_row(row, x, K);
         default:
             if (gemv512_type(t)) {
-                AccQ8 acc(x);
+                AccQ8 acc(&x);
                 return row512(t, row, acc, K);
             }
     }
 #endif
     return q8_row_generic(t, row, x, K);
 }
+
+// The types q8_row computes through row512 (AccQ8), which ggml_mm's rows take 4 at a time (AccQ8R<4>).
+inline bool q8_rows_type(int t) { return t == 2 || t == 3 || t == 6 || t == 7 || t == 8 || t == 20; }
 
 // x [K]'s sums per 16 inputs (K a multiple of 16), in input order: the blocks' mins read them (and per 32 as pairs).
 inline void sums16(const float* x, int K, float* out) {
@@ -1550,7 +1580,16 @@ void ggml_mm(int t, const float* x, int M, int K, const uint8_t* w, int N, float
         for (int n = 0; n < N; ++n) {
             const uint8_t* row = w + (size_t)n * row_bytes;
             _mm_prefetch((const char*)row + PREFETCH, _MM_HINT_T0);
-            for (int m = 0; m < M; ++m) y[(size_t)m * N + n] = q8_row(t, row, xq.row(m, t), K);
+            int m = 0;
+#ifdef KILN_GEMV512
+            if (q8_rows_type(t))                 // the 32-weight blocks: 4 rows of x̂ a pass, each row q8_row's bits
+                for (; m + 4 <= M; m += 4) {
+                    const Q8x r4[4] = {xq.row(m, t), xq.row(m + 1, t), xq.row(m + 2, t), xq.row(m + 3, t)};
+                    AccQ8R<4> acc(r4, y + (size_t)m * N + n, N);
+                    row512(t, row, acc, K);
+                }
+#endif
+            for (; m < M; ++m) y[(size_t)m * N + n] = q8_row(t, row, xq.row(m, t), K);
         }
         return;
     }
