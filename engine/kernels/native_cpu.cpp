@@ -1344,16 +1344,18 @@ inline __m512i idx_pairs16(int a, int width) {    // int16 lanes: `width` lanes 
     return _mm512_load_si512((const void*)v);
 }
 
-template <int t>                                  // 12 q4_k, 13 q5_k: 8 sub-blocks of 32, 6-bit (scale, min)
-inline __attribute__((always_inline)) float qk45_q8k_row(const uint8_t* row, const Q8x& x, int K) {
+// Each kernel takes R rows of x̂ at once (a prefill's; R = 1: a decode step's), the weights' side made once for all of
+// them and each row's operations those of R = 1 (the same bits); out[m·stride] gets row m's Σ w·x̂.
+template <int t, int R>                            // 12 q4_k, 13 q5_k: 8 sub-blocks of 32, 6-bit (scale, min)
+inline __attribute__((always_inline)) void qk45_q8k_rows(const uint8_t* row, const Q8x* x, int K, float* out, size_t stride) {
     constexpr bool five = t == 13;
     constexpr int size = five ? 176 : 144;
     const __m512i low = _mm512_set1_epi8(15), halves = _mm512_setr_epi64(0, 0, 0, 0, 4, 4, 4, 4);
     const __m512i pick[4] = {idx_pairs16(0, 16), idx_pairs16(2, 16), idx_pairs16(4, 16), idx_pairs16(6, 16)};
-    __m256 acc = _mm256_setzero_ps(), accm = _mm256_setzero_ps();
+    __m256 acc[R], accm[R];
+    for (int m = 0; m < R; ++m) acc[m] = _mm256_setzero_ps(), accm[m] = _mm256_setzero_ps();
     for (int bi = 0; bi < K / 256; ++bi) {
         const uint8_t* b = row + (size_t)bi * size;
-        const int8_t* q8 = x.q + 256 * bi;
         const ScalesMinsK4 sm(b + 4);
         const __m512i sc = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i*)sm.sc)));
         const __m128i mn8 = _mm_loadl_epi64((const __m128i*)sm.mn);
@@ -1362,7 +1364,8 @@ inline __attribute__((always_inline)) float qk45_q8k_row(const uint8_t* row, con
         if (five)                                 // bit j of qh byte r: sub-block j's weight r; lanes 0-3: j even
             hbits = _mm512_srlv_epi64(_mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(b + 16))),
                                       _mm512_setr_epi64(0, 0, 0, 0, 1, 1, 1, 1));
-        __m512i sumi = _mm512_setzero_si512();
+        __m512i sumi[R];
+        for (int m = 0; m < R; ++m) sumi[m] = _mm512_setzero_si512();
         for (int c = 0; c < 4; ++c) {             // sub-blocks 2c (low nibbles) and 2c+1 (high) of qs[32c..]
             const __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(qs + 32 * c)));
             __m512i w = _mm512_and_si512(_mm512_srlv_epi64(v, halves), low);
@@ -1370,32 +1373,40 @@ inline __attribute__((always_inline)) float qk45_q8k_row(const uint8_t* row, con
                 w = _mm512_or_si512(w, _mm512_and_si512(_mm512_slli_epi16(hbits, 4), _mm512_set1_epi8(16)));
                 hbits = _mm512_srli_epi64(hbits, 2);
             }
-            const __m512i p = _mm512_maddubs_epi16(w, _mm512_loadu_si512((const void*)(q8 + 64 * c)));
-            sumi = _mm512_add_epi32(sumi, _mm512_madd_epi16(p, _mm512_permutexvar_epi16(pick[c], sc)));
+            const __m512i scv = _mm512_permutexvar_epi16(pick[c], sc);
+            for (int m = 0; m < R; ++m) {
+                const __m512i p = _mm512_maddubs_epi16(w, _mm512_loadu_si512((const void*)(x[m].q + 256 * bi + 64 * c)));
+                sumi[m] = _mm512_add_epi32(sumi[m], _mm512_madd_epi16(p, scv));
+            }
         }
         // the mins: Σ_j m_j · (Σq8 of its two 16s), as 8 int32
         const __m256i mdup = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(mn8, mn8));
-        const __m256i pm = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i*)(x.s16 + 16 * bi)), mdup);
-        const __m256i s8 = _mm256_add_epi32(_mm512_castsi512_si256(sumi), _mm512_extracti64x4_epi64(sumi, 1));
-        const float d8 = x.d[8 * bi];
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(d8 * f16_at(b)), _mm256_cvtepi32_ps(s8), acc);
-        accm = _mm256_fmadd_ps(_mm256_set1_ps(d8 * f16_at(b + 2)), _mm256_cvtepi32_ps(pm), accm);
+        const float d = f16_at(b), dmin = f16_at(b + 2);
+        for (int m = 0; m < R; ++m) {
+            const __m256i pm = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i*)(x[m].s16 + 16 * bi)), mdup);
+            const __m256i s8 = _mm256_add_epi32(_mm512_castsi512_si256(sumi[m]), _mm512_extracti64x4_epi64(sumi[m], 1));
+            const float d8 = x[m].d[8 * bi];
+            acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(d8 * d), _mm256_cvtepi32_ps(s8), acc[m]);
+            accm[m] = _mm256_fmadd_ps(_mm256_set1_ps(d8 * dmin), _mm256_cvtepi32_ps(pm), accm[m]);
+        }
     }
-    return hsum(acc) - hsum(accm);
+    for (int m = 0; m < R; ++m) out[m * stride] = hsum(acc[m]) - hsum(accm[m]);
 }
 
 // q6_k: 16 sub-blocks of 16, int8 scales, codes 0..63 less 32 (the 32 taken off in integers: 32·Σ_s sc_s·Σq8).
-inline __attribute__((always_inline)) float q6k_q8k_row(const uint8_t* row, const Q8x& x, int K) {
+template <int R>
+inline __attribute__((always_inline)) void q6k_q8k_rows(const uint8_t* row, const Q8x* x, int K, float* out, size_t stride) {
     const __m512i low = _mm512_set1_epi8(15), two = _mm512_set1_epi8(0x30);
     const __m512i sh0 = _mm512_setr_epi64(0, 0, 0, 0, 2, 2, 2, 2);
     const __m512i pick[4] = {idx_pairs16(0, 8), idx_pairs16(4, 8), idx_pairs16(8, 8), idx_pairs16(12, 8)};
-    __m256 acc = _mm256_setzero_ps();
+    __m256 acc[R];
+    for (int m = 0; m < R; ++m) acc[m] = _mm256_setzero_ps();
     for (int bi = 0; bi < K / 256; ++bi) {
         const uint8_t* b = row + (size_t)bi * 210;
-        const int8_t* q8 = x.q + 256 * bi;
         const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(b + 192)));
         const __m512i sc = _mm512_castsi256_si512(sc16);
-        __m512i sumi = _mm512_setzero_si512();
+        __m512i sumi[R];
+        for (int m = 0; m < R; ++m) sumi[m] = _mm512_setzero_si512();
         for (int h = 0; h < 2; ++h) {             // weights 128h..: [ql low | ql' low], then [ql high | ql' high]
             const __m512i ql = _mm512_loadu_si512((const void*)(b + 64 * h));
             const __m512i t0 = _mm512_srlv_epi64(_mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(b + 128 + 32 * h))), sh0);
@@ -1403,33 +1414,39 @@ inline __attribute__((always_inline)) float q6k_q8k_row(const uint8_t* row, cons
             const __m512i w0 = _mm512_ternarylogic_epi64(_mm512_and_si512(_mm512_slli_epi16(t0, 4), two), ql, low, 0xF8);
             const __m512i w1 = _mm512_ternarylogic_epi64(_mm512_and_si512(_mm512_slli_epi16(t1, 4), two),
                                                          _mm512_srli_epi16(ql, 4), low, 0xF8);
-            const __m512i p0 = _mm512_maddubs_epi16(w0, _mm512_loadu_si512((const void*)(q8 + 128 * h)));
-            const __m512i p1 = _mm512_maddubs_epi16(w1, _mm512_loadu_si512((const void*)(q8 + 128 * h + 64)));
-            sumi = _mm512_add_epi32(sumi, _mm512_madd_epi16(p0, _mm512_permutexvar_epi16(pick[2 * h], sc)));
-            sumi = _mm512_add_epi32(sumi, _mm512_madd_epi16(p1, _mm512_permutexvar_epi16(pick[2 * h + 1], sc)));
+            const __m512i sc0 = _mm512_permutexvar_epi16(pick[2 * h], sc), sc1 = _mm512_permutexvar_epi16(pick[2 * h + 1], sc);
+            for (int m = 0; m < R; ++m) {
+                const int8_t* q8 = x[m].q + 256 * bi;
+                const __m512i p0 = _mm512_maddubs_epi16(w0, _mm512_loadu_si512((const void*)(q8 + 128 * h)));
+                const __m512i p1 = _mm512_maddubs_epi16(w1, _mm512_loadu_si512((const void*)(q8 + 128 * h + 64)));
+                sumi[m] = _mm512_add_epi32(sumi[m], _mm512_madd_epi16(p0, sc0));
+                sumi[m] = _mm512_add_epi32(sumi[m], _mm512_madd_epi16(p1, sc1));
+            }
         }
-        const __m256i off = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i*)(x.s16 + 16 * bi)), sc16);
-        __m256i s8 = _mm256_add_epi32(_mm512_castsi512_si256(sumi), _mm512_extracti64x4_epi64(sumi, 1));
-        s8 = _mm256_sub_epi32(s8, _mm256_slli_epi32(off, 5));
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(x.d[8 * bi] * f16_at(b + 208)), _mm256_cvtepi32_ps(s8), acc);
+        const float d = f16_at(b + 208);
+        for (int m = 0; m < R; ++m) {
+            const __m256i off = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i*)(x[m].s16 + 16 * bi)), sc16);
+            __m256i s8 = _mm256_add_epi32(_mm512_castsi512_si256(sumi[m]), _mm512_extracti64x4_epi64(sumi[m], 1));
+            s8 = _mm256_sub_epi32(s8, _mm256_slli_epi32(off, 5));
+            acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(x[m].d[8 * bi] * d), _mm256_cvtepi32_ps(s8), acc[m]);
+        }
     }
-    return hsum(acc);
+    for (int m = 0; m < R; ++m) out[m * stride] = hsum(acc[m]);
 }
 
 // q2_k (16 sub-blocks of 16, 4-bit scale and min, codes 0..3) and q3_k (16 of 16, 6-bit scales less 32, codes 0..7
 // less 4: the 4 taken off in integers, 4·Σ_s sc_s·Σq8): ggml's integer sums per 256, 64 codes a step as above.
-template <int t>
-inline __attribute__((always_inline)) float qk23_q8k_row(const uint8_t* row, const Q8x& x, int K) {
+template <int t, int R>
+inline __attribute__((always_inline)) void qk23_q8k_rows(const uint8_t* row, const Q8x* x, int K, float* out, size_t stride) {
     constexpr bool three = t == 11;
     constexpr int size = three ? 110 : 84;
     const __m512i m3 = _mm512_set1_epi8(3), m4 = _mm512_set1_epi8(4);
     const __m512i sh01 = _mm512_setr_epi64(0, 0, 0, 0, 2, 2, 2, 2), sh23 = _mm512_setr_epi64(4, 4, 4, 4, 6, 6, 6, 6);
     const __m512i pick[4] = {idx_pairs16(0, 8), idx_pairs16(4, 8), idx_pairs16(8, 8), idx_pairs16(12, 8)};
-    __m256 acc = _mm256_setzero_ps(), accm = _mm256_setzero_ps();
+    __m256 acc[R], accm[R];
+    for (int m = 0; m < R; ++m) acc[m] = _mm256_setzero_ps(), accm[m] = _mm256_setzero_ps();
     for (int bi = 0; bi < K / 256; ++bi) {
         const uint8_t* b = row + (size_t)bi * size;
-        const int8_t* q8 = x.q + 256 * bi;
-        const __m256i bs = _mm256_loadu_si256((const __m256i*)(x.s16 + 16 * bi));
         __m256i sc16, mn16;
         if (three) {
             alignas(16) int8_t sc[16];
@@ -1442,7 +1459,8 @@ inline __attribute__((always_inline)) float qk23_q8k_row(const uint8_t* row, con
         }
         const __m512i sc = _mm512_castsi256_si512(sc16);
         const __m512i hm = three ? _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)b)) : _mm512_setzero_si512();
-        __m512i sumi = _mm512_setzero_si512();
+        __m512i sumi[R];
+        for (int m = 0; m < R; ++m) sumi[m] = _mm512_setzero_si512();
         for (int h = 0; h < 2; ++h) {             // weights 128h + 32j + l: bits 2j of qs[32h + l] (hmask bit 4h + j)
             const __m512i q = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(b + (three ? 32 : 16) + 32 * h)));
             for (int part = 0; part < 2; ++part) {   // j = 2·part and 2·part + 1: 64 codes
@@ -1452,76 +1470,95 @@ inline __attribute__((always_inline)) float qk23_q8k_row(const uint8_t* row, con
                                                         _mm512_set1_epi64(4 * h + 2 * part));
                     w = _mm512_or_si512(w, _mm512_and_si512(_mm512_slli_epi16(_mm512_srlv_epi64(hm, hs), 2), m4));
                 }
-                const __m512i p = _mm512_maddubs_epi16(w, _mm512_loadu_si512((const void*)(q8 + 128 * h + 64 * part)));
-                sumi = _mm512_add_epi32(sumi, _mm512_madd_epi16(p, _mm512_permutexvar_epi16(pick[2 * h + part], sc)));
+                const __m512i scv = _mm512_permutexvar_epi16(pick[2 * h + part], sc);
+                for (int m = 0; m < R; ++m) {
+                    const __m512i p = _mm512_maddubs_epi16(w, _mm512_loadu_si512((const void*)(x[m].q + 256 * bi + 128 * h + 64 * part)));
+                    sumi[m] = _mm512_add_epi32(sumi[m], _mm512_madd_epi16(p, scv));
+                }
             }
         }
-        __m256i s8 = _mm256_add_epi32(_mm512_castsi512_si256(sumi), _mm512_extracti64x4_epi64(sumi, 1));
-        const float d8 = x.d[8 * bi];
-        if (three) {
-            s8 = _mm256_sub_epi32(s8, _mm256_slli_epi32(_mm256_madd_epi16(bs, sc16), 2));
-            acc = _mm256_fmadd_ps(_mm256_set1_ps(d8 * f16_at(b + 108)), _mm256_cvtepi32_ps(s8), acc);
-        } else {
-            acc = _mm256_fmadd_ps(_mm256_set1_ps(d8 * f16_at(b + 80)), _mm256_cvtepi32_ps(s8), acc);
-            accm = _mm256_fmadd_ps(_mm256_set1_ps(d8 * f16_at(b + 82)), _mm256_cvtepi32_ps(_mm256_madd_epi16(bs, mn16)), accm);
+        const float d = f16_at(b + (three ? 108 : 80)), dmin = three ? 0.f : f16_at(b + 82);
+        for (int m = 0; m < R; ++m) {
+            const __m256i bs = _mm256_loadu_si256((const __m256i*)(x[m].s16 + 16 * bi));
+            __m256i s8 = _mm256_add_epi32(_mm512_castsi512_si256(sumi[m]), _mm512_extracti64x4_epi64(sumi[m], 1));
+            const float d8 = x[m].d[8 * bi];
+            if (three) {
+                s8 = _mm256_sub_epi32(s8, _mm256_slli_epi32(_mm256_madd_epi16(bs, sc16), 2));
+                acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(d8 * d), _mm256_cvtepi32_ps(s8), acc[m]);
+            } else {
+                acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(d8 * d), _mm256_cvtepi32_ps(s8), acc[m]);
+                accm[m] = _mm256_fmadd_ps(_mm256_set1_ps(d8 * dmin), _mm256_cvtepi32_ps(_mm256_madd_epi16(bs, mn16)), accm[m]);
+            }
         }
     }
-    return hsum(acc) - hsum(accm);
+    for (int m = 0; m < R; ++m) out[m * stride] = hsum(acc[m]) - hsum(accm[m]);
 }
 
 // iq4_xs: 8 sub-blocks of 32, 6-bit scales less 32, codes the IQ4_NL values (signed: |w|·sign(x, w), as dot_s8x32).
-inline __attribute__((always_inline)) float iq4xs_q8k_row(const uint8_t* row, const Q8x& x, int K) {
+template <int R>
+inline __attribute__((always_inline)) void iq4xs_q8k_rows(const uint8_t* row, const Q8x* x, int K, float* out, size_t stride) {
     const __m512i lut = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)IQ4_NL_VALUES));
     const __m512i low = _mm512_set1_epi8(15), nib = _mm512_setr_epi64(0, 0, 4, 4, 0, 0, 4, 4);
     const __m512i pick[4] = {idx_pairs16(0, 16), idx_pairs16(2, 16), idx_pairs16(4, 16), idx_pairs16(6, 16)};
-    __m256 acc = _mm256_setzero_ps();
+    __m256 acc[R];
+    for (int m = 0; m < R; ++m) acc[m] = _mm256_setzero_ps();
     for (int bi = 0; bi < K / 256; ++bi) {
         const uint8_t* b = row + (size_t)bi * 136;
-        const int8_t* q8 = x.q + 256 * bi;
         uint16_t sh;
         std::memcpy(&sh, b + 2, 2);
         alignas(16) int16_t sc[8];
         for (int j = 0; j < 8; ++j) sc[j] = int16_t((((b[4 + j / 2] >> (4 * (j % 2))) & 15) | ((sh >> (2 * j)) & 3) << 4) - 32);
-        const __m512i scv = _mm512_castsi128_si512(_mm_load_si128((const __m128i*)sc));
-        __m512i sumi = _mm512_setzero_si512();
+        const __m512i scs = _mm512_castsi128_si512(_mm_load_si128((const __m128i*)sc));
+        __m512i sumi[R];
+        for (int m = 0; m < R; ++m) sumi[m] = _mm512_setzero_si512();
         for (int c = 0; c < 4; ++c) {             // sub-blocks 2c, 2c+1: 16 bytes each, low nibbles then high
             const __m512i v = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(b + 8 + 32 * c)));
             const __m512i idx = _mm512_and_si512(_mm512_srlv_epi64(_mm512_shuffle_i64x2(v, v, 0x50), nib), low);
-            const __m512i w = _mm512_shuffle_epi8(lut, idx);
-            const __m512i xq = _mm512_loadu_si512((const void*)(q8 + 64 * c));
-            const __m512i sx = _mm512_mask_sub_epi8(xq, _mm512_movepi8_mask(w), _mm512_setzero_si512(), xq);
-            const __m512i p = _mm512_maddubs_epi16(_mm512_abs_epi8(w), sx);
-            sumi = _mm512_add_epi32(sumi, _mm512_madd_epi16(p, _mm512_permutexvar_epi16(pick[c], scv)));
+            const __m512i w = _mm512_shuffle_epi8(lut, idx), aw = _mm512_abs_epi8(w);
+            const __mmask64 neg = _mm512_movepi8_mask(w);
+            const __m512i scv = _mm512_permutexvar_epi16(pick[c], scs);
+            for (int m = 0; m < R; ++m) {
+                const __m512i xq = _mm512_loadu_si512((const void*)(x[m].q + 256 * bi + 64 * c));
+                const __m512i sx = _mm512_mask_sub_epi8(xq, neg, _mm512_setzero_si512(), xq);
+                sumi[m] = _mm512_add_epi32(sumi[m], _mm512_madd_epi16(_mm512_maddubs_epi16(aw, sx), scv));
+            }
         }
-        const __m256i s8 = _mm256_add_epi32(_mm512_castsi512_si256(sumi), _mm512_extracti64x4_epi64(sumi, 1));
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(x.d[8 * bi] * f16_at(b)), _mm256_cvtepi32_ps(s8), acc);
+        const float d = f16_at(b);
+        for (int m = 0; m < R; ++m) {
+            const __m256i s8 = _mm256_add_epi32(_mm512_castsi512_si256(sumi[m]), _mm512_extracti64x4_epi64(sumi[m], 1));
+            acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(x[m].d[8 * bi] * d), _mm256_cvtepi32_ps(s8), acc[m]);
+        }
     }
-    return hsum(acc);
+    for (int m = 0; m < R; ++m) out[m * stride] = hsum(acc[m]);
+}
+
+// The integer super-block kernels for R rows: → false where t has none (row512 computes it).
+template <int R>
+inline __attribute__((always_inline)) bool q8k_rows(int t, const uint8_t* row, const Q8x* x, int K, float* out, size_t stride) {
+    switch (t) {
+        case 10: qk23_q8k_rows<10, R>(row, x, K, out, stride); return true;
+        case 11: qk23_q8k_rows<11, R>(row, x, K, out, stride); return true;
+        case 12: qk45_q8k_rows<12, R>(row, x, K, out, stride); return true;
+        case 13: qk45_q8k_rows<13, R>(row, x, K, out, stride); return true;
+        case 14: q6k_q8k_rows<R>(row, x, K, out, stride); return true;
+        case 23: iq4xs_q8k_rows<R>(row, x, K, out, stride); return true;
+    }
+    return false;
 }
 #endif
 
 // Σ w·x̂ over one row of K weights of quantized type t, x rounded as t's kind (Q8Rows::row(m, t)).
 inline __attribute__((always_inline)) float q8_row(int t, const uint8_t* row, const Q8x& x, int K) {
 #ifdef KILN_GEMV512
-    switch (t) {                                  // ggml's integer sums per 256 where there is one, else row512's
-        case 10: return qk23_q8k_row<10>(row, x, K);
-        case 11: return qk23_q8k_row<11>(row, x, K);
-        case 12: return qk45_q8k_row<12>(row, x, K);
-        case 13: return qk45_q8k_row<13>(row, x, K);
-        case 14: return q6k_q8k_row(row, x, K);
-        case 23: return iq4xs_q8k_row(row, x, K);
-        default:
-            if (gemv512_type(t)) {
-                AccQ8 acc(&x);
-                return row512(t, row, acc, K);
-            }
+    float y;                                      // ggml's integer sums per 256 where there is one, else row512's
+    if (q8k_rows<1>(t, row, &x, K, &y, 0)) return y;
+    if (gemv512_type(t)) {
+        AccQ8 acc(&x);
+        return row512(t, row, acc, K);
     }
 #endif
     return q8_row_generic(t, row, x, K);
 }
-
-// The types q8_row computes through row512 (AccQ8), which ggml_mm's rows take 4 at a time (AccQ8R<4>).
-inline bool q8_rows_type(int t) { return t == 2 || t == 3 || t == 6 || t == 7 || t == 8 || t == 20; }
 
 // x [K]'s sums per 16 inputs (K a multiple of 16), in input order: the blocks' mins read them (and per 32 as pairs).
 inline void sums16(const float* x, int K, float* out) {
@@ -1582,12 +1619,13 @@ void ggml_mm(int t, const float* x, int M, int K, const uint8_t* w, int N, float
             _mm_prefetch((const char*)row + PREFETCH, _MM_HINT_T0);
             int m = 0;
 #ifdef KILN_GEMV512
-            if (q8_rows_type(t))                 // the 32-weight blocks: 4 rows of x̂ a pass, each row q8_row's bits
-                for (; m + 4 <= M; m += 4) {
-                    const Q8x r4[4] = {xq.row(m, t), xq.row(m + 1, t), xq.row(m + 2, t), xq.row(m + 3, t)};
-                    AccQ8R<4> acc(r4, y + (size_t)m * N + n, N);
-                    row512(t, row, acc, K);
-                }
+            for (; m + 4 <= M; m += 4) {         // 4 rows of x̂ a pass, each row q8_row's bits
+                const Q8x r4[4] = {xq.row(m, t), xq.row(m + 1, t), xq.row(m + 2, t), xq.row(m + 3, t)};
+                if (q8k_rows<4>(t, row, r4, K, y + (size_t)m * N + n, N)) continue;
+                if (!gemv512_type(t)) break;
+                AccQ8R<4> acc(r4, y + (size_t)m * N + n, N);
+                row512(t, row, acc, K);
+            }
 #endif
             for (; m < M; ++m) y[(size_t)m * N + n] = q8_row(t, row, xq.row(m, t), K);
         }
