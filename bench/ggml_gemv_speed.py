@@ -12,7 +12,8 @@ modes side by side, and optionally an earlier tree's float kernel.
 The types (--types demo, the default) are those a Q4_K_M of the demo holds (hidden 576 is no multiple of 256, so
 the K-quants fall back), each at the row length it has there. Each figure: GB/s of weight bytes read, the best of `reps` calls in each of 5 rounds
 that alternate the sides (robust to a loaded host; the host load is recorded), on 1 and 2 threads, a matrix that
-stays in L2 and one of ~96 MB (DRAM). --types all: every quantized type Kiln reads, rows of 2,048 inputs.
+stays in L2 and one of ~96 MB (DRAM). --types all: every quantized type Kiln reads, rows of 2,048 inputs. --rows M:
+a prefill's GEMM of M rows of x instead, in G multiply-adds a second (the *_gbps columns then hold GMAC/s).
 
     python -m bench.ggml_gemv_speed --before 62c78c0 --out bench/results/<date>-ggml-gemv-speed.json
 """
@@ -66,6 +67,11 @@ def main(argv=None) -> int:
     ap.add_argument("--before", default=None, help="a git revision whose kernels (both modes) are timed beside this tree's")
     ap.add_argument("--types", choices=("demo", "all"), default="demo",
                     help="demo: the types a Q4_K_M of the demo holds, at its row lengths; all: every quantized type")
+    ap.add_argument("--rows", type=int, default=1,
+                    help="rows of x a call multiplies: 1, the one-token GEMV (GB/s of weights); more, a prefill's "
+                         "GEMM (G multiply-adds a second)")
+    ap.add_argument("--where", choices=("both", *SIZES), default="both",
+                    help="the matrix sizes timed (L2: ~384 KB, DRAM: ~96 MB); a GEMM of many rows on DRAM's takes long")
     ap.add_argument("--reps-l2", type=int, default=60)
     ap.add_argument("--reps-dram", type=int, default=4)
     args = ap.parse_args(argv)
@@ -84,24 +90,29 @@ def main(argv=None) -> int:
             for name, k in (ALL_TYPES if args.types == "all" else TYPES):
                 t = ggml.ggml_type(name)
                 for where, target in SIZES.items():
+                    if args.where not in ("both", where):
+                        continue
                     n = max(64, target // (k // t.block * t.size) // 64 * 64)
                     w = random_blocks(name, 64, k, gen).repeat(n // 64, 1).contiguous()
-                    x, y = torch.randn(k, generator=gen), torch.empty(n)
+                    x, y = torch.randn(args.rows, k, generator=gen), torch.empty(args.rows, n)
                     reps = args.reps_l2 if where == "L2" else args.reps_dram
                     got: dict[str, float] = {}
                     for _ in range(ROUNDS):
                         for side, (so, q8) in sides.items():
                             so.set_int8_activations(q8)
-                            s = best(lambda: so.ggml_matmul(t.code, x.data_ptr(), 1, k, w.data_ptr(), n, y.data_ptr(),
-                                                            threads), reps)
+                            s = best(lambda: so.ggml_matmul(t.code, x.data_ptr(), args.rows, k, w.data_ptr(), n,
+                                                            y.data_ptr(), threads), reps)
                             got[side] = min(got.get(side, s), s)
                     outs = {}
                     for q8 in (0, 1):
                         lib.set_int8_activations(q8)
-                        outs[q8] = native.ggml_matmul(t.code, x.view(1, -1), w, n).view(-1)
+                        outs[q8] = native.ggml_matmul(t.code, x, w, n).view(-1)
                     lib.set_int8_activations(0)
-                    gbps = {side: round(w.numel() / s / 1e9, 2) for side, s in got.items()}
-                    row = {"type": name, "in": k, "rows": n, "where": where, "MB": round(w.numel() / 2 ** 20, 2),
+                    # GB/s of weights (one row), or G multiply-adds a second (a GEMM's rows)
+                    work = w.numel() if args.rows == 1 else args.rows * n * k
+                    gbps = {side: round(work / s / 1e9, 2) for side, s in got.items()}
+                    row = {"type": name, "in": k, "rows": n, "x_rows": args.rows, "unit": "GB/s" if args.rows == 1 else "GMAC/s",
+                           "where": where, "MB": round(w.numel() / 2 ** 20, 2),
                            "threads": threads, **{f"{side}_gbps": v for side, v in gbps.items()},
                            "int8_over_float": round(gbps["int8"] / gbps["float"], 2),
                            "int8_rel_diff": float((outs[1] - outs[0]).norm() / outs[0].norm())}
