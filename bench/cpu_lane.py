@@ -26,6 +26,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import engine.cli  # noqa: F401  (GOMP_SPINCOUNT as engine serve sets it, before torch loads libgomp: bench.lane_call_overhead)
 import torch
 
 from bench.harness import host_load, log, table, write_result
