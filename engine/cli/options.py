@@ -84,8 +84,8 @@ cpu_activations = click.option("--cpu-activations", type=click.Choice(CPU_ACTIVA
                                help="On the CPU, a GGUF's blocks multiply x in fp32 (float: gguf's dequantization "
                                     "then a float matmul) or x rounded to 8 bits as llama.cpp rounds it for each "
                                     "type, with integer dot products (int8: llama.cpp's way; faster, within ~1%% of "
-                                    "each GEMV's float result, not the same function). int8 needs --model FILE.gguf and the native "
-                                    "kernels; not glm5_next.")
+                                    "each GEMV's float result, not the same function). int8 needs --model FILE.gguf "
+                                    "and the native kernels; not glm5_next.")
 
 gguf_dense = click.option("--gguf-dense", type=click.Choice(GGUF_DENSE), default=EngineConfig.gguf_dense,
                           show_default=True,

@@ -1575,7 +1575,7 @@ struct GgmlRowInput {
     std::vector<float> x, xs16, xs32;
     Q8Rows q8;
     bool int8;
-    GgmlRowInput(const float* x_, int K, int kinds = 7)      // kinds: the Q8 kinds its rows' types need (q8_kinds_of)
+    GgmlRowInput(const float* x_, int K, int kinds)      // kinds: the Q8 kinds its rows' types need (q8_kinds_of)
         : x(x_, x_ + K), xs16(K / 16), xs32(K / 32), q8(x_, g_int8_activations ? 1 : 0, K, kinds),
           int8(g_int8_activations) {
         sums16(x_, K, xs16.data());
@@ -1622,7 +1622,6 @@ void ggml_mm(int t, const float* x, int M, int K, const uint8_t* w, int N, float
             for (; m + 4 <= M; m += 4) {         // 4 rows of x̂ a pass, each row q8_row's bits
                 const Q8x r4[4] = {xq.row(m, t), xq.row(m + 1, t), xq.row(m + 2, t), xq.row(m + 3, t)};
                 if (q8k_rows<4>(t, row, r4, K, y + (size_t)m * N + n, N)) continue;
-                if (!gemv512_type(t)) break;
                 AccQ8R<4> acc(r4, y + (size_t)m * N + n, N);
                 row512(t, row, acc, K);
             }
@@ -1636,21 +1635,11 @@ void ggml_mm(int t, const float* x, int M, int K, const uint8_t* w, int N, float
     for (int m = 0; m < M; ++m) sums16(x + (size_t)m * K, K, xs16 + (size_t)m * (K / 16));
     const int blocks = K / gt.block;
 #ifdef KILN_GEMV512
-    if (M == 1 && gemv512_type(t)) {             // one token: the register-unpacking GEMV above
-        std::vector<float> xs32(K / 32);
-        for (int g = 0; g < K / 32; ++g) xs32[g] = xs16[2 * g] + xs16[2 * g + 1];
-#pragma omp parallel for num_threads(threads) schedule(static)
-        for (int n = 0; n < N; ++n) {
-            const uint8_t* row = w + (size_t)n * row_bytes;
-            _mm_prefetch((const char*)row + PREFETCH, _MM_HINT_T0);
-            y[n] = gemv512_row(t, row, x, xs16, xs32.data(), K);
-        }
-        delete[] xs16;
-        return;
-    }
-    if (gemv512_type(t)) {                       // many tokens: 4 rows of x a pass over a weight row, each row's
-        std::vector<float> xs32((size_t)M * (K / 32));          // bits gemv512_row's (a prefill row keeps a decode
-        for (size_t g = 0; g < xs32.size(); ++g) xs32[g] = xs16[2 * g] + xs16[2 * g + 1];  // step's bits)
+    // The register kernels: 4 rows of x a pass over a weight row, the rest (a decode step's one) alone, each row's
+    // bits gemv512_row's (a prefill row keeps a decode step's bits).
+    if (gemv512_type(t)) {
+        std::vector<float> xs32((size_t)M * (K / 32));
+        for (size_t g = 0; g < xs32.size(); ++g) xs32[g] = xs16[2 * g] + xs16[2 * g + 1];
         // x in blocks of MB rows that stay in L1 (~32 KB) while each thread's weight rows pass over them: reading x
         // from L2 for every weight row bounded the loop at L2's rate. Each thread takes the same rows n for every
         // block (static), so the blocks need no barrier between them.
